@@ -1,0 +1,132 @@
+"""Decoding for GPT2LMHeadModel: greedy and sampled, batched prompts with left padding, a preallocated KV cache.
+
+Logit processing follows the usual order: repetition penalty, temperature, top-k, top-p, then argmax or sampling.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from models.gpt2 import position_ids_from_mask
+
+
+def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """CTRL-style penalty on tokens already in the sequence (seen: bool (B, V)): positive logits are divided by
+    `penalty`, negative ones multiplied, so a seen token always becomes less likely for penalty > 1."""
+    if penalty == 1.0:
+        return logits
+    penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
+    return torch.where(seen, penalised, logits)
+
+
+def top_k_filter(logits: torch.Tensor, k: int | None) -> torch.Tensor:
+    """Keep the k highest logits per row (and any tied with the k-th); the rest become -inf."""
+    if k is None or k <= 0 or k >= logits.shape[-1]:
+        return logits
+    kth = torch.topk(logits, k, dim=-1).values[..., -1:]
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def top_p_filter(logits: torch.Tensor, p: float | None) -> torch.Tensor:
+    """Nucleus filter: keep the smallest set of most likely tokens whose probability mass reaches p (at least one)."""
+    if p is None or p >= 1.0:
+        return logits
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+    probs = sorted_logits.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs  # mass of the tokens ranked above each one
+    remove_sorted = mass_before >= p
+    remove_sorted[..., 0] = False
+    remove = torch.zeros_like(remove_sorted).scatter(-1, order, remove_sorted)
+    return logits.masked_fill(remove, float("-inf"))
+
+
+def process_logits(logits: torch.Tensor, seen: torch.Tensor | None = None, temperature: float = 1.0,
+                   top_k: int | None = None, top_p: float | None = None, repetition_penalty: float = 1.0) -> torch.Tensor:
+    if seen is not None:
+        logits = apply_repetition_penalty(logits, seen, repetition_penalty)
+    if temperature != 1.0:
+        logits = logits / temperature
+    return top_p_filter(top_k_filter(logits, top_k), top_p)
+
+
+def _check_args(model, input_ids, attention_mask, max_new_tokens, temperature, top_k, top_p, repetition_penalty):
+    if input_ids.dim() != 2 or input_ids.shape[1] == 0:
+        raise ValueError(f"input_ids must be (batch, prompt_len) with prompt_len >= 1, got shape {tuple(input_ids.shape)}")
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0 (use do_sample=False for greedy decoding), got {temperature}")
+    if top_k is not None and top_k < 0:
+        raise ValueError(f"top_k must be >= 0, got {top_k}")
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if repetition_penalty <= 0:
+        raise ValueError(f"repetition_penalty must be > 0, got {repetition_penalty}")
+    total = input_ids.shape[1] + max_new_tokens
+    if total > model.config.n_positions:
+        raise ValueError(f"prompt length {input_ids.shape[1]} + max_new_tokens {max_new_tokens} = {total} exceeds the "
+                         f"context of n_positions={model.config.n_positions}; shorten the prompt or generate fewer tokens")
+    if attention_mask is not None:
+        if attention_mask.shape != input_ids.shape:
+            raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape {tuple(input_ids.shape)}")
+        if not bool(attention_mask[:, -1].bool().all()):
+            raise ValueError("prompts must be left-padded for generation (a row's last token is padding); "
+                             "set tokenizer.padding_side = 'left'")
+
+
+@torch.no_grad()
+def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, max_new_tokens: int = 20,
+             do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
+             repetition_penalty: float = 1.0, eos_token_id: int | None = None, pad_token_id: int | None = None,
+             generator: torch.Generator | None = None) -> torch.Tensor:
+    """Continue each prompt by up to max_new_tokens tokens -> (B, prompt_len + new) LongTensor.
+
+    Prompts of different lengths are left-padded (attention_mask 0 on the left). A row that emits eos_token_id
+    is finished: later positions hold pad_token_id (default: eos_token_id). Decoding stops early once every row is
+    finished. Sampling draws from `generator` when given, so a seeded generator repeats the same text.
+    """
+    _check_args(model, input_ids, attention_mask, max_new_tokens, temperature, top_k, top_p, repetition_penalty)
+    body = model.gpt
+    device = input_ids.device
+    B, T = input_ids.shape
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    pad = pad_token_id if pad_token_id is not None else (eos_token_id if eos_token_id is not None else 0)
+
+    # Everything the loop needs is allocated once: output ids, the mask and positions of prompt + new tokens, the cache.
+    out = torch.full((B, T + max_new_tokens), pad, dtype=torch.long, device=device)
+    out[:, :T] = input_ids
+    mask = torch.cat([attention_mask.long(), attention_mask.new_ones(B, max_new_tokens).long()], dim=1)
+    positions = position_ids_from_mask(mask)
+    cache = body.new_cache(B, T + max_new_tokens)
+    seen = None
+    if repetition_penalty != 1.0:
+        seen = torch.zeros(B, model.config.vocab_size, dtype=torch.bool, device=device)
+        seen.scatter_(1, input_ids.masked_fill(attention_mask == 0, 0), attention_mask.bool())
+    finished = torch.zeros(B, dtype=torch.bool, device=device)
+
+    was_training = model.training
+    model.eval()
+    try:
+        hidden = body(input_ids, mask[:, :T], positions[:, :T], cache, use_cache=True)["last_hidden_state"][:, -1]
+        for step in range(max_new_tokens):
+            logits = process_logits(body.hidden_state_to_token(hidden).float(), seen, temperature if do_sample else 1.0,
+                                    top_k if do_sample else None, top_p if do_sample else None, repetition_penalty)
+            if do_sample:
+                next_ids = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator).squeeze(1)
+            else:
+                next_ids = logits.argmax(dim=-1)
+            if eos_token_id is not None:
+                next_ids = next_ids.masked_fill(finished, pad)
+                finished |= next_ids == eos_token_id
+            out[:, T + step] = next_ids
+            if seen is not None:
+                seen[torch.arange(B, device=device), next_ids] = True
+            if step == max_new_tokens - 1 or bool(finished.all()):
+                return out[:, : T + step + 1]
+            pos = T + step
+            hidden = body(next_ids[:, None], mask[:, : pos + 1], positions[:, pos: pos + 1], cache,
+                          use_cache=True)["last_hidden_state"][:, -1]
+        return out
+    finally:
+        model.train(was_training)

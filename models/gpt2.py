@@ -1,0 +1,230 @@
+"""GPT-2: token + position embeddings, a stack of pre-LN blocks, a final LayerNorm, and an LM head tied to the
+token embedding. Reads top to bottom; weight conversion lives in models/loading.py, decoding in models/generation.py.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import torch.utils.checkpoint
+import torch.nn.functional as F
+from torch import nn
+
+from config import GPT2Config
+from modules.attention import KVCache
+from modules.gpt2_layer import GPT2Layer
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """(B, S) 0/1 mask -> (B, S) positions counting real tokens only, so left padding does not shift them.
+    Padding gets position 0 (its output is never used)."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp_(min=0)
+
+
+def build_attention_mask(attention_mask: torch.Tensor | None, num_new: int, num_cached: int) -> torch.Tensor | None:
+    """2-D padding mask over cached + new tokens (B, S) -> bool (B, 1, T, S), True where a query may attend a key.
+
+    Returns None when attention is plainly causal (no padding, and no cached tokens or a single new token), which
+    lets SDPA take its fastest kernel.
+    """
+    if attention_mask is None or (num_cached == 0 or num_new == 1) and bool(attention_mask.all()):
+        return None
+    total = num_cached + num_new
+    causal = torch.ones(num_new, total, dtype=torch.bool, device=attention_mask.device).tril(num_cached)
+    mask = causal & attention_mask.bool()[:, None, None, :]  # (B, 1, T, S)
+    # A padding query sees no real key; letting every query see itself keeps its softmax finite (no NaN that could
+    # leak through 0 * NaN) without changing any real token's output.
+    mask[..., num_cached:] |= torch.eye(num_new, dtype=torch.bool, device=mask.device)
+    return mask
+
+
+class GPT2Model(nn.Module):
+    """The GPT-2 body. forward(input_ids, attention_mask) -> {'last_hidden_state': (B, T, C), 'last_token': (B, C)}."""
+
+    def __init__(self, config: GPT2Config):
+        super().__init__()
+        self.config = config
+        self.word_embedding = nn.Embedding(config.vocab_size, config.n_embd)
+        self.pos_embedding = nn.Embedding(config.n_positions, config.n_embd)
+        self.embed_dropout = nn.Dropout(config.embd_pdrop)
+        self.register_buffer("position_ids", torch.arange(config.n_positions).unsqueeze(0), persistent=False)
+        self.gpt_layers = nn.ModuleList([GPT2Layer(config, i) for i in range(config.n_layer)])
+        self.final_layer_norm = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+        self.gradient_checkpointing = False  # recompute each block in backward to save activation memory
+        self.apply(self._init_weights)
+        # GPT-2 paper: scale the init of projections that write into the residual stream by 1/sqrt(#residual layers).
+        for layer in self.gpt_layers:
+            for proj in (layer.attention_dense, layer.out_dense):
+                nn.init.normal_(proj.weight, std=config.initializer_range / math.sqrt(2 * config.n_layer))
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=self.config.initializer_range)
+        if isinstance(module, nn.Linear):
+            nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.LayerNorm):
+            nn.init.ones_(module.weight)
+            nn.init.zeros_(module.bias)
+
+    def embed(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Token + position embeddings, then dropout: (B, T) -> (B, T, C)."""
+        if position_ids is None:
+            position_ids = self.position_ids[:, : input_ids.shape[1]]
+        return self.embed_dropout(self.word_embedding(input_ids) + self.pos_embedding(position_ids))
+
+    def encode(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
+               kv_cache: KVCache | None = None) -> torch.Tensor:
+        """Run the blocks (no final LayerNorm). attention_mask: (B, cached + T) with 1 for real tokens."""
+        num_cached = kv_cache.length if kv_cache is not None else 0
+        mask = build_attention_mask(attention_mask, hidden_states.shape[1], num_cached)
+        for layer in self.gpt_layers:
+            if self.gradient_checkpointing and self.training and kv_cache is None:
+                hidden_states = torch.utils.checkpoint.checkpoint(layer, hidden_states, mask, use_reentrant=False)
+            else:
+                hidden_states = layer(hidden_states, mask, kv_cache)
+        if kv_cache is not None:
+            kv_cache.advance(hidden_states.shape[1])
+        return hidden_states
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, past_key_values: KVCache | None = None,
+                use_cache: bool = False) -> dict[str, torch.Tensor]:
+        """input_ids (B, T); attention_mask (B, T), or (B, cached + T) when continuing from past_key_values.
+
+        Positions come from the attention mask, so padding on either side leaves real tokens' outputs unchanged.
+        'last_token' is the final hidden state of each row's last real token. With use_cache=True the result also
+        holds 'past_key_values' (a KVCache) to pass back in with the next tokens.
+        """
+        self._check_inputs(input_ids, attention_mask, past_key_values)
+        B, T = input_ids.shape
+        num_cached = past_key_values.length if past_key_values is not None else 0
+        if attention_mask is None:
+            attention_mask = torch.ones(B, num_cached + T, dtype=torch.long, device=input_ids.device)
+        if position_ids is None:
+            position_ids = position_ids_from_mask(attention_mask)[:, -T:]
+        if use_cache and past_key_values is None:
+            past_key_values = self.new_cache(B, T)
+
+        hidden_states = self.embed(input_ids, position_ids)  # (B, T, C)
+        hidden_states = self.encode(hidden_states, attention_mask, past_key_values)
+        hidden_states = self.final_layer_norm(hidden_states)
+
+        # Last real token: the first index where the running count of real tokens reaches its total.
+        last_idx = attention_mask[:, -T:].long().cumsum(-1).argmax(-1)  # (B,)
+        last_token = hidden_states[torch.arange(B, device=hidden_states.device), last_idx]  # (B, C)
+        out = {"last_hidden_state": hidden_states, "last_token": last_token}
+        if use_cache:
+            out["past_key_values"] = past_key_values
+        return out
+
+    def hidden_state_to_token(self, hidden_state: torch.Tensor) -> torch.Tensor:
+        """(..., C) -> (..., vocab) logits with the weights tied to the token embedding."""
+        return F.linear(hidden_state, self.word_embedding.weight)
+
+    def new_cache(self, batch_size: int, capacity: int, dtype: torch.dtype | None = None) -> KVCache:
+        c = self.config
+        dtype = dtype or self.word_embedding.weight.dtype
+        return KVCache(c.n_layer, batch_size, c.n_head, c.head_dim, capacity, dtype, self.word_embedding.weight.device)
+
+    def _check_inputs(self, input_ids, attention_mask, past_key_values) -> None:
+        if input_ids.dim() != 2 or input_ids.shape[1] == 0:
+            raise ValueError(f"input_ids must be (batch, seq_len) with seq_len >= 1, got shape {tuple(input_ids.shape)}")
+        if input_ids.dtype not in (torch.long, torch.int, torch.int16, torch.uint8):
+            raise TypeError(f"input_ids must be an integer tensor, got {input_ids.dtype}")
+        num_cached = past_key_values.length if past_key_values is not None else 0
+        total = num_cached + input_ids.shape[1]
+        if total > self.config.n_positions:
+            raise ValueError(
+                f"sequence length {total} exceeds the model's context of n_positions={self.config.n_positions}; "
+                f"truncate the input"
+            )
+        if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.config.vocab_size):
+            raise ValueError(
+                f"input_ids must be in [0, {self.config.vocab_size}); got values from {int(input_ids.min())} "
+                f"to {int(input_ids.max())} (does the tokenizer match the model's vocabulary?)"
+            )
+        if attention_mask is not None:
+            if attention_mask.shape != (input_ids.shape[0], total):
+                raise ValueError(
+                    f"attention_mask must have shape {(input_ids.shape[0], total)} (batch, cached + new tokens), "
+                    f"got {tuple(attention_mask.shape)}"
+                )
+            if attention_mask.numel() and not bool(attention_mask.bool().any(-1).all()):
+                raise ValueError("attention_mask has a row with no real token (all zeros)")
+
+    @classmethod
+    def from_pretrained(cls, model: str | os.PathLike = "gpt2", d: int | None = None, l: int | None = None,
+                        num_heads: int | None = None, config: GPT2Config | None = None,
+                        dtype: torch.dtype | None = None, **config_overrides) -> "GPT2Model":
+        """Load official or saved GPT-2 weights: a hub id ('gpt2', 'gpt2-medium', ...), a local HF folder, or a
+        weights file. `d`, `l`, `num_heads` (the course's arguments) are checked against the checkpoint;
+        config_overrides change non-architecture fields such as dropout (e.g. hidden_dropout_prob=0.3)."""
+        from models.loading import load_pretrained
+
+        return load_pretrained(cls, model, config=config, dtype=dtype, expect=dict(n_embd=d, n_layer=l, n_head=num_heads),
+                               **config_overrides)
+
+    def save_pretrained(self, save_directory: str | os.PathLike) -> None:
+        """Write HF format (config.json + model.safetensors) that transformers.GPT2LMHeadModel loads."""
+        from models.loading import save_pretrained
+
+        save_pretrained(self, save_directory)
+
+
+class GPT2LMHeadModel(nn.Module):
+    """GPT-2 with the tied language-model head: forward -> {'logits': (B, T, V), 'loss': scalar or None}."""
+
+    def __init__(self, config: GPT2Config):
+        super().__init__()
+        self.config = config
+        self.gpt = GPT2Model(config)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                past_key_values: KVCache | None = None, use_cache: bool = False) -> dict[str, torch.Tensor | None]:
+        """labels (B, T): usually input_ids. Position t predicts labels[t + 1]; labels of -100 are ignored, and so
+        is any target that is padding or is predicted from padding (the first token after left padding). The loss is the mean cross-entropy over the remaining targets."""
+        out = self.gpt(input_ids, attention_mask, position_ids, past_key_values, use_cache)
+        logits = self.gpt.hidden_state_to_token(out["last_hidden_state"])  # (B, T, V)
+        loss = None
+        if labels is not None:
+            loss = lm_loss(logits, labels, attention_mask, input_ids.shape[1])
+        result = {"logits": logits, "loss": loss}
+        if use_cache:
+            result["past_key_values"] = out["past_key_values"]
+        return result
+
+    @torch.no_grad()
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, max_new_tokens: int = 20,
+                 **kwargs) -> torch.Tensor:
+        """Decode with a KV cache; see models.generation.generate for the options. Returns (B, prompt + new)."""
+        from models.generation import generate
+
+        return generate(self, input_ids, attention_mask, max_new_tokens=max_new_tokens, **kwargs)
+
+    @classmethod
+    def from_pretrained(cls, model: str | os.PathLike = "gpt2", config: GPT2Config | None = None,
+                        dtype: torch.dtype | None = None, **config_overrides) -> "GPT2LMHeadModel":
+        from models.loading import load_pretrained
+
+        return load_pretrained(cls, model, config=config, dtype=dtype, **config_overrides)
+
+    def save_pretrained(self, save_directory: str | os.PathLike) -> None:
+        from models.loading import save_pretrained
+
+        save_pretrained(self.gpt, save_directory)
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor | None, num_new: int) -> torch.Tensor:
+    """Shifted next-token cross-entropy (fp32), ignoring -100 labels and pairs that touch padding."""
+    if labels.shape != logits.shape[:2]:
+        raise ValueError(f"labels must have shape {tuple(logits.shape[:2])}, got {tuple(labels.shape)}")
+    targets = labels[:, 1:]
+    if attention_mask is not None:  # a target counts only if it and the position predicting it are real tokens
+        real = attention_mask[:, -num_new:].bool()
+        targets = targets.masked_fill(~(real[:, 1:] & real[:, :-1]), -100)
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), targets.flatten(), ignore_index=-100)

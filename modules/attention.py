@@ -1,0 +1,112 @@
+"""Causal multi-head self-attention with a padding mask and a preallocated key/value cache."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import nn
+
+
+class KVCache:
+    """Keys and values of every layer for the tokens seen so far, in buffers allocated once.
+
+    Decoding writes each new step into place instead of concatenating, so a step costs no reallocation.
+    Layer i calls `update(i, k, v)` during a forward pass; the model calls `advance(T)` once all layers are done.
+    """
+
+    def __init__(self, n_layer: int, batch_size: int, n_head: int, head_dim: int, capacity: int,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+        shape = (n_layer, batch_size, n_head, capacity, head_dim)
+        self.keys = torch.empty(shape, dtype=dtype, device=device)
+        self.values = torch.empty(shape, dtype=dtype, device=device)
+        self.length = 0  # tokens already stored (same for every layer between forward passes)
+
+    @property
+    def capacity(self) -> int:
+        return self.keys.shape[3]
+
+    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v (B, nh, T, hs) after the cached tokens; return all keys and values so far (B, nh, L+T, hs)."""
+        end = self.length + k.shape[2]
+        if end > self.capacity:
+            self._grow(end)
+        if k.dtype != self.keys.dtype:  # e.g. autocast produced bf16 projections for an fp32 cache
+            k, v = k.to(self.keys.dtype), v.to(self.values.dtype)
+        self.keys[layer_idx, :, :, self.length:end] = k
+        self.values[layer_idx, :, :, self.length:end] = v
+        return self.keys[layer_idx, :, :, :end], self.values[layer_idx, :, :, :end]
+
+    def advance(self, num_tokens: int) -> None:
+        self.length += num_tokens
+
+    def reorder(self, index: torch.Tensor) -> None:
+        """Select batch rows (beam search keeps the cache of the surviving beams)."""
+        self.keys = self.keys.index_select(1, index)
+        self.values = self.values.index_select(1, index)
+
+    def _grow(self, needed: int) -> None:
+        new_capacity = max(needed, 2 * self.capacity)
+        pad = new_capacity - self.capacity
+        self.keys = F.pad(self.keys, (0, 0, 0, pad))
+        self.values = F.pad(self.values, (0, 0, 0, pad))
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config, layer_idx: int = 0):
+        super().__init__()
+        self.num_attention_heads = config.n_head
+        self.attention_head_size = config.n_embd // config.n_head
+        self.all_head_size = config.n_embd
+        self.layer_idx = layer_idx
+        self.query = nn.Linear(config.n_embd, self.all_head_size)
+        self.key = nn.Linear(config.n_embd, self.all_head_size)
+        self.value = nn.Linear(config.n_embd, self.all_head_size)
+        self.dropout = nn.Dropout(config.attn_pdrop)
+        self.scale = 1.0 / math.sqrt(self.attention_head_size) if config.scale_attn_weights else 1.0
+        if config.scale_attn_by_inverse_layer_idx:
+            self.scale /= layer_idx + 1
+        self.use_sdpa = config.attn_implementation == "sdpa"
+
+    def transform(self, x: torch.Tensor, linear_layer: nn.Linear) -> torch.Tensor:
+        """Project (B, T, C) and split heads -> (B, nh, T, hs)."""
+        return rearrange(linear_layer(x), "b t (h d) -> b h t d", h=self.num_attention_heads)
+
+    def attention(self, key: torch.Tensor, query: torch.Tensor, value: torch.Tensor,
+                  attention_mask: torch.Tensor | None) -> torch.Tensor:
+        """The explicit path, as the course teaches: scores, mask, softmax, dropout, weighted sum -> (B, T, C)."""
+        scores = torch.matmul(query, key.transpose(-1, -2)) * self.scale  # (B, nh, T, S)
+        if attention_mask is None:  # plain causal
+            T, S = scores.shape[-2:]
+            attention_mask = torch.ones(T, S, dtype=torch.bool, device=scores.device).tril(S - T)
+        scores = scores.masked_fill(~attention_mask, torch.finfo(scores.dtype).min)
+        probs = self.dropout(F.softmax(scores, dim=-1).to(value.dtype))
+        out = torch.matmul(probs, value)  # (B, nh, T, hs)
+        return rearrange(out, "b h t d -> b t (h d)")
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                kv_cache: KVCache | None = None) -> torch.Tensor:
+        """hidden_states (B, T, C) -> (B, T, C).
+
+        attention_mask: bool (B, 1, T, S), True where a query may attend a key, causality included
+        (S = cached + new tokens); None means causal attention without padding and without cached tokens
+        (or a single new token, which may see everything cached).
+        """
+        query = self.transform(hidden_states, self.query)  # (B, nh, T, hs)
+        key = self.transform(hidden_states, self.key)
+        value = self.transform(hidden_states, self.value)
+        if kv_cache is not None:
+            key, value = kv_cache.update(self.layer_idx, key, value)  # (B, nh, S, hs)
+            query = query.to(key.dtype)
+        T, S = query.shape[2], key.shape[2]
+        if attention_mask is None and 1 < T < S:  # several new tokens after cached ones: causal is bottom-right
+            attention_mask = torch.ones(T, S, dtype=torch.bool, device=query.device).tril(S - T)
+        if not self.use_sdpa:
+            return self.attention(key, query, value, attention_mask)
+        is_causal = attention_mask is None and T > 1
+        out = F.scaled_dot_product_attention(
+            query, key, value, attn_mask=attention_mask, is_causal=is_causal,
+            dropout_p=self.dropout.p if self.training else 0.0, scale=self.scale,
+        )  # (B, nh, T, hs)
+        return rearrange(out, "b h t d -> b t (h d)")

@@ -1,0 +1,81 @@
+"""Shared fixtures: tiny configs, reference transformers models saved in HF format, the shared data folder."""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never wait on the network
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from config import GPT2Config  # noqa: E402
+
+SHARED = Path(os.environ.get("GPT2_SHARED_DIR", ROOT.parent / "shared"))
+
+# Odd shapes on purpose: head counts 3 and 5, n_inner set, vocab sizes that are not multiples of 64.
+TINY_CONFIGS = {
+    "h3-inner": dict(vocab_size=101, n_positions=40, n_embd=24, n_layer=3, n_head=3, n_inner=40),
+    "h5": dict(vocab_size=257, n_positions=32, n_embd=20, n_layer=2, n_head=5),
+    "h4-wide": dict(vocab_size=1000, n_positions=64, n_embd=64, n_layer=2, n_head=4),
+}
+
+
+def tiny_config(name: str = "h3-inner", **overrides) -> GPT2Config:
+    kw = dict(TINY_CONFIGS[name], resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    kw.update(bos_token_id=kw["vocab_size"] - 1, eos_token_id=kw["vocab_size"] - 1)
+    kw.update(overrides)
+    return GPT2Config(**kw)
+
+
+def make_hf_model(config: GPT2Config, seed: int = 0):
+    """A random-init transformers GPT2LMHeadModel (eager attention) with biases and LayerNorms randomised too,
+    so that a mis-mapped bias or LayerNorm cannot hide behind zeros and ones."""
+    import transformers
+
+    torch.manual_seed(seed)
+    hf = transformers.GPT2LMHeadModel(config.to_hf(attn_implementation="eager"))
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("bias") or ".ln_" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    return hf.eval()
+
+
+@pytest.fixture
+def hf_folder(tmp_path):
+    """Factory: save a random-init HF model and return (hf_model, folder)."""
+
+    def make(config: GPT2Config | None = None, seed: int = 0, **save_kwargs):
+        hf = make_hf_model(config or tiny_config(), seed)
+        folder = tmp_path / f"hf-{seed}-{id(hf)}"
+        hf.save_pretrained(folder, **save_kwargs)
+        return hf, folder
+
+    return make
+
+
+def shared_path(*parts: str) -> Path:
+    """A file under ../shared, or skip the test with the reason."""
+    path = SHARED.joinpath(*parts)
+    if not path.exists():
+        pytest.skip(f"shared data not found: {path} (set GPT2_SHARED_DIR to the shared folder)")
+    return path
+
+
+def padded_batch(lengths: list[int], width: int, vocab: int, side: str | list[str], seed: int = 0):
+    """Random ids with padding: side 'left', 'right', or one side per row. Padding ids are arbitrary tokens."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (len(lengths), width), generator=g)
+    mask = torch.zeros(len(lengths), width, dtype=torch.long)
+    sides = [side] * len(lengths) if isinstance(side, str) else side
+    for i, (n, s) in enumerate(zip(lengths, sides)):
+        if s == "left":
+            mask[i, width - n:] = 1
+        else:
+            mask[i, :n] = 1
+    return ids, mask

@@ -1,0 +1,181 @@
+"""Decoding: token-for-token equal to transformers' generate under greedy search; cache, EOS, filters, sampling."""
+import pytest
+import torch
+from conftest import make_hf_model, padded_batch, tiny_config
+from transformers.generation.logits_process import (RepetitionPenaltyLogitsProcessor, TopKLogitsWarper,
+                                                    TopPLogitsWarper)
+
+from models.generation import apply_repetition_penalty, top_k_filter, top_p_filter
+from models.gpt2 import GPT2LMHeadModel
+from models.loading import hf_to_ours
+
+
+def load_pair(config, seed=0, attn="sdpa"):
+    hf = make_hf_model(config, seed)
+    ours = GPT2LMHeadModel(config.replace(attn_implementation=attn))
+    ours.gpt.load_state_dict(hf_to_ours(hf.state_dict(), config.n_layer))
+    return hf, ours.eval()
+
+
+def hf_greedy(hf, ids, mask, n, eos=None, pad=0):
+    return hf.generate(ids, attention_mask=mask, max_new_tokens=n, do_sample=False, eos_token_id=eos,
+                       pad_token_id=pad, min_new_tokens=0 if eos is not None else n)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("name", ["h3-inner", "h4-wide"])
+def test_greedy_single_prompt_equals_transformers(name, attn):
+    config = tiny_config(name)
+    hf, ours = load_pair(config, attn=attn)
+    ids = torch.randint(0, config.vocab_size, (1, 5), generator=torch.Generator().manual_seed(1))
+    expected = hf_greedy(hf, ids, torch.ones_like(ids), 25)
+    assert torch.equal(ours.generate(ids, max_new_tokens=25), expected)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_greedy_batched_left_padded_equals_transformers(attn):
+    config = tiny_config("h4-wide")
+    hf, ours = load_pair(config, seed=2, attn=attn)
+    ids, mask = padded_batch([7, 3, 1, 5], 7, config.vocab_size, "left", seed=4)
+    expected = hf_greedy(hf, ids, mask, 20)
+    got = ours.generate(ids, mask, max_new_tokens=20)
+    assert got.shape == (4, 27)
+    assert torch.equal(got, expected)
+
+
+def test_batched_greedy_equals_one_prompt_at_a_time():
+    config = tiny_config("h3-inner")
+    _, ours = load_pair(config, seed=3)
+    ids, mask = padded_batch([6, 2, 4], 6, config.vocab_size, "left", seed=5)
+    batched = ours.generate(ids, mask, max_new_tokens=12)
+    for i in range(3):
+        alone = ids[i: i + 1, mask[i].bool()]
+        assert torch.equal(ours.generate(alone, max_new_tokens=12)[0, -12:], batched[i, -12:])
+
+
+def test_cached_decoding_equals_recomputing_the_whole_sequence():
+    config = tiny_config("h5")
+    _, ours = load_pair(config, seed=6)
+    ids, mask = padded_batch([5, 3], 5, config.vocab_size, "left", seed=7)
+    cached = ours.generate(ids, mask, max_new_tokens=15)
+    seq, m = ids, mask
+    with torch.no_grad():
+        for _ in range(15):
+            nxt = ours(seq, m)["logits"][:, -1].argmax(-1, keepdim=True)
+            seq, m = torch.cat([seq, nxt], 1), torch.cat([m, torch.ones_like(nxt)], 1)
+    assert torch.equal(cached, seq)
+
+
+def test_eos_stops_each_row_and_pads_after_it():
+    config = tiny_config("h4-wide")
+    hf, ours = load_pair(config, seed=2)
+    ids, mask = padded_batch([7, 3, 5], 7, config.vocab_size, "left", seed=4)
+    free = ours.generate(ids, mask, max_new_tokens=12)
+    eos = int(free[0, 7 + 3])  # the token row 0 emits at step 3 becomes "end of sequence"
+    pad = config.vocab_size - 2
+    got = ours.generate(ids, mask, max_new_tokens=12, eos_token_id=eos, pad_token_id=pad)
+    assert torch.equal(got, hf_greedy(hf, ids, mask, 12, eos=eos, pad=pad))
+    row = got[0, 7:]
+    stop = (row == eos).nonzero()[0].item()
+    assert stop <= 3 and torch.all(row[stop + 1:] == pad)
+    # decoding ends once every row has finished
+    all_stop = ours.generate(ids[:1], mask[:1], max_new_tokens=12, eos_token_id=eos)
+    assert all_stop.shape[1] == 7 + stop + 1
+
+
+def test_generation_refuses_right_padding_and_overlong_requests():
+    config = tiny_config("h5")  # n_positions 32
+    _, ours = load_pair(config)
+    ids, mask = padded_batch([4, 2], 4, config.vocab_size, "right")
+    with pytest.raises(ValueError, match="left-padded"):
+        ours.generate(ids, mask, max_new_tokens=3)
+    with pytest.raises(ValueError, match="exceeds the context of n_positions=32"):
+        ours.generate(ids[:, :4], max_new_tokens=29)
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        ours.generate(ids, do_sample=True, temperature=0.0)
+    with pytest.raises(ValueError, match="top_p"):
+        ours.generate(ids, do_sample=True, top_p=1.5)
+
+
+def test_generate_keeps_the_training_mode():
+    _, ours = load_pair(tiny_config("h5"))
+    ours.train()
+    ours.generate(torch.zeros(1, 2, dtype=torch.long), max_new_tokens=2)
+    assert ours.training
+
+
+# ---- logit filters against hand-made distributions and transformers' warpers ----------------------------------------
+
+def test_top_k_keeps_the_k_best_and_ties():
+    logits = torch.tensor([[1.0, 3.0, 2.0, 3.0, 0.0]])
+    assert torch.equal(top_k_filter(logits, 1).isfinite(), torch.tensor([[False, True, False, True, False]]))
+    assert torch.equal(top_k_filter(logits, 3).isfinite(), torch.tensor([[False, True, True, True, False]]))
+    assert torch.equal(top_k_filter(logits, 0), logits) and torch.equal(top_k_filter(logits, None), logits)
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    probs = torch.tensor([[0.5, 0.2, 0.15, 0.1, 0.05]])
+    logits = probs.log()
+    kept = lambda p: top_p_filter(logits, p).isfinite()[0].tolist()  # noqa: E731
+    assert kept(0.5) == [True, False, False, False, False]
+    assert kept(0.6) == [True, True, False, False, False]
+    assert kept(0.86) == [True, True, True, True, False]
+    assert kept(1.0) == [True] * 5
+    assert kept(1e-9) == [True, False, False, False, False]  # at least one token survives
+    shuffled = logits[:, [3, 0, 4, 1, 2]]
+    assert top_p_filter(shuffled, 0.6).isfinite()[0].tolist() == [False, True, False, True, False]
+
+
+@pytest.mark.parametrize("k", [1, 5, 40])
+@pytest.mark.parametrize("p", [0.3, 0.9, 0.999])
+def test_filters_match_transformers_warpers(k, p):
+    logits = torch.randn(6, 100, generator=torch.Generator().manual_seed(k))
+    torch.testing.assert_close(top_k_filter(logits, k), TopKLogitsWarper(k)(None, logits.clone()))
+    torch.testing.assert_close(top_p_filter(logits, p), TopPLogitsWarper(p)(None, logits.clone()))
+
+
+def test_repetition_penalty_matches_transformers_and_temperature_scales():
+    logits = torch.randn(2, 30, generator=torch.Generator().manual_seed(0))
+    history = torch.tensor([[1, 5, 5, 7], [0, 2, 29, 3]])
+    seen = torch.zeros(2, 30, dtype=torch.bool).scatter(1, history, True)
+    expected = RepetitionPenaltyLogitsProcessor(1.3)(history, logits.clone())
+    torch.testing.assert_close(apply_repetition_penalty(logits, seen, 1.3), expected)
+    _, ours = load_pair(tiny_config("h5"))
+    ids = torch.tensor([[3, 4]])
+    # penalising every token seen makes greedy decoding avoid repeating itself where it otherwise would
+    plain = ours.generate(ids, max_new_tokens=20)[0, 2:]
+    penalised = ours.generate(ids, max_new_tokens=20, repetition_penalty=1e4)[0]
+    assert len(set(penalised.tolist())) == 22 and len(set(plain.tolist())) < 20
+
+
+def test_sampling_is_reproducible_with_a_seeded_generator_and_top_k_1_is_greedy():
+    config = tiny_config("h4-wide")
+    _, ours = load_pair(config)
+    ids, mask = padded_batch([5, 2], 5, config.vocab_size, "left")
+    a = ours.generate(ids, mask, max_new_tokens=15, do_sample=True, temperature=1.5,
+                      generator=torch.Generator().manual_seed(7))
+    b = ours.generate(ids, mask, max_new_tokens=15, do_sample=True, temperature=1.5,
+                      generator=torch.Generator().manual_seed(7))
+    c = ours.generate(ids, mask, max_new_tokens=15, do_sample=True, temperature=1.5,
+                      generator=torch.Generator().manual_seed(8))
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    greedy = ours.generate(ids, mask, max_new_tokens=15)
+    assert torch.equal(ours.generate(ids, mask, max_new_tokens=15, do_sample=True, top_k=1), greedy)
+
+
+def test_sampling_follows_temperature():
+    """With a model that always predicts the same distribution, sample frequencies follow softmax(logits / T)."""
+    config = tiny_config("h5", n_layer=1)
+    model = GPT2LMHeadModel(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+        model.gpt.final_layer_norm.bias.copy_(torch.linspace(-1, 1, config.n_embd))
+        model.gpt.word_embedding.weight[:3] = torch.randn(3, config.n_embd, generator=torch.Generator().manual_seed(0))
+    logits = model(torch.zeros(1, 1, dtype=torch.long))["logits"][0, -1].detach()
+    ids = torch.zeros(4000, 1, dtype=torch.long)
+    for temperature in (0.7, 2.0):
+        out = model.generate(ids, max_new_tokens=1, do_sample=True, temperature=temperature,
+                             generator=torch.Generator().manual_seed(1))[:, -1]
+        freq = torch.bincount(out, minlength=config.vocab_size).float() / len(out)
+        torch.testing.assert_close(freq[:3], (logits / temperature).softmax(-1)[:3], atol=0.03, rtol=0)

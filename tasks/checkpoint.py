@@ -1,0 +1,194 @@
+"""Training checkpoints that survive crashes: a folder per checkpoint, replaced atomically, verified on load.
+
+A checkpoint folder holds the model in HF format (config.json + model.safetensors, loadable by transformers),
+optional extra tensors (e.g. a task head) in extra.safetensors, the training state (optimizer, scheduler, counters,
+RNG states) in training_state.pt, optional tokenizer files, and manifest.json, written last, with each file's size
+and SHA-256. A folder without a valid manifest is incomplete or corrupt and is refused with a clear error.
+
+Replacing `out/last` writes `out/.last.tmp-<pid>` first, fsyncs it, moves the old folder to `out/.last.old`, moves
+the new one in, then deletes the old one. A crash at any moment leaves either the old or the new checkpoint whole;
+`resolve` finds whichever survived.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+MANIFEST = "manifest.json"
+STATE = "training_state.pt"
+EXTRA = "extra.safetensors"
+
+
+class CorruptCheckpointError(ValueError):
+    """A checkpoint folder that is incomplete, truncated or altered."""
+
+
+def fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Write a file so that readers see the old content or the new, never a part."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_path(path.parent)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def capture_rng(generator: torch.Generator | None = None) -> dict[str, Any]:
+    """Python, NumPy and torch RNG states (tensors and plain values only, so weights_only loading accepts them)."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    state = {
+        "python": random.getstate(),
+        "numpy": {"kind": kind, "keys": torch.from_numpy(keys.copy()), "pos": pos, "has_gauss": has_gauss, "gauss": gauss},
+        "torch": torch.get_rng_state(),
+    }
+    if generator is not None:
+        state["generator"] = generator.get_state()
+    return state
+
+
+def restore_rng(state: dict[str, Any], generator: torch.Generator | None = None) -> None:
+    random.setstate(_as_tuple(state["python"]))
+    n = state["numpy"]
+    np.random.set_state((n["kind"], n["keys"].numpy(), n["pos"], n["has_gauss"], n["gauss"]))
+    torch.set_rng_state(state["torch"])
+    if generator is not None and "generator" in state:
+        generator.set_state(state["generator"])
+
+
+def _as_tuple(x):
+    return tuple(_as_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x
+
+
+def save_checkpoint(directory: str | os.PathLike, model=None, *, optimizer=None, scheduler=None,
+                    state: dict[str, Any] | None = None, extra_tensors: dict[str, torch.Tensor] | None = None,
+                    tokenizer=None, write_files: Callable[[Path], None] | None = None) -> Path:
+    """Atomically (re)write the checkpoint folder `directory`.
+
+    model: anything with save_pretrained(dir) (our GPT-2 body or LM). state: counters, metrics, RNG (plain values and
+    tensors). write_files(tmp_dir): a hook for anything else that belongs in the folder (e.g. a char vocabulary).
+    """
+    from safetensors.torch import save_file
+
+    final = Path(directory)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
+    old = final.with_name(f".{final.name}.old")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    if model is not None:
+        model.save_pretrained(tmp)
+    if extra_tensors:
+        save_file({k: v.detach().contiguous().cpu() for k, v in extra_tensors.items()}, tmp / EXTRA,
+                  metadata={"format": "pt"})
+    training_state = {"state": state or {}}
+    if optimizer is not None:
+        training_state["optimizer"] = optimizer.state_dict()
+    if scheduler is not None:
+        training_state["scheduler"] = scheduler.state_dict()
+    torch.save(training_state, tmp / STATE)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(tmp)
+    if write_files is not None:
+        write_files(tmp)
+    files = sorted(p for p in tmp.iterdir() if p.is_file() and p.name != MANIFEST)
+    manifest = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files}
+    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
+    for p in files + [tmp / MANIFEST]:
+        fsync_path(p)
+    fsync_path(tmp)
+
+    if old.exists() and not final.exists():  # an earlier replacement was interrupted: old is the good one
+        os.replace(old, final)
+    elif old.exists():
+        shutil.rmtree(old)
+    if final.exists():
+        os.replace(final, old)
+    os.replace(tmp, final)
+    fsync_path(final.parent)
+    if old.exists():
+        shutil.rmtree(old)
+    return final
+
+
+def resolve(directory: str | os.PathLike) -> Path:
+    """The checkpoint folder to read: `directory`, or the previous one if a crash interrupted its replacement."""
+    final = Path(directory)
+    if final.is_dir():
+        return final
+    old = final.with_name(f".{final.name}.old")
+    if old.is_dir():
+        return old
+    raise FileNotFoundError(f"no checkpoint at {final}")
+
+
+def verify(directory: str | os.PathLike) -> Path:
+    """Check every file against the manifest; raise CorruptCheckpointError naming what is wrong."""
+    folder = resolve(directory)
+    manifest_path = folder / MANIFEST
+    if not manifest_path.is_file():
+        raise CorruptCheckpointError(f"checkpoint {folder} is incomplete: no {MANIFEST} (was the save interrupted?)")
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except json.JSONDecodeError as e:
+        raise CorruptCheckpointError(f"checkpoint {folder}: {MANIFEST} is not valid JSON ({e})") from None
+    for name, meta in manifest.items():
+        path = folder / name
+        if not path.is_file():
+            raise CorruptCheckpointError(f"checkpoint {folder} is missing {name}")
+        if path.stat().st_size != meta["bytes"]:
+            raise CorruptCheckpointError(f"checkpoint {folder}: {name} has {path.stat().st_size} bytes, "
+                                         f"expected {meta['bytes']} (truncated?)")
+        if _sha256(path) != meta["sha256"]:
+            raise CorruptCheckpointError(f"checkpoint {folder}: {name} does not match its checksum (corrupted)")
+    return folder
+
+
+@dataclass
+class Checkpoint:
+    path: Path
+    state: dict[str, Any]
+    optimizer: dict[str, Any] | None = None
+    scheduler: dict[str, Any] | None = None
+    extra_tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def load_checkpoint(directory: str | os.PathLike) -> Checkpoint:
+    """Verify and read the training state of a checkpoint folder (the model is loaded with from_pretrained(path))."""
+    from safetensors.torch import load_file
+
+    folder = verify(directory)
+    try:
+        training_state = torch.load(folder / STATE, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise CorruptCheckpointError(f"checkpoint {folder}: cannot read {STATE} ({e})") from None
+    extra = load_file(folder / EXTRA) if (folder / EXTRA).is_file() else {}
+    return Checkpoint(folder, training_state["state"], training_state.get("optimizer"),
+                      training_state.get("scheduler"), extra)

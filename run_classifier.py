@@ -1,0 +1,108 @@
+"""Fine-tune GPT-2 for sentiment classification on SST-5 and CFIMDB, as the CS224N classifier.py does, and write
+the course's prediction files predictions/{mode}-{sst,cfimdb}-{dev,test}-out.csv (`id \\t Predicted_Sentiment`).
+
+    # the course's run: SST then CFIMDB from data/ (or ../shared/data/cs224n), official gpt2 weights
+    python run_classifier.py --fine-tune-mode last-linear-layer --lr 1e-3
+    python run_classifier.py --fine-tune-mode full-model --lr 1e-5
+    # one dataset, a small model trained from random init, bf16 on CPU
+    python run_classifier.py --task sst --model random:n_layer=4,n_head=4,n_embd=256 --fine-tune-mode full-model \\
+        --lr 3e-4 --epochs 3 --batch_size 32 --max_length 128 --bf16
+    # own files (classes from --num_labels, or from 'sst' / 'cfimdb' in the file name)
+    python run_classifier.py --train my-train.csv --dev my-dev.csv --test my-test.csv --num_labels 3
+    # continue an interrupted run exactly; measure throughput over 200 steps
+    python run_classifier.py --task sst --fine-tune-mode full-model --resume
+    python run_classifier.py --task sst --fine-tune-mode full-model --model checkpoints/random-gpt2 --max_steps 200
+
+--model takes a hub id, a folder in HF format (a pretrained run's output, a best/ checkpoint), a weights file, or
+random:[PRESET,]key=value,... for random initialisation (vocabulary 50257, so the GPT-2 tokenizer fits).
+Grade the files with `python -m tasks.evaluate --task sst --pred ... --gold ...`.
+"""
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from config import PRESETS
+from tasks.classifier import MODES, run
+from tasks.data import NUM_LABELS
+from tasks.training import add_training_args, pick_device
+
+ROOT = Path(__file__).resolve().parent
+SHARED_DATA = ROOT.parent / "shared" / "data" / "cs224n"
+
+
+def get_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = parser.add_argument_group("model")
+    g.add_argument("--fine-tune-mode", dest="fine_tune_mode", choices=MODES, default="last-linear-layer",
+                   help="last-linear-layer: the GPT-2 body is frozen and only the head learns; full-model: all learn")
+    g.add_argument("--model_size", choices=("gpt2", "gpt2-medium", "gpt2-large"), default="gpt2",
+                   help="official checkpoint to start from when --model is not given (course flag)")
+    g.add_argument("--model", help="hub id, HF folder, weights file, or random:key=value,... (default: --model_size)")
+    g.add_argument("--hidden_dropout_prob", type=float, default=0.3, help="dropout before the linear head")
+    g.add_argument("--tokenizer", default="gpt2", help="AutoTokenizer name or folder (offline: ../shared/gpt2-tokenizer)")
+    g.add_argument("--max_length", type=int, default=None, help="truncate inputs to this many tokens "
+                                                                "(default and maximum: the model's n_positions)")
+    d = parser.add_argument_group("data")
+    d.add_argument("--task", choices=("sst", "cfimdb", "both"), default=None,
+                   help="course datasets to run (default: both, or the one named by --train)")
+    d.add_argument("--data_dir", default=None, help="folder of ids-{sst,cfimdb}-{train,dev,test-student}.csv "
+                                                     "(default: data/, else ../shared/data/cs224n)")
+    d.add_argument("--train", help="training file (instead of --task's)")
+    d.add_argument("--dev", help="dev file with labels")
+    d.add_argument("--test", help="test file without labels (optional with --train)")
+    d.add_argument("--num_labels", type=int, help="number of classes (default: 5 for sst, 2 for cfimdb files)")
+    d.add_argument("--dev_out", help="dev prediction file (default predictions/{mode}-{task}-dev-out.csv)")
+    d.add_argument("--test_out", help="test prediction file (default predictions/{mode}-{task}-test-out.csv)")
+    d.add_argument("--skip_bad_rows", action="store_true", help="skip malformed rows (listed) instead of stopping")
+    add_training_args(parser, epochs=10, batch_size=8,
+                      lr_help="learning rate (default: 1e-3 for last-linear-layer, 1e-5 for full-model, as the course)")
+    return parser.parse_args(argv)
+
+
+def jobs(args):
+    """(task, train, dev, test, num_labels) for each dataset to run."""
+    if args.train or args.dev:
+        if not (args.train and args.dev):
+            raise ValueError("--train and --dev go together")
+        if args.task == "both":
+            raise ValueError("--task both runs the course files; with --train give one --task or none")
+        name = args.task or next((t for t in NUM_LABELS if t in Path(args.train).name.lower()), None)
+        num_labels = args.num_labels or NUM_LABELS.get(name)
+        if num_labels is None:
+            raise ValueError(f"cannot tell the number of classes of {args.train}: pass --num_labels")
+        return [(name or "custom", args.train, args.dev, args.test, num_labels)]
+    data_dir = Path(args.data_dir) if args.data_dir else (Path("data") if Path("data/ids-sst-train.csv").is_file()
+                                                          else SHARED_DATA)
+    tasks = ("sst", "cfimdb") if args.task in (None, "both") else (args.task,)
+    return [(t, data_dir / f"ids-{t}-train.csv", data_dir / f"ids-{t}-dev.csv", data_dir / f"ids-{t}-test-student.csv",
+             args.num_labels or NUM_LABELS[t]) for t in tasks]
+
+
+def main(argv=None) -> int:
+    args = get_args(argv)
+    # The course's d / l / num_heads check applies when --model_size names the checkpoint.
+    size = PRESETS[args.model_size]
+    args.dims = None if args.model else dict(d=size["n_embd"], l=size["n_layer"], num_heads=size["n_head"])
+    args.model = args.model or args.model_size
+    device = pick_device(args.use_gpu, args.threads)
+    mode = args.fine_tune_mode
+    try:
+        todo = jobs(args)
+        if len(todo) > 1 and (args.dev_out or args.test_out):
+            raise ValueError("--dev_out / --test_out name one file: use them with a single --task")
+        for task, train, dev, test, num_labels in todo:
+            out = Path(args.output_dir) / task if args.output_dir and len(todo) > 1 else args.output_dir
+            run(args, task, train, dev, test, num_labels,
+                dev_out=args.dev_out or f"predictions/{mode}-{task}-dev-out.csv",
+                test_out=args.test_out or f"predictions/{mode}-{task}-test-out.csv",
+                output_dir=str(out or f"checkpoints/{mode}-{task}"), device=device)
+    except (ValueError, FileNotFoundError, FileExistsError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    sys.exit(main())

@@ -1,0 +1,75 @@
+"""Fine-tune GPT-2 for Quora paraphrase detection as a cloze ("yes" / "no" after a prompt), as the CS224N
+paraphrase_detection.py does, and write predictions/para-{dev,test}-output.csv (`id \\t Predicted_Is_Paraphrase`,
+labels 8505 = yes, 3919 = no).
+
+    # the course's run (official gpt2 weights; the course's Quora files)
+    python run_paraphrase.py --para_train data/quora-train.csv --para_dev data/quora-dev.csv \\
+        --para_test data/quora-test-student.csv --epochs 10 --lr 1e-5 --batch_size 8
+    # the 20,214-pair subset here, split into 16,000 train / 4,212 dev (2 malformed rows skipped), small model
+    python run_paraphrase.py --train ../shared/data/quora/quora-dev-minbert.csv --split_dev 16000 --skip_bad_rows \\
+        --model random:n_layer=4,n_head=4,n_embd=256 --lr 3e-4 --epochs 2 --batch_size 32 --bf16
+    # continue an interrupted run exactly
+    python run_paraphrase.py --train ../shared/data/quora/quora-dev-minbert.csv --split_dev 16000 --skip_bad_rows --resume
+
+The train/dev prompt and the test prompt are the course's (they differ; --test_prompt train uses the train prompt
+for the test file too). Prompts longer than --max_length lose tokens on the left, so the question's end is kept.
+Grade with `python -m tasks.evaluate --task para --pred predictions/para-dev-output.csv --gold <dev file>`.
+"""
+import argparse
+import os
+import sys
+
+from config import PRESETS
+from tasks.paraphrase import MODES, run
+from tasks.training import add_training_args, pick_device
+
+
+def get_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = parser.add_argument_group("model")
+    g.add_argument("--fine-tune-mode", dest="fine_tune_mode", choices=MODES, default="full-model",
+                   help="full-model (course): everything learns; last-linear-layer: only the tied output layer")
+    g.add_argument("--model_size", choices=("gpt2", "gpt2-medium", "gpt2-large"), default="gpt2",
+                   help="official checkpoint to start from when --model is not given (course flag)")
+    g.add_argument("--model", help="hub id, HF folder, weights file, or random:key=value,... (default: --model_size)")
+    g.add_argument("--hidden_dropout_prob", type=float, default=None,
+                   help="override the body's residual and embedding dropout (default: the checkpoint's)")
+    g.add_argument("--tokenizer", default="gpt2", help="AutoTokenizer name or folder (offline: ../shared/gpt2-tokenizer)")
+    g.add_argument("--max_length", type=int, default=None, help="truncate prompts to this many tokens "
+                                                                "(default and maximum: the model's n_positions)")
+    d = parser.add_argument_group("data")
+    d.add_argument("--train", "--para_train", dest="train", default="data/quora-train.csv", help="training pairs")
+    d.add_argument("--dev", "--para_dev", dest="dev", default=None,
+                   help="dev pairs with labels (course: data/quora-dev.csv; or use --split_dev)")
+    d.add_argument("--test", "--para_test", dest="test", default=None, help="test pairs without labels (optional)")
+    d.add_argument("--split_dev", type=int, metavar="N", default=0,
+                   help="no dev file: the first N examples of --train train, the rest are dev (deterministic)")
+    d.add_argument("--dev_out", "--para_dev_out", dest="dev_out", default="predictions/para-dev-output.csv",
+                   help="dev prediction file")
+    d.add_argument("--test_out", "--para_test_out", dest="test_out", default="predictions/para-test-output.csv",
+                   help="test prediction file")
+    d.add_argument("--test_prompt", choices=("test", "train"), default="test",
+                   help="prompt for the test file: the course's test prompt, or the train/dev one")
+    d.add_argument("--skip_bad_rows", action="store_true", help="skip malformed rows (listed) instead of stopping")
+    add_training_args(parser, epochs=10, batch_size=8, lr_help="learning rate (course: 1e-5)")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = get_args(argv)
+    size = PRESETS[args.model_size]
+    args.dims = None if args.model else dict(d=size["n_embd"], l=size["n_layer"], num_heads=size["n_head"])
+    args.model = args.model or args.model_size
+    args.output_dir = args.output_dir or "checkpoints/paraphrase"
+    device = pick_device(args.use_gpu, args.threads)
+    try:
+        run(args, device)
+    except (ValueError, FileNotFoundError, FileExistsError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    sys.exit(main())

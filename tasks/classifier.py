@@ -1,0 +1,111 @@
+"""Sentiment classification (SST-5, CFIMDB): GPT2SentimentClassifier, its loss and predictions, and `run`, the
+whole task (read, train, reload the best checkpoint, write the course's prediction files) that run_classifier.py calls.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tasks.data import collate, encode, load_sentiment, load_tokenizer
+from tasks.evaluate import classification_metrics, write_predictions
+from tasks.training import build_body, load_weights, predict_in_order, seed_everything, train, train_config
+
+MODES = ("last-linear-layer", "full-model")
+
+
+class GPT2SentimentClassifier(nn.Module):
+    """GPT-2 body + dropout + linear layer on the last real token's final hidden state -> (B, num_labels) logits.
+
+    fine_tune_mode 'last-linear-layer' freezes the body (only the head learns); 'full-model' trains everything.
+    The body's own dropout is the checkpoint's; hidden_dropout_prob is the dropout before the linear layer.
+    """
+
+    def __init__(self, gpt: nn.Module, num_labels: int, hidden_dropout_prob: float = 0.3,
+                 fine_tune_mode: str = "last-linear-layer"):
+        super().__init__()
+        if fine_tune_mode not in MODES:
+            raise ValueError(f"fine_tune_mode must be one of {MODES}, got {fine_tune_mode!r}")
+        self.num_labels = num_labels
+        self.fine_tune_mode = fine_tune_mode
+        self.gpt = gpt
+        for p in self.gpt.parameters():
+            p.requires_grad = fine_tune_mode == "full-model"
+        self.dropout = nn.Dropout(hidden_dropout_prob)
+        self.classifier = nn.Linear(gpt.config.n_embd, num_labels)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        last_token = self.gpt(input_ids, attention_mask)["last_token"]  # (B, C)
+        return self.classifier(self.dropout(last_token))  # (B, num_labels)
+
+
+def loss_fn(model: GPT2SentimentClassifier, batch: dict):
+    logits = model(batch["input_ids"], batch["attention_mask"]).float()
+    loss = F.cross_entropy(logits, batch["labels"])
+    return loss, {"correct": int((logits.argmax(-1) == batch["labels"]).sum()), "count": len(batch["labels"])}
+
+
+def predict_labels(model, input_ids, attention_mask) -> torch.Tensor:
+    return model(input_ids, attention_mask).argmax(-1)
+
+
+def run(args, task: str, train_path: str, dev_path: str, test_path: str | None, num_labels: int,
+        dev_out: str, test_out: str | None, output_dir: str, device: torch.device) -> dict | None:
+    """Train on one dataset, reload the best dev checkpoint and write the dev (and test) prediction files."""
+    print(f"== {task}: {num_labels} classes, fine-tune mode {args.fine_tune_mode}, train {train_path}")
+    train_ex = load_sentiment(train_path, "train", num_labels, args.skip_bad_rows)
+    dev_ex = load_sentiment(dev_path, "dev", num_labels, args.skip_bad_rows)
+    test_ex = load_sentiment(test_path, "test", skip_bad_rows=args.skip_bad_rows) if test_path else None
+    print(f"loaded {len(train_ex)} train, {len(dev_ex)} dev" + (f", {len(test_ex)} test" if test_ex else "") + " examples")
+
+    seed_everything(args.seed)
+    body = build_body(args.model, dims=args.dims)
+    model = GPT2SentimentClassifier(body, num_labels, args.hidden_dropout_prob, args.fine_tune_mode)
+    tokenizer = load_tokenizer(args.tokenizer)
+    check_vocab(tokenizer, body.config.vocab_size)
+    max_length = min(args.max_length or body.config.n_positions, body.config.n_positions)
+    enc = {name: encode(ex, tokenizer, max_length, prompt=lambda e: e.text, what=name)
+           for name, ex in (("train", train_ex), ("dev", dev_ex), ("test", test_ex)) if ex}
+    pad = tokenizer.pad_token_id
+
+    def evaluate(m):
+        preds = predict_in_order(m, enc["dev"], args.eval_batch_size, pad, predict_labels, device, desc="dev")
+        metrics = classification_metrics([e.label for e in enc["dev"]], preds, list(range(num_labels)))
+        return {"acc": metrics["accuracy"], "f1": metrics["macro_f1"], "confusion": metrics["confusion_matrix"]}
+
+    lr = args.lr if args.lr is not None else (1e-3 if args.fine_tune_mode == "last-linear-layer" else 1e-5)
+    cfg = train_config(args, output_dir, lr, device)
+    run_info = {"task": task, "model": args.model, "tokenizer": args.tokenizer, "train": str(train_path),
+                "dev": str(dev_path), "num_labels": num_labels, "fine_tune_mode": args.fine_tune_mode,
+                "hidden_dropout_prob": args.hidden_dropout_prob, "max_length": max_length, "lr": lr,
+                **{k: getattr(cfg, k) for k in ("epochs", "batch_size", "grad_accum", "weight_decay", "schedule",
+                                                "warmup_ratio", "max_grad_norm", "bf16", "seed")}}
+    n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    print(f"model {args.model}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, "
+          f"{n_trainable / 1e6:.2f}M trainable; lr {lr:g}; checkpoints in {output_dir}")
+    result = train(model, len(enc["train"]), lambda idx: collate([enc["train"][i] for i in idx], pad), loss_fn,
+                   evaluate, cfg, run_info, tokenizer=tokenizer)
+    if args.max_steps:
+        return result
+
+    load_weights(model, Path(output_dir) / "best")
+    preds = predict_in_order(model, enc["dev"], args.eval_batch_size, pad, predict_labels, device, args.bf16, "dev")
+    metrics = classification_metrics([e.label for e in enc["dev"]], preds, list(range(num_labels)))
+    write_predictions(dev_out, [e.id for e in enc["dev"]], preds, "sentiment")
+    print(f"{task} best epoch {result['best']['epoch']}: dev acc {metrics['accuracy']:.4f} macro-F1 "
+          f"{metrics['macro_f1']:.4f}; confusion (rows gold, columns predicted): {metrics['confusion_matrix']}")
+    print(f"wrote {dev_out}")
+    if test_ex:
+        test_preds = predict_in_order(model, enc["test"], args.eval_batch_size, pad, predict_labels, device,
+                                      args.bf16, "test")
+        write_predictions(test_out, [e.id for e in enc["test"]], test_preds, "sentiment")
+        print(f"wrote {test_out}")
+    return {"task": task, **metrics, "best_epoch": result["best"]["epoch"], "history": result["history"]}
+
+
+def check_vocab(tokenizer, vocab_size: int) -> None:
+    if len(tokenizer) > vocab_size:
+        raise ValueError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary is {vocab_size}: "
+                         f"use a matching --tokenizer / --model")

@@ -1,0 +1,144 @@
+"""Paraphrase detection (Quora) as a cloze: ParaphraseGPT, the course's prompts, its loss and predictions, and
+`run`, the whole task that run_paraphrase.py calls.
+
+The model reads a prompt and is trained to put the token "yes" (GPT-2 id 8505) or "no" (3919) next: logits over
+the vocabulary at the last real token (the LM head tied to the token embedding), cross-entropy against the answer's
+token id, and predictions restricted to the two answers. Prediction files use 8505 / 3919, as the course grades.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tasks.classifier import check_vocab
+from tasks.data import Example, collate, encode, load_paraphrase, load_tokenizer, single_token_id, split_head
+from tasks.evaluate import NO_ID, YES_ID, classification_metrics, write_predictions
+from tasks.training import build_body, load_weights, predict_in_order, seed_everything, train, train_config
+
+MODES = ("full-model", "last-linear-layer")
+
+
+def prompt_for_train(ex: Example) -> str:
+    """The course's train/dev prompt (its missing closing quote after question 2 included)."""
+    s1, s2 = ex.text
+    return f'Question 1: "{s1}"\nQuestion 2: "{s2}\nAre these questions asking the same thing?\n'
+
+
+def prompt_for_test(ex: Example) -> str:
+    """The course's test prompt (different from train/dev's)."""
+    s1, s2 = ex.text
+    return f'Is "{s1}" a paraphrase of "{s2}"? Answer "yes" or "no": '
+
+
+class ParaphraseGPT(nn.Module):
+    """GPT-2 body whose tied LM head scores the next token after the prompt: forward -> (B, vocab) logits.
+
+    yes_id / no_id are the tokenizer's ids of "yes" and "no" (8505 / 3919 for GPT-2). fine_tune_mode
+    'last-linear-layer' trains only the output layer (tied to the token embedding, so the input embedding moves
+    with it) and freezes the rest; 'full-model' (the course's setting) trains everything.
+    """
+
+    def __init__(self, gpt: nn.Module, yes_id: int = YES_ID, no_id: int = NO_ID, fine_tune_mode: str = "full-model"):
+        super().__init__()
+        if fine_tune_mode not in MODES:
+            raise ValueError(f"fine_tune_mode must be one of {MODES}, got {fine_tune_mode!r}")
+        self.gpt = gpt
+        self.yes_id, self.no_id = yes_id, no_id
+        for name, p in self.gpt.named_parameters():
+            p.requires_grad = fine_tune_mode == "full-model" or name == "word_embedding.weight"
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        last_token = self.gpt(input_ids, attention_mask)["last_token"]  # (B, C)
+        return self.gpt.hidden_state_to_token(last_token)  # (B, vocab)
+
+    def predict(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """(B,) token ids, each yes_id or no_id: the likelier of the two answers."""
+        logits = self(input_ids, attention_mask)
+        return torch.where(logits[:, self.yes_id] > logits[:, self.no_id], self.yes_id, self.no_id)
+
+
+def loss_fn(model: ParaphraseGPT, batch: dict):
+    """Cross-entropy over the whole vocabulary against the answer token (yes_id for 1, no_id for 0)."""
+    logits = model(batch["input_ids"], batch["attention_mask"]).float()
+    targets = torch.where(batch["labels"] == 1, model.yes_id, model.no_id)
+    picked = torch.where(logits[:, model.yes_id] > logits[:, model.no_id], model.yes_id, model.no_id)
+    return F.cross_entropy(logits, targets), {"correct": int((picked == targets).sum()), "count": len(targets)}
+
+
+def to_course_codes(preds: list[int], model: ParaphraseGPT) -> list[int]:
+    """Token ids of the model's tokenizer -> the course's 8505 (yes) / 3919 (no), whatever the tokenizer."""
+    return [YES_ID if p == model.yes_id else NO_ID for p in preds]
+
+
+def run(args, device: torch.device) -> dict:
+    """Train, reload the best dev checkpoint, write the dev (and test) prediction files."""
+    train_ex = load_paraphrase(args.train, "train", args.skip_bad_rows)
+    if args.split_dev:
+        if args.dev:
+            raise ValueError("give either --dev or --split_dev, not both")
+        train_ex, dev_ex = split_head(train_ex, args.split_dev, args.train)
+        print(f"split {args.train}: first {len(train_ex)} examples train, the other {len(dev_ex)} dev")
+    elif args.dev:
+        dev_ex = load_paraphrase(args.dev, "dev", args.skip_bad_rows)
+    else:
+        raise ValueError("no dev data: give --dev (course: --para_dev) or --split_dev N")
+    test_ex = load_paraphrase(args.test, "test", args.skip_bad_rows) if args.test else None
+    print(f"loaded {len(train_ex)} train, {len(dev_ex)} dev" + (f", {len(test_ex)} test" if test_ex else "") + " pairs")
+
+    seed_everything(args.seed)
+    overrides = {} if args.hidden_dropout_prob is None else {"hidden_dropout_prob": args.hidden_dropout_prob}
+    body = build_body(args.model, dims=args.dims, **overrides)
+    tokenizer = load_tokenizer(args.tokenizer)
+    check_vocab(tokenizer, body.config.vocab_size)
+    model = ParaphraseGPT(body, single_token_id(tokenizer, "yes"), single_token_id(tokenizer, "no"),
+                          args.fine_tune_mode)
+    max_length = min(args.max_length or body.config.n_positions, body.config.n_positions)
+    # Truncate on the left so the end of the prompt, where the answer goes, is kept.
+    enc = {"train": encode(train_ex, tokenizer, max_length, prompt_for_train, "left", "train"),
+           "dev": encode(dev_ex, tokenizer, max_length, prompt_for_train, "left", "dev")}
+    if test_ex:
+        prompt = prompt_for_test if args.test_prompt == "test" else prompt_for_train
+        enc["test"] = encode(test_ex, tokenizer, max_length, prompt, "left", "test")
+    pad = tokenizer.pad_token_id
+    dev_gold = [model.yes_id if e.label == 1 else model.no_id for e in enc["dev"]]
+    labels = [model.no_id, model.yes_id]
+    predict = ParaphraseGPT.predict
+
+    def evaluate(m):
+        preds = predict_in_order(m, enc["dev"], args.eval_batch_size, pad, predict, device, desc="dev")
+        metrics = classification_metrics(dev_gold, preds, labels)
+        return {"acc": metrics["accuracy"], "f1": metrics["macro_f1"], "confusion": metrics["confusion_matrix"]}
+
+    lr = args.lr if args.lr is not None else 1e-5
+    cfg = train_config(args, args.output_dir, lr, device)
+    run_info = {"task": "para", "model": args.model, "tokenizer": args.tokenizer, "train": str(args.train),
+                "dev": str(args.dev), "split_dev": args.split_dev, "fine_tune_mode": args.fine_tune_mode,
+                "hidden_dropout_prob": args.hidden_dropout_prob, "max_length": max_length, "lr": lr,
+                **{k: getattr(cfg, k) for k in ("epochs", "batch_size", "grad_accum", "weight_decay", "schedule",
+                                                "warmup_ratio", "max_grad_norm", "bf16", "seed")}}
+    n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    print(f"model {args.model}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, "
+          f"{n_trainable / 1e6:.2f}M trainable; lr {lr:g}; yes/no token ids {model.yes_id}/{model.no_id}; "
+          f"checkpoints in {args.output_dir}")
+    result = train(model, len(enc["train"]), lambda idx: collate([enc["train"][i] for i in idx], pad), loss_fn,
+                   evaluate, cfg, run_info, tokenizer=tokenizer)
+    if args.max_steps:
+        return result
+
+    load_weights(model, Path(args.output_dir) / "best")
+    preds = predict_in_order(model, enc["dev"], args.eval_batch_size, pad, predict, device, args.bf16, "dev")
+    metrics = classification_metrics(dev_gold, preds, labels)
+    write_predictions(args.dev_out, [e.id for e in enc["dev"]], to_course_codes(preds, model), "paraphrase")
+    print(f"para best epoch {result['best']['epoch']}: dev acc {metrics['accuracy']:.4f} macro-F1 "
+          f"{metrics['macro_f1']:.4f}; confusion (rows gold no/yes, columns predicted): {metrics['confusion_matrix']}")
+    print(f"wrote {args.dev_out}")
+    if test_ex:
+        test_preds = predict_in_order(model, enc["test"], args.eval_batch_size, pad, predict, device, args.bf16,
+                                      "test")
+        write_predictions(args.test_out, [e.id for e in enc["test"]], to_course_codes(test_preds, model),
+                          "paraphrase")
+        print(f"wrote {args.test_out}")
+    return {"task": "para", **metrics, "best_epoch": result["best"]["epoch"], "history": result["history"]}

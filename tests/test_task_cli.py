@@ -1,0 +1,88 @@
+"""run_classifier.py and run_paraphrase.py end to end on tiny files, a tiny tokenizer and a tiny random model."""
+import re
+
+import pytest
+from test_task_data import make_tokenizer, write_quora, write_sentiment
+
+import run_classifier
+import run_paraphrase
+from tasks import evaluate as E
+
+
+@pytest.fixture
+def setup(tmp_path):
+    tok = make_tokenizer(tmp_path / "tok")
+    model = "random:n_layer=2,n_head=2,n_embd=16,n_positions=64,vocab_size=64"
+    return tmp_path, ["--tokenizer", tok, "--model", model, "--epochs", "1", "--batch_size", "8", "--threads", "1"]
+
+
+def printed_dev_acc(out: str) -> float:
+    return float(re.search(r"best epoch \d+: dev acc ([0-9.]+)", out).group(1))
+
+
+@pytest.mark.parametrize("mode", ["last-linear-layer", "full-model"])
+def test_classifier_one_epoch_writes_gradable_files(setup, capsys, mode):
+    tmp, common = setup
+    paths = write_sentiment(tmp, "sst", 40)
+    dev_out, test_out = tmp / "pred" / f"{mode}-sst-dev-out.csv", tmp / "pred" / f"{mode}-sst-test-out.csv"
+    code = run_classifier.main(common + ["--fine-tune-mode", mode, "--train", str(paths["train"]),
+                                         "--dev", str(paths["dev"]), "--test", str(paths["test-student"]),
+                                         "--dev_out", str(dev_out), "--test_out", str(test_out),
+                                         "--output_dir", str(tmp / "ck"), "--lr", "1e-3"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "5 classes" in out and re.search(r"epoch 1/1 \| train loss [0-9.]+ acc [0-9.]+ \| dev acc", out)
+    graded = E.SCORERS["sst"].score(str(dev_out), str(paths["dev"]))
+    assert graded["n"] == 20 and round(graded["accuracy"], 4) == printed_dev_acc(out)
+    test_rows = E.read_predictions(test_out, set(range(5)))
+    assert list(test_rows) == [f"te{i:05d}abc" for i in range(20)]
+    assert dev_out.read_text().startswith("id \t Predicted_Sentiment \n")
+    assert (tmp / "ck" / "best" / "model.safetensors").is_file() and (tmp / "ck" / "last" / "extra.safetensors").is_file()
+
+
+def test_paraphrase_one_epoch_with_split_dev_and_test(setup, capsys):
+    tmp, common = setup
+    train = write_quora(tmp / "quora.csv", 60)
+    test = write_quora(tmp / "quora-test.csv", 10, index_column=False, labels=False, seed=1)
+    dev_out, test_out = tmp / "para-dev-output.csv", tmp / "para-test-output.csv"
+    code = run_paraphrase.main(common + ["--para_train", str(train), "--split_dev", "40", "--para_test", str(test),
+                                         "--para_dev_out", str(dev_out), "--para_test_out", str(test_out),
+                                         "--output_dir", str(tmp / "ck"), "--lr", "1e-3", "--grad_accum", "2"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "first 40 examples train, the other 20 dev" in out
+    graded = E.SCORERS["para"].score(str(dev_out), str(train), split_dev=40)
+    assert graded["n"] == 20 and round(graded["accuracy"], 4) == printed_dev_acc(out)
+    assert set(E.read_predictions(test_out, {8505, 3919}).values()) <= {8505, 3919}
+    assert dev_out.read_text().startswith("id \t Predicted_Is_Paraphrase \n")
+
+
+def test_cli_errors_name_the_problem(setup, capsys):
+    tmp, common = setup
+    paths = write_sentiment(tmp, "sst", 10)
+    bad = tmp / "bad-train.csv"
+    bad.write_text(paths["train"].read_text() + "99\tzz\tsome text\t7\n")
+    args = common + ["--dev", str(paths["dev"]), "--output_dir", str(tmp / "ck"), "--dev_out", str(tmp / "d.csv")]
+    assert run_classifier.main(args + ["--train", str(bad), "--num_labels", "5"]) == 1
+    assert "bad-train.csv, line 12: sentiment 7 is out of range for 5 classes" in capsys.readouterr().err
+    assert run_classifier.main(args + ["--train", str(tmp / "mine.csv")]) == 1
+    assert "pass --num_labels" in capsys.readouterr().err
+    assert run_classifier.main(args + ["--train", str(paths["train"]), "--resume"]) == 1
+    assert "no checkpoint" in capsys.readouterr().err
+    assert run_classifier.main(args + ["--train", str(paths["train"])]) == 0
+    assert run_classifier.main(args + ["--train", str(paths["train"])]) == 1
+    assert "pass --resume to continue it or --overwrite" in capsys.readouterr().err
+    assert run_paraphrase.main(common + ["--train", str(write_quora(tmp / "q.csv", 10))]) == 1
+    assert "no dev data" in capsys.readouterr().err
+
+
+def test_max_steps_reports_throughput_without_files(setup, capsys):
+    tmp, common = setup
+    paths = write_sentiment(tmp, "cfimdb", 40, num_labels=2)
+    code = run_classifier.main(common + ["--train", str(paths["train"]), "--dev", str(paths["dev"]),
+                                         "--output_dir", str(tmp / "ck"), "--max_steps", "3", "--bf16",
+                                         "--dev_out", str(tmp / "d.csv"), "--fine-tune-mode", "full-model"])
+    out = capsys.readouterr().out
+    assert code == 0 and "2 classes" in out
+    assert re.search(r"benchmark: 3 optimizer steps \(3 batches, \d+ real tokens\) in [0-9.]+ s: \d+ tok/s", out)
+    assert not (tmp / "d.csv").exists() and not (tmp / "ck").exists()

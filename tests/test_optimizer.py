@@ -1,0 +1,351 @@
+"""AdamW against the CS224N reference and torch.optim.AdamW; resuming; the decay grouping rule; the schedules."""
+import copy
+import io
+import math
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import optimizer as optimizer_module  # noqa: E402
+from optimizer import (  # noqa: E402
+    AdamW,
+    make_lr_scheduler,
+    param_groups_for_weight_decay,
+    warmup_cosine,
+    warmup_linear,
+)
+
+SHARED = Path(os.environ.get("GPT2_SHARED_DIR", ROOT.parent / "shared"))
+EPS = 1e-6  # our default; torch.optim.AdamW defaults to 1e-8, so comparisons pass it explicitly
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """The tensors here are tiny: a second intra-op thread only adds synchronisation, which costs seconds when the
+    other core is busy. Elementwise results do not depend on the thread count."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The course check
+
+
+def course_run(opt_class) -> torch.Tensor:
+    """CS224N optimizer_test.py: 1000 steps of a 3 -> 2 linear regression."""
+    rng = np.random.default_rng(0)
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2, bias=False)
+    opt = opt_class(model.parameters(), lr=1e-3, weight_decay=1e-4, correct_bias=True)
+    for _ in range(1000):
+        opt.zero_grad()
+        x = torch.FloatTensor(rng.uniform(size=[model.in_features]))
+        y_hat = model(x)
+        y = torch.Tensor([x[0] + x[1], -x[2]])
+        loss = ((y - y_hat) ** 2).sum()
+        loss.backward()
+        opt.step()
+    return model.weight.detach()
+
+
+def test_course_reference():
+    path = SHARED / "data" / "cs224n" / "optimizer_test.npy"
+    if not path.exists():
+        pytest.skip(f"course reference not found: {path} (set GPT2_SHARED_DIR to the shared folder)")
+    ref = torch.tensor(np.load(path))
+    torch.testing.assert_close(course_run(AdamW), ref, atol=1e-6, rtol=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Against torch.optim.AdamW
+
+
+class TinyNet(nn.Module):
+    """Linear weights (decay), biases and a LayerNorm (no decay)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(6, 16)
+        self.norm = nn.LayerNorm(16)
+        self.fc2 = nn.Linear(16, 3)
+
+    def forward(self, x):
+        return self.fc2(torch.tanh(self.norm(self.fc1(x))))
+
+
+def make_net(seed: int = 0) -> TinyNet:
+    torch.manual_seed(seed)
+    net = TinyNet()
+    with torch.no_grad():  # LayerNorm starts at ones / zeros; perturb it so its updates matter
+        net.norm.weight.add_(torch.randn(16) * 0.1)
+        net.norm.bias.add_(torch.randn(16) * 0.1)
+    return net
+
+
+def batches(n: int, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)) for _ in range(n)]
+
+
+def train(net, opt, data, scheduler=None):
+    for x, y in data:
+        opt.zero_grad(set_to_none=True)
+        nn.functional.mse_loss(net(x), y).backward()
+        opt.step()
+        if scheduler is not None:
+            scheduler.step()
+
+
+def assert_params_close(a: nn.Module, b: nn.Module, atol: float = 1e-6):
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(p, q, atol=atol, rtol=0, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("foreach", [True, False], ids=["foreach", "loop"])
+def test_matches_torch_adamw_two_groups_with_schedule(foreach):
+    ours_net, torch_net = make_net(), make_net()
+    ours = AdamW(param_groups_for_weight_decay(ours_net, 0.1), lr=3e-3, eps=EPS, foreach=foreach)
+    groups = param_groups_for_weight_decay(torch_net, 0.1)
+    assert groups[0]["weight_decay"] == 0.1 and groups[1]["weight_decay"] == 0.0 and groups[1]["params"]
+    ref = torch.optim.AdamW(groups, lr=3e-3, eps=EPS, foreach=True)
+    schedules = [make_lr_scheduler(o, warmup_steps=20, total_steps=150, min_ratio=0.1) for o in (ours, ref)]
+    data = batches(200)
+    train(ours_net, ours, data, schedules[0])
+    train(torch_net, ref, data, schedules[1])
+    assert_params_close(ours_net, torch_net)
+    for p, q in zip(ours_net.parameters(), torch_net.parameters()):
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(ours.state[p][key], ref.state[q][key], atol=1e-6, rtol=0)
+        assert ours.state[p]["step"].item() == ref.state[q]["step"].item() == 200
+
+
+def test_foreach_blocks_and_loop_agree_bit_for_bit(monkeypatch):
+    """Cutting tensors into blocks (here 7 float32 elements, so most tensors are split) changes no bit."""
+    monkeypatch.setattr(optimizer_module, "BLOCK_BYTES", 28)
+    nets = [make_net(), make_net()]
+    opts = [AdamW(net.parameters(), lr=1e-2, weight_decay=0.05, foreach=f) for net, f in zip(nets, (True, False))]
+    data = batches(20)
+    for net, opt in zip(nets, opts):
+        train(net, opt, data)
+    for p, q in zip(*(net.parameters() for net in nets)):
+        assert torch.equal(p, q)
+
+
+def test_without_bias_correction_follows_the_equations():
+    """correct_bias=False: theta -= lr * m / (sqrt(v) + eps) with the raw moments (decay first)."""
+    lr, (b1, b2), wd = 1e-2, (0.9, 0.99), 0.1
+    torch.manual_seed(0)
+    w = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
+    opt = AdamW([w], lr=lr, betas=(b1, b2), weight_decay=wd, correct_bias=False)
+    theta, m, v = w.detach().clone(), torch.zeros_like(w), torch.zeros_like(w)
+    for _ in range(5):
+        g = torch.randn_like(w)
+        w.grad = g.clone()
+        opt.step()
+        theta = theta * (1 - lr * wd)
+        m = b1 * m + (1 - b1) * g
+        v = b2 * v + (1 - b2) * g * g
+        theta = theta - lr * m / (v.sqrt() + EPS)
+        torch.testing.assert_close(w.detach(), theta, atol=1e-12, rtol=1e-12)
+
+
+def test_first_step_size():
+    """With bias correction the first step moves every coordinate by about lr; without, by (1-b1)/sqrt(1-b2) lr."""
+    for correct_bias, expected in [(True, 1.0), (False, 0.1 / math.sqrt(0.001))]:
+        w = torch.zeros(100, requires_grad=True)
+        w.grad = torch.randn(100).sign() * (1 + torch.rand(100))  # |g| >= 1, so eps is negligible
+        AdamW([w], lr=1e-3, correct_bias=correct_bias).step()
+        torch.testing.assert_close(w.detach(), -1e-3 * expected * w.grad.sign(), atol=0, rtol=1e-4)
+
+
+def test_deterministic():
+    runs = []
+    for _ in range(2):
+        net = make_net()
+        train(net, AdamW(net.parameters(), lr=1e-2, weight_decay=0.01), batches(30))
+        runs.append([p.detach().clone() for p in net.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+def test_resume_from_state_dict_matches_uninterrupted_run():
+    data = batches(40)
+    net = make_net()
+    opt = AdamW(param_groups_for_weight_decay(net, 0.1), lr=1e-2)
+    sched = make_lr_scheduler(opt, warmup_steps=5, total_steps=40, schedule="linear")
+    train(net, opt, data[:20], sched)
+
+    buffer = io.BytesIO()  # round trip through torch.save, as a checkpoint would
+    torch.save({"model": net.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict()}, buffer)
+    buffer.seek(0)
+    checkpoint = torch.load(buffer, weights_only=True)
+
+    train(net, opt, data[20:], sched)  # the uninterrupted run
+
+    resumed = make_net(seed=123)
+    resumed.load_state_dict(checkpoint["model"])
+    resumed_opt = AdamW(param_groups_for_weight_decay(resumed, 0.1), lr=1e-2)
+    # Build the scheduler before loading the optimizer's state: LambdaLR's constructor resets the group lr.
+    resumed_sched = make_lr_scheduler(resumed_opt, warmup_steps=5, total_steps=40, schedule="linear")
+    resumed_opt.load_state_dict(checkpoint["optimizer"])
+    resumed_sched.load_state_dict(checkpoint["scheduler"])
+    train(resumed, resumed_opt, data[20:], resumed_sched)
+
+    for p, q in zip(net.parameters(), resumed.parameters()):
+        assert torch.equal(p, q)
+    assert set(opt.state_dict()["state"][0]) == {"step", "exp_avg", "exp_avg_sq"}
+
+
+def test_state_dict_moves_to_torch_adamw_and_back():
+    data = batches(30)
+    net, ref_net = make_net(), make_net()
+    ours = AdamW(net.parameters(), lr=1e-2, weight_decay=0.1, eps=EPS)
+    ref = torch.optim.AdamW(ref_net.parameters(), lr=1e-2, weight_decay=0.1, eps=EPS, foreach=True)
+    train(net, ours, data[:10])
+    train(ref_net, ref, data[:10])
+    # Swap: torch continues from our state, ours from torch's.
+    ours_state, ref_state = copy.deepcopy(ours.state_dict()), copy.deepcopy(ref.state_dict())
+    ours.load_state_dict(ref_state)
+    ref.load_state_dict(ours_state)
+    train(net, ours, data[10:])
+    train(ref_net, ref, data[10:])
+    assert_params_close(net, ref_net)
+
+
+def test_skips_parameters_without_grad_and_returns_closure_loss():
+    a = torch.ones(3, requires_grad=True)
+    b = torch.ones(3, requires_grad=True)
+    opt = AdamW([a, b], lr=0.1, weight_decay=0.5)
+
+    def closure():
+        opt.zero_grad()
+        loss = (a * 2).sum()
+        loss.backward()
+        return loss
+
+    assert opt.step(closure).item() == 6.0
+    assert b.grad is None and torch.equal(b, torch.ones(3)) and not opt.state[b]
+    assert (a < 1).all() and opt.state[a]["step"].item() == 1
+
+
+def test_bfloat16_parameters_update_in_their_dtype():
+    w = torch.ones(4, 4, dtype=torch.bfloat16, requires_grad=True)
+    w.grad = torch.full_like(w, 0.5)
+    opt = AdamW([w], lr=0.1)
+    opt.step()
+    assert opt.state[w]["exp_avg"].dtype == torch.bfloat16 and w.dtype == torch.bfloat16
+    torch.testing.assert_close(w.detach().float(), torch.full((4, 4), 0.9), atol=1e-2, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(lr=-1e-3), "learning rate"),
+        (dict(lr=float("nan")), "learning rate"),
+        (dict(eps=-1e-8), "epsilon"),
+        (dict(weight_decay=-0.1), "weight_decay"),
+        (dict(betas=(-0.1, 0.999)), "beta parameter at index 0"),
+        (dict(betas=(1.0, 0.999)), "beta parameter at index 0"),
+        (dict(betas=(0.9, 1.0)), "beta parameter at index 1"),
+        (dict(betas=(0.9, -1e-3)), "beta parameter at index 1"),
+    ],
+)
+def test_invalid_hyperparameters_raise(kwargs, match):
+    w = torch.zeros(2, requires_grad=True)
+    with pytest.raises(ValueError, match=match):
+        AdamW([w], **kwargs)
+    with pytest.raises(ValueError, match=match):  # a group's own override is checked too
+        AdamW([{"params": [w], **kwargs}])
+
+
+def test_sparse_gradients_raise():
+    emb = nn.Embedding(10, 4, sparse=True)
+    emb(torch.tensor([1, 2])).sum().backward()
+    with pytest.raises(RuntimeError, match="sparse"):
+        AdamW(emb.parameters()).step()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Decay grouping
+
+
+class TiedLM(nn.Module):
+    """The head is registered before the embedding it is tied to, and one layer is frozen."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(8, 20, bias=False)
+        self.embedding = nn.Embedding(20, 8)
+        self.head.weight = self.embedding.weight
+        self.proj = nn.Linear(8, 8)
+        self.norm = nn.LayerNorm(8)
+        self.frozen = nn.Linear(8, 8)
+        self.frozen.requires_grad_(False)
+        self.scale = nn.Parameter(torch.ones(()))
+
+
+def test_param_groups_rule():
+    model = TiedLM()
+    decay, no_decay = param_groups_for_weight_decay(model, weight_decay=0.1)
+    assert decay["param_names"] == ["proj.weight"] and decay["weight_decay"] == 0.1
+    # named_parameters order: a module's own parameters first, then its children's
+    assert no_decay["param_names"] == ["scale", "head.weight", "proj.bias", "norm.weight", "norm.bias"]
+    assert no_decay["weight_decay"] == 0.0
+    assert no_decay["params"][1] is model.embedding.weight  # the tied tensor, once
+    decay, no_decay = param_groups_for_weight_decay(model, 0.1, decay_embeddings=True)
+    assert decay["param_names"] == ["head.weight", "proj.weight"]
+    AdamW(param_groups_for_weight_decay(model, 0.1))  # accepted, no duplicate-parameter warning or error
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Schedules
+
+
+@pytest.mark.parametrize("schedule", [warmup_cosine, warmup_linear])
+def test_schedule_landmarks(schedule):
+    kw = dict(warmup_steps=10, total_steps=110, min_ratio=0.1)
+    assert schedule(0, **kw) == pytest.approx(0.1)  # first step already trains
+    assert schedule(4, **kw) == pytest.approx(0.5)
+    assert schedule(9, **kw) == 1.0 and schedule(10, **kw) == 1.0  # end of warmup, start of decay
+    assert schedule(60, **kw) == pytest.approx(0.55)  # halfway down: both shapes pass the midpoint
+    assert schedule(110, **kw) == pytest.approx(0.1) and schedule(10_000, **kw) == 0.1  # the floor
+    values = [schedule(s, **kw) for s in range(10, 200)]
+    assert all(a >= b for a, b in zip(values, values[1:])) and min(values) == pytest.approx(0.1)
+    assert schedule(0, 0, 100) == 1.0 and schedule(100, 0, 100) == 0.0  # no warmup, floor 0
+
+
+def test_schedule_shapes_differ():
+    kw = dict(warmup_steps=0, total_steps=100)
+    assert warmup_linear(25, **kw) == pytest.approx(0.75)
+    assert warmup_cosine(25, **kw) == pytest.approx(0.5 * (1 + math.cos(math.pi / 4)))
+
+
+def test_schedule_invalid_arguments():
+    with pytest.raises(ValueError):
+        warmup_cosine(0, warmup_steps=10, total_steps=5)
+    with pytest.raises(ValueError):
+        warmup_linear(0, warmup_steps=0, total_steps=5, min_ratio=1.5)
+    with pytest.raises(ValueError, match="unknown schedule"):
+        make_lr_scheduler(AdamW([torch.zeros(1, requires_grad=True)]), 1, 2, schedule="step")
+
+
+def test_make_lr_scheduler_drives_the_learning_rate():
+    w = torch.zeros(1, requires_grad=True)
+    opt = AdamW([w], lr=1.0)
+    sched = make_lr_scheduler(opt, warmup_steps=2, total_steps=4, min_ratio=0.25, schedule="linear")
+    seen = []
+    for _ in range(6):
+        seen.append(opt.param_groups[0]["lr"])
+        w.grad = torch.ones(1)
+        opt.step()
+        sched.step()
+    assert seen == pytest.approx([0.5, 1.0, 1.0, 0.625, 0.25, 0.25])

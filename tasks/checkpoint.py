@@ -61,13 +61,15 @@ def _sha256(path: Path) -> str:
 
 
 def capture_rng(generator: torch.Generator | None = None) -> dict[str, Any]:
-    """Python, NumPy and torch RNG states (tensors and plain values only, so weights_only loading accepts them)."""
+    """Python, NumPy, torch (and CUDA, where present) RNG states (tensors and plain values only, so weights_only loading accepts them)."""
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
     state = {
         "python": random.getstate(),
         "numpy": {"kind": kind, "keys": torch.from_numpy(keys.copy()), "pos": pos, "has_gauss": has_gauss, "gauss": gauss},
         "torch": torch.get_rng_state(),
     }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
     if generator is not None:
         state["generator"] = generator.get_state()
     return state
@@ -78,6 +80,8 @@ def restore_rng(state: dict[str, Any], generator: torch.Generator | None = None)
     n = state["numpy"]
     np.random.set_state((n["kind"], n["keys"].numpy(), n["pos"], n["has_gauss"], n["gauss"]))
     torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
     if generator is not None and "generator" in state:
         generator.set_state(state["generator"])
 

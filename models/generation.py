@@ -104,12 +104,16 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
         seen = torch.zeros(B, model.config.vocab_size, dtype=torch.bool, device=device)
         seen.scatter_(1, input_ids.masked_fill(attention_mask == 0, 0), attention_mask.bool())
     finished = torch.zeros(B, dtype=torch.bool, device=device)
+    # Keys each step may attend (new tokens are always real); None without padding lets SDPA skip masking.
+    key_mask = None if bool(attention_mask.bool().all()) else mask.bool()[:, None, None, :]  # (B, 1, 1, T + new)
 
     was_training = model.training
     model.eval()
     try:
+        # The prompt goes through the checked forward; each step then takes the lean path (inputs made here).
         hidden = body(input_ids, mask[:, :T], positions[:, :T], cache, use_cache=True)["last_hidden_state"][:, -1]
         for step in range(max_new_tokens):
+            # bf16 models give bf16 logits: filters and sampling work in fp32.
             logits = process_logits(body.hidden_state_to_token(hidden).float(), seen, temperature if do_sample else 1.0,
                                     top_k if do_sample else None, top_p if do_sample else None, repetition_penalty)
             if do_sample:
@@ -122,11 +126,11 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
             out[:, T + step] = next_ids
             if seen is not None:
                 seen[torch.arange(B, device=device), next_ids] = True
-            if step == max_new_tokens - 1 or bool(finished.all()):
+            if step == max_new_tokens - 1 or eos_token_id is not None and bool(finished.all()):
                 return out[:, : T + step + 1]
             pos = T + step
-            hidden = body(next_ids[:, None], mask[:, : pos + 1], positions[:, pos: pos + 1], cache,
-                          use_cache=True)["last_hidden_state"][:, -1]
+            step_mask = key_mask[..., : pos + 1] if key_mask is not None else None
+            hidden = body.decode_step(next_ids[:, None], positions[:, pos: pos + 1], step_mask, cache)
         return out
     finally:
         model.train(was_training)

@@ -118,6 +118,17 @@ class GPT2Model(nn.Module):
             out["past_key_values"] = past_key_values
         return out
 
+    def decode_step(self, input_ids: torch.Tensor, position_ids: torch.Tensor, key_mask: torch.Tensor | None,
+                    kv_cache: KVCache) -> torch.Tensor:
+        """One token per row after the cached ones, without forward's checks (the caller validated the whole
+        request once): input_ids, position_ids (B, 1); key_mask bool (B, 1, 1, cached + 1), True for real tokens,
+        or None without padding. Returns the final hidden states (B, C)."""
+        hidden_states = self.embed(input_ids, position_ids)  # (B, 1, C)
+        for layer in self.gpt_layers:
+            hidden_states = layer(hidden_states, key_mask, kv_cache)
+        kv_cache.advance(1)
+        return self.final_layer_norm(hidden_states[:, -1])
+
     def hidden_state_to_token(self, hidden_state: torch.Tensor) -> torch.Tensor:
         """(..., C) -> (..., vocab) logits with the weights tied to the token embedding."""
         return F.linear(hidden_state, self.word_embedding.weight)
@@ -223,8 +234,9 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Te
     """Shifted next-token cross-entropy (fp32), ignoring -100 labels and pairs that touch padding."""
     if labels.shape != logits.shape[:2]:
         raise ValueError(f"labels must have shape {tuple(logits.shape[:2])}, got {tuple(labels.shape)}")
-    targets = labels[:, 1:]
+    # Shift the labels, not the logits: slicing (B, T, V) logits would copy them; the last position predicts nothing.
+    targets = F.pad(labels[:, 1:], (0, 1), value=-100)  # (B, T)
     if attention_mask is not None:  # a target counts only if it and the position predicting it are real tokens
         real = attention_mask[:, -num_new:].bool()
-        targets = targets.masked_fill(~(real[:, 1:] & real[:, :-1]), -100)
-    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
+        targets = targets.masked_fill(~(F.pad(real[:, 1:], (0, 1)) & real), -100)
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)

@@ -1,0 +1,442 @@
+"""Ours against transformers.GPT2LMHeadModel (sdpa and eager) on the same CPU, in the same run, on the same weights.
+
+The gpt2 (124M) preset at random init: one transformers model is initialised with a fixed seed and every contender
+(ours, HF sdpa, HF eager) gets its weights. Each measurement times one unit of work per contender in turn, rotating
+the order, `--repeats` times, and reports medians, so load from other processes on a shared machine hits all
+contenders alike. Ratios are ours / the best transformers contender; the targets compare against transformers fp32.
+
+Sections (`--only`, several allowed; default all):
+  train          training step (forward, backward, AdamW step), batch 4 x 128, fp32 and bf16 autocast (fp32
+                 master weights); plus the loss after --loss-steps steps of fp32 vs bf16 from the same start
+  forward        inference forward (logits at every position), batch 8 x 128, fp32 and bf16 weights
+  generate       greedy, 16-token prompts + 64 new tokens, batch 1 and batch 8 (left-padded), fp32 and bf16 weights
+  memory         peak RSS of each of the above, each in a fresh subprocess (VmHWM, reset after the model is built)
+  xl             gpt2-xl (1.5B) at random init in bf16: greedy tokens/s and peak RSS, in a subprocess
+  checkpointing  gpt2-medium training step with and without gradient checkpointing: step time and peak RSS
+
+    python bench/compare_hf.py                                  # everything, torch's default thread count
+    python bench/compare_hf.py --only forward generate --repeats 7
+    python bench/compare_hf.py --only train --loss-steps 20 --threads 2
+    python bench/compare_hf.py --only memory checkpointing
+    python bench/compare_hf.py --skip-xl --compile              # also time torch.compile'd ours (forward, train)
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+import transformers  # noqa: E402
+
+from config import GPT2Config  # noqa: E402
+from models.gpt2 import GPT2LMHeadModel  # noqa: E402
+from models.loading import hf_to_ours  # noqa: E402
+
+SECTIONS = ("train", "forward", "generate", "memory", "xl", "checkpointing")
+# (case, dtype) -> minimum of ours / best transformers fp32 (issue 7).
+TARGETS = {("train", "fp32"): 1.1, ("train", "bf16"): 3.0, ("forward", "fp32"): 1.0, ("forward", "bf16"): 3.0,
+           ("generate b1", "fp32"): 1.5, ("generate b1", "bf16"): 2.5, ("generate b8", "fp32"): 2.0}
+PROMPT_LENGTHS_B8 = [16, 13, 10, 16, 7, 12, 15, 9]  # the batch-8 prompts, left-padded to 16
+SHARED = Path(os.environ.get("GPT2_SHARED_DIR", ROOT.parent / "shared"))
+
+
+# ---- models and inputs -------------------------------------------------------------------------------------------
+
+def hf_reference(preset: str, seed: int, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """The state dict of a random-init transformers model: the weights every contender gets."""
+    torch.manual_seed(seed)
+    with _default_dtype(dtype):
+        hf = transformers.GPT2LMHeadModel(GPT2Config.from_preset(preset).to_hf())
+    return hf.state_dict()
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # build big models directly in bf16 instead of via an fp32 copy
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def build(impl: str, preset: str, state: dict | None, dtype: torch.dtype = torch.float32):
+    """impl 'ours', 'hf-sdpa' or 'hf-eager' with the given weights (None: its own random init)."""
+    config = GPT2Config.from_preset(preset)
+    with _default_dtype(dtype):
+        if impl == "ours":
+            model = GPT2LMHeadModel(config)
+            if state is not None:
+                model.gpt.load_state_dict(hf_to_ours(state, config.n_layer))
+        else:
+            model = transformers.GPT2LMHeadModel(config.to_hf(attn_implementation=impl.split("-")[1]))
+            if state is not None:
+                model.load_state_dict(state, strict=False)  # the tied lm_head may be absent
+            model.generation_config.eos_token_id = None  # like ours without eos_token_id: always max_new_tokens
+            model.generation_config.pad_token_id = config.eos_token_id
+    return model.to(dtype)
+
+
+def training_batch(batch: int, length: int, seed: int) -> torch.Tensor:
+    """Token ids of tinyshakespeare (GPT-2 tokenizer) when ../shared has them, else random ids."""
+    text, tok = SHARED / "data/tinyshakespeare/input.txt", SHARED / "gpt2-tokenizer"
+    if text.exists() and tok.exists():
+        ids = transformers.AutoTokenizer.from_pretrained(tok)(text.read_text()[:200_000])["input_ids"]
+        return torch.tensor(ids[: batch * length]).view(batch, length)
+    return torch.randint(0, 50257, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def prompts(batch: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(batch, 16) ids and mask; batch 8 uses PROMPT_LENGTHS_B8, padded on the left."""
+    lengths = [16] if batch == 1 else PROMPT_LENGTHS_B8[:batch]
+    ids = torch.randint(0, 50257, (len(lengths), 16), generator=torch.Generator().manual_seed(seed))
+    mask = torch.zeros_like(ids)
+    for row, n in enumerate(lengths):
+        mask[row, 16 - n:] = 1
+    return ids, mask
+
+
+# ---- one unit of work per case ------------------------------------------------------------------------------------
+
+def _is_ours(model) -> bool:
+    return isinstance(getattr(model, "_orig_mod", model), GPT2LMHeadModel)  # torch.compile wraps the module
+
+
+def loss_of(model, ids: torch.Tensor) -> torch.Tensor:
+    if _is_ours(model):
+        return model(ids, labels=ids)["loss"]
+    return model(input_ids=ids, labels=ids, use_cache=False).loss
+
+
+def make_train_step(model, ids: torch.Tensor, bf16: bool, optimizer: str):
+    """A closure doing one training step; the same torch AdamW (foreach) for everyone unless --optimizer ours."""
+    model.train()
+    if optimizer == "ours" and _is_ours(model):
+        from optimizer import AdamW
+
+        opt = AdamW(model.parameters(), lr=3e-4, weight_decay=0.01)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-4, eps=1e-6, weight_decay=0.01, foreach=True)
+
+    def step() -> float:
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss = loss_of(model, ids)
+        loss.backward()
+        opt.step()
+        return loss.item()
+
+    return step
+
+
+def make_forward(model, ids: torch.Tensor):
+    model.eval()
+
+    @torch.no_grad()
+    def forward():
+        if _is_ours(model):
+            return model(ids)["logits"]
+        return model(input_ids=ids, use_cache=False).logits
+
+    return forward
+
+
+def make_generate(model, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int):
+    model.eval()
+
+    def generate():
+        if _is_ours(model):
+            return model.generate(ids, mask, max_new_tokens=new_tokens)
+        return model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False)
+
+    return generate
+
+
+# ---- timing -------------------------------------------------------------------------------------------------------
+
+def time_contenders(fns: dict, repeats: int, warmup: int = 1) -> dict[str, float]:
+    """Median seconds per call of each function; calls interleave, the order rotating every round."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    times = {name: [] for name in fns}
+    names = list(fns)
+    for r in range(repeats):
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            start = time.perf_counter()
+            fns[name]()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+class Report:
+    """Collects rows of (case, dtype, tokens/s per contender) and prints them with ratios and targets."""
+
+    def __init__(self):
+        self.rows: list[dict] = []
+        self.hf_fp32: dict[str, float] = {}  # case -> best transformers fp32 tokens/s
+
+    def add(self, case: str, dtype: str, rates: dict[str, float], unit: str) -> None:
+        hf = {k: v for k, v in rates.items() if k.startswith("hf")}
+        if dtype == "fp32" and hf:
+            self.hf_fp32[case] = max(hf.values())
+        ours = rates.get("ours")
+        row = dict(case=case, dtype=dtype, unit=unit, rates=rates)
+        if hf and ours:
+            row["vs_same_dtype"] = ours / max(hf.values())
+        if case in self.hf_fp32 and ours:
+            row["vs_hf_fp32"] = ours / self.hf_fp32[case]
+        target = TARGETS.get((case, dtype))
+        if target is not None and "vs_hf_fp32" in row:
+            row["target"] = f">= {target}x: {'met' if row['vs_hf_fp32'] >= target else 'NOT met'}"
+        self.rows.append(row)
+        self.print_row(row)
+
+    @staticmethod
+    def print_row(row: dict) -> None:
+        rates = "  ".join(f"{k} {v:8.1f}" for k, v in row["rates"].items())
+        extra = ""
+        if "vs_same_dtype" in row:
+            extra += f"  ours/best-HF {row['vs_same_dtype']:.2f}x"
+        if "vs_hf_fp32" in row and row["dtype"] != "fp32":
+            extra += f"  ours/best-HF-fp32 {row['vs_hf_fp32']:.2f}x"
+        if "target" in row:
+            extra += f"  (target {row['target']})"
+        print(f"{row['case']:<12} {row['dtype']:<5} {row['unit']:<12} {rates}{extra}", flush=True)
+
+
+def contenders(args, state: dict, dtype: torch.dtype, bf16_row: bool, compile_ours: bool = False) -> dict:
+    """Ours and the transformers models, built in `dtype`; bf16 rows may leave transformers out (--skip-hf-bf16)."""
+    impls = ["ours"] + ([] if bf16_row and args.skip_hf_bf16 else [f"hf-{i}" for i in args.hf_impls])
+    models = {impl: build(impl, "gpt2", state, dtype) for impl in impls}
+    if compile_ours:
+        models["ours+compile"] = torch.compile(copy.deepcopy(models["ours"]))
+    return models
+
+
+# ---- sections -----------------------------------------------------------------------------------------------------
+
+def section_train(args, state: dict, report: Report) -> None:
+    ids = training_batch(4, 128, args.seed)
+    for bf16 in [d == "bf16" for d in args.dtypes]:
+        torch.manual_seed(args.seed)
+        models = contenders(args, state, torch.float32, bf16, args.compile)  # fp32 master weights under autocast
+        fns = {name: make_train_step(m, ids, bf16, args.optimizer) for name, m in models.items()}
+        sec = time_contenders(fns, args.repeats)
+        report.add("train", "bf16" if bf16 else "fp32", {k: ids.numel() / v for k, v in sec.items()}, "tokens/s")
+        del fns
+    if args.loss_steps and "bf16" in args.dtypes:
+        losses = {}
+        for bf16 in (False, True):
+            torch.manual_seed(args.seed)  # same dropout masks in both runs
+            step = make_train_step(build("ours", "gpt2", state), ids, bf16, args.optimizer)
+            for _ in range(args.loss_steps):
+                loss = step()
+            losses["bf16" if bf16 else "fp32"] = loss
+        rel = abs(losses["bf16"] - losses["fp32"]) / losses["fp32"]
+        print(f"train loss after {args.loss_steps} steps (ours, same batch, same start): fp32 {losses['fp32']:.4f}  "
+              f"bf16 autocast {losses['bf16']:.4f}  difference {100 * rel:.2f}% (target <= 2%: "
+              f"{'met' if rel <= 0.02 else 'NOT met'})", flush=True)
+
+
+def section_forward(args, state: dict, report: Report) -> None:
+    ids = torch.randint(0, 50257, (8, 128), generator=torch.Generator().manual_seed(args.seed))
+    for dtype in _dtypes(args):
+        models = contenders(args, state, dtype, dtype == torch.bfloat16, args.compile and dtype == torch.float32)
+        sec = time_contenders({k: make_forward(m, ids) for k, m in models.items()}, args.repeats)
+        report.add("forward", _name(dtype), {k: ids.numel() / v for k, v in sec.items()}, "tokens/s")
+
+
+def section_generate(args, state: dict, report: Report) -> None:
+    for dtype in _dtypes(args):
+        models = contenders(args, state, dtype, dtype == torch.bfloat16)
+        for batch in (1, 8):
+            ids, mask = prompts(batch, args.seed)
+            fns = {k: make_generate(m, ids, mask, args.new_tokens) for k, m in models.items()}
+            outs = {k: fn() for k, fn in fns.items()}
+            ref = next((k for k in outs if k.startswith("hf")), None)
+            sec = time_contenders(fns, args.repeats, warmup=0)
+            report.add(f"generate b{batch}", _name(dtype), {k: batch * args.new_tokens / v for k, v in sec.items()},
+                       "new tokens/s")
+            if ref:
+                same = (outs["ours"] == outs[ref]).all(1).float().mean().item()
+                print(f"{'':<12} {'':<5} greedy rows identical to {ref}: {100 * same:.0f}%", flush=True)
+
+
+def _dtypes(args) -> list[torch.dtype]:
+    return [{"fp32": torch.float32, "bf16": torch.bfloat16}[d] for d in args.dtypes]
+
+
+def _name(dtype: torch.dtype) -> str:
+    return {torch.float32: "fp32", torch.bfloat16: "bf16"}[dtype]
+
+
+# ---- memory: one fresh subprocess per measurement ------------------------------------------------------------------
+
+def run_child(spec: dict, threads: int | None) -> dict:
+    cmd = [sys.executable, __file__, "--child", json.dumps(spec)] + (["--threads", str(threads)] if threads else [])
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"child {spec} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def child_main(spec: dict) -> None:
+    """Build one model, warm up once, reset the peak RSS, run `steps` units of work, print JSON."""
+    dtype = torch.bfloat16 if spec["dtype"] == "bf16" else torch.float32
+    case = spec["case"]
+    # Training keeps fp32 master weights (bf16 means autocast); inference converts the weights.
+    model = build(spec["impl"], spec["preset"], None, torch.float32 if case == "train" else dtype)
+    if case == "train":
+        if spec.get("checkpointing"):
+            model.gpt.gradient_checkpointing = True
+        fn = make_train_step(model, training_batch(4, 128, 0), dtype == torch.bfloat16, "torch")
+        tokens = 4 * 128
+    elif case == "forward":
+        ids = torch.randint(0, 50257, (8, 128))
+        fn, tokens = make_forward(model, ids), ids.numel()
+    else:  # "generate bN"
+        batch = int(case.split("b")[1])
+        ids, mask = prompts(batch, 0)
+        fn, tokens = make_generate(model, ids, mask, spec["new_tokens"]), batch * spec["new_tokens"]
+    baseline = _rss_mb("VmRSS")
+    fn()  # warm-up: allocator pools, optimizer state, lazily built buffers
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset VmHWM to the current RSS
+    start = time.perf_counter()
+    for _ in range(spec.get("steps", 1)):
+        fn()
+    seconds = (time.perf_counter() - start) / spec.get("steps", 1)
+    print(json.dumps(dict(model_mb=baseline, peak_mb=_rss_mb("VmHWM"), tokens_per_s=tokens / seconds)))
+
+
+def _rss_mb(field: str) -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def section_memory(args) -> None:
+    print("peak RSS in a fresh process per row: 'model' = RSS with the model built (before any step); 'peak' = the "
+          "highest RSS during one step after a warm-up step; 'work' = peak - model", flush=True)
+    cases = [("train", "fp32"), ("train", "bf16"), ("forward", "fp32"), ("forward", "bf16"),
+             ("generate b1", "fp32"), ("generate b8", "fp32"), ("generate b1", "bf16")]
+    for case, dtype in [c for c in cases if c[1] in args.dtypes]:
+        cells = []
+        for impl in ["ours"] + [f"hf-{i}" for i in args.hf_impls]:
+            r = run_child(dict(case=case, dtype=dtype, impl=impl, preset="gpt2", new_tokens=args.new_tokens),
+                          args.threads)
+            cells.append(f"{impl} model {r['model_mb']:6.0f} peak {r['peak_mb']:6.0f} work {r['peak_mb'] - r['model_mb']:6.0f}")
+        print(f"{case:<12} {dtype:<5} MB  " + "  |  ".join(cells), flush=True)
+
+
+def section_xl(args) -> None:
+    print(f"gpt2-xl (1.5B) at random init, bf16 weights, greedy, 16-token prompt + {args.xl_new_tokens} new tokens, "
+          "each in a fresh process:", flush=True)
+    for impl in ("ours", "hf-sdpa"):
+        r = run_child(dict(case="generate b1", dtype="bf16", impl=impl, preset="gpt2-xl", new_tokens=args.xl_new_tokens),
+                      args.threads)
+        print(f"  {impl:<8} {r['tokens_per_s']:6.2f} new tokens/s   model {r['model_mb'] / 1024:5.2f} GiB   "
+              f"peak {r['peak_mb'] / 1024:5.2f} GiB", flush=True)
+
+
+def section_checkpointing(args) -> None:
+    print("gpt2-medium training step, batch 4 x 128, fp32, ours, each in a fresh process:", flush=True)
+    results = {}
+    for on in (False, True):
+        r = run_child(dict(case="train", dtype="fp32", impl="ours", preset="gpt2-medium", checkpointing=on), args.threads)
+        results[on] = r
+        print(f"  gradient checkpointing {'on ' if on else 'off'}  {r['tokens_per_s']:6.1f} tokens/s   "
+              f"peak {r['peak_mb']:6.0f} MB   work {r['peak_mb'] - r['model_mb']:6.0f} MB", flush=True)
+    saved = (results[False]["peak_mb"] - results[True]["peak_mb"])
+    print(f"  checkpointing saves {saved:.0f} MB of peak RSS and costs "
+          f"{100 * (results[False]['tokens_per_s'] / results[True]['tokens_per_s'] - 1):.0f}% more time per step",
+          flush=True)
+
+
+# ---- machine -------------------------------------------------------------------------------------------------------
+
+def gemm_gflops(dtype: torch.dtype, seconds: float = 1.0) -> float:
+    a, b = torch.randn(1024, 768, dtype=dtype), torch.randn(768, 3072, dtype=dtype)
+    a @ b
+    n, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        a @ b
+        n += 1
+    return n * 2 * 1024 * 768 * 3072 / (time.perf_counter() - start) / 1e9
+
+
+def describe_machine() -> None:
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor())
+    caps = torch.backends.cpu.get_cpu_capability()
+    native_bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    print(f"machine: {cpu}, {os.cpu_count()} cores, torch {torch.__version__} ({caps}, native bf16 GEMM: "
+          f"{'yes' if native_bf16 else 'no'}), transformers {transformers.__version__}, {torch.get_num_threads()} "
+          f"threads, load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
+    print(f"matmul 1024x768x3072: fp32 {gemm_gflops(torch.float32):.0f} GFLOP/s, "
+          f"bf16 {gemm_gflops(torch.bfloat16):.0f} GFLOP/s", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = parser.add_argument_group("what to measure")
+    g.add_argument("--only", nargs="+", choices=SECTIONS, default=None, help="sections to run (default: all)")
+    g.add_argument("--dtypes", nargs="+", choices=("fp32", "bf16"), default=["fp32", "bf16"],
+                   help="precisions to run (bf16 rows take long on CPUs without bf16 matrix instructions)")
+    g.add_argument("--hf-impls", nargs="+", choices=("sdpa", "eager"), default=["sdpa", "eager"],
+                   help="transformers attention implementations to compare against")
+    g.add_argument("--skip-hf-bf16", action="store_true",
+                   help="time only ours in bf16 rows (the targets compare against transformers fp32; transformers "
+                        "bf16 takes minutes per call on CPUs without bf16 matrix instructions)")
+    g.add_argument("--skip-xl", action="store_true",
+                   help="skip the gpt2-xl section (about 4 GB per process, minutes per run)")
+    g.add_argument("--compile", action="store_true", help="also time torch.compile(ours) for forward and train")
+    g.add_argument("--optimizer", choices=("torch", "ours"), default="torch",
+                   help="training optimizer for ours: torch.optim.AdamW(foreach) as for HF, or optimizer.AdamW")
+    g = parser.add_argument_group("how")
+    g.add_argument("--repeats", type=int, default=5, help="timed calls per contender (the median is reported)")
+    g.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
+    g.add_argument("--seed", type=int, default=0, help="seed of the random-init weights and of the inputs")
+    g.add_argument("--new-tokens", type=int, default=64, help="new tokens per greedy generation")
+    g.add_argument("--loss-steps", type=int, default=20, help="steps of the fp32 vs bf16 loss check (0: skip)")
+    g.add_argument("--xl-new-tokens", type=int, default=32, help="new tokens per gpt2-xl generation")
+    g.add_argument("--child", default=None, help=argparse.SUPPRESS)  # internal: one memory measurement
+    args = parser.parse_args()
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    transformers.logging.set_verbosity_error()
+    if args.child:
+        return child_main(json.loads(args.child))
+    sections = [s for s in (args.only or SECTIONS) if not (s == "xl" and args.skip_xl)]
+    describe_machine()
+    state = hf_reference("gpt2", args.seed)
+    report = Report()
+    started = time.perf_counter()
+    for name in sections:
+        print(f"\n== {name} ==", flush=True)
+        if name in ("train", "forward", "generate"):
+            globals()[f"section_{name}"](args, state, report)
+        else:
+            globals()[f"section_{name}"](args)
+    print(f"\ndone in {time.perf_counter() - started:.0f} s; load average now "
+          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

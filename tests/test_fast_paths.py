@@ -1,0 +1,140 @@
+"""The fast paths: the lean decoding step, the label-shifted loss, and bf16 with its own tolerances. (fp32 parity with transformers, at 1e-5, is in test_model.py and
+test_generation.py.)"""
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import padded_batch, tiny_config
+
+from models.gpt2 import GPT2LMHeadModel, lm_loss, position_ids_from_mask
+
+ATOL = 1e-5
+# bf16 keeps 8 significant bits (relative step 2**-8 = 0.4%); through a few layers the logits of these tiny models
+# stay within 3% of their largest magnitude (measured 0.4-0.9%).
+BF16_REL = 3e-2
+
+
+def model(name="h4-wide", seed=0, **overrides):
+    torch.manual_seed(seed)
+    m = GPT2LMHeadModel(tiny_config(name, **overrides)).eval()
+    with torch.no_grad():  # larger weights than the 0.02 init so that logits are spread and argmax is meaningful
+        for p in m.parameters():
+            p.mul_(4.0 if p.dim() == 2 else 1.0)
+    return m
+
+
+def _to_bf16(m):
+    copy = GPT2LMHeadModel(m.config)
+    copy.load_state_dict(m.state_dict())
+    return copy.to(torch.bfloat16).eval()
+
+
+def test_decode_step_equals_the_checked_forward_with_a_cache():
+    m = model()
+    ids, mask = padded_batch([7, 3, 5], 7, m.config.vocab_size, "left", seed=1)
+    nxt = torch.randint(0, m.config.vocab_size, (3, 1))
+    full_mask = torch.cat([mask, torch.ones_like(nxt)], 1)
+    pos = position_ids_from_mask(full_mask)
+    with torch.no_grad():
+        cache_a = m.gpt.new_cache(3, 8)
+        m.gpt(ids, mask, use_cache=True, past_key_values=cache_a)
+        checked = m.gpt(nxt, full_mask, past_key_values=cache_a)["last_hidden_state"][:, -1]
+        cache_b = m.gpt.new_cache(3, 8)
+        m.gpt(ids, mask, use_cache=True, past_key_values=cache_b)
+        lean = m.gpt.decode_step(nxt, pos[:, -1:], full_mask.bool()[:, None, None, :], cache_b)
+        whole = m.gpt(torch.cat([ids, nxt], 1), full_mask)["last_hidden_state"][:, -1]
+    assert lean.shape == (3, m.config.n_embd) and cache_b.length == 8
+    torch.testing.assert_close(lean, checked, atol=ATOL, rtol=0)
+    torch.testing.assert_close(lean, whole, atol=ATOL, rtol=0)
+
+
+def test_generate_sees_weights_changed_behind_autograds_back():
+    """Nothing derived from the weights outlives a generate call: `p.data` edits (which bump no version) are seen."""
+    m = model()
+    ids = torch.randint(0, m.config.vocab_size, (1, 4), generator=torch.Generator().manual_seed(2))
+    before = m.generate(ids, max_new_tokens=8)
+    for layer in m.gpt.gpt_layers:
+        layer.self_attention.key.weight.data.mul_(-3.0)
+        layer.self_attention.value.weight.data.add_(0.5)
+    fresh = GPT2LMHeadModel(m.config).eval()
+    fresh.load_state_dict(m.state_dict())
+    after = m.generate(ids, max_new_tokens=8)
+    assert torch.equal(after, fresh.generate(ids, max_new_tokens=8))
+    assert not torch.equal(after, before)
+
+
+def test_label_shifted_loss_equals_the_logit_shifted_definition():
+    torch.manual_seed(0)
+    logits = torch.randn(3, 6, 11)
+    labels = torch.randint(0, 11, (3, 6))
+    labels[0, 2] = -100
+    mask = torch.tensor([[1, 1, 1, 1, 1, 1], [0, 0, 1, 1, 1, 1], [1, 1, 1, 0, 0, 0]])
+    targets = labels[:, 1:].masked_fill(~(mask[:, 1:].bool() & mask[:, :-1].bool()), -100)
+    expected = F.cross_entropy(logits[:, :-1].reshape(-1, 11), targets.reshape(-1), ignore_index=-100)
+    torch.testing.assert_close(lm_loss(logits, labels, mask, 6), expected, atol=1e-6, rtol=0)
+    expected_unmasked = F.cross_entropy(logits[:, :-1].reshape(-1, 11), labels[:, 1:].reshape(-1), ignore_index=-100)
+    torch.testing.assert_close(lm_loss(logits, labels, None, 6), expected_unmasked, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["h3-inner", "h4-wide"])
+def test_bf16_logits_are_close_to_fp32(name):
+    m = model(name)
+    ids, mask = padded_batch([9, 6, 2], 9, m.config.vocab_size, "left", seed=3)
+    with torch.no_grad():
+        ref = m(ids, mask)["logits"]
+        low = _to_bf16(m)(ids, mask)["logits"]
+    assert low.dtype == torch.bfloat16
+    real = mask.bool()
+    err = (low.float() - ref)[real].abs().max()
+    assert err <= BF16_REL * ref[real].abs().max(), f"bf16 logits off by {err:.4f} (scale {ref[real].abs().max():.3f})"
+
+
+def test_bf16_greedy_agrees_where_fp32_is_decisive():
+    """Where fp32's best logit leads the runner-up by more than the bf16 error bound, bf16 picks the same token."""
+    m = model("h4-wide")
+    ids = torch.randint(0, m.config.vocab_size, (64, 6), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        ref = m(ids)["logits"][:, -1]
+        low = _to_bf16(m)(ids)["logits"][:, -1].float()
+    top2 = ref.topk(2, dim=-1).values
+    decisive = (top2[:, 0] - top2[:, 1]) > 2 * BF16_REL * ref.abs().max()
+    assert decisive.sum() >= 16, "too few decisive rows to test"
+    assert torch.equal(low.argmax(-1)[decisive], ref.argmax(-1)[decisive])
+    # Whole greedy sequences: most rows agree token for token (a near-tie may flip one and change the rest).
+    fp32_out = m.generate(ids[:16], max_new_tokens=6)
+    bf16_out = _to_bf16(m).generate(ids[:16], max_new_tokens=6)
+    assert (fp32_out == bf16_out).all(1).float().mean() >= 0.5
+
+
+def test_bf16_generation_batched_left_padded_runs_with_a_bf16_cache():
+    m = _to_bf16(model("h3-inner"))
+    ids, mask = padded_batch([5, 2, 4], 5, m.config.vocab_size, "left", seed=5)
+    out = m.generate(ids, mask, max_new_tokens=7, do_sample=True, top_p=0.9, generator=torch.Generator().manual_seed(0))
+    assert out.shape == (3, 12) and out.dtype == torch.long
+    assert m.gpt.new_cache(1, 2).keys.dtype == torch.bfloat16
+    greedy = m.generate(ids, mask, max_new_tokens=7)
+    for i in range(3):  # a padded row decodes as it would alone, in bf16 too
+        alone = ids[i: i + 1, mask[i].bool()]
+        assert torch.equal(m.generate(alone, max_new_tokens=7)[0, -7:], greedy[i, -7:])
+
+
+def test_bf16_autocast_training_step_tracks_fp32():
+    m = model("h4-wide", resid_pdrop=0.0)
+    ids = torch.randint(0, m.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(6))
+    m.train()
+    fp32 = m(ids, labels=ids)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        low = m(ids, labels=ids)
+    assert low["loss"].dtype == torch.float32 and low["logits"].dtype == torch.bfloat16
+    assert abs(low["loss"].item() - fp32["loss"].item()) <= 1e-2 * fp32["loss"].item()
+    low["loss"].backward()
+    grads = [p.grad for p in m.parameters()]
+    assert all(g is not None and g.dtype == torch.float32 and torch.isfinite(g).all() for g in grads)
+
+
+def test_autocast_decoding_writes_bf16_projections_into_an_fp32_cache():
+    m = model("h5")
+    ids = torch.randint(0, m.config.vocab_size, (2, 5), generator=torch.Generator().manual_seed(7))
+    ref = m.generate(ids, max_new_tokens=6)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = m.generate(ids, max_new_tokens=6)
+    assert out.shape == ref.shape and m.gpt.new_cache(1, 1).keys.dtype == torch.float32

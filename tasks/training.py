@@ -20,6 +20,7 @@ import contextlib
 import math
 import random
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -70,8 +71,21 @@ def pick_device(use_gpu: bool, threads: int = 0) -> torch.device:
     return torch.device("cpu")
 
 
+def bf16_matmul_is_fast(device: torch.device | str) -> bool:
+    """False on CPUs without bf16 matrix instructions (AVX512-BF16 / AMX), where bf16 runs far slower than fp32."""
+    if torch.device(device).type != "cpu":
+        return True
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return True
+
+
 def autocast(device: torch.device | str, bf16: bool):
     device = torch.device(device)
+    if bf16 and not bf16_matmul_is_fast(device):
+        warnings.warn("--bf16 on a CPU without bf16 matrix instructions (no AVX512-BF16/AMX): bf16 matmuls run much "
+                      "slower than fp32 here; drop --bf16 for speed", stacklevel=2)
     return torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
 
 

@@ -1,0 +1,143 @@
+"""Train a GPT-2 from scratch on a text file, then sample from it ("Let's build GPT").
+
+    # nanoGPT's CPU configuration on tiny shakespeare (every default below is that configuration):
+    python run_pretrain.py --data ../shared/data/tinyshakespeare/input.txt --out_dir out/shakespeare-char
+    # continue an interrupted run exactly where its last checkpoint left off
+    python run_pretrain.py --data ../shared/data/tinyshakespeare/input.txt --out_dir out/shakespeare-char --resume
+    # GPT-2 BPE tokens, a preset size with a shorter context, gradient accumulation
+    python run_pretrain.py --data corpus.txt --tokenizer gpt2 --preset gpt2 --n_positions 256 --block_size 256 \\
+        --batch_size 8 --grad_accum 4 --out_dir out/corpus-bpe
+    # sample from a saved checkpoint
+    python run_pretrain.py --sample --model out/shakespeare-char/best --prompt "ROMEO:" --max_new_tokens 500 \\
+        --temperature 0.8 --top_k 200 --num_samples 3
+
+The checkpoint folders (out_dir/best, out_dir/last) are Hugging Face model folders with their tokenizer
+(char_vocab.json, or the BPE tokenizer's files) and training state; the token ids live once in out_dir/data.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from config import ACTIVATIONS, PRESETS
+
+
+def _positive(kind):
+    def parse(text: str):
+        value = kind(text)
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return value
+
+    return parse
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = p.add_argument_group("data")
+    g.add_argument("--data", help="UTF-8 text file to train on")
+    g.add_argument("--tokenizer", default="char",
+                   help="'char' (vocabulary = the corpus's characters), 'gpt2' or a folder with a GPT-2 BPE tokenizer")
+    g.add_argument("--val_fraction", type=float, default=0.1, help="last fraction of the token ids held out for val")
+    g.add_argument("--data_dir", help="cache for the encoded ids (default: OUT_DIR/data)")
+    g = p.add_argument_group("model (random init)")
+    g.add_argument("--preset", choices=sorted(PRESETS), help="start from a GPT-2 size (n_positions 1024)")
+    g.add_argument("--n_layer", type=_positive(int), help="transformer blocks (default 4, or the preset's)")
+    g.add_argument("--n_head", type=_positive(int), help="attention heads (default 4, or the preset's)")
+    g.add_argument("--n_embd", type=_positive(int), help="model width (default 128, or the preset's)")
+    g.add_argument("--block_size", type=_positive(int), default=64, help="tokens per training window")
+    g.add_argument("--n_positions", type=_positive(int), help="model context (default: --block_size; 1024 with a preset)")
+    g.add_argument("--dropout", type=float, default=0.0, help="residual, embedding and attention dropout")
+    g.add_argument("--activation", choices=ACTIVATIONS, default="gelu_new",
+                   help="MLP activation: GPT-2's tanh GELU, or exact 'gelu' as nanoGPT")
+    g = p.add_argument_group("optimization")
+    g.add_argument("--max_iters", type=_non_negative_int, default=2000, help="optimizer steps")
+    g.add_argument("--batch_size", type=_positive(int), default=12, help="windows per micro-batch")
+    g.add_argument("--grad_accum", type=_positive(int), default=1, help="micro-batches per optimizer step")
+    g.add_argument("--learning_rate", type=_positive(float), default=1e-3, help="peak learning rate")
+    g.add_argument("--min_lr", type=float, default=1e-4, help="floor the cosine decays to")
+    g.add_argument("--warmup_iters", type=_non_negative_int, default=100, help="linear warmup steps")
+    g.add_argument("--lr_decay_iters", type=_positive(int), help="step where the cosine reaches --min_lr (default --max_iters)")
+    g.add_argument("--weight_decay", type=float, default=0.1, help="AdamW decoupled weight decay of matrices")
+    g.add_argument("--decay_embeddings", action="store_true", help="decay the embeddings too (nanoGPT does)")
+    g.add_argument("--beta1", type=float, default=0.9, help="AdamW beta1")
+    g.add_argument("--beta2", type=float, default=0.99, help="AdamW beta2")
+    g.add_argument("--adam_eps", type=float, default=1e-8, help="AdamW epsilon")
+    g.add_argument("--grad_clip", type=float, default=1.0, help="clip the gradient norm to this (0: off)")
+    g.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="bfloat16: autocast matmuls (fast only on CPUs with AVX512-BF16/AMX, or GPUs)")
+    g = p.add_argument_group("evaluation and checkpoints")
+    g.add_argument("--eval_interval", type=_positive(int), default=250, help="estimate train/val loss every N steps")
+    g.add_argument("--eval_iters", type=_positive(int), default=20, help="random batches per split per estimate")
+    g.add_argument("--log_interval", type=_positive(int), default=50, help="print the training loss every N steps")
+    g.add_argument("--out_dir", default="out/pretrain", help="checkpoints best/ and last/, and the id cache")
+    g.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out_dir")
+    g = p.add_argument_group("sampling (after training, or from a checkpoint with --sample)")
+    g.add_argument("--sample", action="store_true", help="only sample from --model (no training)")
+    g.add_argument("--model", help="checkpoint or model folder for --sample (default OUT_DIR/best)")
+    g.add_argument("--prompt", help="text to continue (default: newline for char models, <|endoftext|> for BPE)")
+    g.add_argument("--max_new_tokens", type=_non_negative_int, default=300, help="tokens to generate per sample")
+    g.add_argument("--num_samples", type=_non_negative_int, default=1, help="samples to print")
+    g.add_argument("--temperature", type=_positive(float), default=0.8, help="softmax temperature")
+    g.add_argument("--top_k", type=_non_negative_int, default=200, help="keep the k most likely tokens (0: all)")
+    g.add_argument("--top_p", type=float, help="nucleus sampling mass in (0, 1]")
+    g = p.add_argument_group("system")
+    g.add_argument("--seed", type=int, default=1337, help="seeds init, batches and sampling")
+    g.add_argument("--device", default="cpu", help="torch device")
+    g.add_argument("--threads", type=_non_negative_int, default=0, help="CPU threads (0: torch's default, one per core)")
+    g.add_argument("--split_batch", action=argparse.BooleanOptionalAction, default=True,
+                   help="split each batch across the threads, one core each, rather than parallelising every "
+                        "operation (needs dropout 0)")
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not args.sample and not args.data:
+        parser.error("--data is required to train (or pass --sample to sample from a checkpoint)")
+    if not 0 <= args.min_lr <= args.learning_rate:
+        parser.error(f"--min_lr must be in [0, --learning_rate], got {args.min_lr}")
+    if args.warmup_iters > (args.lr_decay_iters or args.max_iters):
+        parser.error(f"--warmup_iters {args.warmup_iters} is longer than the schedule (--lr_decay_iters, default "
+                     f"--max_iters: {args.lr_decay_iters or args.max_iters})")
+    if not 0 <= args.dropout < 1:
+        parser.error(f"--dropout must be in [0, 1), got {args.dropout}")
+    if args.top_p is not None and not 0 < args.top_p <= 1:
+        parser.error(f"--top_p must be in (0, 1], got {args.top_p}")
+    return args
+
+
+def main(argv=None) -> dict:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    args = parse_args(argv)
+    import torch
+
+    from tasks import pretrain
+
+    if args.sample:
+        model, tokenizer = pretrain.load_for_sampling(args.model or os.path.join(args.out_dir, "best"),
+                                                      args.tokenizer)
+        gen = torch.Generator().manual_seed(args.seed)
+        samples = pretrain.sample_text(model.to(args.device), tokenizer, args.prompt, args.max_new_tokens,
+                                       args.temperature, args.top_k or None, args.top_p, args.num_samples, gen)
+        summary = {"samples": samples}
+    else:
+        summary = pretrain.train(args)
+        print(f"done: step {summary['step']} | val {summary['val_loss']:.4f} | best val {summary['best_val']:.4f} | "
+              f"{summary['ms_per_step']:.1f} ms/step | checkpoint {summary['checkpoint']}")
+    for i, text in enumerate(summary.get("samples", [])):
+        print(f"---------- sample {i + 1} ----------\n{text}")
+    return summary
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

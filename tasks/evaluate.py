@@ -4,12 +4,15 @@
         --gold ../shared/data/cs224n/ids-sst-dev.csv --json out.json
     python -m tasks.evaluate --task para --pred predictions/para-dev-output.csv --gold quora-dev.csv \\
         --task cfimdb --pred predictions/full-model-cfimdb-dev-out.csv --gold ids-cfimdb-dev.csv
+    python -m tasks.evaluate --task sonnet --pred predictions/generated_sonnets_dev.txt \\
+        --gold ../shared/data/cs224n/TRUE_sonnets_held_out_dev.txt
 
 Prediction files are the course's graded format: a header `id \\t Predicted_Sentiment ` (or
 `Predicted_Is_Paraphrase`), then one `<id>, <label> ` row per example; paraphrase labels are the token ids of
 "yes" (8505) and "no" (3919). Every gold id must be predicted exactly once; missing, unknown or duplicate ids and
-labels outside the task's set stop with an error naming the file and line. Scorers live in SCORERS, keyed by task,
-so another task (e.g. sonnets with chrF) adds one entry.
+labels outside the task's set stop with an error naming the file and line. Sonnet files (`--Generated Sonnets-- `
+then numbered sonnets) get the course's chrF: sacrebleu CHRF() defaults, one corpus score of the generated sonnets
+(prompt lines included) against the gold sonnets, which must be as many. Scorers live in SCORERS, keyed by task.
 """
 from __future__ import annotations
 
@@ -124,10 +127,19 @@ def _paraphrase_score(pred_path, gold_path, skip_bad_rows=False, split_dev=None)
     return classification_metrics(*align(pred, gold, pred_path, gold_path), labels=[NO_ID, YES_ID])
 
 
+def _sonnet_score(pred_path, gold_path, skip_bad_rows=False, split_dev=None):
+    from tasks.sonnet import score_file
+
+    if split_dev:
+        raise ValueError("--split_dev does not apply to sonnet files")
+    return score_file(pred_path, gold_path)
+
+
 SCORERS: dict[str, Scorer] = {
     "sst": _sentiment_scorer(NUM_LABELS["sst"]),
     "cfimdb": _sentiment_scorer(NUM_LABELS["cfimdb"]),
     "para": Scorer(_paraphrase_score),
+    "sonnet": Scorer(_sonnet_score, columns=("chrf",)),
 }
 
 
@@ -136,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     g = parser.add_argument_group("what to grade (repeat the three flags to grade several files)")
     g.add_argument("--task", action="append", required=True, choices=sorted(SCORERS), help="task of the file")
     g.add_argument("--pred", action="append", required=True, help="prediction file in the course's format")
-    g.add_argument("--gold", action="append", required=True, help="gold data file with labels (the dev csv)")
+    g.add_argument("--gold", action="append", required=True,
+                   help="gold data file with labels (the dev csv; for sonnets the full gold sonnets)")
     g.add_argument("--json", help="also write the results to this JSON file")
     g.add_argument("--split_dev", type=int, metavar="N",
                    help="gold = the examples after the first N of the gold file (as run_paraphrase.py --split_dev N)")

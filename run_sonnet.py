@@ -1,0 +1,104 @@
+"""Fine-tune GPT-2 on Shakespeare's sonnets and complete held-out sonnets from their first 3 lines, as the CS224N
+sonnet_generation.py does; write predictions/generated_sonnets.txt in the course's format and grade the dev
+completions with chrF (sacrebleu CHRF() defaults, prompt lines included) after every epoch and at the end.
+
+    # the course's run: official gpt2 weights, 10 epochs, batch 8, lr 1e-5, sampling at temperature 1.2, top-p 0.9
+    python run_sonnet.py --use_gpu
+    # a model pretrained here by run_pretrain.py (a folder with its tokenizer), fp32 on a busy CPU
+    python run_sonnet.py --model checkpoints/shakespeare-bpe-4x256/best --tokenizer ../shared/gpt2-tokenizer \\
+        --lr 3e-4 --epochs 10 --threads 1 --output_dir checkpoints/sonnet-4x256
+    # decode the fine-tuned model again, greedily or with beam search (no training)
+    python run_sonnet.py --generate_only --model checkpoints/sonnet-4x256/best --greedy --repetition_penalty 1.2
+    python run_sonnet.py --generate_only --model checkpoints/sonnet-4x256/best --num_beams 4
+    # baselines graded the same way: the prompts alone; prompts + lines 4-14 of a random training sonnet
+    python run_sonnet.py --baseline prompts
+    python run_sonnet.py --baseline random_sonnet --seed 1
+
+Data files default to data/ (the course layout) or else ../shared/data/cs224n. Every sonnet of the training file
+ends with EOS, so the model learns to stop; generation stops each sonnet at EOS or after --max_new_tokens.
+Grade a file again with `python -m tasks.evaluate --task sonnet --pred FILE --gold TRUE_sonnets_held_out_dev.txt`.
+"""
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from config import PRESETS
+from tasks.sonnet import run
+from tasks.training import add_training_args, pick_device
+
+ROOT = Path(__file__).resolve().parent
+SHARED_DATA = ROOT.parent / "shared" / "data" / "cs224n"
+
+
+def data_file(name: str) -> str:
+    local = Path("data") / name
+    return str(local if local.is_file() else SHARED_DATA / name)
+
+
+def get_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = parser.add_argument_group("model")
+    g.add_argument("--model_size", choices=("gpt2", "gpt2-medium", "gpt2-large"), default="gpt2",
+                   help="official checkpoint to start from when --model is not given (course flag)")
+    g.add_argument("--model", help="hub id, HF folder (e.g. a run_pretrain.py checkpoint), weights file, or "
+                                   "random:key=value,... (default: --model_size)")
+    g.add_argument("--tokenizer", default="gpt2", help="AutoTokenizer name or folder (offline: ../shared/gpt2-tokenizer)")
+    g.add_argument("--hidden_dropout_prob", type=float, default=None,
+                   help="override the body's residual and embedding dropout (default: the checkpoint's)")
+    g.add_argument("--max_length", type=int, default=None,
+                   help="cut training sonnets to this many tokens (default and maximum: the model's n_positions)")
+    d = parser.add_argument_group("data")
+    d.add_argument("--sonnet_path", default=data_file("sonnets.txt"), help="training sonnets")
+    d.add_argument("--held_out_sonnet_path", default=data_file("sonnets_held_out.txt"),
+                   help="prompts (first 3 lines) to complete into --sonnet_out")
+    d.add_argument("--sonnet_out", default="predictions/generated_sonnets.txt", help="completions of the held-out prompts")
+    d.add_argument("--dev_sonnet_path", default=data_file("sonnets_held_out_dev.txt"), help="dev prompts")
+    d.add_argument("--dev_gold_path", default=data_file("TRUE_sonnets_held_out_dev.txt"),
+                   help="the dev sonnets in full, for chrF")
+    d.add_argument("--dev_out", default="predictions/generated_sonnets_dev.txt", help="completions of the dev prompts")
+    dec = parser.add_argument_group("decoding")
+    dec.add_argument("--temperature", type=float, default=1.2, help="softmax temperature of sampling (course: 1.2)")
+    dec.add_argument("--top_p", type=float, default=0.9, help="nucleus sampling mass in (0, 1] (course: 0.9)")
+    dec.add_argument("--top_k", type=int, default=0, help="sample among the k most likely tokens (0: all)")
+    dec.add_argument("--greedy", action="store_true", help="argmax decoding instead of sampling")
+    dec.add_argument("--num_beams", type=int, default=1,
+                     help="> 1: beam search (deterministic: temperature, top-p and top-k do not apply)")
+    dec.add_argument("--length_penalty", type=float, default=1.0,
+                     help="beam search: score = log-prob / length ** this (> 0 favours longer sonnets)")
+    dec.add_argument("--repetition_penalty", type=float, default=1.0,
+                     help="> 1 makes tokens already in the sonnet less likely (CTRL-style)")
+    dec.add_argument("--max_new_tokens", type=int, default=128, help="tokens generated after each prompt (course: 128)")
+    m = parser.add_argument_group("mode")
+    m.add_argument("--generate_only", action="store_true",
+                   help="no fine-tuning: complete the prompts with --model as it is (e.g. a best/ checkpoint)")
+    m.add_argument("--baseline", choices=("prompts", "random_sonnet"),
+                   help="no model: write and grade the prompts alone, or each followed by lines 4-14 of a random "
+                        "training sonnet (chosen with --seed)")
+    add_training_args(parser, epochs=10, batch_size=8, lr_help="learning rate (course: 1e-5)")
+    args = parser.parse_args(argv)
+    if args.num_beams < 1 or args.max_new_tokens < 1:
+        parser.error("--num_beams and --max_new_tokens must be at least 1")
+    if not 0 < args.top_p <= 1 or args.temperature <= 0 or args.top_k < 0 or args.repetition_penalty <= 0:
+        parser.error("need 0 < --top_p <= 1, --temperature > 0, --top_k >= 0 and --repetition_penalty > 0")
+    return args
+
+
+def main(argv=None) -> int:
+    args = get_args(argv)
+    size = PRESETS[args.model_size]
+    args.dims = None if args.model else (size["n_embd"], size["n_layer"], size["n_head"])
+    args.model = args.model or args.model_size
+    args.output_dir = args.output_dir or "checkpoints/sonnet"
+    device = pick_device(args.use_gpu, args.threads)
+    try:
+        run(args, device)
+    except (ValueError, FileNotFoundError, FileExistsError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    sys.exit(main())

@@ -1,0 +1,166 @@
+"""Beam search: the exact best continuation when the beam is wide enough (checked against an exhaustive search),
+greedy at width 1, independent of batching, and token for token equal to transformers' beam search."""
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import make_hf_model, padded_batch, tiny_config
+
+from models.beam_search import beam_search
+from models.generation import generate
+from models.gpt2 import GPT2LMHeadModel
+from models.loading import hf_to_ours
+
+
+def load_pair(config, seed=0):
+    hf = make_hf_model(config, seed)
+    ours = GPT2LMHeadModel(config)
+    ours.gpt.load_state_dict(hf_to_ours(hf.state_dict(), config.n_layer))
+    return hf, ours.eval()
+
+
+def sharp_tiny_lm(vocab_size, seed, sharpen=4.0):
+    """A tiny model with peakier next-token distributions than random init gives, so scores are far from ties."""
+    _, lm = load_pair(tiny_config("h3-inner", vocab_size=vocab_size, bos_token_id=0, eos_token_id=vocab_size - 1), seed)
+    with torch.no_grad():
+        lm.gpt.word_embedding.weight.mul_(sharpen)
+    return lm
+
+
+@torch.no_grad()
+def exhaustive_best(lm, prompt, num_new, eos, length_penalty):
+    """Best continuation over every sequence of num_new tokens, cut after its first EOS, scored like beam search
+    (summed log-probabilities / length ** length_penalty); one full forward pass over all sequences, no cache."""
+    V, T = lm.config.vocab_size, len(prompt)
+    conts = torch.tensor(list(itertools.product(range(V), repeat=num_new)))  # (V ** num_new, num_new)
+    seqs = torch.cat([prompt.expand(len(conts), T), conts], dim=1)
+    logp = F.log_softmax(lm(seqs)["logits"][:, T - 1: -1].double(), dim=-1).gather(2, conts[..., None])[..., 0]
+    best, best_score = None, float("-inf")
+    for cont, lp in zip(conts.tolist(), logp.cumsum(1).tolist()):
+        n = cont.index(eos) + 1 if eos in cont else num_new
+        score = lp[n - 1] / n ** length_penalty
+        if score > best_score + 1e-9:  # sequences sharing a prefix up to EOS tie exactly: keep the first
+            best, best_score = cont[:n], score
+    return best
+
+
+@pytest.mark.parametrize("early_stopping", [False, "never"])
+@pytest.mark.parametrize("length_penalty", [1.0, 0.0, -1.0, 2.0])
+def test_wide_beam_finds_the_exhaustive_best(length_penalty, early_stopping):
+    lm = sharp_tiny_lm(vocab_size=7, seed=1)
+    eos, pad, num_new = 6, 0, 3
+    ids, mask = padded_batch([4, 2, 3], 4, 6, "left", seed=2)  # prompts without EOS
+    # 7 * 7 = 49 beams hold every two-token prefix, so the third step sees every sequence.
+    out = beam_search(lm, ids, mask, num_beams=49, max_new_tokens=num_new, eos_token_id=eos, pad_token_id=pad,
+                      length_penalty=length_penalty, early_stopping=early_stopping)
+    lengths = []
+    for i in range(3):
+        best = exhaustive_best(lm, ids[i, mask[i].bool()], num_new, eos, length_penalty)
+        lengths.append(len(best))
+        assert out[i, 4: 4 + len(best)].tolist() == best
+        assert (out[i, 4 + len(best):] == pad).all()
+    assert out.shape[1] == 4 + max(lengths)
+
+
+def test_wide_beam_without_eos_finds_the_most_likely_sequence():
+    lm = sharp_tiny_lm(vocab_size=7, seed=3)
+    ids = torch.tensor([[1, 5, 2]])
+    out = beam_search(lm, ids, num_beams=49, max_new_tokens=3)
+    assert out[0, 3:].tolist() == exhaustive_best(lm, ids[0], 3, eos=None, length_penalty=0.0)
+
+
+def test_outputs_differ_from_greedy_where_greedy_is_not_best():
+    """The exhaustive best is not always greedy's choice; beam search must not collapse to greedy."""
+    found = False
+    for seed in range(6):
+        lm = sharp_tiny_lm(vocab_size=7, seed=seed)
+        ids = torch.tensor([[1, 2]])
+        greedy = generate(lm, ids, max_new_tokens=3)[0, 2:].tolist()
+        best = exhaustive_best(lm, ids[0], 3, eos=None, length_penalty=0.0)
+        assert beam_search(lm, ids, num_beams=49, max_new_tokens=3)[0, 2:].tolist() == best
+        found |= best != greedy
+    assert found, "no seed where greedy misses the best sequence: the test lost its power"
+
+
+def test_one_beam_without_eos_is_greedy():
+    _, lm = load_pair(tiny_config("h4-wide"), seed=4)
+    ids, mask = padded_batch([5, 2, 4], 5, 1000, "left", seed=5)
+    assert torch.equal(beam_search(lm, ids, mask, num_beams=1, max_new_tokens=12), generate(lm, ids, mask, 12))
+
+
+def test_batched_equals_one_prompt_at_a_time():
+    _, lm = load_pair(tiny_config("h3-inner"), seed=6)
+    ids, mask = padded_batch([6, 2, 4], 6, 100, "left", seed=7)
+    eos = int(generate(lm, ids, mask, 3)[0, -1])  # a token the model does produce, so some beams end
+    batched = beam_search(lm, ids, mask, num_beams=3, max_new_tokens=10, eos_token_id=eos, pad_token_id=0)
+    for i in range(3):
+        alone = beam_search(lm, ids[i: i + 1, mask[i].bool()], num_beams=3, max_new_tokens=10, eos_token_id=eos,
+                            pad_token_id=0)
+        n = alone.shape[1] - int(mask[i].sum())
+        assert torch.equal(batched[i, 6: 6 + n], alone[0, -n:]) and (batched[i, 6 + n:] == 0).all()
+
+
+@pytest.mark.parametrize("early_stopping, length_penalty", [(False, 1.0), (True, 1.0), ("never", 1.0),
+                                                            (False, 0.0), ("never", 2.0), (False, -1.5)])
+def test_equals_transformers_beam_search(early_stopping, length_penalty):
+    config = tiny_config("h4-wide")
+    hf, ours = load_pair(config, seed=8)
+    ids, mask = padded_batch([6, 3, 5, 6], 6, config.vocab_size, "left", seed=9)
+    # EOS = a token greedy decoding emits early, so hypotheses end at different steps and the stopping rules matter.
+    eos = int(generate(ours, ids, mask, 2)[0, -1])
+    kw = dict(max_new_tokens=12, num_beams=4, eos_token_id=eos, pad_token_id=1, length_penalty=length_penalty,
+              early_stopping=early_stopping)
+    expected = hf.generate(ids, attention_mask=mask, do_sample=False, **kw)
+    got = beam_search(ours, ids, mask, **kw)
+    assert (got == eos).any(), "no hypothesis ended with EOS: the test would not exercise finishing"
+    assert torch.equal(got, expected)
+
+
+def test_early_stopping_modes_differ_and_each_equals_transformers():
+    """With a favoured EOS and length_penalty 2, the heuristic (False) stops before a longer, better hypothesis
+    appears; "never" keeps searching. Both must still match transformers."""
+    config = tiny_config("h4-wide")
+    hf, ours = load_pair(config, seed=3)
+    ids, mask = padded_batch([6, 3, 5, 6], 6, config.vocab_size - 1, "left", seed=9)
+    eos = int(generate(ours, ids, mask, 1)[0, -1])
+    # pad 1, not 0: transformers fills with EOS when pad_token_id is 0 (it tests `pad_token_id or eos`)
+    kw = dict(max_new_tokens=10, num_beams=2, eos_token_id=eos, pad_token_id=1, length_penalty=2.0)
+    got = {es: beam_search(ours, ids, mask, early_stopping=es, **kw) for es in (False, "never")}
+    assert got[False].shape != got["never"].shape or not torch.equal(got[False], got["never"])
+    for es, out in got.items():
+        assert torch.equal(out, hf.generate(ids, attention_mask=mask, do_sample=False, early_stopping=es, **kw))
+
+
+def test_repetition_penalty_equals_transformers():
+    config = tiny_config("h3-inner")
+    hf, ours = load_pair(config, seed=10)
+    ids = torch.randint(0, 100, (2, 4), generator=torch.Generator().manual_seed(11))  # no padding: HF penalises pads
+    kw = dict(max_new_tokens=10, num_beams=3, eos_token_id=None, pad_token_id=0)
+    plain = beam_search(ours, ids, **kw)
+    expected = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, repetition_penalty=1.8, **kw)
+    got = beam_search(ours, ids, repetition_penalty=1.8, **kw)
+    assert torch.equal(got, expected) and not torch.equal(got, plain)
+
+
+def test_bad_requests_are_refused():
+    _, lm = load_pair(tiny_config("h5"), seed=0)  # n_positions 32
+    ids, mask = padded_batch([3, 2], 4, 50, "right", seed=0)
+    with pytest.raises(ValueError, match="left-padded"):
+        beam_search(lm, ids, mask, num_beams=2)
+    with pytest.raises(ValueError, match="exceeds the context of n_positions=32"):
+        beam_search(lm, ids[:, :3], num_beams=2, max_new_tokens=30)
+    with pytest.raises(ValueError, match="num_beams must be a positive integer"):
+        beam_search(lm, ids, num_beams=0)
+    with pytest.raises(ValueError, match="early_stopping must be one of"):
+        beam_search(lm, ids, early_stopping="sometimes")
+    assert torch.equal(beam_search(lm, ids, num_beams=2, max_new_tokens=0), ids)
+
+
+def test_generate_with_num_beams_runs_beam_search():
+    _, lm = load_pair(tiny_config("h3-inner"), seed=8)
+    ids, mask = padded_batch([4, 6], 6, 100, "left", seed=9)
+    kw = dict(max_new_tokens=8, eos_token_id=7, pad_token_id=0, length_penalty=0.5)
+    assert torch.equal(lm.generate(ids, mask, num_beams=3, **kw), beam_search(lm, ids, mask, num_beams=3, **kw))
+    with pytest.raises(ValueError, match="do_sample=False"):
+        lm.generate(ids, mask, num_beams=3, do_sample=True, **kw)

@@ -12,6 +12,9 @@ the course's prediction files predictions/{mode}-{sst,cfimdb}-{dev,test}-out.csv
     # continue an interrupted run exactly; measure throughput over 200 steps
     python run_classifier.py --task sst --fine-tune-mode full-model --resume
     python run_classifier.py --task sst --fine-tune-mode full-model --model checkpoints/random-gpt2 --max_steps 200
+    # data-parallel on 2 GPUs (or CPU processes with gloo): each takes its slice of every batch of 32
+    torchrun --standalone --nproc_per_node=2 run_classifier.py --task sst --fine-tune-mode full-model --use_gpu \\
+        --batch_size 32
 
 --model takes a hub id, a folder in HF format (a pretrained run's output, a best/ checkpoint), a weights file, or
 random:[PRESET,]key=value,... for random initialisation (vocabulary 50257, so the GPT-2 tokenizer fits).
@@ -25,7 +28,8 @@ from pathlib import Path
 from config import PRESETS
 from tasks.classifier import MODES, run
 from tasks.data import NUM_LABELS
-from tasks.training import add_training_args, pick_device
+from tasks import distributed as dist
+from tasks.training import NonFiniteError, add_training_args, pick_device
 
 ROOT = Path(__file__).resolve().parent
 SHARED_DATA = ROOT.parent / "shared" / "data" / "cs224n"
@@ -85,6 +89,7 @@ def main(argv=None) -> int:
     size = PRESETS[args.model_size]
     args.dims = None if args.model else dict(d=size["n_embd"], l=size["n_layer"], num_heads=size["n_head"])
     args.model = args.model or args.model_size
+    dist.init(args.threads)  # a no-op unless launched by torchrun
     device = pick_device(args.use_gpu, args.threads)
     mode = args.fine_tune_mode
     try:
@@ -97,9 +102,11 @@ def main(argv=None) -> int:
                 dev_out=args.dev_out or f"predictions/{mode}-{task}-dev-out.csv",
                 test_out=args.test_out or f"predictions/{mode}-{task}-test-out.csv",
                 output_dir=str(out or f"checkpoints/{mode}-{task}"), device=device)
-    except (ValueError, FileNotFoundError, FileExistsError, OSError) as e:
+    except (ValueError, FileNotFoundError, FileExistsError, OSError, NonFiniteError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    finally:
+        dist.cleanup()
     return 0
 
 

@@ -10,6 +10,9 @@ labels 8505 = yes, 3919 = no).
         --model random:n_layer=4,n_head=4,n_embd=256 --lr 3e-4 --epochs 2 --batch_size 32 --bf16
     # continue an interrupted run exactly
     python run_paraphrase.py --train ../shared/data/quora/quora-dev-minbert.csv --split_dev 16000 --skip_bad_rows --resume
+    # data-parallel on 4 GPUs: each takes its slice of every batch of 32 (same weights as one process, batch 32)
+    torchrun --standalone --nproc_per_node=4 run_paraphrase.py --use_gpu --batch_size 32 \\
+        --para_train data/quora-train.csv --para_dev data/quora-dev.csv
 
 The train/dev prompt and the test prompt are the course's (they differ; --test_prompt train uses the train prompt
 for the test file too). Prompts longer than --max_length lose tokens on the left, so the question's end is kept.
@@ -21,7 +24,8 @@ import sys
 
 from config import PRESETS
 from tasks.paraphrase import MODES, run
-from tasks.training import add_training_args, pick_device
+from tasks import distributed as dist
+from tasks.training import NonFiniteError, add_training_args, pick_device
 
 
 def get_args(argv=None):
@@ -61,12 +65,15 @@ def main(argv=None) -> int:
     args.dims = None if args.model else dict(d=size["n_embd"], l=size["n_layer"], num_heads=size["n_head"])
     args.model = args.model or args.model_size
     args.output_dir = args.output_dir or "checkpoints/paraphrase"
+    dist.init(args.threads)  # a no-op unless launched by torchrun
     device = pick_device(args.use_gpu, args.threads)
     try:
         run(args, device)
-    except (ValueError, FileNotFoundError, FileExistsError, OSError) as e:
+    except (ValueError, FileNotFoundError, FileExistsError, OSError, NonFiniteError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    finally:
+        dist.cleanup()
     return 0
 
 

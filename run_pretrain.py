@@ -7,6 +7,9 @@
     # GPT-2 BPE tokens, a preset size with a shorter context, gradient accumulation
     python run_pretrain.py --data corpus.txt --tokenizer gpt2 --preset gpt2 --n_positions 256 --block_size 256 \\
         --batch_size 8 --grad_accum 4 --out_dir out/corpus-bpe
+    # two processes sharing each batch (DDP; gloo on CPU, nccl on GPUs): the same weights as one process
+    torchrun --standalone --nproc_per_node=2 run_pretrain.py --data ../shared/data/tinyshakespeare/input.txt \\
+        --out_dir out/shakespeare-char-ddp
     # sample from a saved checkpoint
     python run_pretrain.py --sample --model out/shakespeare-char/best --prompt "ROMEO:" --max_new_tokens 500 \\
         --temperature 0.8 --top_k 200 --num_samples 3
@@ -80,6 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--log_interval", type=_positive(int), default=50, help="print the training loss every N steps")
     g.add_argument("--out_dir", default="out/pretrain", help="checkpoints best/ and last/, and the id cache")
     g.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out_dir")
+    g.add_argument("--skip_nonfinite", action="store_true", help="skip (and count) steps whose loss or gradient is "
+                   "not finite, instead of stopping the run there")
     g = p.add_argument_group("sampling (after training, or from a checkpoint with --sample)")
     g.add_argument("--sample", action="store_true", help="only sample from --model (no training)")
     g.add_argument("--model", help="checkpoint or model folder for --sample (default OUT_DIR/best)")
@@ -95,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--threads", type=_non_negative_int, default=0, help="CPU threads (0: torch's default, one per core)")
     g.add_argument("--split_batch", action=argparse.BooleanOptionalAction, default=True,
                    help="split each batch across the threads, one core each, rather than parallelising every "
-                        "operation (needs dropout 0)")
+                        "operation (needs dropout 0; off under torchrun, where processes split the batch)")
     return p
 
 
@@ -121,7 +126,7 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     import torch
 
-    from tasks import pretrain
+    from tasks import distributed, pretrain
 
     if args.sample:
         model, tokenizer = pretrain.load_for_sampling(args.model or os.path.join(args.out_dir, "best"),
@@ -131,7 +136,13 @@ def main(argv=None) -> dict:
                                        args.temperature, args.top_k or None, args.top_p, args.num_samples, gen)
         summary = {"samples": samples}
     else:
-        summary = pretrain.train(args)
+        distributed.init(args.threads)  # a no-op unless launched by torchrun
+        try:
+            summary = pretrain.train(args)
+        finally:
+            distributed.cleanup()
+        if summary["val_loss"] is None:  # a rank other than 0 under torchrun: rank 0 reports
+            return summary
         print(f"done: step {summary['step']} | val {summary['val_loss']:.4f} | best val {summary['best_val']:.4f} | "
               f"{summary['ms_per_step']:.1f} ms/step | checkpoint {summary['checkpoint']}")
     for i, text in enumerate(summary.get("samples", [])):

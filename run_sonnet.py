@@ -13,6 +13,8 @@ completions with chrF (sacrebleu CHRF() defaults, prompt lines included) after e
     # baselines graded the same way: the prompts alone; prompts + lines 4-14 of a random training sonnet
     python run_sonnet.py --baseline prompts
     python run_sonnet.py --baseline random_sonnet --seed 1
+    # data-parallel on 2 GPUs (rank 0 alone generates the dev sonnets and writes files)
+    torchrun --standalone --nproc_per_node=2 run_sonnet.py --use_gpu --batch_size 8
 
 Data files default to data/ (the course layout) or else ../shared/data/cs224n. Every sonnet of the training file
 ends with EOS, so the model learns to stop; generation stops each sonnet at EOS or after --max_new_tokens.
@@ -25,7 +27,8 @@ from pathlib import Path
 
 from config import PRESETS
 from tasks.sonnet import run
-from tasks.training import add_training_args, pick_device
+from tasks import distributed as dist
+from tasks.training import NonFiniteError, add_training_args, pick_device
 
 ROOT = Path(__file__).resolve().parent
 SHARED_DATA = ROOT.parent / "shared" / "data" / "cs224n"
@@ -90,12 +93,15 @@ def main(argv=None) -> int:
     args.dims = None if args.model else (size["n_embd"], size["n_layer"], size["n_head"])
     args.model = args.model or args.model_size
     args.output_dir = args.output_dir or "checkpoints/sonnet"
+    dist.init(args.threads)  # a no-op unless launched by torchrun
     device = pick_device(args.use_gpu, args.threads)
     try:
         run(args, device)
-    except (ValueError, FileNotFoundError, FileExistsError, OSError) as e:
+    except (ValueError, FileNotFoundError, FileExistsError, OSError, NonFiniteError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    finally:
+        dist.cleanup()
     return 0
 
 

@@ -104,8 +104,9 @@ def save_checkpoint(directory: str | os.PathLike, model=None, *, optimizer=None,
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
     old = final.with_name(f".{final.name}.old")
-    if tmp.exists():
-        shutil.rmtree(tmp)
+    for stale in final.parent.glob(f".{final.name}.tmp-*"):  # left by a process killed while saving
+        if stale == tmp or not _pid_alive(stale.name.rsplit("-", 1)[-1]):
+            shutil.rmtree(stale, ignore_errors=True)
     tmp.mkdir()
     if model is not None:
         model.save_pretrained(tmp)
@@ -140,6 +141,16 @@ def save_checkpoint(directory: str | os.PathLike, model=None, *, optimizer=None,
     if old.exists():
         shutil.rmtree(old)
     return final
+
+
+def _pid_alive(pid: str) -> bool:
+    try:
+        os.kill(int(pid), 0)
+    except (ValueError, ProcessLookupError):
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
 
 
 def resolve(directory: str | os.PathLike) -> Path:
@@ -192,6 +203,10 @@ def load_checkpoint(directory: str | os.PathLike) -> Checkpoint:
     try:
         training_state = torch.load(folder / STATE, map_location="cpu", weights_only=True)
     except Exception as e:
+        if "unsupported global" in str(e).lower() or "allowed global" in str(e).lower():
+            raise CorruptCheckpointError(f"refusing to load {folder / STATE}: it holds Python objects other than "
+                                         "tensors and plain values, which could run code when unpickled "
+                                         "(weights_only=True)") from None
         raise CorruptCheckpointError(f"checkpoint {folder}: cannot read {STATE} ({e})") from None
     extra = load_file(folder / EXTRA) if (folder / EXTRA).is_file() else {}
     return Checkpoint(folder, training_state["state"], training_state.get("optimizer"),

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tasks import distributed as dist
 from tasks.data import collate, encode, load_sentiment, load_tokenizer
 from tasks.evaluate import classification_metrics, write_predictions
 from tasks.training import build_body, load_weights, predict_in_order, seed_everything, train, train_config
@@ -87,7 +88,7 @@ def run(args, task: str, train_path: str, dev_path: str, test_path: str | None, 
           f"{n_trainable / 1e6:.2f}M trainable; lr {lr:g}; checkpoints in {output_dir}")
     result = train(model, len(enc["train"]), lambda idx: collate([enc["train"][i] for i in idx], pad), loss_fn,
                    evaluate, cfg, run_info, tokenizer=tokenizer)
-    if args.max_steps:
+    if args.max_steps or not dist.is_main():  # under torchrun rank 0 alone predicts and writes
         return result
 
     load_weights(model, Path(output_dir) / "best")

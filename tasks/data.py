@@ -11,14 +11,16 @@ File formats (as the course starter reads them, with csv.DictReader(delimiter="\
   the odd header `0\\t\\tid\\tsentence` and no labels. Sentences and ids get `.lower().strip()`.
 - Quora: `id\\tsentence1\\tsentence2\\tis_duplicate`, with or without a leading unnamed index column; labels `0.0`/`1.0`;
   test files have no label column. Questions go through the course's `preprocess_string`.
-A file is read with `datasets` (pandas' CSV parser, every column as text). Malformed rows, empty fields, unknown or
-out-of-range labels, duplicate ids, empty files and missing columns raise DataError naming the file and line;
+A file is read with `datasets` (pandas' CSV parser, every column as text); a UTF-8 byte-order mark and CRLF line ends
+are accepted. Text that is not UTF-8, malformed rows (a wrong number of fields, a quote left open), empty fields,
+unknown or out-of-range labels, duplicate ids, empty files and missing columns raise DataError naming the file and line;
 `skip_bad_rows=True` drops bad rows instead (the course silently skipped unparsable Quora rows) and reports them.
 A `hub:NAME[:CONFIG]:SPLIT` source loads a Hugging Face hub dataset where the hub is reachable.
 """
 from __future__ import annotations
 
 import csv
+import io
 import logging
 import os
 from dataclasses import dataclass
@@ -92,8 +94,8 @@ def read_table(source: str | os.PathLike, required: Sequence[str]) -> _Table:
     path = Path(source)
     if not path.is_file():
         raise FileNotFoundError(f"data file not found: {source}")
-    with open(path, encoding="utf-8", newline="") as f:
-        header_line = f.readline()
+    text = _read_utf8(path)
+    header_line = io.StringIO(text, newline="").readline()  # ends at \n, \r\n or \r
     if not header_line.strip():
         raise DataError(f"{source}, line 1: the file is empty (expected a tab-separated header)")
     header = header_line.rstrip("\r\n").split("\t")
@@ -102,6 +104,10 @@ def read_table(source: str | os.PathLike, required: Sequence[str]) -> _Table:
     missing = [c for c in required if c not in names]
     if missing:
         raise DataError(f"{source}, line 1: missing column(s) {missing} in header {header}")
+    line = _malformed_line(text, len(names), only_longer=True)
+    if line:
+        raise DataError(f"{source}, line {line}: malformed row: more fields than the {len(names)} columns of the "
+                        f"header (a stray tab or a broken quote?)")
     import datasets
     from datasets.exceptions import DatasetGenerationError
 
@@ -111,10 +117,12 @@ def read_table(source: str | os.PathLike, required: Sequence[str]) -> _Table:
     datasets.disable_progress_bars()
     try:
         rows = datasets.load_dataset("csv", data_files=str(path), delimiter="\t", header=0, column_names=names,
-                                     features=features, keep_default_na=False, split="train", keep_in_memory=True)
+                                     features=features, keep_default_na=False, split="train", keep_in_memory=True,
+                                     encoding="utf-8-sig")
     except DatasetGenerationError as e:
-        cause = e.__cause__ or e.__context__
-        raise DataError(f"{source}: malformed row: {str(cause).strip()}") from None
+        cause = str(e.__cause__ or e.__context__).strip()
+        line = _malformed_line(text, len(names))
+        raise DataError(f"{source}{f', line {line}' if line else ''}: malformed row: {cause}") from None
     except ValueError as e:
         if "corresponds to no data" in str(e):
             raise DataError(f"{source}, line 2: no data rows after the header") from None
@@ -124,6 +132,34 @@ def read_table(source: str | os.PathLike, required: Sequence[str]) -> _Table:
         if bars:
             datasets.enable_progress_bars()
     return _Table(source, rows, names, is_file=True)
+
+
+def _read_utf8(path: Path) -> str:
+    """The file's text (a leading byte-order mark dropped); bytes that are not UTF-8 are refused naming the line."""
+    raw = path.read_bytes().removeprefix(b"\xef\xbb\xbf")  # a byte-order mark
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[: e.start].replace(b"\r\n", b"\n").replace(b"\r", b"\n").count(b"\n") + 1
+        raise DataError(f"{path}, line {line}: not UTF-8 text ({e.reason}); re-save the file as UTF-8") from None
+
+
+def _malformed_line(text: str, num_columns: int, only_longer: bool = False) -> int | None:
+    """The line where the first record with the wrong number of fields (only_longer: more than the header's), or a
+    quote left open, starts (the csv module's reading of the same quoting rules): pandas' parser refuses such files
+    without naming the line, or, when the first row has one field too many, silently takes it for an index column
+    and shifts every column of the file."""
+    reader = csv.reader(io.StringIO(text, newline=""), delimiter="\t", strict=not only_longer)
+    end = 0
+    try:
+        for record in reader:
+            start, end = end + 1, reader.line_num
+            wrong = len(record) > num_columns if only_longer else record and len(record) != num_columns
+            if wrong and start > 1:
+                return start
+    except csv.Error:
+        return end + 1
+    return None
 
 
 def _read_hub(source: str, required: Sequence[str]) -> _Table:

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tasks import distributed as dist
 from tasks.classifier import check_vocab
 from tasks.data import Example, collate, encode, load_paraphrase, load_tokenizer, single_token_id, split_head
 from tasks.evaluate import NO_ID, YES_ID, classification_metrics, write_predictions
@@ -125,7 +126,7 @@ def run(args, device: torch.device) -> dict:
           f"checkpoints in {args.output_dir}")
     result = train(model, len(enc["train"]), lambda idx: collate([enc["train"][i] for i in idx], pad), loss_fn,
                    evaluate, cfg, run_info, tokenizer=tokenizer)
-    if args.max_steps:
+    if args.max_steps or not dist.is_main():  # under torchrun rank 0 alone predicts and writes
         return result
 
     load_weights(model, Path(args.output_dir) / "best")

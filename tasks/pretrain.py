@@ -9,7 +9,10 @@ AdamW with warmup and cosine decay -> periodic loss estimate -> best-val checkpo
     text = sample_text(model, tokenizer, "ROMEO:", 200, temperature=0.8, top_k=200)
 
 Checkpoints: out_dir/best (lowest val loss) and out_dir/last (the latest evaluation that did not improve); each
-evaluation writes exactly one of them, and --resume continues from whichever holds the later step.
+evaluation writes exactly one of them, and --resume continues from whichever holds the later step. A non-finite loss
+or gradient stops the run naming the step (the checkpoints are the last good ones), or is skipped with
+--skip_nonfinite. Under torchrun every rank draws the same global batch and trains on its rows inside
+DistributedDataParallel; rank 0 alone evaluates, writes checkpoints and logs.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ import json
 import math
 import os
 import time
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,8 +38,10 @@ from config import GPT2Config
 from models.generation import process_logits
 from models.gpt2 import GPT2LMHeadModel
 from optimizer import AdamW, make_lr_scheduler, param_groups_for_weight_decay
+from tasks import distributed as dist
 from tasks.char_tokenizer import VOCAB_FILE, CharTokenizer
 from tasks.checkpoint import capture_rng, load_checkpoint, resolve, restore_rng, save_checkpoint
+from tasks.training import MAX_SKIPPED_IN_A_ROW, NonFiniteError, check_architecture
 
 SHARED_GPT2_TOKENIZER = Path(os.environ.get("GPT2_SHARED_DIR", Path(__file__).resolve().parents[2] / "shared")) / "gpt2-tokenizer"
 CHUNK_BYTES = 1 << 22  # the corpus is read, checked and encoded 4 MiB at a time
@@ -283,6 +289,9 @@ class FlatParams:
             rest = {k: v for k, v in group.items() if k not in ("params", "param_names")}
             self.groups.append({**rest, "params": [flat], "param_names": [f"flat{len(self.flat) - 1}"]})
 
+    def grad_list(self) -> list[torch.Tensor]:
+        return [flat.grad for flat in self.flat]
+
     def zero_grad(self) -> None:
         for flat in self.flat:
             flat.grad.zero_()
@@ -429,14 +438,20 @@ def setup(args):
         raise FileNotFoundError(f"--resume: no checkpoint (best/ or last/) in {out_dir}")
     tokenizer = load_tokenizer(resume_from) if resume_from else (
         "char" if args.tokenizer == "char" else load_tokenizer(args.tokenizer))
-    corpus = prepare_corpus(args.data, tokenizer, args.data_dir or out_dir / "data", args.val_fraction)
+    with dist.main_first():  # under torchrun rank 0 encodes the corpus, the others then map the cached ids
+        corpus = prepare_corpus(args.data, tokenizer, args.data_dir or out_dir / "data", args.val_fraction)
     check_split_sizes(corpus, args.block_size)
     if resume_from:
         model = GPT2LMHeadModel.from_pretrained(resume_from)
+        asked = {k: getattr(args, k) for k in ("n_layer", "n_head", "n_embd", "n_positions") if getattr(args, k)}
+        check_architecture(model.config, model.config.replace(**asked), resume_from)  # flags vs checkpoint
         check_block_size(args.block_size, model.config)
     else:
         torch.manual_seed(args.seed)
         model = GPT2LMHeadModel(build_config(args, corpus.tokenizer))
+    if len(corpus.tokenizer) > model.config.vocab_size:  # ids past the embedding would fail mid-run (or on GPU, worse)
+        raise ValueError(f"the tokenizer has {len(corpus.tokenizer)} tokens but the model's embedding only "
+                         f"{model.config.vocab_size} rows ({resume_from or 'new model'})")
     return out_dir, resume_from, corpus, model.to(args.device).train()
 
 
@@ -445,6 +460,11 @@ def train(args) -> dict[str, Any]:
     t_start = time.perf_counter()
     if args.threads:
         torch.set_num_threads(args.threads)
+    main, world, rank = dist.is_main(), dist.world_size(), dist.rank()
+    if world > 1 and str(args.device).startswith("cuda"):
+        args.device = str(dist.device(True))  # one GPU per process
+    if args.batch_size < world:
+        raise ValueError(f"--batch_size {args.batch_size} is smaller than the {world} processes sharing each batch")
     out_dir, resume_from, corpus, model = setup(args)
     tokenizer = corpus.tokenizer
     workers = batch_workers(args, model.config)
@@ -454,17 +474,19 @@ def train(args) -> dict[str, Any]:
                                   min_ratio=args.min_lr / args.learning_rate)
     # Separate generators for training and evaluation batches, so evaluating never shifts the training stream.
     train_gen, eval_gen = torch.Generator().manual_seed(args.seed), torch.Generator().manual_seed(args.seed + 1)
-    step, best_val = 0, math.inf
+    step, best_val, skipped = 0, math.inf, 0
     if resume_from:
         ck = load_checkpoint(resume_from)
         if ck.state["corpus"]["sha256"] != corpus.meta["sha256"]:
             raise ValueError(f"--resume: {args.data} is not the corpus the checkpoint {resume_from} was trained on")
         optimizer.load_state_dict(ck.optimizer)
         scheduler.load_state_dict(ck.scheduler)
-        step, best_val = ck.state["step"], ck.state["best_val"]
-        restore_rng(ck.state["rng"], train_gen)
+        step, best_val, skipped = ck.state["step"], ck.state["best_val"], ck.state.get("skipped", 0)
+        ranks = ck.state.get("rank_rng")
+        restore_rng(ranks[rank] if ranks and rank < len(ranks) else ck.state["rng"], train_gen)
         eval_gen.set_state(ck.state["eval_rng"])
         print(f"resuming from {resume_from} at step {step} (best val {best_val:.4f})")
+    dist.barrier()  # every rank has looked for checkpoints before rank 0 may write one
     start_step = step
     print(f"corpus {args.data}: {corpus.meta['num_tokens']:,} tokens ({len(corpus.train):,} train, "
           f"{len(corpus.val):,} val), vocab {len(tokenizer)}; model {model.num_parameters() / 1e6:.2f}M parameters, "
@@ -473,36 +495,74 @@ def train(args) -> dict[str, Any]:
 
     splits = {"train": corpus.train, "val": corpus.val}
     tokens_per_step = args.batch_size * args.block_size * args.grad_accum
-    runner = BatchRunner(model, flat.params, workers, args.device, args.dtype)
+    trained = dist.wrap(model, torch.device(args.device))  # DDP under torchrun (averages the flat gradients)
+    runner = BatchRunner(trained, flat.params, workers, args.device, args.dtype)
+    eval_runner = runner if trained is model else BatchRunner(model, flat.params, 1, args.device, args.dtype)
+    # This rank's rows of each global batch, and the weight that turns DDP's average into the global batch's mean.
+    rows = dist.shard(list(range(args.batch_size)))
+    weight = world * len(rows) / args.batch_size
     log_meter, eval_meter, total_time = Meter(), Meter(), 0.0
     losses: dict[str, float] = {}
-    bar = tqdm(total=args.max_iters, initial=step, desc="training", unit="step", leave=False, disable=None)
+    bad_in_a_row, evaluated = 0, (start_step if resume_from else -1)  # a skipped step must not evaluate twice
+    bar = tqdm(total=args.max_iters, initial=step, desc="training", unit="step", leave=False,
+               disable=None if main else True)
     while True:
-        if (step % args.eval_interval == 0 or step == args.max_iters) and not (resume_from and step == start_step):
-            losses = estimate_loss(model, splits, args.eval_iters, args.batch_size, args.block_size, eval_gen, runner)
-            improved, best_val = losses["val"] < best_val, min(best_val, losses["val"])
-            saved = ""
+        if (step % args.eval_interval == 0 or step == args.max_iters) and step != evaluated:
+            saved, evaluated = "", step
+            if main:  # rank 0 evaluates and writes; the others wait for it at the next collective
+                losses = estimate_loss(model, splits, args.eval_iters, args.batch_size, args.block_size, eval_gen,
+                                       eval_runner)
+                improved, best_val = losses["val"] < best_val, min(best_val, losses["val"])
             if step > 0:  # each evaluation writes one checkpoint: best/ if val improved, else last/
-                saved = "best" if improved else "last"
-                state = {"step": step, "best_val": best_val, "losses": losses, "rng": capture_rng(train_gen),
-                         "eval_rng": eval_gen.get_state(), "args": _plain(vars(args)),
-                         "corpus": {k: corpus.meta[k] for k in ("sha256", "tokenizer", "num_tokens")}}
-                with flat.unshared():
-                    save_checkpoint(out_dir / saved, model, optimizer=optimizer, scheduler=scheduler, state=state,
-                                    tokenizer=tokenizer)
-            tqdm.write(f"step {step:>6} | train {losses['train']:.4f} | val {losses['val']:.4f} | best val "
-                       f"{best_val:.4f} | lr {scheduler.get_last_lr()[0]:.2e} | {eval_meter.speed(tokens_per_step)}"
-                       + (f" | saved {saved}/" if saved else ""))
+                rngs = dist.gather_objects(capture_rng(train_gen))
+                if main:
+                    saved = "best" if improved else "last"
+                    state = {"step": step, "best_val": best_val, "losses": losses, "rng": rngs[0],
+                             **({"rank_rng": rngs} if world > 1 else {}), "skipped": skipped,
+                             "eval_rng": eval_gen.get_state(), "args": _plain(vars(args)),
+                             "corpus": {k: corpus.meta[k] for k in ("sha256", "tokenizer", "num_tokens")}}
+                    with flat.unshared():
+                        save_checkpoint(out_dir / saved, model, optimizer=optimizer, scheduler=scheduler,
+                                        state=state, tokenizer=tokenizer)
+            if main:
+                tqdm.write(f"step {step:>6} | train {losses['train']:.4f} | val {losses['val']:.4f} | best val "
+                           f"{best_val:.4f} | lr {scheduler.get_last_lr()[0]:.2e} | "
+                           f"{eval_meter.speed(tokens_per_step)}" + (f" | saved {saved}/" if saved else "")
+                           + (f" | {skipped} non-finite steps skipped" if skipped else ""))
             eval_meter.reset()
         if step >= args.max_iters:
             break
         t0 = time.perf_counter()
         flat.zero_grad()
-        for _ in range(args.grad_accum):
+        step_loss = torch.zeros((), device=args.device)
+        for micro in range(args.grad_accum):
             x, y = get_batch(corpus.train, args.batch_size, args.block_size, train_gen, args.device)
-            log_meter.loss += runner.backward(x, y, 1.0 / args.grad_accum).cpu()
-        if args.grad_clip:
-            torch.nn.utils.clip_grad_norm_(flat.flat, args.grad_clip, foreach=True)
+            x, y = x[rows[0]: rows[-1] + 1], y[rows[0]: rows[-1] + 1]
+            with dist.no_sync(trained, micro + 1 < args.grad_accum):  # all-reduce once per optimizer step
+                step_loss += runner.backward(x, y, weight / args.grad_accum) * (weight / world)
+        norm = (torch.nn.utils.clip_grad_norm_(flat.flat, args.grad_clip, foreach=True) if args.grad_clip
+                else torch.nn.utils.get_total_norm(flat.grad_list()))
+        bad = not bool(torch.isfinite(step_loss + norm))  # one read-back per step (the norm is after DDP's average)
+        if dist.any_rank(bad):
+            bad_in_a_row += 1
+            what = (f"loss {float(step_loss)}" if not torch.isfinite(step_loss) else
+                    f"gradient norm {float(norm)}" if bad else "loss or gradient on another rank")
+            where = f"step {step + 1}"
+            if not args.skip_nonfinite or bad_in_a_row > MAX_SKIPPED_IN_A_ROW:
+                bar.close()
+                found = find_checkpoint(out_dir)
+                kept = f"the last good checkpoint {found} is kept" if found else "no checkpoint had been written yet"
+                raise NonFiniteError(f"non-finite {what} at {where}: training stopped; {kept}. "
+                                     + (f"{bad_in_a_row} bad steps in a row despite --skip_nonfinite: the run is "
+                                        "diverging; " if args.skip_nonfinite else
+                                        "Pass --skip_nonfinite to skip such batches; ")
+                                     + "a lower --learning_rate or --grad_clip may help")
+            skipped += 1
+            if main:
+                tqdm.write(f"warning: skipped {where}: non-finite {what} ({skipped} skipped so far)")
+            continue
+        bad_in_a_row = 0
+        log_meter.loss += step_loss.cpu()
         optimizer.step()
         scheduler.step()
         step += 1
@@ -511,7 +571,8 @@ def train(args) -> dict[str, Any]:
         log_meter.tick(dt)
         eval_meter.tick(dt)
         bar.update()
-        if step % args.log_interval == 0:  # the only place the loss is read back (.item())
+        if step % args.log_interval == 0:  # the only place the loss itself is read back
+            dist.all_reduce_sum(log_meter.loss)  # the global batches' loss (each rank added its weighted share)
             tqdm.write(f"step {step:>6} | loss {log_meter.loss.item() / (log_meter.steps * args.grad_accum):.4f} | "
                        f"lr {scheduler.get_last_lr()[0]:.2e} | {log_meter.speed(tokens_per_step)}")
             log_meter.reset()
@@ -519,12 +580,12 @@ def train(args) -> dict[str, Any]:
 
     steps_run = step - start_step
     summary = {"step": step, "train_loss": losses.get("train"), "val_loss": losses.get("val"), "best_val": best_val,
-               "steps_run": steps_run,
+               "steps_run": steps_run, "skipped": skipped,
                "checkpoint": str(out_dir / "best") if (out_dir / "best").is_dir() else None,
                "ms_per_step": 1000 * total_time / max(steps_run, 1),
                "tokens_per_s": tokens_per_step * steps_run / max(total_time, 1e-9),
                "seconds": time.perf_counter() - t_start, "model": model, "tokenizer": tokenizer}
-    if args.num_samples and args.max_new_tokens:
+    if args.num_samples and args.max_new_tokens and main:
         gen = torch.Generator().manual_seed(args.seed)
         summary["samples"] = sample_text(model, tokenizer, args.prompt, args.max_new_tokens, args.temperature,
                                          args.top_k or None, args.top_p, args.num_samples, gen)
@@ -536,6 +597,8 @@ def batch_workers(args, config: GPT2Config) -> int:
     one random generator that threads would race for, and the run would not repeat); then torch's intra-op threads."""
     threads = torch.get_num_threads()
     dropout = max(config.resid_pdrop, config.embd_pdrop, config.attn_pdrop)
+    if dist.world_size() > 1:  # each process already has its own core(s) and slice of the batch
+        return 1
     if not args.split_batch or threads == 1 or args.batch_size == 1 or torch.device(args.device).type != "cpu":
         return 1
     if dropout > 0:
@@ -601,7 +664,11 @@ def sample_text(model, tokenizer, prompt: str | None, max_new_tokens: int, tempe
         raise ValueError("the prompt is empty; pass some text or leave --prompt out for the default")
     device = next(model.parameters()).device
     n_ctx = model.config.n_positions
-    ids = ids[-n_ctx:].to(device).repeat(num_samples, 1)  # a longer prompt keeps its last n_ctx tokens
+    if ids.numel() > n_ctx:
+        warnings.warn(f"the prompt has {ids.numel()} tokens, more than the model's context of {n_ctx}: keeping its "
+                      f"last {n_ctx}", stacklevel=2)
+        ids = ids[-n_ctx:]
+    ids = ids.to(device).repeat(num_samples, 1)
     first = min(max_new_tokens, n_ctx - ids.shape[1])
     if first > 0:
         ids = model.generate(ids, max_new_tokens=first, do_sample=True, temperature=temperature, top_k=top_k,

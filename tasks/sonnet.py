@@ -21,11 +21,14 @@ import torch
 from torch import nn
 
 from models.gpt2 import GPT2LMHeadModel
+from tasks import distributed as dist
 from tasks.classifier import check_vocab
 from tasks.data import Encoded, collate, load_tokenizer
 from tasks.training import autocast, build_body, load_weights, seed_everything, train, train_config
 
-NUMBER_LINE = re.compile(r"\n\s*\d+\s*\n")
+# The course splits on \n\s*\d+\s*\n; the lookahead leaves the closing newline unconsumed, so two number lines in a
+# row give an (refused) empty sonnet instead of the second number becoming the first line of a sonnet.
+NUMBER_LINE = re.compile(r"\n\s*\d+\s*(?=\n)")
 HEADER = "--Generated Sonnets-- "
 
 
@@ -38,8 +41,9 @@ class SonnetFileError(ValueError):
 
 
 def parse_sonnets(text: str, source: str = "<text>") -> list[str]:
-    # A leading newline lets a file that opens with a number line keep its first sonnet (its header is empty).
-    padded = "\n" + text
+    # A leading newline lets a file that opens with a number line keep its first sonnet (its header is empty); a
+    # trailing one makes a number line at the very end a (refused) empty sonnet, not a line of the one before.
+    padded = "\n" + text + "\n"
     pieces = NUMBER_LINE.split(padded)[1:]
     if not pieces:
         raise SonnetFileError(f"{source}: no numbered sonnets (each sonnet must follow a line holding only its number)")
@@ -57,7 +61,13 @@ def read_sonnets(path: str | Path) -> list[str]:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"sonnet file not found: {path}")
-    return parse_sonnets(path.read_text(encoding="utf-8-sig"), str(path))
+    raw = path.read_bytes().removeprefix(b"\xef\xbb\xbf")  # a byte-order mark
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[: e.start].replace(b"\r\n", b"\n").replace(b"\r", b"\n").count(b"\n") + 1
+        raise SonnetFileError(f"{path}, line {line}: not UTF-8 text ({e.reason})") from None
+    return parse_sonnets(text.replace("\r\n", "\n").replace("\r", "\n"), str(path))  # universal newlines
 
 
 def write_sonnets(path: str | Path, sonnets: list[str]) -> None:
@@ -184,6 +194,12 @@ def encode_sonnets(sonnets: list[str], tokenizer, max_length: int, what: str = "
     return [Encoded(str(i), x[:max_length], None) for i, x in enumerate(ids)]
 
 
+def predicted_tokens(batch: dict) -> int:
+    """Targets SonnetGPT.loss averages over: real tokens that follow a real token."""
+    mask = batch["attention_mask"]
+    return int((mask[:, 1:] & mask[:, :-1]).sum())
+
+
 @torch.no_grad()
 def mean_loss(model: SonnetGPT, encoded: list[Encoded], pad_id: int, batch_size: int, device) -> float:
     """Token-weighted mean next-token loss over the encoded sonnets (dropout off)."""
@@ -193,7 +209,7 @@ def mean_loss(model: SonnetGPT, encoded: list[Encoded], pad_id: int, batch_size:
     for start in range(0, len(encoded), batch_size):
         batch = collate(encoded[start: start + batch_size], pad_id)
         ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
-        n = int((mask[:, 1:] & mask[:, :-1]).sum())  # targets that count
+        n = predicted_tokens(batch)  # targets that count
         total += float(model.loss(ids, mask)) * n
         count += n
     model.train(was_training)
@@ -326,8 +342,8 @@ def run(args, device: torch.device) -> dict:
         print(f"fine-tuning: lr {lr:g}, {cfg.epochs} epochs of {len(enc_train)} sonnets; "
               f"checkpoints in {args.output_dir}")
         result = train(model, len(enc_train), lambda idx: collate([enc_train[i] for i in idx], pad), loss_fn, evaluate,
-                       cfg, run_info, tokenizer=tokenizer)
-        if args.max_steps:
+                       cfg, run_info, tokenizer=tokenizer, count_fn=predicted_tokens)
+        if args.max_steps or not dist.is_main():  # under torchrun rank 0 alone generates and writes
             return result
         load_weights(model, Path(args.output_dir) / "best")
         print(f"best epoch {result['best']['epoch']}: dev chrF {result['best']['metrics']['chrf']:.2f}")

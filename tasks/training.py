@@ -12,6 +12,10 @@ with one summary line. Checkpoints (tasks/checkpoint.py) go to output_dir/last (
 weights as extra tensors, optimizer, scheduler, counters, RNG states) at every epoch end and every `save_every`
 optimizer steps, and to output_dir/best when the selected dev metric improves. `resume=True` continues from
 output_dir/last and ends with the same weights as an uninterrupted run with the same settings.
+
+Guards: a non-finite loss or gradient stops the run (NonFiniteError naming the step; the checkpoints on disk are
+the last good ones), or with skip_nonfinite the batch is skipped and counted. Under torchrun (tasks/distributed.py)
+each rank trains on its slice of every batch inside DistributedDataParallel; rank 0 alone evaluates and writes.
 """
 from __future__ import annotations
 
@@ -32,6 +36,7 @@ from tqdm import tqdm
 
 from config import PRESETS, GPT2Config
 from optimizer import AdamW, make_lr_scheduler, param_groups_for_weight_decay
+from tasks import distributed as dist
 from tasks.checkpoint import capture_rng, load_checkpoint, resolve, restore_rng, save_checkpoint
 
 
@@ -54,6 +59,14 @@ class TrainConfig:
     save_every: int = 0  # also checkpoint every N optimizer steps (0 = epoch ends only)
     max_steps: int = 0  # benchmark: stop after N optimizer steps, no evaluation or checkpoint (0 = off)
     select_metric: str = "acc"  # dev metric that picks the best checkpoint (higher is better)
+    skip_nonfinite: bool = False  # skip (and count) batches with a non-finite loss or gradient instead of stopping
+
+
+class NonFiniteError(FloatingPointError):
+    """Training met a non-finite loss or gradient; the message names the step."""
+
+
+MAX_SKIPPED_IN_A_ROW = 20  # with skip_nonfinite: this many bad optimizer steps in a row means the run is broken
 
 
 def seed_everything(seed: int) -> None:
@@ -65,10 +78,10 @@ def seed_everything(seed: int) -> None:
 def pick_device(use_gpu: bool, threads: int = 0) -> torch.device:
     if threads:
         torch.set_num_threads(threads)
-    if use_gpu and torch.cuda.is_available():
-        return torch.device("cuda")
-    print("CUDA is not available: running on CPU" if use_gpu else "running on CPU")
-    return torch.device("cpu")
+    device = dist.device(use_gpu)  # cuda:LOCAL_RANK under torchrun
+    if device.type == "cpu":
+        print("CUDA is not available: running on CPU" if use_gpu else "running on CPU")
+    return device
 
 
 def bf16_matmul_is_fast(device: torch.device | str) -> bool:
@@ -133,6 +146,7 @@ def load_weights(model: nn.Module, folder: str | Path):
     ck = load_checkpoint(folder)
     body, head_keys = split_model(model)
     loaded = type(body).from_pretrained(ck.path)
+    check_architecture(loaded.config, body.config, ck.path)
     body.load_state_dict(loaded.state_dict())
     if set(ck.extra_tensors) != set(head_keys):
         raise ValueError(f"checkpoint {ck.path} holds head tensors {sorted(ck.extra_tensors)}, "
@@ -142,6 +156,22 @@ def load_weights(model: nn.Module, folder: str | Path):
     return ck
 
 
+ARCHITECTURE = ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head", "n_inner", "activation_function")
+
+
+class ArchitectureMismatchError(ValueError):
+    """A checkpoint whose shapes are not those of the model it is loaded into."""
+
+
+def check_architecture(saved, model_config, source) -> None:
+    diff = {k: (getattr(saved, k, None), getattr(model_config, k, None)) for k in ARCHITECTURE
+            if getattr(saved, k, None) != getattr(model_config, k, None)}
+    if diff:
+        pairs = ", ".join(f"{k} {a} vs {b}" for k, (a, b) in diff.items())
+        raise ArchitectureMismatchError(f"checkpoint {source} is a different architecture from the model "
+                                        f"(checkpoint vs model): {pairs}")
+
+
 def _save(folder: Path, model, *, state, optimizer=None, scheduler=None, tokenizer=None) -> None:
     body, head_keys = split_model(model)
     sd = model.state_dict()
@@ -149,11 +179,57 @@ def _save(folder: Path, model, *, state, optimizer=None, scheduler=None, tokeniz
                     extra_tensors={k: sd[k] for k in head_keys}, tokenizer=tokenizer)
 
 
+class _LossOf(nn.Module):
+    """The model and its loss as one module, so DistributedDataParallel sees the forward that loss_fn runs
+    (loss_fn may call any method of the model, e.g. SonnetGPT.loss, which DDP's own forward would not see)."""
+
+    def __init__(self, model: nn.Module, loss_fn: Callable):
+        super().__init__()
+        self.model, self.loss_fn = model, loss_fn
+
+    def forward(self, batch: dict):
+        return self.loss_fn(self.model, batch)
+
+
+def _rng_state() -> dict:
+    """RNG states to checkpoint: rank 0's, and every rank's under torchrun (a collective: all ranks call it)."""
+    states = dist.gather_objects(capture_rng())
+    return {"rng": states[0], **({"rank_rng": states} if len(states) > 1 else {})}
+
+
+def _restore_rng_state(state: dict) -> None:
+    ranks = state.pop("rank_rng", None)
+    rng = state.pop("rng")
+    restore_rng(ranks[dist.rank()] if ranks and dist.rank() < len(ranks) else rng)
+
+
+def _merged_sums(sums: dict) -> dict:
+    """Training sums over all ranks (a collective); the seconds are rank 0's wall time, not a sum."""
+    per_rank = dist.gather_objects(sums)
+    merged = {k: sum(s.get(k, 0.0) for s in per_rank) for k in sorted(set().union(*per_rank))}
+    if "seconds" in per_rank[0]:
+        merged["seconds"] = per_rank[0]["seconds"]
+    return merged
+
+
+def grad_norm(model: nn.Module, max_norm: float = 0.0) -> float:
+    """Total gradient norm (inf or nan if any gradient is); clips to max_norm when it is > 0."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    if not params:
+        return 0.0
+    if max_norm:
+        return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+    return float(torch.nn.utils.get_total_norm([p.grad for p in params]))
+
+
 def train(model: nn.Module, n_train: int, make_batch: Callable[[list[int]], dict], loss_fn: Callable,
-          evaluate_fn: Callable[[nn.Module], dict], cfg: TrainConfig, run_info: dict, tokenizer=None) -> dict:
+          evaluate_fn: Callable[[nn.Module], dict], cfg: TrainConfig, run_info: dict, tokenizer=None,
+          count_fn: Callable[[dict], float] | None = None) -> dict:
     """Train and keep output_dir/{last,best}. make_batch(indices) -> dict of tensors (with 'attention_mask' to
     count tokens); loss_fn(model, batch) -> loss, or (loss, {name: summed stat}) such as {'correct', 'count'};
-    evaluate_fn(model) -> {metric: value} including cfg.select_metric. Returns the best metrics and history."""
+    evaluate_fn(model) -> {metric: value} including cfg.select_metric. count_fn(batch): what loss_fn averages over
+    (default: the batch's examples; e.g. its target tokens), so that under torchrun the ranks' slices weigh as they
+    would in one process. Returns the best metrics and history (on rank 0; other ranks get no metrics)."""
     device = torch.device(cfg.device)
     model.to(device)
     out = Path(cfg.output_dir)
@@ -174,43 +250,88 @@ def train(model: nn.Module, n_train: int, make_batch: Callable[[list[int]], dict
         optimizer.load_state_dict(ck.optimizer)
         scheduler.load_state_dict(ck.scheduler)
         state = ck.state
-        restore_rng(state.pop("rng"))
+        _restore_rng_state(state)
         print(f"resuming from {ck.path}: epoch {state['epoch'] + 1}, batch {state['batch']}, step {state['step']}")
     elif not cfg.max_steps and _exists(out / "last") and not cfg.overwrite:
         raise FileExistsError(f"{out / 'last'} already holds a checkpoint: pass --resume to continue it or "
                               f"--overwrite to start again (or choose another --output_dir)")
+    dist.barrier()  # every rank has looked at output_dir/last before rank 0 may write it
+    state.setdefault("skipped", 0)
+    main, world = dist.is_main(), dist.world_size()
+    trainer = dist.wrap(_LossOf(model, loss_fn), device)  # DDP under torchrun; the model itself is trained either way
+    if world > 1:
+        print(f"distributed: {world} processes, each on its slice of every batch of {cfg.batch_size}")
 
     amp = autocast(device, cfg.bf16)
     bench = {"seconds": 0.0, "batches": 0, "tokens": 0.0}  # this process's throughput, for --max_steps
+    bad_in_a_row = 0
     for epoch in range(state["epoch"], cfg.epochs):
-        # The order depends only on (seed, epoch), so a resumed run sees the same batches.
+        # The order depends only on (seed, epoch), so a resumed run (and every rank) sees the same batches.
         order = torch.randperm(n_train, generator=torch.Generator().manual_seed(cfg.seed * 1000 + epoch)).tolist()
         batches = [order[i : i + cfg.batch_size] for i in range(0, n_train, cfg.batch_size)]
-        sums = state["sums"] if state["batch"] else {}
+        sums = state["sums"] if state["batch"] and main else {}  # saved sums are already over all ranks
+        pending: dict[str, float] = {}  # this optimizer step's sums, kept only if the step is
+        nonfinite = None
         model.train()
         start = time.perf_counter()
         bar = tqdm(total=len(batches), initial=state["batch"], desc=f"train {epoch + 1}/{cfg.epochs}",
-                   dynamic_ncols=True, leave=False)
+                   dynamic_ncols=True, leave=False, disable=not main)
         for b in range(state["batch"], len(batches)):
-            batch = {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in make_batch(batches[b]).items()}
+            part = dist.shard(batches[b])
+            # A rank whose slice is empty (a short last batch) still joins the gradient all-reduce, with weight 0.
+            batch = {k: (v.to(device) if torch.is_tensor(v) else v)
+                     for k, v in make_batch(part or batches[b][:1]).items()}
             group_start = b - b % cfg.grad_accum
             group_size = min(cfg.grad_accum, len(batches) - group_start)  # the last group may be short
-            with amp:
-                result = loss_fn(model, batch)
-            loss, stats = result if isinstance(result, tuple) else (result, {})
-            (loss / group_size).backward()
-            tokens = int(batch["attention_mask"].sum())  # real (non-padding) tokens
-            bench["tokens"] += tokens
+            last_of_group = b + 1 - group_start == group_size
+            count = (float(count_fn(batch)) if count_fn else len(part)) if part else 0.0
+            total = dist.all_reduce_sum(count) if count_fn else len(batches[b])
+            weight = world * count / max(total, 1e-12)  # DDP averages over ranks: this makes it the global mean
+            with dist.no_sync(trainer, not last_of_group):
+                with amp:
+                    result = trainer(batch)
+                loss, stats = result if isinstance(result, tuple) else (result, {})
+                (loss * weight / group_size).backward()
+            if part:
+                value = loss.item()
+                if not math.isfinite(value) and nonfinite is None:
+                    nonfinite = f"loss {value}"
+                tokens = int(batch["attention_mask"].sum())  # real (non-padding) tokens
+                bench["tokens"] += tokens
+                for k, v in {"loss": value * len(part), "examples": len(part), "tokens": tokens, **stats}.items():
+                    pending[k] = pending.get(k, 0) + float(v)
             bench["batches"] += 1
-            for k, v in {"loss": loss.item() * len(batches[b]), "examples": len(batches[b]), "tokens": tokens,
-                         **stats}.items():
-                sums[k] = sums.get(k, 0) + float(v)
             bar.update(1)
-            bar.set_postfix(loss=f"{sums['loss'] / sums['examples']:.4f}")
-            if b + 1 - group_start < group_size:
+            if not last_of_group:
                 continue
-            if cfg.max_grad_norm:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+            norm = grad_norm(model, cfg.max_grad_norm)  # after DDP's all-reduce: the same on every rank
+            if nonfinite is None and not math.isfinite(norm):
+                nonfinite = f"gradient norm {norm}"
+            if dist.any_rank(nonfinite is not None):
+                optimizer.zero_grad(set_to_none=True)
+                where = (f"optimizer step {state['step'] + 1} (epoch {epoch + 1}, batch{'es' if group_size > 1 else ''}"
+                         f" {group_start + 1}{f'-{b + 1}' if group_size > 1 else ''} of {len(batches)})")
+                what = nonfinite or "loss or gradient on another rank"
+                bad_in_a_row += 1
+                if not cfg.skip_nonfinite or bad_in_a_row > MAX_SKIPPED_IN_A_ROW:
+                    bar.close()
+                    kept = (f"the last good checkpoint {resolve(out / 'last')} is kept" if _exists(out / "last")
+                            else "no checkpoint had been written yet")
+                    raise NonFiniteError(
+                        f"non-finite {what} at {where}: training stopped; {kept}. "
+                        + (f"{bad_in_a_row} bad steps in a row despite --skip_nonfinite: the run is diverging; "
+                           if cfg.skip_nonfinite else "Pass --skip_nonfinite to skip such batches; ")
+                        + "a lower --lr or --max_grad_norm may help")
+                state["skipped"] += 1
+                print(f"warning: skipped {where}: non-finite {what} ({state['skipped']} skipped so far)", flush=True)
+                pending, nonfinite = {}, None
+                continue
+            bad_in_a_row = 0
+            for k, v in pending.items():
+                sums[k] = sums.get(k, 0) + v
+            pending = {}
+            if sums.get("examples"):
+                bar.set_postfix(loss=f"{sums['loss'] / sums['examples']:.4f}")
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
@@ -222,30 +343,39 @@ def train(model: nn.Module, n_train: int, make_batch: Callable[[list[int]], dict
                 bar.close()
                 return _benchmark_report(bench, state["step"], batches_per_epoch)
             if cfg.save_every and state["step"] % cfg.save_every == 0 and b + 1 < len(batches):
-                state.update(epoch=epoch, batch=b + 1, sums=sums)
-                _save(out / "last", model, state={**state, "rng": capture_rng()}, optimizer=optimizer,
-                      scheduler=scheduler, tokenizer=tokenizer)
+                state.update(epoch=epoch, batch=b + 1, sums=_merged_sums(sums))
+                rng = _rng_state()
+                if main:
+                    _save(out / "last", model, state={**state, **rng}, optimizer=optimizer, scheduler=scheduler,
+                          tokenizer=tokenizer)
         bar.close()
 
-        with amp:
-            metrics = evaluate_fn(model)
-        value = metrics[cfg.select_metric]
-        improved = state["best"] is None or value > state["best"]["metrics"][cfg.select_metric]
-        record = {"epoch": epoch + 1, "train_loss": sums["loss"] / sums["examples"],
-                  "seconds": sums["seconds"], "tokens_per_sec": sums["tokens"] / sums["seconds"],
-                  "lr": scheduler.get_last_lr()[0], **({"train_acc": sums["correct"] / sums["count"]}
-                                                       if "correct" in sums else {}),
-                  **{f"dev_{k}": v for k, v in metrics.items() if isinstance(v, (int, float))}}
-        state["history"].append(record)
-        if improved:
-            state["best"] = {"epoch": epoch + 1, "metrics": {k: v for k, v in metrics.items()
-                                                              if isinstance(v, (int, float))}}
-            _save(out / "best", model, state={"best": state["best"], "run": run_info}, tokenizer=tokenizer)
+        sums = _merged_sums(sums)
+        improved = False
+        if main:  # rank 0 evaluates and writes; the others wait for it at the next collective
+            with amp:
+                metrics = evaluate_fn(model)
+            value = metrics[cfg.select_metric]
+            improved = state["best"] is None or value > state["best"]["metrics"][cfg.select_metric]
+            seconds = max(sums.get("seconds", 0.0), 1e-9)
+            record = {"epoch": epoch + 1, "train_loss": sums["loss"] / sums["examples"] if sums.get("examples")
+                      else math.nan, "seconds": seconds, "tokens_per_sec": sums.get("tokens", 0) / seconds,
+                      "lr": scheduler.get_last_lr()[0],
+                      **({"train_acc": sums["correct"] / sums["count"]} if sums.get("count") else {}),
+                      **({"skipped": state["skipped"]} if state["skipped"] else {}),
+                      **{f"dev_{k}": v for k, v in metrics.items() if isinstance(v, (int, float))}}
+            state["history"].append(record)
+            if improved:
+                state["best"] = {"epoch": epoch + 1, "metrics": {k: v for k, v in metrics.items()
+                                                                  if isinstance(v, (int, float))}}
+                _save(out / "best", model, state={"best": state["best"], "run": run_info}, tokenizer=tokenizer)
         state.update(epoch=epoch + 1, batch=0, sums={})
-        _save(out / "last", model, state={**state, "rng": capture_rng()}, optimizer=optimizer, scheduler=scheduler,
-              tokenizer=tokenizer)
-        print(summary_line(record, cfg.epochs, improved), flush=True)
-    return {"best": state["best"], "history": state["history"]}
+        rng = _rng_state()
+        if main:
+            _save(out / "last", model, state={**state, **rng}, optimizer=optimizer, scheduler=scheduler,
+                  tokenizer=tokenizer)
+            print(summary_line(record, cfg.epochs, improved), flush=True)
+    return {"best": state["best"], "history": state["history"], "skipped": state["skipped"]}
 
 
 def _exists(folder: Path) -> bool:
@@ -260,7 +390,9 @@ def summary_line(r: dict, epochs: int, improved: bool) -> str:
     train = f"train loss {r['train_loss']:.4f}" + (f" acc {r['train_acc']:.4f}" if "train_acc" in r else "")
     dev = " ".join(f"{k[4:]} {v:.4f}" for k, v in r.items() if k.startswith("dev_"))
     return (f"epoch {r['epoch']}/{epochs} | {train} | dev {dev} | lr {r['lr']:.2e} | {r['seconds']:.1f} s, "
-            f"{r['tokens_per_sec']:.0f} tok/s" + (" | best, saved" if improved else ""))
+            f"{r['tokens_per_sec']:.0f} tok/s"
+            + (f" | {r['skipped']} non-finite steps skipped" if r.get("skipped") else "")
+            + (" | best, saved" if improved else ""))
 
 
 def _benchmark_report(bench: dict, steps: int, batches_per_epoch: int) -> dict:
@@ -299,6 +431,8 @@ def add_training_args(parser: argparse.ArgumentParser, epochs: int, batch_size: 
     g.add_argument("--max_steps", type=int, default=0,
                    help="benchmark: stop after N optimizer steps, print throughput and exit (no eval, no files)")
     g.add_argument("--eval_batch_size", type=int, default=32, help="batch size for dev/test prediction")
+    g.add_argument("--skip_nonfinite", action="store_true", help="skip (and count) optimizer steps whose loss or "
+                   "gradient is not finite, instead of stopping the run there")
 
 
 def train_config(args, output_dir: str, lr: float, device: torch.device) -> TrainConfig:
@@ -309,7 +443,8 @@ def train_config(args, output_dir: str, lr: float, device: torch.device) -> Trai
                        weight_decay=args.weight_decay, grad_accum=args.grad_accum, schedule=args.schedule,
                        warmup_ratio=args.warmup_ratio, max_grad_norm=args.max_grad_norm, bf16=args.bf16,
                        seed=args.seed, device=str(device), resume=args.resume, overwrite=args.overwrite,
-                       save_every=args.save_every, max_steps=args.max_steps)
+                       save_every=args.save_every, max_steps=args.max_steps,
+                       skip_nonfinite=getattr(args, "skip_nonfinite", False))
 
 
 @torch.no_grad()

@@ -101,7 +101,8 @@ def test_preprocess_string_is_the_courses():
 
 
 BAD_SENTIMENT = {
-    "extra field": ("0\ta\tok\t1\n1\tb\tfine\t2\tEXTRA\n", r"malformed row.*line 3"),
+    "extra field": ("0\ta\tok\t1\n1\tb\tfine\t2\tEXTRA\n", r"line 3: malformed row: more fields than"),
+    "extra field in the first row": ("0\ta\tok\t1\tEXTRA\n", r"line 2: malformed row"),  # pandas: an index
     "missing label": ("0\ta\tok\t1\n1\tb\tfine\n", r"bad\.csv, line 3: empty 'sentiment'"),
     "unknown label": ("0\ta\tok\t1\n1\tb\tfine\tpositive\n", r"line 3: sentiment 'positive' is not an integer"),
     "out of range": ("0\ta\tok\t1\n1\tb\tfine\t7\n", r"line 3: sentiment 7 is out of range for 5 classes"),

@@ -162,7 +162,8 @@ def read_weights(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     try:
         sd = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # weights_only refuses arbitrary objects; a truncated zip fails to open
-        if "allowed global" in str(e) or "Unsupported global" in str(e):
+        message = str(e).lower()  # torch words it "Unsupported global" or "unsupported GLOBAL posix.system"
+        if "allowed global" in message or "unsupported global" in message:
             raise CheckpointError(f"refusing to load {path}: it holds Python objects other than tensors, which could "
                                   "run code when unpickled (weights_only=True)") from None
         raise CheckpointError(f"cannot read {path}: the file is truncated or not a torch checkpoint ({e})") from None

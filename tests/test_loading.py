@@ -131,6 +131,9 @@ def test_unreadable_files_give_clear_errors(tmp_path, hf_folder):
     torch.save({"weights": torch.zeros(1), "payload": _Arbitrary()}, evil / "pytorch_model.bin")
     with pytest.raises(CheckpointError, match="holds Python objects other than tensors"):
         GPT2LMHeadModel.from_pretrained(evil)
+    torch.save({"weights": torch.zeros(1), "payload": _RunsCode()}, evil / "pytorch_model.bin")
+    with pytest.raises(CheckpointError, match="holds Python objects other than tensors"):  # torch: "unsupported GLOBAL"
+        GPT2LMHeadModel.from_pretrained(evil)
 
     (evil / "pytorch_model.bin").write_bytes(b"not a zip file at all")
     with pytest.raises(CheckpointError, match="truncated or not a torch checkpoint"):
@@ -139,6 +142,15 @@ def test_unreadable_files_give_clear_errors(tmp_path, hf_folder):
 
 class _Arbitrary:
     pass
+
+
+class _RunsCode:
+    """Unpickles into a call of os.system (never reached: weights_only refuses it first)."""
+
+    def __reduce__(self):
+        import os
+
+        return os.system, ("true",)
 
 
 def test_missing_paths_and_weights(tmp_path):

@@ -46,6 +46,14 @@ def make_hf_model(config: GPT2Config, seed: int = 0):
     return hf.eval()
 
 
+@pytest.fixture(autouse=True)
+def restore_threads():
+    """CLIs under test set torch's thread count (--threads, torchrun, --split_batch); later tests get it back."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture
 def hf_folder(tmp_path):
     """Factory: save a random-init HF model and return (hf_model, folder)."""

@@ -21,13 +21,6 @@ ROOT = Path(__file__).resolve().parents[1]
 NO_DROPOUT = "random:n_layer=2,n_head=2,n_embd=16,n_positions=64,vocab_size=64,resid_pdrop=0,embd_pdrop=0,attn_pdrop=0"
 
 
-@pytest.fixture(autouse=True)
-def restore_threads():
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
-
-
 def torchrun(script: str, args: list[str], cwd: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(ROOT / script),

@@ -22,14 +22,6 @@ TINY = ["--n_layer", "1", "--n_head", "2", "--n_embd", "16", "--block_size", "16
         "--warmup_iters", "2"]
 
 
-@pytest.fixture(autouse=True)
-def restore_threads():
-    """--threads 1 keeps these tiny runs fast on a busy machine; the rest of the suite gets its setting back."""
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture
 def corpus_file(tmp_path):
     path = tmp_path / "corpus.txt"

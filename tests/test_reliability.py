@@ -29,13 +29,6 @@ ROOT = Path(__file__).resolve().parents[1]
 MODEL = "random:n_layer=2,n_head=2,n_embd=16,n_positions=64,vocab_size=64"
 
 
-@pytest.fixture(autouse=True)
-def restore_threads():
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
-
-
 def kill_once_checkpointed(cmd: list[str], checkpoints: list[Path], cwd: Path) -> None:
     """Start `cmd`, wait until one of `checkpoints` is complete, let it run a random moment more, SIGKILL it."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}

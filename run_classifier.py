@@ -29,7 +29,7 @@ from config import PRESETS
 from tasks.classifier import MODES, run
 from tasks.data import NUM_LABELS
 from tasks import distributed as dist
-from tasks.training import NonFiniteError, add_training_args, pick_device
+from tasks.training import add_training_args, pick_device, run_cli
 
 ROOT = Path(__file__).resolve().parent
 SHARED_DATA = ROOT.parent / "shared" / "data" / "cs224n"
@@ -92,7 +92,8 @@ def main(argv=None) -> int:
     dist.init(args.threads)  # a no-op unless launched by torchrun
     device = pick_device(args.use_gpu, args.threads)
     mode = args.fine_tune_mode
-    try:
+
+    def job():
         todo = jobs(args)
         if len(todo) > 1 and (args.dev_out or args.test_out):
             raise ValueError("--dev_out / --test_out name one file: use them with a single --task")
@@ -102,12 +103,8 @@ def main(argv=None) -> int:
                 dev_out=args.dev_out or f"predictions/{mode}-{task}-dev-out.csv",
                 test_out=args.test_out or f"predictions/{mode}-{task}-test-out.csv",
                 output_dir=str(out or f"checkpoints/{mode}-{task}"), device=device)
-    except (ValueError, FileNotFoundError, FileExistsError, OSError, NonFiniteError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    finally:
-        dist.cleanup()
-    return 0
+
+    return run_cli(job)
 
 
 if __name__ == "__main__":

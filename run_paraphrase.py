@@ -25,7 +25,7 @@ import sys
 from config import PRESETS
 from tasks.paraphrase import MODES, run
 from tasks import distributed as dist
-from tasks.training import NonFiniteError, add_training_args, pick_device
+from tasks.training import add_training_args, pick_device, run_cli
 
 
 def get_args(argv=None):
@@ -67,14 +67,7 @@ def main(argv=None) -> int:
     args.output_dir = args.output_dir or "checkpoints/paraphrase"
     dist.init(args.threads)  # a no-op unless launched by torchrun
     device = pick_device(args.use_gpu, args.threads)
-    try:
-        run(args, device)
-    except (ValueError, FileNotFoundError, FileExistsError, OSError, NonFiniteError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    finally:
-        dist.cleanup()
-    return 0
+    return run_cli(lambda: run(args, device))
 
 
 if __name__ == "__main__":

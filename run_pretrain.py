@@ -151,4 +151,7 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    try:
+        main(sys.argv[1:])
+    except (ValueError, OSError, FloatingPointError) as e:  # bad input or a non-finite loss: one line, exit 1
+        sys.exit(f"error: {e}")

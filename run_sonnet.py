@@ -28,7 +28,7 @@ from pathlib import Path
 from config import PRESETS
 from tasks.sonnet import run
 from tasks import distributed as dist
-from tasks.training import NonFiniteError, add_training_args, pick_device
+from tasks.training import add_training_args, pick_device, run_cli
 
 ROOT = Path(__file__).resolve().parent
 SHARED_DATA = ROOT.parent / "shared" / "data" / "cs224n"
@@ -95,14 +95,7 @@ def main(argv=None) -> int:
     args.output_dir = args.output_dir or "checkpoints/sonnet"
     dist.init(args.threads)  # a no-op unless launched by torchrun
     device = pick_device(args.use_gpu, args.threads)
-    try:
-        run(args, device)
-    except (ValueError, FileNotFoundError, FileExistsError, OSError, NonFiniteError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    finally:
-        dist.cleanup()
-    return 0
+    return run_cli(lambda: run(args, device))
 
 
 if __name__ == "__main__":

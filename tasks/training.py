@@ -23,6 +23,7 @@ import argparse
 import contextlib
 import math
 import random
+import sys
 import time
 import warnings
 from dataclasses import dataclass
@@ -404,6 +405,19 @@ def _benchmark_report(bench: dict, steps: int, batches_per_epoch: int) -> dict:
           f"{bench['seconds']:.1f} s: {report['tokens_per_sec']:.0f} tok/s, {per_batch:.2f} s/batch; "
           f"an epoch of {batches_per_epoch} batches would take about {report['epoch_seconds_extrapolated'] / 60:.1f} min")
     return report
+
+
+def run_cli(job: Callable[[], object]) -> int:
+    """A CLI's exit code: 0 when job() returns; 1 with one `error: ...` line for the failures users cause (bad
+    files or flags, an existing run without --resume, a non-finite loss). The torchrun process group is left either way."""
+    try:
+        job()
+    except (ValueError, OSError, NonFiniteError) as e:  # OSError covers FileNotFoundError and FileExistsError
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        dist.cleanup()
+    return 0
 
 
 def add_training_args(parser: argparse.ArgumentParser, epochs: int, batch_size: int, lr_help: str) -> None:

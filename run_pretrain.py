@@ -61,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dropout", type=float, default=0.0, help="residual, embedding and attention dropout")
     g.add_argument("--activation", choices=ACTIVATIONS, default="gelu_new",
                    help="MLP activation: GPT-2's tanh GELU, or exact 'gelu' as nanoGPT")
+    g.add_argument("--gradient_checkpointing", action="store_true",
+                   help="recompute activations in backward: less memory for big models or long blocks, more time")
     g = p.add_argument_group("optimization")
     g.add_argument("--max_iters", type=_non_negative_int, default=2000, help="optimizer steps")
     g.add_argument("--batch_size", type=_positive(int), default=12, help="windows per micro-batch")

@@ -452,6 +452,7 @@ def setup(args):
     if len(corpus.tokenizer) > model.config.vocab_size:  # ids past the embedding would fail mid-run (or on GPU, worse)
         raise ValueError(f"the tokenizer has {len(corpus.tokenizer)} tokens but the model's embedding only "
                          f"{model.config.vocab_size} rows ({resume_from or 'new model'})")
+    model.gpt.gradient_checkpointing = getattr(args, "gradient_checkpointing", False)
     return out_dir, resume_from, corpus, model.to(args.device).train()
 
 

@@ -36,6 +36,7 @@ from torch import nn
 from tqdm import tqdm
 
 from config import PRESETS, GPT2Config
+from models.gpt2 import GPT2Model
 from optimizer import AdamW, make_lr_scheduler, param_groups_for_weight_decay
 from tasks import distributed as dist
 from tasks.checkpoint import capture_rng, load_checkpoint, resolve, restore_rng, save_checkpoint
@@ -61,6 +62,7 @@ class TrainConfig:
     max_steps: int = 0  # benchmark: stop after N optimizer steps, no evaluation or checkpoint (0 = off)
     select_metric: str = "acc"  # dev metric that picks the best checkpoint (higher is better)
     skip_nonfinite: bool = False  # skip (and count) batches with a non-finite loss or gradient instead of stopping
+    gradient_checkpointing: bool = False  # recompute each block's activations in backward: less memory, more time
 
 
 class NonFiniteError(FloatingPointError):
@@ -108,7 +110,6 @@ def build_body(spec: str, cls=None, dims: dict | None = None, **overrides):
     `random:[PRESET,]k=v,...` for a randomly initialised model (e.g. random:n_layer=4,n_head=4,n_embd=256; the
     vocabulary stays 50257 so the GPT-2 tokenizer fits). `dims` is the course's d / l / num_heads check of
     GPT2Model.from_pretrained; `overrides` change non-architecture fields such as dropout."""
-    from models.gpt2 import GPT2Model
 
     cls = cls or GPT2Model
     if not spec.startswith("random:"):
@@ -233,6 +234,7 @@ def train(model: nn.Module, n_train: int, make_batch: Callable[[list[int]], dict
     would in one process. Returns the best metrics and history (on rank 0; other ranks get no metrics)."""
     device = torch.device(cfg.device)
     model.to(device)
+    set_gradient_checkpointing(model, cfg.gradient_checkpointing)
     out = Path(cfg.output_dir)
     batches_per_epoch = math.ceil(n_train / cfg.batch_size)
     steps_per_epoch = math.ceil(batches_per_epoch / cfg.grad_accum)
@@ -407,6 +409,13 @@ def _benchmark_report(bench: dict, steps: int, batches_per_epoch: int) -> dict:
     return report
 
 
+def set_gradient_checkpointing(model: nn.Module, enabled: bool) -> None:
+    """Turn activation recomputation on or off in every GPT2Model inside `model` (the task heads wrap one)."""
+    for module in model.modules():
+        if isinstance(module, GPT2Model):
+            module.gradient_checkpointing = enabled
+
+
 def run_cli(job: Callable[[], object]) -> int:
     """A CLI's exit code: 0 when job() returns; 1 with one `error: ...` line for the failures users cause (bad
     files or flags, an existing run without --resume, a non-finite loss). The torchrun process group is left either way."""
@@ -447,6 +456,8 @@ def add_training_args(parser: argparse.ArgumentParser, epochs: int, batch_size: 
     g.add_argument("--eval_batch_size", type=int, default=32, help="batch size for dev/test prediction")
     g.add_argument("--skip_nonfinite", action="store_true", help="skip (and count) optimizer steps whose loss or "
                    "gradient is not finite, instead of stopping the run there")
+    g.add_argument("--gradient_checkpointing", action="store_true", help="recompute activations in backward: "
+                   "less memory for longer sequences or bigger batches, about 15%% more time per step")
 
 
 def train_config(args, output_dir: str, lr: float, device: torch.device) -> TrainConfig:
@@ -458,7 +469,8 @@ def train_config(args, output_dir: str, lr: float, device: torch.device) -> Trai
                        warmup_ratio=args.warmup_ratio, max_grad_norm=args.max_grad_norm, bf16=args.bf16,
                        seed=args.seed, device=str(device), resume=args.resume, overwrite=args.overwrite,
                        save_every=args.save_every, max_steps=args.max_steps,
-                       skip_nonfinite=getattr(args, "skip_nonfinite", False))
+                       skip_nonfinite=getattr(args, "skip_nonfinite", False),
+                       gradient_checkpointing=getattr(args, "gradient_checkpointing", False))
 
 
 @torch.no_grad()

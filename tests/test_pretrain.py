@@ -95,6 +95,15 @@ def test_resume_equals_an_uninterrupted_run(corpus_file, tmp_path, threads):
         run(corpus_file, tmp_path / "split", "--max_iters", "20", *common)
 
 
+def test_gradient_checkpointing_trains_the_same_model(corpus_file, tmp_path):
+    plain = run(corpus_file, tmp_path / "plain", "--max_iters", "6", "--eval_interval", "3", "--dropout", "0.1")
+    recomputed = run(corpus_file, tmp_path / "ckpt", "--max_iters", "6", "--eval_interval", "3", "--dropout", "0.1",
+                     "--gradient_checkpointing")
+    assert recomputed["model"].gpt.gradient_checkpointing and not plain["model"].gpt.gradient_checkpointing
+    for (name, a), b in zip(plain["model"].state_dict().items(), recomputed["model"].state_dict().values()):
+        torch.testing.assert_close(b, a, atol=1e-6, rtol=0, msg=name)
+
+
 def test_batch_split_across_threads_gives_the_gradient_of_the_whole_batch(corpus_file, tmp_path):
     corpus = pretrain.prepare_corpus(corpus_file, "char", tmp_path / "cache")
     x, y = pretrain.get_batch(corpus.train, 5, 16, torch.Generator().manual_seed(0))

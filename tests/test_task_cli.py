@@ -86,3 +86,28 @@ def test_max_steps_reports_throughput_without_files(setup, capsys):
     assert code == 0 and "2 classes" in out
     assert re.search(r"benchmark: 3 optimizer steps \(3 batches, \d+ real tokens\) in [0-9.]+ s: \d+ tok/s", out)
     assert not (tmp / "d.csv").exists() and not (tmp / "ck").exists()
+
+
+def test_gradient_checkpointing_flag_trains_to_the_same_weights(setup, capsys, monkeypatch):
+    import torch
+    import torch.utils.checkpoint
+    from safetensors.torch import load_file
+
+    tmp, common = setup
+    paths = write_sentiment(tmp, "sst", 24)
+    calls = []
+    recompute = torch.utils.checkpoint.checkpoint
+    monkeypatch.setattr(torch.utils.checkpoint, "checkpoint", lambda *a, **k: calls.append(1) or recompute(*a, **k))
+    weights = {}
+    for flag in ([], ["--gradient_checkpointing"]):
+        calls.clear()
+        out_dir = tmp / ("ck" + "".join(flag))
+        code = run_classifier.main(common + ["--fine-tune-mode", "full-model", "--train", str(paths["train"]),
+                                             "--dev", str(paths["dev"]), "--test", str(paths["test-student"]),
+                                             "--dev_out", str(tmp / "d.csv"), "--test_out", str(tmp / "t.csv"),
+                                             "--output_dir", str(out_dir), "--lr", "1e-3", *flag])
+        assert code == 0, capsys.readouterr().out
+        weights[bool(flag)] = load_file(out_dir / "last" / "model.safetensors")
+        assert bool(calls) == bool(flag)  # the flag reaches the body: its blocks run under checkpoint()
+    for name, tensor in weights[False].items():  # recomputation replays dropout's random state: same training
+        torch.testing.assert_close(weights[True][name], tensor, atol=1e-6, rtol=0, msg=name)

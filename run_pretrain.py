@@ -85,6 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--log_interval", type=_positive(int), default=50, help="print the training loss every N steps")
     g.add_argument("--out_dir", default="out/pretrain", help="checkpoints best/ and last/, and the id cache")
     g.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out_dir")
+    g.add_argument("--overwrite", action="store_true",
+                   help="start afresh, deleting the checkpoints already in --out_dir (the id cache is kept)")
     g.add_argument("--skip_nonfinite", action="store_true", help="skip (and count) steps whose loss or gradient is "
                    "not finite, instead of stopping the run there")
     g = p.add_argument_group("sampling (after training, or from a checkpoint with --sample)")
@@ -120,6 +122,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(f"--dropout must be in [0, 1), got {args.dropout}")
     if args.top_p is not None and not 0 < args.top_p <= 1:
         parser.error(f"--top_p must be in (0, 1], got {args.top_p}")
+    if args.resume and args.overwrite:
+        parser.error("--resume continues the run in --out_dir and --overwrite deletes it: pass one of them")
     return args
 
 

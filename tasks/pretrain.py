@@ -22,6 +22,7 @@ import hashlib
 import json
 import math
 import os
+import shutil
 import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
@@ -431,9 +432,18 @@ def setup(args):
     initialised from --seed or loaded from the checkpoint that --resume continues."""
     out_dir = Path(args.out_dir)
     resume_from = find_checkpoint(out_dir)
+    if resume_from and getattr(args, "overwrite", False) and not args.resume:
+        # Asked for explicitly: the old run's best/ and last/ go, or a later --resume could pick the old run's step.
+        if dist.is_main():
+            for name in CHECKPOINTS:
+                for folder in (out_dir / name, out_dir / f".{name}.old"):
+                    shutil.rmtree(folder, ignore_errors=True)
+            print(f"--overwrite: removed the checkpoints in {out_dir}")
+        dist.barrier()
+        resume_from = None
     if resume_from and not args.resume:
         raise FileExistsError(f"{out_dir} already holds a checkpoint ({resume_from.name}); pass --resume to continue "
-                              f"it or choose another --out_dir")
+                              f"it, --overwrite to start again, or choose another --out_dir")
     if args.resume and not resume_from:
         raise FileNotFoundError(f"--resume: no checkpoint (best/ or last/) in {out_dir}")
     tokenizer = load_tokenizer(resume_from) if resume_from else (

@@ -93,6 +93,8 @@ def test_resume_equals_an_uninterrupted_run(corpus_file, tmp_path, threads):
         assert torch.equal(a, b), name
     with pytest.raises(FileExistsError, match="--resume"):
         run(corpus_file, tmp_path / "split", "--max_iters", "20", *common)
+    again = run(corpus_file, tmp_path / "split", "--max_iters", "20", "--overwrite", *common)  # from scratch
+    assert again["steps_run"] == 20 and again["val_loss"] == full["val_loss"]
 
 
 def test_gradient_checkpointing_trains_the_same_model(corpus_file, tmp_path):

@@ -26,39 +26,19 @@ import math
 import torch
 import torch.nn.functional as F
 
-from models.generation import apply_repetition_penalty
+from models.generation import apply_repetition_penalty, check_request
 from models.gpt2 import position_ids_from_mask
 
 EARLY_STOPPING = (False, True, "never")
 
 
-def _check_args(model, input_ids, attention_mask, num_beams, max_new_tokens, length_penalty, early_stopping,
-                repetition_penalty) -> None:
-    if input_ids.dim() != 2 or input_ids.shape[1] == 0:
-        raise ValueError(f"input_ids must be (batch, prompt_len) with prompt_len >= 1, "
-                         f"got shape {tuple(input_ids.shape)}")
+def _check_beam_args(num_beams, length_penalty, early_stopping) -> None:
     if not isinstance(num_beams, int) or num_beams < 1:
         raise ValueError(f"num_beams must be a positive integer, got {num_beams!r}")
-    if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     if not math.isfinite(length_penalty):
         raise ValueError(f"length_penalty must be a finite number, got {length_penalty}")
     if not (isinstance(early_stopping, bool) or early_stopping == "never"):
         raise ValueError(f"early_stopping must be one of {EARLY_STOPPING}, got {early_stopping!r}")
-    if repetition_penalty <= 0:
-        raise ValueError(f"repetition_penalty must be > 0, got {repetition_penalty}")
-    total = input_ids.shape[1] + max_new_tokens
-    if total > model.config.n_positions:
-        raise ValueError(f"prompt length {input_ids.shape[1]} + max_new_tokens {max_new_tokens} = {total} exceeds the "
-                         f"context of n_positions={model.config.n_positions}; shorten the prompt or generate fewer "
-                         f"tokens")
-    if attention_mask is not None:
-        if attention_mask.shape != input_ids.shape:
-            raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape "
-                             f"{tuple(input_ids.shape)}")
-        if not bool(attention_mask[:, -1].bool().all()):
-            raise ValueError("prompts must be left-padded for beam search (a row's last token is padding); "
-                             "set tokenizer.padding_side = 'left'")
 
 
 @torch.no_grad()
@@ -68,8 +48,8 @@ def beam_search(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | N
                 repetition_penalty: float = 1.0) -> torch.Tensor:
     """Best beam-search continuation of each (left-padded) prompt -> (B, prompt_len + L) LongTensor; see the module
     docstring for the scoring and stopping rules."""
-    _check_args(model, input_ids, attention_mask, num_beams, max_new_tokens, length_penalty, early_stopping,
-                repetition_penalty)
+    check_request(model, input_ids, attention_mask, max_new_tokens, repetition_penalty, what="beam search")
+    _check_beam_args(num_beams, length_penalty, early_stopping)
     if max_new_tokens == 0:
         return input_ids.clone()
     body, N, V = model.gpt, num_beams, model.config.vocab_size

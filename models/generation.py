@@ -49,17 +49,12 @@ def process_logits(logits: torch.Tensor, seen: torch.Tensor | None = None, tempe
     return top_p_filter(top_k_filter(logits, top_k), top_p)
 
 
-def _check_args(model, input_ids, attention_mask, max_new_tokens, temperature, top_k, top_p, repetition_penalty):
+def check_request(model, input_ids, attention_mask, max_new_tokens, repetition_penalty, what="generation") -> None:
+    """Checks every decoder (this module's and beam search) makes: prompt shape, sizes, context, left padding."""
     if input_ids.dim() != 2 or input_ids.shape[1] == 0:
         raise ValueError(f"input_ids must be (batch, prompt_len) with prompt_len >= 1, got shape {tuple(input_ids.shape)}")
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0 (use do_sample=False for greedy decoding), got {temperature}")
-    if top_k is not None and top_k < 0:
-        raise ValueError(f"top_k must be >= 0, got {top_k}")
-    if top_p is not None and not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
     if repetition_penalty <= 0:
         raise ValueError(f"repetition_penalty must be > 0, got {repetition_penalty}")
     total = input_ids.shape[1] + max_new_tokens
@@ -70,8 +65,17 @@ def _check_args(model, input_ids, attention_mask, max_new_tokens, temperature, t
         if attention_mask.shape != input_ids.shape:
             raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape {tuple(input_ids.shape)}")
         if not bool(attention_mask[:, -1].bool().all()):
-            raise ValueError("prompts must be left-padded for generation (a row's last token is padding); "
+            raise ValueError(f"prompts must be left-padded for {what} (a row's last token is padding); "
                              "set tokenizer.padding_side = 'left'")
+
+
+def _check_sampling(temperature, top_k, top_p) -> None:
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0 (use do_sample=False for greedy decoding), got {temperature}")
+    if top_k is not None and top_k < 0:
+        raise ValueError(f"top_k must be >= 0, got {top_k}")
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
 
 
 @torch.no_grad()
@@ -95,7 +99,8 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
 
         return beam_search(model, input_ids, attention_mask, num_beams, max_new_tokens, eos_token_id, pad_token_id,
                            length_penalty, early_stopping, repetition_penalty)
-    _check_args(model, input_ids, attention_mask, max_new_tokens, temperature, top_k, top_p, repetition_penalty)
+    check_request(model, input_ids, attention_mask, max_new_tokens, repetition_penalty)
+    _check_sampling(temperature, top_k, top_p)
     body = model.gpt
     device = input_ids.device
     B, T = input_ids.shape

@@ -25,11 +25,9 @@ import os
 import sys
 from pathlib import Path
 
-from config import PRESETS
 from tasks.classifier import MODES, run
 from tasks.data import NUM_LABELS
-from tasks import distributed as dist
-from tasks.training import add_training_args, pick_device, run_cli
+from tasks.training import add_model_args, add_training_args, run_cli, start
 
 ROOT = Path(__file__).resolve().parent
 SHARED_DATA = ROOT.parent / "shared" / "data" / "cs224n"
@@ -40,9 +38,7 @@ def get_args(argv=None):
     g = parser.add_argument_group("model")
     g.add_argument("--fine-tune-mode", dest="fine_tune_mode", choices=MODES, default="last-linear-layer",
                    help="last-linear-layer: the GPT-2 body is frozen and only the head learns; full-model: all learn")
-    g.add_argument("--model_size", choices=("gpt2", "gpt2-medium", "gpt2-large"), default="gpt2",
-                   help="official checkpoint to start from when --model is not given (course flag)")
-    g.add_argument("--model", help="hub id, HF folder, weights file, or random:key=value,... (default: --model_size)")
+    add_model_args(g)
     g.add_argument("--hidden_dropout_prob", type=float, default=0.3, help="dropout before the linear head")
     g.add_argument("--tokenizer", default="gpt2", help="AutoTokenizer name or folder (offline: ../shared/gpt2-tokenizer)")
     g.add_argument("--max_length", type=int, default=None, help="truncate inputs to this many tokens "
@@ -85,12 +81,7 @@ def jobs(args):
 
 def main(argv=None) -> int:
     args = get_args(argv)
-    # The course's d / l / num_heads check applies when --model_size names the checkpoint.
-    size = PRESETS[args.model_size]
-    args.dims = None if args.model else dict(d=size["n_embd"], l=size["n_layer"], num_heads=size["n_head"])
-    args.model = args.model or args.model_size
-    dist.init(args.threads)  # a no-op unless launched by torchrun
-    device = pick_device(args.use_gpu, args.threads)
+    device = start(args)  # output_dir defaults per task below
     mode = args.fine_tune_mode
 
     def job():

@@ -22,10 +22,8 @@ import argparse
 import os
 import sys
 
-from config import PRESETS
 from tasks.paraphrase import MODES, run
-from tasks import distributed as dist
-from tasks.training import add_training_args, pick_device, run_cli
+from tasks.training import add_model_args, add_training_args, run_cli, start
 
 
 def get_args(argv=None):
@@ -33,9 +31,7 @@ def get_args(argv=None):
     g = parser.add_argument_group("model")
     g.add_argument("--fine-tune-mode", dest="fine_tune_mode", choices=MODES, default="full-model",
                    help="full-model (course): everything learns; last-linear-layer: only the tied output layer")
-    g.add_argument("--model_size", choices=("gpt2", "gpt2-medium", "gpt2-large"), default="gpt2",
-                   help="official checkpoint to start from when --model is not given (course flag)")
-    g.add_argument("--model", help="hub id, HF folder, weights file, or random:key=value,... (default: --model_size)")
+    add_model_args(g)
     g.add_argument("--hidden_dropout_prob", type=float, default=None,
                    help="override the body's residual and embedding dropout (default: the checkpoint's)")
     g.add_argument("--tokenizer", default="gpt2", help="AutoTokenizer name or folder (offline: ../shared/gpt2-tokenizer)")
@@ -61,12 +57,7 @@ def get_args(argv=None):
 
 def main(argv=None) -> int:
     args = get_args(argv)
-    size = PRESETS[args.model_size]
-    args.dims = None if args.model else dict(d=size["n_embd"], l=size["n_layer"], num_heads=size["n_head"])
-    args.model = args.model or args.model_size
-    args.output_dir = args.output_dir or "checkpoints/paraphrase"
-    dist.init(args.threads)  # a no-op unless launched by torchrun
-    device = pick_device(args.use_gpu, args.threads)
+    device = start(args, "checkpoints/paraphrase")
     return run_cli(lambda: run(args, device))
 
 

@@ -25,10 +25,8 @@ import os
 import sys
 from pathlib import Path
 
-from config import PRESETS
 from tasks.sonnet import run
-from tasks import distributed as dist
-from tasks.training import add_training_args, pick_device, run_cli
+from tasks.training import add_model_args, add_training_args, run_cli, start
 
 ROOT = Path(__file__).resolve().parent
 SHARED_DATA = ROOT.parent / "shared" / "data" / "cs224n"
@@ -42,10 +40,7 @@ def data_file(name: str) -> str:
 def get_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = parser.add_argument_group("model")
-    g.add_argument("--model_size", choices=("gpt2", "gpt2-medium", "gpt2-large"), default="gpt2",
-                   help="official checkpoint to start from when --model is not given (course flag)")
-    g.add_argument("--model", help="hub id, HF folder (e.g. a run_pretrain.py checkpoint), weights file, or "
-                                   "random:key=value,... (default: --model_size)")
+    add_model_args(g, "hub id, HF folder (e.g. a run_pretrain.py checkpoint), weights file, or random:key=value,...")
     g.add_argument("--tokenizer", default="gpt2", help="AutoTokenizer name or folder (offline: ../shared/gpt2-tokenizer)")
     g.add_argument("--hidden_dropout_prob", type=float, default=None,
                    help="override the body's residual and embedding dropout (default: the checkpoint's)")
@@ -89,12 +84,7 @@ def get_args(argv=None):
 
 def main(argv=None) -> int:
     args = get_args(argv)
-    size = PRESETS[args.model_size]
-    args.dims = None if args.model else (size["n_embd"], size["n_layer"], size["n_head"])
-    args.model = args.model or args.model_size
-    args.output_dir = args.output_dir or "checkpoints/sonnet"
-    dist.init(args.threads)  # a no-op unless launched by torchrun
-    device = pick_device(args.use_gpu, args.threads)
+    device = start(args, "checkpoints/sonnet")
     return run_cli(lambda: run(args, device))
 
 

@@ -62,7 +62,7 @@ def run(args, task: str, train_path: str, dev_path: str, test_path: str | None, 
     print(f"loaded {len(train_ex)} train, {len(dev_ex)} dev" + (f", {len(test_ex)} test" if test_ex else "") + " examples")
 
     seed_everything(args.seed)
-    body = build_body(args.model, dims=args.dims)
+    body = build_body(args.model, expect=args.expect)
     model = GPT2SentimentClassifier(body, num_labels, args.hidden_dropout_prob, args.fine_tune_mode)
     tokenizer = load_tokenizer(args.tokenizer)
     check_vocab(tokenizer, body.config.vocab_size)

@@ -91,7 +91,7 @@ def run(args, device: torch.device) -> dict:
 
     seed_everything(args.seed)
     overrides = {} if args.hidden_dropout_prob is None else {"hidden_dropout_prob": args.hidden_dropout_prob}
-    body = build_body(args.model, dims=args.dims, **overrides)
+    body = build_body(args.model, expect=args.expect, **overrides)
     tokenizer = load_tokenizer(args.tokenizer)
     check_vocab(tokenizer, body.config.vocab_size)
     model = ParaphraseGPT(body, single_token_id(tokenizer, "yes"), single_token_id(tokenizer, "no"),

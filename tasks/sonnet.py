@@ -307,10 +307,7 @@ def run(args, device: torch.device) -> dict:
 
     seed_everything(args.seed)
     overrides = {} if args.hidden_dropout_prob is None else {"hidden_dropout_prob": args.hidden_dropout_prob}
-    model = SonnetGPT(build_body(args.model, cls=GPT2LMHeadModel, **overrides))
-    if args.dims and (model.config.n_embd, model.config.n_layer, model.config.n_head) != tuple(args.dims):
-        raise ValueError(f"{args.model} has n_embd/n_layer/n_head {model.config.n_embd}/{model.config.n_layer}/"
-                         f"{model.config.n_head}, not {args.model_size}'s {'/'.join(map(str, args.dims))}")
+    model = SonnetGPT(build_body(args.model, cls=GPT2LMHeadModel, expect=args.expect, **overrides))
     tokenizer = load_tokenizer(args.tokenizer)
     check_vocab(tokenizer, model.config.vocab_size)
     model.to(device)

@@ -37,6 +37,7 @@ from tqdm import tqdm
 
 from config import PRESETS, GPT2Config
 from models.gpt2 import GPT2Model
+from models.loading import load_pretrained
 from optimizer import AdamW, make_lr_scheduler, param_groups_for_weight_decay
 from tasks import distributed as dist
 from tasks.checkpoint import capture_rng, load_checkpoint, resolve, restore_rng, save_checkpoint
@@ -78,6 +79,25 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def add_model_args(group, model_help: str = "hub id, HF folder, weights file, or random:key=value,...") -> None:
+    """The course's --model_size and our --model, for every task CLI."""
+    group.add_argument("--model_size", choices=("gpt2", "gpt2-medium", "gpt2-large"), default="gpt2",
+                       help="official checkpoint to start from when --model is not given (course flag)")
+    group.add_argument("--model", help=f"{model_help} (default: --model_size)")
+
+
+def start(args, output_dir: str | None = None) -> torch.device:
+    """Common start of the task CLIs: --model defaults to --model_size, whose dimensions the checkpoint must then
+    have (the course's d / l / num_heads check, args.expect); a default --output_dir; the torchrun process group
+    (a no-op without torchrun); the device."""
+    size = PRESETS[args.model_size]
+    args.expect = None if args.model else {k: size[k] for k in ("n_embd", "n_layer", "n_head")}
+    args.model = args.model or args.model_size
+    args.output_dir = args.output_dir or output_dir
+    dist.init(args.threads)
+    return pick_device(args.use_gpu, args.threads)
+
+
 def pick_device(use_gpu: bool, threads: int = 0) -> torch.device:
     if threads:
         torch.set_num_threads(threads)
@@ -105,15 +125,16 @@ def autocast(device: torch.device | str, bf16: bool):
     return torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
 
 
-def build_body(spec: str, cls=None, dims: dict | None = None, **overrides):
+def build_body(spec: str, cls=None, expect: dict | None = None, **overrides):
     """A GPT-2 body (or `cls`, e.g. GPT2LMHeadModel) from a hub id, a folder, a weights file, or
     `random:[PRESET,]k=v,...` for a randomly initialised model (e.g. random:n_layer=4,n_head=4,n_embd=256; the
-    vocabulary stays 50257 so the GPT-2 tokenizer fits). `dims` is the course's d / l / num_heads check of
-    GPT2Model.from_pretrained; `overrides` change non-architecture fields such as dropout."""
+    vocabulary stays 50257 so the GPT-2 tokenizer fits). `expect` ({'n_embd': 768, ...}) is the course's
+    d / l / num_heads check, made on the checkpoint's config before its weights load; `overrides` change
+    non-architecture fields such as dropout."""
 
     cls = cls or GPT2Model
     if not spec.startswith("random:"):
-        return cls.from_pretrained(spec, **(dims or {}), **overrides)
+        return load_pretrained(cls, spec, expect=expect, **overrides)
     fields: dict = {}
     for item in filter(None, spec[len("random:"):].split(",")):
         if "=" not in item:

@@ -330,14 +330,16 @@ def encode(examples: Sequence[Example], tokenizer, max_length: int, prompt: Call
     return out
 
 
-def collate(items: Sequence[Encoded], pad_id: int) -> dict:
-    """Right-pad a list of Encoded into {'input_ids', 'attention_mask', 'labels' (or None), 'ids'}."""
+def collate(items: Sequence[Encoded], pad_id: int, side: str = "right") -> dict:
+    """Pad a list of Encoded into {'input_ids', 'attention_mask', 'labels' (or None), 'ids'}: on the right for
+    training and classification, on the left for generation (every prompt then ends at the last column)."""
     width = max(len(it.input_ids) for it in items)
     input_ids = torch.full((len(items), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(items), width), dtype=torch.long)
     for i, it in enumerate(items):
-        input_ids[i, : len(it.input_ids)] = torch.tensor(it.input_ids)
-        mask[i, : len(it.input_ids)] = 1
+        span = slice(width - len(it.input_ids), width) if side == "left" else slice(0, len(it.input_ids))
+        input_ids[i, span] = torch.tensor(it.input_ids)
+        mask[i, span] = 1
     labels = None if items[0].label is None else torch.tensor([it.label for it in items])
     return {"input_ids": input_ids, "attention_mask": mask, "labels": labels, "ids": [it.id for it in items]}
 

@@ -236,14 +236,10 @@ def complete_sonnets(model: SonnetGPT, tokenizer, prompts: list[str], decoding: 
     texts = []
     for start in range(0, len(encoded), batch_size):
         chunk = encoded[start: start + batch_size]
-        width = max(map(len, chunk))
-        ids = torch.full((len(chunk), width), eos, dtype=torch.long)
-        mask = torch.zeros((len(chunk), width), dtype=torch.long)
-        for row, x in enumerate(chunk):  # left padding: every prompt ends at the last column
-            ids[row, width - len(x):] = torch.tensor(x)
-            mask[row, width - len(x):] = 1
-        out = model.generate(ids.to(device), mask.to(device), max_new_tokens=decoding.max_new_tokens,
-                             do_sample=decoding.do_sample and decoding.num_beams == 1,
+        batch = collate([Encoded(str(i), x, None) for i, x in enumerate(chunk)], eos, side="left")
+        width = batch["input_ids"].shape[1]
+        out = model.generate(batch["input_ids"].to(device), batch["attention_mask"].to(device),
+                             max_new_tokens=decoding.max_new_tokens, do_sample=decoding.do_sample and decoding.num_beams == 1,
                              temperature=decoding.temperature, top_p=decoding.top_p, top_k=decoding.top_k,
                              repetition_penalty=decoding.repetition_penalty, num_beams=decoding.num_beams,
                              length_penalty=decoding.length_penalty, eos_token_id=eos, pad_token_id=eos,

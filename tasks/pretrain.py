@@ -42,7 +42,7 @@ from optimizer import AdamW, make_lr_scheduler, param_groups_for_weight_decay
 from tasks import distributed as dist
 from tasks.char_tokenizer import VOCAB_FILE, CharTokenizer
 from tasks.checkpoint import capture_rng, load_checkpoint, resolve, restore_rng, save_checkpoint
-from tasks.training import MAX_SKIPPED_IN_A_ROW, NonFiniteError, check_architecture
+from tasks.training import MAX_SKIPPED_IN_A_ROW, check_architecture, nonfinite_error
 
 SHARED_GPT2_TOKENIZER = Path(os.environ.get("GPT2_SHARED_DIR", Path(__file__).resolve().parents[2] / "shared")) / "gpt2-tokenizer"
 CHUNK_BYTES = 1 << 22  # the corpus is read, checked and encoded 4 MiB at a time
@@ -563,11 +563,8 @@ def train(args) -> dict[str, Any]:
                 bar.close()
                 found = find_checkpoint(out_dir)
                 kept = f"the last good checkpoint {found} is kept" if found else "no checkpoint had been written yet"
-                raise NonFiniteError(f"non-finite {what} at {where}: training stopped; {kept}. "
-                                     + (f"{bad_in_a_row} bad steps in a row despite --skip_nonfinite: the run is "
-                                        "diverging; " if args.skip_nonfinite else
-                                        "Pass --skip_nonfinite to skip such batches; ")
-                                     + "a lower --learning_rate or --grad_clip may help")
+                raise nonfinite_error(what, where, kept, bad_in_a_row, args.skip_nonfinite,
+                                      "a lower --learning_rate or --grad_clip may help")
             skipped += 1
             if main:
                 tqdm.write(f"warning: skipped {where}: non-finite {what} ({skipped} skipped so far)")

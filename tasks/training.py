@@ -73,6 +73,14 @@ class NonFiniteError(FloatingPointError):
 MAX_SKIPPED_IN_A_ROW = 20  # with skip_nonfinite: this many bad optimizer steps in a row means the run is broken
 
 
+def nonfinite_error(what: str, where: str, kept: str, bad_in_a_row: int, skipping: bool,
+                    remedy: str) -> NonFiniteError:
+    """The error that stops a run at a non-finite loss or gradient (both training loops word it alike)."""
+    advice = (f"{bad_in_a_row} bad steps in a row despite --skip_nonfinite: the run is diverging; " if skipping
+              else "Pass --skip_nonfinite to skip such batches; ")
+    return NonFiniteError(f"non-finite {what} at {where}: training stopped; {kept}. {advice}{remedy}")
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
@@ -341,11 +349,8 @@ def train(model: nn.Module, n_train: int, make_batch: Callable[[list[int]], dict
                     bar.close()
                     kept = (f"the last good checkpoint {resolve(out / 'last')} is kept" if _exists(out / "last")
                             else "no checkpoint had been written yet")
-                    raise NonFiniteError(
-                        f"non-finite {what} at {where}: training stopped; {kept}. "
-                        + (f"{bad_in_a_row} bad steps in a row despite --skip_nonfinite: the run is diverging; "
-                           if cfg.skip_nonfinite else "Pass --skip_nonfinite to skip such batches; ")
-                        + "a lower --lr or --max_grad_norm may help")
+                    raise nonfinite_error(what, where, kept, bad_in_a_row, cfg.skip_nonfinite,
+                                          "a lower --lr or --max_grad_norm may help")
                 state["skipped"] += 1
                 print(f"warning: skipped {where}: non-finite {what} ({state['skipped']} skipped so far)", flush=True)
                 pending, nonfinite = {}, None

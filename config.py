@@ -22,24 +22,61 @@ PRESETS: dict[str, dict[str, int]] = {
     "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600),  # 1558M
 }
 
-# Course (BERT-style) name -> HF name. Reading or writing an alias reads or writes the HF field.
-ALIASES: dict[str, str] = {
-    "hidden_size": "n_embd",
-    "num_hidden_layers": "n_layer",
-    "num_attention_heads": "n_head",
-    "intermediate_size": "n_inner",
-    "max_position_embeddings": "n_positions",
-    "hidden_dropout_prob": "resid_pdrop",
-    "attention_probs_dropout_prob": "attn_pdrop",
-    "layer_norm_eps": "layer_norm_epsilon",
+# Course (BERT-style) name -> the HF field(s) it stands for. Reading an alias reads the first field; constructing,
+# `replace`-ing or assigning with it writes all of them. hidden_dropout_prob is the course's one dropout for the
+# embeddings and the residual branches, so it sets both resid_pdrop and embd_pdrop, through every path.
+ALIASES: dict[str, tuple[str, ...]] = {
+    "hidden_size": ("n_embd",),
+    "num_hidden_layers": ("n_layer",),
+    "num_attention_heads": ("n_head",),
+    "intermediate_size": ("n_inner",),
+    "max_position_embeddings": ("n_positions",),
+    "hidden_dropout_prob": ("resid_pdrop", "embd_pdrop"),
+    "attention_probs_dropout_prob": ("attn_pdrop",),
+    "layer_norm_eps": ("layer_norm_epsilon",),
 }
+
+
+def canonical_fields(kwargs: dict[str, Any], hf_wins: bool = False) -> dict[str, Any]:
+    """`kwargs` with every course alias replaced by its HF field(s). An alias given together with one of its fields
+    raises TypeError, or with hf_wins=True (reading a config.json) leaves that field as given."""
+    out = {k: v for k, v in kwargs.items() if k not in ALIASES}
+    for course, targets in ALIASES.items():
+        if course not in kwargs:
+            continue
+        for target in targets:
+            if target in kwargs:
+                if hf_wins:
+                    continue
+                raise TypeError(f"GPT2Config got both {course!r} and its HF name {target!r}")
+            out[target] = kwargs[course]
+    return out
+
+
+class _Alias:
+    """Descriptor for a course alias (see ALIASES): reads its first HF field, writes all of them."""
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.name, self.targets = name, ALIASES[name]
+        self.__doc__ = f"Course alias of {' and '.join(self.targets)}."
+
+    def __get__(self, obj, objtype=None):
+        return self if obj is None else getattr(obj, self.targets[0])
+
+    def __set__(self, obj, value) -> None:
+        for target in self.targets:
+            setattr(obj, target, value)
+
 
 ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh", "gelu", "relu")
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, init=False)
 class GPT2Config:
+    """GPT-2's hyperparameters under their HF names; the course's names (ALIASES) work wherever a field name does:
+    as constructor keywords, in `replace`, in a config.json, and as attributes."""
+
     vocab_size: int = 50257
     n_positions: int = 1024  # longest sequence the position table covers
     n_embd: int = 768
@@ -60,6 +97,41 @@ class GPT2Config:
     attn_implementation: str = "sdpa"  # "sdpa" (F.scaled_dot_product_attention) or "eager" (explicit softmax)
     # HF fields we read but do not change behaviour on (kept so configs round-trip).
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    # Course aliases: plain class attributes (not dataclass fields), so they are neither stored nor compared.
+    hidden_size = _Alias()
+    num_hidden_layers = _Alias()
+    num_attention_heads = _Alias()
+    max_position_embeddings = _Alias()
+    hidden_dropout_prob = _Alias()
+    attention_probs_dropout_prob = _Alias()
+    layer_norm_eps = _Alias()
+
+    @property
+    def intermediate_size(self) -> int:
+        """Course alias of n_inner that reads the effective MLP width (n_inner may be None: 4 * n_embd)."""
+        return self.inner_dim
+
+    @intermediate_size.setter
+    def intermediate_size(self, value: int | None) -> None:
+        self.n_inner = value
+
+    def __init__(self, **kwargs: Any) -> None:
+        """Keyword-only: the fields above under their HF names or the course aliases in ALIASES."""
+        kwargs = canonical_fields(kwargs)
+        fields = {f.name: f for f in dataclasses.fields(self)}
+        unknown = set(kwargs) - set(fields)
+        if unknown:
+            raise TypeError(f"GPT2Config got unknown field(s) {sorted(unknown)}")
+        for name, f in fields.items():
+            if name in kwargs:
+                value = kwargs[name]
+            elif f.default_factory is not dataclasses.MISSING:
+                value = f.default_factory()
+            else:
+                value = f.default
+            setattr(self, name, value)
+        self.__post_init__()
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head"):
@@ -119,9 +191,9 @@ class GPT2Config:
             raise ValueError(f"a list of eos_token_id is not supported: {d['eos_token_id']}")
         d.pop("_attn_implementation", None)
         names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        d = canonical_fields(d, hf_wins=True)  # a config.json with both names keeps the HF one
         known = {k: v for k, v in d.items() if k in names}
-        extra = {k: v for k, v in d.items() if k not in names and k not in ALIASES}
-        known.update({ALIASES[k]: v for k, v in d.items() if k in ALIASES and ALIASES[k] not in d})
+        extra = {k: v for k, v in d.items() if k not in names}
         return cls(**known, extra=extra)
 
     @classmethod
@@ -161,50 +233,4 @@ class GPT2Config:
         return transformers.GPT2Config(**d)
 
     def replace(self, **changes: Any) -> "GPT2Config":
-        changes = {ALIASES.get(k, k): v for k, v in changes.items()}
-        return dataclasses.replace(self, **changes)
-
-
-def _alias(hf_name: str, doc: str) -> property:
-    def get(self):
-        return getattr(self, hf_name)
-
-    def set_(self, value):
-        setattr(self, hf_name, value)
-
-    return property(get, set_, doc=doc)
-
-
-for _course, _hf in ALIASES.items():
-    setattr(GPT2Config, _course, _alias(_hf, f"Course alias of `{_hf}`."))
-
-
-# intermediate_size reads the effective width (n_inner may be None); hidden_dropout_prob sets the embedding dropout
-# too, because the course uses one dropout probability for embeddings and residual branches.
-def _set_hidden_dropout(self, p):
-    self.resid_pdrop = p
-    self.embd_pdrop = p
-
-
-GPT2Config.intermediate_size = property(lambda self: self.inner_dim, _alias("n_inner", "").fset, doc="MLP width.")
-GPT2Config.hidden_dropout_prob = property(lambda self: self.resid_pdrop, _set_hidden_dropout, doc="Residual and embedding dropout.")
-
-_dataclass_init = GPT2Config.__init__
-
-
-def _init_with_aliases(self, **kwargs: Any) -> None:
-    for course, hf in ALIASES.items():
-        if course in kwargs:
-            if hf in kwargs:
-                raise TypeError(f"GPT2Config got both {course!r} and its HF name {hf!r}")
-            kwargs[hf] = kwargs.pop(course)
-            if course == "hidden_dropout_prob":
-                kwargs.setdefault("embd_pdrop", kwargs[hf])
-    unknown = set(kwargs) - {f.name for f in dataclasses.fields(GPT2Config)}
-    if unknown:
-        raise TypeError(f"GPT2Config got unknown field(s) {sorted(unknown)}")
-    _dataclass_init(self, **kwargs)
-
-
-_init_with_aliases.__doc__ = "Keyword-only; accepts the HF field names and the course aliases in ALIASES."
-GPT2Config.__init__ = _init_with_aliases
+        return dataclasses.replace(self, **canonical_fields(changes))

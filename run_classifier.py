@@ -39,7 +39,8 @@ def get_args(argv=None):
     g.add_argument("--fine-tune-mode", dest="fine_tune_mode", choices=MODES, default="last-linear-layer",
                    help="last-linear-layer: the GPT-2 body is frozen and only the head learns; full-model: all learn")
     add_model_args(g)
-    g.add_argument("--hidden_dropout_prob", type=float, default=0.3, help="dropout before the linear head")
+    g.add_argument("--head_dropout", type=float, default=0.3,
+                   help="dropout before the linear head (the course's classifier.py called this --hidden_dropout_prob)")
     g.add_argument("--tokenizer", default="gpt2", help="AutoTokenizer name or folder (offline: ../shared/gpt2-tokenizer)")
     g.add_argument("--max_length", type=int, default=None, help="truncate inputs to this many tokens "
                                                                 "(default and maximum: the model's n_positions)")

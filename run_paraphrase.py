@@ -32,8 +32,6 @@ def get_args(argv=None):
     g.add_argument("--fine-tune-mode", dest="fine_tune_mode", choices=MODES, default="full-model",
                    help="full-model (course): everything learns; last-linear-layer: only the tied output layer")
     add_model_args(g)
-    g.add_argument("--hidden_dropout_prob", type=float, default=None,
-                   help="override the body's residual and embedding dropout (default: the checkpoint's)")
     g.add_argument("--tokenizer", default="gpt2", help="AutoTokenizer name or folder (offline: ../shared/gpt2-tokenizer)")
     g.add_argument("--max_length", type=int, default=None, help="truncate prompts to this many tokens "
                                                                 "(default and maximum: the model's n_positions)")

@@ -42,8 +42,6 @@ def get_args(argv=None):
     g = parser.add_argument_group("model")
     add_model_args(g, "hub id, HF folder (e.g. a run_pretrain.py checkpoint), weights file, or random:key=value,...")
     g.add_argument("--tokenizer", default="gpt2", help="AutoTokenizer name or folder (offline: ../shared/gpt2-tokenizer)")
-    g.add_argument("--hidden_dropout_prob", type=float, default=None,
-                   help="override the body's residual and embedding dropout (default: the checkpoint's)")
     g.add_argument("--max_length", type=int, default=None,
                    help="cut training sonnets to this many tokens (default and maximum: the model's n_positions)")
     d = parser.add_argument_group("data")

@@ -12,7 +12,7 @@ from torch import nn
 from tasks import distributed as dist
 from tasks.data import collate, encode, load_sentiment, load_tokenizer
 from tasks.evaluate import classification_metrics, write_predictions
-from tasks.training import build_body, load_weights, predict_in_order, seed_everything, train, train_config
+from tasks.training import body_overrides, build_body, load_weights, predict_in_order, seed_everything, train, train_config
 
 MODES = ("last-linear-layer", "full-model")
 
@@ -21,10 +21,10 @@ class GPT2SentimentClassifier(nn.Module):
     """GPT-2 body + dropout + linear layer on the last real token's final hidden state -> (B, num_labels) logits.
 
     fine_tune_mode 'last-linear-layer' freezes the body (only the head learns); 'full-model' trains everything.
-    The body's own dropout is the checkpoint's; hidden_dropout_prob is the dropout before the linear layer.
+    head_dropout is the dropout before the linear layer; the body's own dropout is its config's (hidden_dropout_prob).
     """
 
-    def __init__(self, gpt: nn.Module, num_labels: int, hidden_dropout_prob: float = 0.3,
+    def __init__(self, gpt: nn.Module, num_labels: int, head_dropout: float = 0.3,
                  fine_tune_mode: str = "last-linear-layer"):
         super().__init__()
         if fine_tune_mode not in MODES:
@@ -34,7 +34,7 @@ class GPT2SentimentClassifier(nn.Module):
         self.gpt = gpt
         for p in self.gpt.parameters():
             p.requires_grad = fine_tune_mode == "full-model"
-        self.dropout = nn.Dropout(hidden_dropout_prob)
+        self.dropout = nn.Dropout(head_dropout)
         self.classifier = nn.Linear(gpt.config.n_embd, num_labels)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -62,8 +62,8 @@ def run(args, task: str, train_path: str, dev_path: str, test_path: str | None, 
     print(f"loaded {len(train_ex)} train, {len(dev_ex)} dev" + (f", {len(test_ex)} test" if test_ex else "") + " examples")
 
     seed_everything(args.seed)
-    body = build_body(args.model, expect=args.expect)
-    model = GPT2SentimentClassifier(body, num_labels, args.hidden_dropout_prob, args.fine_tune_mode)
+    body = build_body(args.model, expect=args.expect, **body_overrides(args))
+    model = GPT2SentimentClassifier(body, num_labels, args.head_dropout, args.fine_tune_mode)
     tokenizer = load_tokenizer(args.tokenizer)
     check_vocab(tokenizer, body.config.vocab_size)
     max_length = min(args.max_length or body.config.n_positions, body.config.n_positions)
@@ -80,7 +80,7 @@ def run(args, task: str, train_path: str, dev_path: str, test_path: str | None, 
     cfg = train_config(args, output_dir, lr, device)
     run_info = {"task": task, "model": args.model, "tokenizer": args.tokenizer, "train": str(train_path),
                 "dev": str(dev_path), "num_labels": num_labels, "fine_tune_mode": args.fine_tune_mode,
-                "hidden_dropout_prob": args.hidden_dropout_prob, "max_length": max_length, "lr": lr,
+                "hidden_dropout_prob": args.hidden_dropout_prob, "head_dropout": args.head_dropout, "max_length": max_length, "lr": lr,
                 **{k: getattr(cfg, k) for k in ("epochs", "batch_size", "grad_accum", "weight_decay", "schedule",
                                                 "warmup_ratio", "max_grad_norm", "bf16", "seed")}}
     n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)

@@ -17,7 +17,7 @@ from tasks import distributed as dist
 from tasks.classifier import check_vocab
 from tasks.data import Example, collate, encode, load_paraphrase, load_tokenizer, single_token_id, split_head
 from tasks.evaluate import NO_ID, YES_ID, classification_metrics, write_predictions
-from tasks.training import build_body, load_weights, predict_in_order, seed_everything, train, train_config
+from tasks.training import body_overrides, build_body, load_weights, predict_in_order, seed_everything, train, train_config
 
 MODES = ("full-model", "last-linear-layer")
 
@@ -90,8 +90,7 @@ def run(args, device: torch.device) -> dict:
     print(f"loaded {len(train_ex)} train, {len(dev_ex)} dev" + (f", {len(test_ex)} test" if test_ex else "") + " pairs")
 
     seed_everything(args.seed)
-    overrides = {} if args.hidden_dropout_prob is None else {"hidden_dropout_prob": args.hidden_dropout_prob}
-    body = build_body(args.model, expect=args.expect, **overrides)
+    body = build_body(args.model, expect=args.expect, **body_overrides(args))
     tokenizer = load_tokenizer(args.tokenizer)
     check_vocab(tokenizer, body.config.vocab_size)
     model = ParaphraseGPT(body, single_token_id(tokenizer, "yes"), single_token_id(tokenizer, "no"),

@@ -24,7 +24,7 @@ from models.gpt2 import GPT2LMHeadModel
 from tasks import distributed as dist
 from tasks.classifier import check_vocab
 from tasks.data import Encoded, collate, load_tokenizer
-from tasks.training import autocast, build_body, load_weights, seed_everything, train, train_config
+from tasks.training import body_overrides, autocast, build_body, load_weights, seed_everything, train, train_config
 
 # The course splits on \n\s*\d+\s*\n; the lookahead leaves the closing newline unconsumed, so two number lines in a
 # row give an (refused) empty sonnet instead of the second number becoming the first line of a sonnet.
@@ -302,8 +302,7 @@ def run(args, device: torch.device) -> dict:
         return _finish(args, dev_texts, test_texts, f"baseline {args.baseline}")
 
     seed_everything(args.seed)
-    overrides = {} if args.hidden_dropout_prob is None else {"hidden_dropout_prob": args.hidden_dropout_prob}
-    model = SonnetGPT(build_body(args.model, cls=GPT2LMHeadModel, expect=args.expect, **overrides))
+    model = SonnetGPT(build_body(args.model, cls=GPT2LMHeadModel, expect=args.expect, **body_overrides(args)))
     tokenizer = load_tokenizer(args.tokenizer)
     check_vocab(tokenizer, model.config.vocab_size)
     model.to(device)

@@ -92,6 +92,9 @@ def add_model_args(group, model_help: str = "hub id, HF folder, weights file, or
     group.add_argument("--model_size", choices=("gpt2", "gpt2-medium", "gpt2-large"), default="gpt2",
                        help="official checkpoint to start from when --model is not given (course flag)")
     group.add_argument("--model", help=f"{model_help} (default: --model_size)")
+    group.add_argument("--hidden_dropout_prob", type=float, default=None,
+                       help="the body's residual and embedding dropout, as GPT2Config(hidden_dropout_prob=...) "
+                            "(default: the checkpoint's)")
 
 
 def start(args, output_dir: str | None = None) -> torch.device:
@@ -131,6 +134,11 @@ def autocast(device: torch.device | str, bf16: bool):
         warnings.warn("--bf16 on a CPU without bf16 matrix instructions (no AVX512-BF16/AMX): bf16 matmuls run much "
                       "slower than fp32 here; drop --bf16 for speed", stacklevel=2)
     return torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
+
+
+def body_overrides(args) -> dict:
+    """Config fields the task CLIs' flags change on the loaded body (--hidden_dropout_prob)."""
+    return {} if args.hidden_dropout_prob is None else {"hidden_dropout_prob": args.hidden_dropout_prob}
 
 
 def build_body(spec: str, cls=None, expect: dict | None = None, **overrides):

@@ -6,18 +6,68 @@ import transformers
 from config import ALIASES, PRESETS, GPT2Config
 
 
-def test_course_aliases_read_and_write_the_hf_fields():
-    cfg = GPT2Config(hidden_size=64, num_hidden_layers=3, num_attention_heads=8, intermediate_size=100,
-                     max_position_embeddings=50, hidden_dropout_prob=0.2, attention_probs_dropout_prob=0.05,
-                     layer_norm_eps=1e-6)
-    assert (cfg.n_embd, cfg.n_layer, cfg.n_head, cfg.n_inner, cfg.n_positions) == (64, 3, 8, 100, 50)
-    assert (cfg.resid_pdrop, cfg.embd_pdrop, cfg.attn_pdrop, cfg.layer_norm_epsilon) == (0.2, 0.2, 0.05, 1e-6)
+COURSE = dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=8, intermediate_size=100,
+              max_position_embeddings=50, hidden_dropout_prob=0.2, attention_probs_dropout_prob=0.05,
+              layer_norm_eps=1e-6)
+HF = dict(n_embd=64, n_layer=3, n_head=8, n_inner=100, n_positions=50, resid_pdrop=0.2, embd_pdrop=0.2,
+          attn_pdrop=0.05, layer_norm_epsilon=1e-6)
+
+
+def _hf_fields(cfg):
+    return {k: getattr(cfg, k) for k in HF}
+
+
+def test_every_alias_is_in_the_table_and_names_real_fields():
+    fields = set(GPT2Config.__dataclass_fields__)
+    assert set(COURSE) == set(ALIASES)
+    assert all(set(targets) <= fields for targets in ALIASES.values())
+
+
+def test_construction_with_course_aliases_sets_the_hf_fields():
+    cfg = GPT2Config(**COURSE)
+    assert _hf_fields(cfg) == HF
+    assert cfg == GPT2Config(**HF)  # aliases are not fields of their own: the two configs are equal
+    assert {k: getattr(cfg, k) for k in COURSE} == COURSE  # reading an alias reads its field
+    assert GPT2Config().intermediate_size == 4 * 768  # n_inner None -> the effective width 4 * n_embd
+
+
+def test_hidden_dropout_prob_means_residual_and_embedding_dropout_through_every_path(tmp_path):
+    base = GPT2Config(resid_pdrop=0.1, embd_pdrop=0.1)
+    via_init = GPT2Config(hidden_dropout_prob=0.3)
+    via_replace = base.replace(hidden_dropout_prob=0.3)
+    via_dict = GPT2Config.from_dict({"hidden_dropout_prob": 0.3})
+    via_setattr = GPT2Config()
+    via_setattr.hidden_dropout_prob = 0.3
+    for cfg in (via_init, via_replace, via_dict, via_setattr):
+        assert (cfg.resid_pdrop, cfg.embd_pdrop, cfg.attn_pdrop, cfg.hidden_dropout_prob) == (0.3, 0.3, 0.1, 0.3)
+
+
+def test_replace_takes_aliases_like_the_constructor():
+    cfg = GPT2Config().replace(**COURSE)
+    assert _hf_fields(cfg) == HF
     cfg.hidden_size = 32
     assert cfg.n_embd == 32
-    for alias, name in ALIASES.items():
-        if alias not in ("intermediate_size",):
-            assert getattr(cfg, alias) == getattr(cfg, name)
-    assert GPT2Config().intermediate_size == 4 * 768  # n_inner None -> 4 * n_embd
+    with pytest.raises(TypeError, match="both 'hidden_size' and its HF name 'n_embd'"):
+        GPT2Config().replace(hidden_size=64, n_embd=64)
+    with pytest.raises(TypeError, match="both 'hidden_dropout_prob' and its HF name 'embd_pdrop'"):
+        GPT2Config(hidden_dropout_prob=0.2, embd_pdrop=0.0)
+
+
+def test_a_course_config_json_round_trips_through_our_json_and_transformers(tmp_path):
+    (tmp_path / "course.json").write_text(json.dumps({**COURSE, "vocab_size": 300, "model_type": "gpt2"}))
+    cfg = GPT2Config.from_json_file(tmp_path / "course.json")
+    assert _hf_fields(cfg) == HF and cfg.vocab_size == 300
+    assert not set(COURSE) & set(cfg.extra)  # aliases are read, not kept as unknown keys
+    cfg.to_json_file(tmp_path / "config.json")
+    written = json.loads((tmp_path / "config.json").read_text())
+    assert not set(COURSE) & set(written)  # HF names only, once each
+    hf = transformers.GPT2Config.from_pretrained(tmp_path)
+    assert (hf.hidden_size, hf.num_hidden_layers, hf.num_attention_heads, hf.max_position_embeddings) == (64, 3, 8, 50)
+    assert (hf.n_inner, hf.resid_pdrop, hf.embd_pdrop, hf.attn_pdrop) == (100, 0.2, 0.2, 0.05)
+    assert _hf_fields(GPT2Config.from_hf(hf)) == HF
+    # a config.json holding both names (HF's own plus a course alias) keeps the HF value
+    both = GPT2Config.from_dict({"n_embd": 48, "hidden_size": 64, "n_head": 4})
+    assert both.n_embd == 48
 
 
 def test_presets_match_official_architectures():

@@ -43,7 +43,7 @@ def test_two_processes_fine_tune_to_the_weights_of_one(tmp_path):
     # 41 examples in batches of 8: the last batch holds 1, so one rank's slice of it is empty (weight 0).
     paths = write_sentiment(tmp_path, "sst", 41)
     common = ["--tokenizer", tok, "--model", NO_DROPOUT, "--epochs", "2", "--batch_size", "8", "--lr", "1e-3",
-              "--fine-tune-mode", "full-model", "--hidden_dropout_prob", "0", "--grad_accum", "2",
+              "--fine-tune-mode", "full-model", "--head_dropout", "0", "--grad_accum", "2",
               "--train", str(paths["train"]), "--dev", str(paths["dev"]), "--test", str(paths["test-student"])]
     files = lambda d: ["--output_dir", str(tmp_path / d), "--dev_out", str(tmp_path / d / "dev.csv"),  # noqa: E731
                        "--test_out", str(tmp_path / d / "test.csv")]

@@ -111,3 +111,27 @@ def test_gradient_checkpointing_flag_trains_to_the_same_weights(setup, capsys, m
         assert bool(calls) == bool(flag)  # the flag reaches the body: its blocks run under checkpoint()
     for name, tensor in weights[False].items():  # recomputation replays dropout's random state: same training
         torch.testing.assert_close(weights[True][name], tensor, atol=1e-6, rtol=0, msg=name)
+
+
+def test_dropout_flags_mean_one_thing_on_every_cli(setup, capsys):
+    """--hidden_dropout_prob is the body's residual + embedding dropout (as GPT2Config's alias) on every CLI;
+    the classifier's head has its own --head_dropout."""
+    import json
+
+    from tasks.checkpoint import load_checkpoint
+
+    tmp, common = setup
+    paths = write_sentiment(tmp, "sst", 16)
+    code = run_classifier.main(common + ["--train", str(paths["train"]), "--dev", str(paths["dev"]),
+                                         "--dev_out", str(tmp / "d.csv"), "--output_dir", str(tmp / "cls"),
+                                         "--hidden_dropout_prob", "0.25", "--head_dropout", "0.4"])
+    assert code == 0, capsys.readouterr().err
+    train = write_quora(tmp / "q.csv", 30)
+    code = run_paraphrase.main(common + ["--para_train", str(train), "--split_dev", "20", "--output_dir",
+                                         str(tmp / "para"), "--para_dev_out", str(tmp / "p.csv"),
+                                         "--hidden_dropout_prob", "0.25"])
+    assert code == 0, capsys.readouterr().err
+    for run in ("cls", "para"):
+        saved = json.loads((tmp / run / "last" / "config.json").read_text())
+        assert (saved["resid_pdrop"], saved["embd_pdrop"], saved["attn_pdrop"]) == (0.25, 0.25, 0.1), run
+    assert load_checkpoint(tmp / "cls" / "last").state["run"]["head_dropout"] == 0.4

@@ -31,7 +31,7 @@ def batch_of(labels, seed=0):
 
 @pytest.mark.parametrize("mode", ["last-linear-layer", "full-model"])
 def test_classifier_modes_freeze_or_train_the_body(mode):
-    model = GPT2SentimentClassifier(body(), num_labels=5, hidden_dropout_prob=0.3, fine_tune_mode=mode)
+    model = GPT2SentimentClassifier(body(), num_labels=5, head_dropout=0.3, fine_tune_mode=mode)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     one_step(model.train(), classifier_loss, batch_of([0, 1, 4, 2]))
     after = model.state_dict()

@@ -31,7 +31,8 @@ def batch_of(labels, seed=0):
 
 @pytest.mark.parametrize("mode", ["last-linear-layer", "full-model"])
 def test_classifier_modes_freeze_or_train_the_body(mode):
-    model = GPT2SentimentClassifier(body(), num_labels=5, head_dropout=0.3, fine_tune_mode=mode)
+    gpt = body()
+    model = GPT2SentimentClassifier(gpt, num_labels=5, head_dropout=0.3, fine_tune_mode=mode)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     one_step(model.train(), classifier_loss, batch_of([0, 1, 4, 2]))
     after = model.state_dict()
@@ -39,7 +40,8 @@ def test_classifier_modes_freeze_or_train_the_body(mode):
     head_changed = [k for k in before if not k.startswith("gpt.") and not torch.equal(before[k], after[k])]
     assert head_changed == ["classifier.weight", "classifier.bias"]
     assert (body_changed == []) == (mode == "last-linear-layer")
-    assert model.gpt is not None and not hasattr(model, "word_embedding")  # the body is reused, not copied
+    assert model.gpt is gpt  # the body is wrapped, not copied: training the model trains the caller's body
+    assert (not torch.equal(gpt.final_layer_norm.weight, before["gpt.final_layer_norm.weight"])) == (mode == "full-model")
 
 
 def test_classifier_uses_the_last_real_token_on_either_side():
@@ -107,7 +109,10 @@ def _run(tmp_path, name, stop_after=None, resume=False, **cfg):
             raise KeyboardInterrupt("simulated crash")
         return classifier_loss(m, batch)
 
+    snapshots = []  # the weights at each evaluation (epoch end), to check what best/ and last/ hold
+
     def evaluate(m):
+        snapshots.append({k: v.clone() for k, v in m.state_dict().items()})
         preds = T.predict_in_order(m, data[:6], 4, 0, lambda m, i, a: m(i, a).argmax(-1), "cpu")
         return {"acc": sum(p == e.label for p, e in zip(preds, data)) / 6}
 
@@ -116,6 +121,7 @@ def _run(tmp_path, name, stop_after=None, resume=False, **cfg):
     result = T.train(model, len(data), lambda idx: collate([data[i] for i in idx], 0), loss_fn, evaluate, config,
                      run_info={"lr": 1e-2, "name": "x"})
     result["loss_calls"] = calls["n"]
+    result["snapshots"] = snapshots
     return model, result
 
 
@@ -131,7 +137,9 @@ def test_resume_after_a_crash_gives_the_same_weights_as_an_uninterrupted_run(tmp
     assert resumed_result["loss_calls"] == 18 - 10  # it went on from batch 4 of epoch 2, not from the start
     for k, v in straight.state_dict().items():
         assert torch.equal(v, resumed.state_dict()[k]), k
-    assert [h["dev_acc"] for h in resumed_result["history"]] == [h["dev_acc"] for h in result["history"]]
+    # the resumed history (epoch 1 from the checkpoint, 2-3 trained again) is the uninterrupted one, loss for loss
+    assert [h["train_loss"] for h in resumed_result["history"]] == [h["train_loss"] for h in result["history"]]
+    assert len({h["train_loss"] for h in result["history"]}) == 3  # the losses move: the comparison means something
     assert len(result["history"]) == 3 and result["best"]["metrics"]["acc"] == max(
         h["dev_acc"] for h in result["history"])
 
@@ -142,9 +150,13 @@ def test_best_checkpoint_reloads_into_a_fresh_model(tmp_path):
     ck = T.load_weights(fresh, tmp_path / "a" / "best")
     assert ck.state["best"]["epoch"] == result["best"]["epoch"]
     assert (tmp_path / "a" / "last" / "config.json").is_file()  # the body in HF format
-    if result["best"]["epoch"] == 3:
-        for k, v in model.state_dict().items():
-            assert torch.equal(v, fresh.state_dict()[k]), k
+    at_best = result["snapshots"][result["best"]["epoch"] - 1]
+    for k, v in at_best.items():  # best/ holds the weights of the best epoch, head included
+        assert torch.equal(v, fresh.state_dict()[k]), k
+    T.load_weights(fresh, tmp_path / "a" / "last")
+    for k, v in model.state_dict().items():  # last/ holds the weights at the end of training
+        assert torch.equal(v, fresh.state_dict()[k]), k
+    assert not torch.equal(result["snapshots"][0]["classifier.weight"], model.state_dict()["classifier.weight"])
 
 
 def test_refuses_to_overwrite_or_resume_the_wrong_run(tmp_path):

@@ -101,6 +101,8 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
                            length_penalty, early_stopping, repetition_penalty)
     check_request(model, input_ids, attention_mask, max_new_tokens, repetition_penalty)
     _check_sampling(temperature, top_k, top_p)
+    if max_new_tokens == 0:  # nothing to decode: no forward pass for the prompt
+        return input_ids.clone()
     body = model.gpt
     device = input_ids.device
     B, T = input_ids.shape

@@ -15,6 +15,9 @@ from config import GPT2Config
 from modules.attention import KVCache
 from modules.gpt2_layer import GPT2Layer
 
+# Token ids may come in any of these (e.g. uint8 from a small vocabulary); the embedding reads them as int64.
+INTEGER_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """(B, S) 0/1 mask -> (B, S) positions counting real tokens only, so left padding does not shift them.
@@ -97,6 +100,8 @@ class GPT2Model(nn.Module):
         holds 'past_key_values' (a KVCache) to pass back in with the next tokens.
         """
         self._check_inputs(input_ids, attention_mask, past_key_values)
+        if input_ids.dtype not in (torch.long, torch.int):  # nn.Embedding indexes with int32 or int64 only
+            input_ids = input_ids.long()
         B, T = input_ids.shape
         num_cached = past_key_values.length if past_key_values is not None else 0
         if attention_mask is None:
@@ -141,8 +146,9 @@ class GPT2Model(nn.Module):
     def _check_inputs(self, input_ids, attention_mask, past_key_values) -> None:
         if input_ids.dim() != 2 or input_ids.shape[1] == 0:
             raise ValueError(f"input_ids must be (batch, seq_len) with seq_len >= 1, got shape {tuple(input_ids.shape)}")
-        if input_ids.dtype not in (torch.long, torch.int, torch.int16, torch.uint8):
-            raise TypeError(f"input_ids must be an integer tensor, got {input_ids.dtype}")
+        if input_ids.dtype not in INTEGER_DTYPES:
+            raise TypeError(f"input_ids must be token ids in an integer tensor ({', '.join(map(str, INTEGER_DTYPES))}), "
+                            f"got {input_ids.dtype}")
         num_cached = past_key_values.length if past_key_values is not None else 0
         total = num_cached + input_ids.shape[1]
         if total > self.config.n_positions:

@@ -48,7 +48,8 @@ def test_decode_step_equals_the_checked_forward_with_a_cache():
 
 
 def test_generate_sees_weights_changed_behind_autograds_back():
-    """Nothing derived from the weights outlives a generate call: `p.data` edits (which bump no version) are seen."""
+    """Generation reads the weights as they are now: `p.data` edits (which bump no version counter) are seen. A guard
+    for any decode-time weight layout built from the weights (none today): it must not go stale."""
     m = model()
     ids = torch.randint(0, m.config.vocab_size, (1, 4), generator=torch.Generator().manual_seed(2))
     before = m.generate(ids, max_new_tokens=8)
@@ -105,12 +106,21 @@ def test_bf16_greedy_agrees_where_fp32_is_decisive():
     assert (fp32_out == bf16_out).all(1).float().mean() >= 0.5
 
 
-def test_bf16_generation_batched_left_padded_runs_with_a_bf16_cache():
+def _capture_caches(monkeypatch, m):
+    """The KV caches that generate allocates (the ones decoding actually writes)."""
+    made = []
+    new_cache = m.gpt.new_cache
+    monkeypatch.setattr(m.gpt, "new_cache", lambda *a, **k: made.append(new_cache(*a, **k)) or made[-1])
+    return made
+
+
+def test_bf16_generation_batched_left_padded_runs_with_a_bf16_cache(monkeypatch):
     m = _to_bf16(model("h3-inner"))
     ids, mask = padded_batch([5, 2, 4], 5, m.config.vocab_size, "left", seed=5)
+    caches = _capture_caches(monkeypatch, m)
     out = m.generate(ids, mask, max_new_tokens=7, do_sample=True, top_p=0.9, generator=torch.Generator().manual_seed(0))
     assert out.shape == (3, 12) and out.dtype == torch.long
-    assert m.gpt.new_cache(1, 2).keys.dtype == torch.bfloat16
+    assert len(caches) == 1 and caches[0].keys.dtype == torch.bfloat16 and caches[0].length == 11
     greedy = m.generate(ids, mask, max_new_tokens=7)
     for i in range(3):  # a padded row decodes as it would alone, in bf16 too
         alone = ids[i: i + 1, mask[i].bool()]
@@ -131,10 +141,16 @@ def test_bf16_autocast_training_step_tracks_fp32():
     assert all(g is not None and g.dtype == torch.float32 and torch.isfinite(g).all() for g in grads)
 
 
-def test_autocast_decoding_writes_bf16_projections_into_an_fp32_cache():
+def test_autocast_decoding_writes_bf16_projections_into_an_fp32_cache(monkeypatch):
     m = model("h5")
-    ids = torch.randint(0, m.config.vocab_size, (2, 5), generator=torch.Generator().manual_seed(7))
+    ids = torch.randint(0, m.config.vocab_size, (16, 5), generator=torch.Generator().manual_seed(7))
     ref = m.generate(ids, max_new_tokens=6)
+    caches = _capture_caches(monkeypatch, m)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = m.generate(ids, max_new_tokens=6)
-    assert out.shape == ref.shape and m.gpt.new_cache(1, 1).keys.dtype == torch.float32
+    assert len(caches) == 1 and caches[0].keys.dtype == torch.float32 and caches[0].values.dtype == torch.float32
+    assert caches[0].length == 10  # the prompt and 5 decoded tokens were written into it
+    # the bf16-rounded projections are stored exactly: each cached key is representable in bf16
+    written = caches[0].keys[:, :, :, :10]  # (layers, B, heads, tokens, head_dim)
+    assert torch.equal(written, written.to(torch.bfloat16).float())
+    assert (out == ref).all(1).float().mean() >= 0.5  # autocast decoding follows fp32's greedy path on most rows

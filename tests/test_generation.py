@@ -97,6 +97,17 @@ def test_generation_refuses_right_padding_and_overlong_requests():
         ours.generate(ids, do_sample=True, top_p=1.5)
 
 
+def test_zero_new_tokens_returns_the_prompt_without_running_the_model(monkeypatch):
+    _, ours = load_pair(tiny_config("h5"))
+    ids, mask = padded_batch([4, 2], 4, 100, "left")
+    monkeypatch.setattr(ours.gpt, "forward", lambda *a, **k: pytest.fail("ran the prompt for no new token"))
+    for kw in ({}, {"do_sample": True, "top_p": 0.9}, {"num_beams": 2}):
+        out = ours.generate(ids, mask, max_new_tokens=0, **kw)
+        assert torch.equal(out, ids) and out is not ids
+    with pytest.raises(ValueError, match="left-padded"):  # still checked
+        ours.generate(*padded_batch([4, 2], 4, 100, "right"), max_new_tokens=0)
+
+
 def test_generate_keeps_the_training_mode():
     _, ours = load_pair(tiny_config("h5"))
     ours.train()

@@ -226,3 +226,16 @@ def test_bad_inputs_raise_clear_errors():
         model(torch.zeros(2, 0, dtype=torch.long))
     with pytest.raises(TypeError, match="integer tensor"):
         model(torch.zeros(2, 3))
+    with pytest.raises(TypeError, match="integer tensor"):
+        model(torch.zeros(2, 3, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int16, torch.int8, torch.uint8])
+def test_every_integer_dtype_of_input_ids_gives_the_int64_outputs(dtype):
+    model = GPT2Model(tiny_config("h5")).eval()
+    ids = torch.randint(0, 120, (2, 6))  # fits every dtype listed
+    mask = torch.tensor([[0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    want = model(ids, mask)
+    got = model(ids.to(dtype), mask)
+    assert torch.equal(got["last_hidden_state"], want["last_hidden_state"])
+    assert torch.equal(got["last_token"], want["last_token"])

@@ -2,6 +2,8 @@
 import random
 
 import numpy as np
+from pathlib import Path
+
 import pytest
 import torch
 from conftest import tiny_config
@@ -68,18 +70,18 @@ def test_crash_between_renames_keeps_the_previous_checkpoint(tmp_path, monkeypat
     model, opt = _model_and_optimizer()
     ck.save_checkpoint(tmp_path / "last", model, optimizer=opt, state={"step": 1})
     real_replace = ck.os.replace
-    calls = []
 
-    def crash_on_second(src, dst):
-        calls.append(dst)
-        if len(calls) == 2:  # old folder moved aside, new one not yet in place
-            raise KeyboardInterrupt
+    def crash_after_moving_the_old_aside(src, dst):  # (os.replace also renames files inside the new folder)
         real_replace(src, dst)
+        if Path(dst).name == ".last.old":  # old folder moved aside, new one not yet in place
+            raise KeyboardInterrupt
 
-    monkeypatch.setattr(ck.os, "replace", crash_on_second)
+    monkeypatch.setattr(ck.os, "replace", crash_after_moving_the_old_aside)
     with pytest.raises(KeyboardInterrupt):
         ck.save_checkpoint(tmp_path / "last", model, optimizer=opt, state={"step": 2})
     monkeypatch.undo()
-    assert ck.load_checkpoint(tmp_path / "last").state == {"step": 1}
+    assert not (tmp_path / "last").exists() and (tmp_path / ".last.old").is_dir()  # the window this test is about
+    assert ck.load_checkpoint(tmp_path / "last").state == {"step": 1}  # resolved from .last.old
     ck.save_checkpoint(tmp_path / "last", model, optimizer=opt, state={"step": 3})  # and the next save recovers
     assert ck.load_checkpoint(tmp_path / "last").state == {"step": 3}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last"]

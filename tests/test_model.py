@@ -1,6 +1,7 @@
 """Parity of GPT2Model / GPT2LMHeadModel with transformers.GPT2LMHeadModel (eager), fp32, atol 1e-5."""
 import pytest
 import torch
+import torch.utils.checkpoint
 import transformers
 from conftest import TINY_CONFIGS, make_hf_model, padded_batch, tiny_config
 
@@ -197,8 +198,11 @@ def test_loss_ignores_padding_and_minus_100():
         torch.testing.assert_close(model(padded, labels=labels)["loss"], model(ids, labels=ids)["loss"])
 
 
-def test_gradient_checkpointing_gives_the_same_gradients():
+def test_gradient_checkpointing_gives_the_same_gradients(monkeypatch):
     config = tiny_config("h4-wide")
+    calls = []
+    recompute = torch.utils.checkpoint.checkpoint
+    monkeypatch.setattr(torch.utils.checkpoint, "checkpoint", lambda *a, **k: calls.append(1) or recompute(*a, **k))
     torch.manual_seed(0)
     a = GPT2LMHeadModel(config).train()
     b = GPT2LMHeadModel(config).train()
@@ -206,7 +210,9 @@ def test_gradient_checkpointing_gives_the_same_gradients():
     b.gpt.gradient_checkpointing = True
     ids = torch.randint(0, config.vocab_size, (2, 10))
     a(ids, labels=ids)["loss"].backward()
+    assert calls == []
     b(ids, labels=ids)["loss"].backward()
+    assert len(calls) == config.n_layer  # every block of b ran under checkpoint()
     for pa, pb in zip(a.parameters(), b.parameters()):
         torch.testing.assert_close(pa.grad, pb.grad, atol=1e-6, rtol=0)
 

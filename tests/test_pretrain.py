@@ -45,14 +45,16 @@ def test_char_tokenizer_round_trip_save_load_and_unknown_characters(tmp_path):
         tok.encode("HqZ")
 
 
-def test_corpus_is_encoded_once_split_90_10_and_batches_are_shifted_windows(corpus_file, tmp_path):
+def test_corpus_is_encoded_once_split_90_10_and_batches_are_shifted_windows(corpus_file, tmp_path, monkeypatch):
     corpus = pretrain.prepare_corpus(corpus_file, "char", tmp_path / "cache")
     n = len(TEXT)
     assert corpus.meta["num_tokens"] == n and isinstance(corpus.tokens, np.memmap)
     assert (len(corpus.train), len(corpus.val)) == (int(n * 0.9), n - int(n * 0.9))
     assert corpus.tokenizer.decode(corpus.tokens.tolist()) == TEXT
     files = sorted(p.name for p in (tmp_path / "cache").iterdir())
+    monkeypatch.setattr(pretrain, "_encode_to_file", lambda *a, **k: pytest.fail("re-encoded a cached corpus"))
     again = pretrain.prepare_corpus(corpus_file, "char", tmp_path / "cache", val_fraction=0.25)
+    monkeypatch.undo()
     assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == files  # reused, not re-encoded
     assert len(again.val) == n - int(n * 0.75)
     x, y = pretrain.get_batch(corpus.val, 8, 16, torch.Generator().manual_seed(0))
@@ -97,11 +99,18 @@ def test_resume_equals_an_uninterrupted_run(corpus_file, tmp_path, threads):
     assert again["steps_run"] == 20 and again["val_loss"] == full["val_loss"]
 
 
-def test_gradient_checkpointing_trains_the_same_model(corpus_file, tmp_path):
+def test_gradient_checkpointing_trains_the_same_model(corpus_file, tmp_path, monkeypatch):
+    import torch.utils.checkpoint
+
+    calls = []
+    recompute = torch.utils.checkpoint.checkpoint
+    monkeypatch.setattr(torch.utils.checkpoint, "checkpoint", lambda *a, **k: calls.append(1) or recompute(*a, **k))
     plain = run(corpus_file, tmp_path / "plain", "--max_iters", "6", "--eval_interval", "3", "--dropout", "0.1")
+    assert calls == []
     recomputed = run(corpus_file, tmp_path / "ckpt", "--max_iters", "6", "--eval_interval", "3", "--dropout", "0.1",
                      "--gradient_checkpointing")
     assert recomputed["model"].gpt.gradient_checkpointing and not plain["model"].gpt.gradient_checkpointing
+    assert len(calls) >= 6  # the flag reached the blocks: they ran under checkpoint() in training
     for (name, a), b in zip(plain["model"].state_dict().items(), recomputed["model"].state_dict().values()):
         torch.testing.assert_close(b, a, atol=1e-6, rtol=0, msg=name)
 

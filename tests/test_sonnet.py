@@ -199,8 +199,12 @@ def test_decoding_controls_reach_the_decoders():
     penalised = model.generate(ids, do_sample=False, max_new_tokens=10, repetition_penalty=3.0)
     assert torch.equal(penalised, model.lm.generate(ids, max_new_tokens=10, repetition_penalty=3.0))
     assert not torch.equal(penalised, greedy)
-    beams = model.generate(ids, do_sample=False, max_new_tokens=10, num_beams=3, length_penalty=0.5)
-    assert torch.equal(beams, beam_search(model.lm, ids, num_beams=3, max_new_tokens=10, length_penalty=0.5))
+    eos = int(greedy[0, 7])  # a token the model emits, so hypotheses end at different lengths
+    beam = lambda lp: model.generate(ids, do_sample=False, max_new_tokens=10, num_beams=3, length_penalty=lp,  # noqa: E731
+                                     eos_token_id=eos)
+    assert torch.equal(beam(0.5), beam_search(model.lm, ids, num_beams=3, max_new_tokens=10, length_penalty=0.5,
+                                              eos_token_id=eos))
+    assert not torch.equal(beam(-3.0), beam(3.0))  # length_penalty reaches the beam search
     with pytest.raises(ValueError, match="pass do_sample=False with num_beams > 1"):
         model.generate(ids, num_beams=3)
 

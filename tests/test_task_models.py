@@ -61,6 +61,10 @@ def test_paraphrase_logits_predictions_and_loss():
     batch = batch_of([1, 0, 1, 0])
     logits = model(batch["input_ids"], batch["attention_mask"])
     assert logits.shape == (4, 1000)
+    ids, mask = batch["input_ids"], batch["attention_mask"]  # rows padded on the right and on the left
+    alone = torch.stack([model.gpt.hidden_state_to_token(model.gpt(ids[i, mask[i].bool()][None])["last_token"][0])
+                         for i in range(4)])  # each row's last real token, unpadded
+    torch.testing.assert_close(logits, alone, atol=1e-5, rtol=0)
     preds = model.predict(batch["input_ids"], batch["attention_mask"])
     assert set(preds.tolist()) <= {7, 3}
     expected = torch.where(logits[:, 7] > logits[:, 3], 7, 3)

@@ -84,7 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--eval_iters", type=_positive(int), default=20, help="random batches per split per estimate")
     g.add_argument("--log_interval", type=_positive(int), default=50, help="print the training loss every N steps")
     g.add_argument("--out_dir", default="out/pretrain", help="checkpoints best/ and last/, and the id cache")
-    g.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out_dir")
+    g.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out_dir, with the "
+                   "run's own settings (a changed one is refused, naming it; --max_iters may be raised to train further)")
     g.add_argument("--overwrite", action="store_true",
                    help="start afresh, deleting the checkpoints already in --out_dir (the id cache is kept)")
     g.add_argument("--skip_nonfinite", action="store_true", help="skip (and count) steps whose loss or gradient is "
@@ -147,10 +148,11 @@ def main(argv=None) -> dict:
             summary = pretrain.train(args)
         finally:
             distributed.cleanup()
-        if summary["val_loss"] is None:  # a rank other than 0 under torchrun: rank 0 reports
+        if not summary["main"]:  # a rank other than 0 under torchrun: rank 0 reports
             return summary
-        print(f"done: step {summary['step']} | val {summary['val_loss']:.4f} | best val {summary['best_val']:.4f} | "
-              f"{summary['ms_per_step']:.1f} ms/step | checkpoint {summary['checkpoint']}")
+        if summary["val_loss"] is not None:
+            print(f"done: step {summary['step']} | val {summary['val_loss']:.4f} | best val {summary['best_val']:.4f} | "
+                  f"{summary['ms_per_step']:.1f} ms/step | checkpoint {summary['checkpoint']}")
     for i, text in enumerate(summary.get("samples", [])):
         print(f"---------- sample {i + 1} ----------\n{text}")
     return summary

@@ -18,7 +18,7 @@ import random
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -38,18 +38,6 @@ def fsync_path(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    """Write a file so that readers see the old content or the new, never a part."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_path(path.parent)
 
 
 def _sha256(path: Path) -> str:
@@ -92,11 +80,11 @@ def _as_tuple(x):
 
 def save_checkpoint(directory: str | os.PathLike, model=None, *, optimizer=None, scheduler=None,
                     state: dict[str, Any] | None = None, extra_tensors: dict[str, torch.Tensor] | None = None,
-                    tokenizer=None, write_files: Callable[[Path], None] | None = None) -> Path:
+                    tokenizer=None) -> Path:
     """Atomically (re)write the checkpoint folder `directory`.
 
     model: anything with save_pretrained(dir) (our GPT-2 body or LM). state: counters, metrics, RNG (plain values and
-    tensors). write_files(tmp_dir): a hook for anything else that belongs in the folder (e.g. a char vocabulary).
+    tensors). tokenizer: anything with save_pretrained(dir) (an HF tokenizer or our CharTokenizer).
     """
     from safetensors.torch import save_file
 
@@ -121,8 +109,6 @@ def save_checkpoint(directory: str | os.PathLike, model=None, *, optimizer=None,
     torch.save(training_state, tmp / STATE)
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)
-    if write_files is not None:
-        write_files(tmp)
     files = sorted(p for p in tmp.iterdir() if p.is_file() and p.name != MANIFEST)
     manifest = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files}
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
@@ -211,3 +197,30 @@ def load_checkpoint(directory: str | os.PathLike) -> Checkpoint:
     extra = load_file(folder / EXTRA) if (folder / EXTRA).is_file() else {}
     return Checkpoint(folder, training_state["state"], training_state.get("optimizer"),
                       training_state.get("scheduler"), extra)
+
+
+def check_resume_settings(saved: dict[str, Any], now: dict[str, Any], source, extendable: tuple[str, ...] = ()) -> None:
+    """The one resume rule of both training loops: a setting that changes what the saved state means (data, model,
+    optimizer, batch, schedule shape, seed, ...) must be as it was, and the error names each one that is not;
+    the `extendable` ones (the schedule's length: epochs, max_iters) may grow, to train a run further."""
+    changed = {k: (saved.get(k), v) for k, v in now.items() if k not in extendable and saved.get(k) != v}
+    shrunk = {k: (saved.get(k), now[k]) for k in extendable
+              if k in now and saved.get(k) is not None and now[k] < saved[k]}
+    if changed or shrunk:
+        parts = [f"{k} was {a!r}, now {b!r}" for k, (a, b) in changed.items()]
+        parts += [f"{k} was {a!r}, now {b!r} (it may only grow)" for k, (a, b) in shrunk.items()]
+        raise ValueError(f"cannot resume {source}: these settings differ from the saved run's: {'; '.join(parts)}. "
+                         f"Pass the run's own settings (only {', '.join(extendable) or 'none'} may be raised), or "
+                         f"start a new run")
+
+
+def read_step(directory: str | os.PathLike) -> int:
+    """The saved step counter of a checkpoint, read without verifying the folder or loading its tensors (the file
+    is memory-mapped), to choose between checkpoints; the chosen one is verified when it is loaded."""
+    folder = resolve(directory)
+    try:
+        state = torch.load(folder / STATE, map_location="cpu", weights_only=True, mmap=True)["state"]
+        return int(state["step"])
+    except Exception as e:
+        raise CorruptCheckpointError(f"checkpoint {folder}: cannot read its step from {STATE} ({e}); "
+                                     f"pass --overwrite to start afresh") from None

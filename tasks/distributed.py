@@ -115,16 +115,6 @@ def all_reduce_sum(value: float | torch.Tensor) -> float | torch.Tensor:
     return float(t)
 
 
-def all_reduce_dict(sums: dict[str, float]) -> dict[str, float]:
-    """Key-wise sums over ranks of a dict of numbers (every rank must hold the same keys)."""
-    if not is_distributed():
-        return dict(sums)
-    keys = sorted(sums)
-    t = torch.tensor([float(sums[k]) for k in keys], dtype=torch.float64)
-    dist.all_reduce(t)
-    return dict(zip(keys, t.tolist()))
-
-
 def any_rank(flag: bool) -> bool:
     """True on every rank if it is True on any (so all ranks take the same branch)."""
     if not is_distributed():

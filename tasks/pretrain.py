@@ -41,7 +41,8 @@ from models.gpt2 import GPT2LMHeadModel
 from optimizer import AdamW, make_lr_scheduler, param_groups_for_weight_decay
 from tasks import distributed as dist
 from tasks.char_tokenizer import VOCAB_FILE, CharTokenizer
-from tasks.checkpoint import capture_rng, load_checkpoint, resolve, restore_rng, save_checkpoint
+from tasks.checkpoint import (capture_rng, check_resume_settings, load_checkpoint, read_step, resolve, restore_rng,
+                             save_checkpoint)
 from tasks.training import MAX_SKIPPED_IN_A_ROW, check_architecture, nonfinite_error
 
 SHARED_GPT2_TOKENIZER = Path(os.environ.get("GPT2_SHARED_DIR", Path(__file__).resolve().parents[2] / "shared")) / "gpt2-tokenizer"
@@ -418,41 +419,61 @@ def check_block_size(block_size: int, config: GPT2Config) -> None:
 CHECKPOINTS = ("best", "last")
 
 
+# Flags that shape the saved state (optimizer moments, schedule, batches, model): --resume refuses a change to any of
+# them. --max_iters may grow (the cosine then stretches to the new end unless --lr_decay_iters pins it); the
+# architecture flags are checked against the checkpoint's config, and the tokenizer is the checkpoint's own.
+RESUME_FIXED = ("val_fraction", "block_size", "dropout", "activation", "batch_size", "grad_accum", "learning_rate",
+                "min_lr", "warmup_iters", "lr_decay_iters", "weight_decay", "decay_embeddings", "beta1", "beta2",
+                "adam_eps", "grad_clip", "dtype", "seed")
+
+
 def find_checkpoint(out_dir: Path) -> Path | None:
-    """The checkpoint in out_dir (best or last) with the later step, or None."""
+    """The checkpoint in out_dir (best or last) with the later step, or None. Only the steps are read."""
     found = []
     for name in CHECKPOINTS:
         with contextlib.suppress(FileNotFoundError):
-            found.append((load_checkpoint(out_dir / name).state["step"], resolve(out_dir / name)))
+            folder = resolve(out_dir / name)
+            found.append((read_step(folder), folder))
     return max(found)[1] if found else None
 
 
-def setup(args):
-    """(out_dir, checkpoint to resume or None, corpus, model): the corpus encoded (or found in the cache), the model
-    initialised from --seed or loaded from the checkpoint that --resume continues."""
-    out_dir = Path(args.out_dir)
-    resume_from = find_checkpoint(out_dir)
-    if resume_from and getattr(args, "overwrite", False) and not args.resume:
-        # Asked for explicitly: the old run's best/ and last/ go, or a later --resume could pick the old run's step.
-        if dist.is_main():
-            for name in CHECKPOINTS:
-                for folder in (out_dir / name, out_dir / f".{name}.old"):
-                    shutil.rmtree(folder, ignore_errors=True)
+def remove_checkpoints(out_dir: Path) -> None:
+    """--overwrite: the old run's best/ and last/ go (whatever state they are in), or a later --resume could pick
+    the old run's step. The id cache stays."""
+    if dist.is_main():
+        folders = [out_dir / f"{prefix}{name}{suffix}" for name in CHECKPOINTS for prefix, suffix in (("", ""), (".", ".old"))]
+        folders += list(out_dir.glob(".*.tmp-*")) if out_dir.is_dir() else []
+        existing = [f for f in folders if f.exists()]
+        for folder in existing:
+            shutil.rmtree(folder, ignore_errors=True)
+        if existing:
             print(f"--overwrite: removed the checkpoints in {out_dir}")
-        dist.barrier()
-        resume_from = None
+    dist.barrier()
+
+
+def setup(args):
+    """(out_dir, the Checkpoint that --resume continues or None, corpus, model): the corpus encoded (or found in the
+    cache), the model initialised from --seed or loaded from the checkpoint (verified once, here)."""
+    out_dir = Path(args.out_dir)
+    if getattr(args, "overwrite", False) and not args.resume:
+        remove_checkpoints(out_dir)  # before looking: a broken checkpoint is cleared, not read
+    resume_from = find_checkpoint(out_dir)
     if resume_from and not args.resume:
         raise FileExistsError(f"{out_dir} already holds a checkpoint ({resume_from.name}); pass --resume to continue "
                               f"it, --overwrite to start again, or choose another --out_dir")
     if args.resume and not resume_from:
         raise FileNotFoundError(f"--resume: no checkpoint (best/ or last/) in {out_dir}")
+    ck = load_checkpoint(resume_from) if resume_from else None
+    if ck is not None:
+        check_resume_settings(ck.state.get("args", {}), {k: getattr(args, k) for k in RESUME_FIXED + ("max_iters",)},
+                              ck.path, extendable=("max_iters",))
     tokenizer = load_tokenizer(resume_from) if resume_from else (
         "char" if args.tokenizer == "char" else load_tokenizer(args.tokenizer))
     with dist.main_first():  # under torchrun rank 0 encodes the corpus, the others then map the cached ids
         corpus = prepare_corpus(args.data, tokenizer, args.data_dir or out_dir / "data", args.val_fraction)
     check_split_sizes(corpus, args.block_size)
-    if resume_from:
-        model = GPT2LMHeadModel.from_pretrained(resume_from)
+    if ck is not None:
+        model = GPT2LMHeadModel.from_pretrained(ck.path)
         asked = {k: getattr(args, k) for k in ("n_layer", "n_head", "n_embd", "n_positions") if getattr(args, k)}
         check_architecture(model.config, model.config.replace(**asked), resume_from)  # flags vs checkpoint
         check_block_size(args.block_size, model.config)
@@ -463,7 +484,7 @@ def setup(args):
         raise ValueError(f"the tokenizer has {len(corpus.tokenizer)} tokens but the model's embedding only "
                          f"{model.config.vocab_size} rows ({resume_from or 'new model'})")
     model.gpt.gradient_checkpointing = getattr(args, "gradient_checkpointing", False)
-    return out_dir, resume_from, corpus, model.to(args.device).train()
+    return out_dir, ck, corpus, model.to(args.device).train()
 
 
 def train(args) -> dict[str, Any]:
@@ -476,7 +497,7 @@ def train(args) -> dict[str, Any]:
         args.device = str(dist.device(True))  # one GPU per process
     if args.batch_size < world:
         raise ValueError(f"--batch_size {args.batch_size} is smaller than the {world} processes sharing each batch")
-    out_dir, resume_from, corpus, model = setup(args)
+    out_dir, ck, corpus, model = setup(args)
     tokenizer = corpus.tokenizer
     workers = batch_workers(args, model.config)
     flat = FlatParams(param_groups_for_weight_decay(model, args.weight_decay, args.decay_embeddings))
@@ -486,17 +507,18 @@ def train(args) -> dict[str, Any]:
     # Separate generators for training and evaluation batches, so evaluating never shifts the training stream.
     train_gen, eval_gen = torch.Generator().manual_seed(args.seed), torch.Generator().manual_seed(args.seed + 1)
     step, best_val, skipped = 0, math.inf, 0
-    if resume_from:
-        ck = load_checkpoint(resume_from)
+    losses: dict[str, float] = {}
+    if ck is not None:
         if ck.state["corpus"]["sha256"] != corpus.meta["sha256"]:
-            raise ValueError(f"--resume: {args.data} is not the corpus the checkpoint {resume_from} was trained on")
+            raise ValueError(f"--resume: {args.data} is not the corpus the checkpoint {ck.path} was trained on")
         optimizer.load_state_dict(ck.optimizer)
         scheduler.load_state_dict(ck.scheduler)
         step, best_val, skipped = ck.state["step"], ck.state["best_val"], ck.state.get("skipped", 0)
         ranks = ck.state.get("rank_rng")
         restore_rng(ranks[rank] if ranks and rank < len(ranks) else ck.state["rng"], train_gen)
         eval_gen.set_state(ck.state["eval_rng"])
-        print(f"resuming from {resume_from} at step {step} (best val {best_val:.4f})")
+        losses = dict(ck.state.get("losses", {}))
+        print(f"resuming from {ck.path} at step {step} (best val {best_val:.4f})")
     dist.barrier()  # every rank has looked for checkpoints before rank 0 may write one
     start_step = step
     print(f"corpus {args.data}: {corpus.meta['num_tokens']:,} tokens ({len(corpus.train):,} train, "
@@ -513,8 +535,7 @@ def train(args) -> dict[str, Any]:
     rows = dist.shard(list(range(args.batch_size)))
     weight = world * len(rows) / args.batch_size
     log_meter, eval_meter, total_time = Meter(), Meter(), 0.0
-    losses: dict[str, float] = {}
-    bad_in_a_row, evaluated = 0, (start_step if resume_from else -1)  # a skipped step must not evaluate twice
+    bad_in_a_row, evaluated = 0, (start_step if ck is not None else -1)  # a skipped step must not evaluate twice
     bar = tqdm(total=args.max_iters, initial=step, desc="training", unit="step", leave=False,
                disable=None if main else True)
     while True:
@@ -587,7 +608,11 @@ def train(args) -> dict[str, Any]:
     bar.close()
 
     steps_run = step - start_step
-    summary = {"step": step, "train_loss": losses.get("train"), "val_loss": losses.get("val"), "best_val": best_val,
+    complete = ck is not None and steps_run == 0
+    if complete and main:
+        print(f"the run in {out_dir} is already complete: step {step} of --max_iters {args.max_iters}; its "
+              f"checkpoint is {find_checkpoint(out_dir)}. Raise --max_iters to train it further")
+    summary = {"main": main, "complete": complete, "step": step, "train_loss": losses.get("train"), "val_loss": losses.get("val"), "best_val": best_val,
                "steps_run": steps_run, "skipped": skipped,
                "checkpoint": str(out_dir / "best") if (out_dir / "best").is_dir() else None,
                "ms_per_step": 1000 * total_time / max(steps_run, 1),

@@ -11,7 +11,9 @@ else), gradient accumulation, optional bf16 autocast, our AdamW with a warmup/de
 with one summary line. Checkpoints (tasks/checkpoint.py) go to output_dir/last (body in HF format, the task's other
 weights as extra tensors, optimizer, scheduler, counters, RNG states) at every epoch end and every `save_every`
 optimizer steps, and to output_dir/best when the selected dev metric improves. `resume=True` continues from
-output_dir/last and ends with the same weights as an uninterrupted run with the same settings.
+output_dir/last and ends with the same weights as an uninterrupted run with the same settings. The resume rule (both
+loops): a changed setting in run_info is refused, naming it; only `epochs` may grow, to train a finished run further
+(a decaying schedule is then recomputed for the new length).
 
 Guards: a non-finite loss or gradient stops the run (NonFiniteError naming the step; the checkpoints on disk are
 the last good ones), or with skip_nonfinite the batch is skipped and counted. Under torchrun (tasks/distributed.py)
@@ -40,7 +42,8 @@ from models.gpt2 import GPT2Model
 from models.loading import load_pretrained
 from optimizer import AdamW, make_lr_scheduler, param_groups_for_weight_decay
 from tasks import distributed as dist
-from tasks.checkpoint import capture_rng, load_checkpoint, resolve, restore_rng, save_checkpoint
+from tasks.checkpoint import (capture_rng, check_resume_settings, load_checkpoint, resolve, restore_rng,
+                             save_checkpoint)
 
 
 @dataclass
@@ -283,15 +286,17 @@ def train(model: nn.Module, n_train: int, make_batch: Callable[[list[int]], dict
     state = {"epoch": 0, "batch": 0, "step": 0, "best": None, "history": [], "sums": {}, "run": run_info}
     if cfg.resume:
         ck = load_weights(model, out / "last")
-        changed = {k: (ck.state["run"].get(k), v) for k, v in run_info.items() if ck.state["run"].get(k) != v}
-        if changed:
-            raise ValueError(f"cannot resume {out / 'last'}: these settings differ from the interrupted run "
-                             f"(then, now): {changed}")
+        check_resume_settings(ck.state["run"], run_info, ck.path, extendable=("epochs",))
         optimizer.load_state_dict(ck.optimizer)
         scheduler.load_state_dict(ck.scheduler)
         state = ck.state
+        state["run"] = run_info  # --epochs may have grown
         _restore_rng_state(state)
-        print(f"resuming from {ck.path}: epoch {state['epoch'] + 1}, batch {state['batch']}, step {state['step']}")
+        if state["epoch"] >= cfg.epochs:
+            print(f"the run in {out} is already complete: {state['epoch']} of {cfg.epochs} epochs; its checkpoints "
+                  f"are {out / 'best'} and {out / 'last'}. Raise --epochs to train it further")
+        else:
+            print(f"resuming from {ck.path}: epoch {state['epoch'] + 1}, batch {state['batch']}, step {state['step']}")
     elif not cfg.max_steps and _exists(out / "last") and not cfg.overwrite:
         raise FileExistsError(f"{out / 'last'} already holds a checkpoint: pass --resume to continue it or "
                               f"--overwrite to start again (or choose another --output_dir)")

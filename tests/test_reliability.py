@@ -215,6 +215,59 @@ def test_pretrain_resume_refuses_other_sizes_and_a_vocabulary_larger_than_the_em
         run_pretrain.main(common + ["--out_dir", str(tmp_path / "out"), "--max_iters", "10", "--resume"])
 
 
+def test_pretrain_overwrite_clears_a_broken_checkpoint_without_reading_it(tmp_path, capsys):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(TEXT, encoding="utf-8")
+    common = ["--data", str(corpus), *TINY, "--eval_interval", "5", "--out_dir", str(tmp_path / "out")]
+    run_pretrain.main(common + ["--max_iters", "5"])
+    (tmp_path / "out" / "best" / ck.STATE).write_bytes(b"garbage")
+    with pytest.raises(ck.CorruptCheckpointError, match="pass --overwrite"):
+        run_pretrain.main(common + ["--max_iters", "5", "--resume"])
+    capsys.readouterr()
+    again = run_pretrain.main(common + ["--max_iters", "5", "--overwrite"])
+    assert again["steps_run"] == 5 and "--overwrite: removed the checkpoints" in capsys.readouterr().out
+    assert ck.load_checkpoint(tmp_path / "out" / "best").state["step"] == 5  # a whole, verified checkpoint again
+
+
+def test_pretrain_resume_rule_refuses_changed_settings_allows_more_steps_and_says_when_complete(tmp_path, capsys):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(TEXT, encoding="utf-8")
+    common = ["--data", str(corpus), *TINY, "--eval_interval", "5", "--out_dir", str(tmp_path / "out")]
+    run_pretrain.main(common + ["--max_iters", "5"])
+    with pytest.raises(ValueError, match=r"batch_size was 4, now 8; learning_rate was 0.001, now 0.002"):
+        run_pretrain.main(common + ["--max_iters", "5", "--resume", "--learning_rate", "2e-3", "--batch_size", "8"])
+    with pytest.raises(ValueError, match=r"max_iters was 5, now 3 \(it may only grow\)"):
+        run_pretrain.main(common + ["--max_iters", "3", "--resume"])
+    capsys.readouterr()
+    done = run_pretrain.main(common + ["--max_iters", "5", "--resume"])
+    out = capsys.readouterr().out
+    assert done["complete"] and done["steps_run"] == 0 and done["step"] == 5
+    assert "is already complete: step 5 of --max_iters 5" in out and "Raise --max_iters" in out
+    assert "done: step 5 | val" in out  # the saved losses are reported, not nothing
+    more = run_pretrain.main(common + ["--max_iters", "10", "--resume"])
+    assert not more["complete"] and more["steps_run"] == 5 and more["step"] == 10
+
+
+def test_fine_tuning_resume_adds_epochs_refuses_other_changes_and_says_when_complete(tmp_path, capsys):
+    tok = make_tokenizer(tmp_path / "tok")
+    paths = write_sentiment(tmp_path, "sst", 16)
+    base = ["--tokenizer", tok, "--model", MODEL, "--batch_size", "8", "--threads", "1",
+            "--train", str(paths["train"]), "--dev", str(paths["dev"]), "--output_dir", str(tmp_path / "ck"),
+            "--dev_out", str(tmp_path / "dev.csv")]
+    args = base + ["--lr", "1e-3"]
+    assert run_classifier.main(args + ["--epochs", "1"]) == 0
+    capsys.readouterr()
+    assert run_classifier.main(args + ["--epochs", "1", "--resume"]) == 0
+    assert "is already complete: 1 of 1 epochs" in capsys.readouterr().out
+    assert run_classifier.main(base + ["--lr", "5e-4", "--epochs", "2", "--resume"]) == 1
+    assert "lr was 0.001, now 0.0005" in capsys.readouterr().err
+    assert run_classifier.main(args + ["--epochs", "2", "--resume"]) == 0
+    out = capsys.readouterr().out
+    assert "resuming from" in out and "epoch 2/2 |" in out and "epoch 1/2 |" not in out
+    history = ck.load_checkpoint(tmp_path / "ck" / "last").state["history"]
+    assert [h["epoch"] for h in history] == [1, 2]
+
+
 # ---- non-finite losses and gradients -----------------------------------------------------------------------------
 
 def _tiny_task(tmp_path, poison=None, grad_poison_step=None, **cfg):

@@ -25,12 +25,12 @@ import os
 import sys
 from pathlib import Path
 
+from models.hub import shared_dir
 from tasks.classifier import MODES, run
 from tasks.data import NUM_LABELS
 from tasks.training import add_model_args, add_training_args, run_cli, start
 
 ROOT = Path(__file__).resolve().parent
-SHARED_DATA = ROOT.parent / "shared" / "data" / "cs224n"
 
 
 def get_args(argv=None):
@@ -74,7 +74,7 @@ def jobs(args):
             raise ValueError(f"cannot tell the number of classes of {args.train}: pass --num_labels")
         return [(name or "custom", args.train, args.dev, args.test, num_labels)]
     data_dir = Path(args.data_dir) if args.data_dir else (Path("data") if Path("data/ids-sst-train.csv").is_file()
-                                                          else SHARED_DATA)
+                                                          else shared_dir() / "data" / "cs224n")
     tasks = ("sst", "cfimdb") if args.task in (None, "both") else (args.task,)
     return [(t, data_dir / f"ids-{t}-train.csv", data_dir / f"ids-{t}-dev.csv", data_dir / f"ids-{t}-test-student.csv",
              args.num_labels or NUM_LABELS[t]) for t in tasks]

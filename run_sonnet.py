@@ -25,16 +25,16 @@ import os
 import sys
 from pathlib import Path
 
+from models.hub import shared_dir
 from tasks.sonnet import run
 from tasks.training import add_model_args, add_training_args, run_cli, start
 
 ROOT = Path(__file__).resolve().parent
-SHARED_DATA = ROOT.parent / "shared" / "data" / "cs224n"
 
 
 def data_file(name: str) -> str:
     local = Path("data") / name
-    return str(local if local.is_file() else SHARED_DATA / name)
+    return str(local if local.is_file() else shared_dir() / "data" / "cs224n" / name)
 
 
 def get_args(argv=None):

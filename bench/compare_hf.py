@@ -43,6 +43,7 @@ import transformers  # noqa: E402
 
 from config import GPT2Config  # noqa: E402
 from models.gpt2 import GPT2LMHeadModel  # noqa: E402
+from models.hub import shared_dir  # noqa: E402
 from models.loading import hf_to_ours  # noqa: E402
 
 SECTIONS = ("train", "forward", "generate", "memory", "xl", "checkpointing")
@@ -50,7 +51,7 @@ SECTIONS = ("train", "forward", "generate", "memory", "xl", "checkpointing")
 TARGETS = {("train", "fp32"): 1.1, ("train", "bf16"): 3.0, ("forward", "fp32"): 1.0, ("forward", "bf16"): 3.0,
            ("generate b1", "fp32"): 1.5, ("generate b1", "bf16"): 2.5, ("generate b8", "fp32"): 2.0}
 PROMPT_LENGTHS_B8 = [16, 13, 10, 16, 7, 12, 15, 9]  # the batch-8 prompts, left-padded to 16
-SHARED = Path(os.environ.get("GPT2_SHARED_DIR", ROOT.parent / "shared"))
+SHARED = shared_dir()
 
 
 # ---- models and inputs -------------------------------------------------------------------------------------------

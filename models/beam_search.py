@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from models.generation import apply_repetition_penalty, check_request
-from models.gpt2 import position_ids_from_mask
+from modules.masks import position_ids_from_mask
 
 EARLY_STOPPING = (False, True, "never")
 

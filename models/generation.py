@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from models.gpt2 import position_ids_from_mask
+from modules.masks import position_ids_from_mask
 
 
 def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
@@ -82,23 +82,14 @@ def _check_sampling(temperature, top_k, top_p) -> None:
 def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, max_new_tokens: int = 20,
              do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
              repetition_penalty: float = 1.0, eos_token_id: int | None = None, pad_token_id: int | None = None,
-             generator: torch.Generator | None = None, num_beams: int = 1, length_penalty: float = 1.0,
-             early_stopping: bool | str = False) -> torch.Tensor:
+             generator: torch.Generator | None = None) -> torch.Tensor:
     """Continue each prompt by up to max_new_tokens tokens -> (B, prompt_len + new) LongTensor.
 
     Prompts of different lengths are left-padded (attention_mask 0 on the left). A row that emits eos_token_id
     is finished: later positions hold pad_token_id (default: eos_token_id). Decoding stops early once every row is
     finished. Sampling draws from `generator` when given, so a seeded generator repeats the same text.
-    num_beams > 1 runs beam search (models.beam_search, transformers' semantics for length_penalty and
-    early_stopping); it is deterministic, so it refuses do_sample=True.
+    Beam search is models.beam_search.beam_search; GPT2LMHeadModel.generate(num_beams=N) chooses between the two.
     """
-    if num_beams != 1:
-        if do_sample:
-            raise ValueError("beam search is deterministic here: pass do_sample=False with num_beams > 1")
-        from models.beam_search import beam_search
-
-        return beam_search(model, input_ids, attention_mask, num_beams, max_new_tokens, eos_token_id, pad_token_id,
-                           length_penalty, early_stopping, repetition_penalty)
     check_request(model, input_ids, attention_mask, max_new_tokens, repetition_penalty)
     _check_sampling(temperature, top_k, top_p)
     if max_new_tokens == 0:  # nothing to decode: no forward pass for the prompt

@@ -7,39 +7,19 @@ import math
 import os
 
 import torch
-import torch.utils.checkpoint
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from config import GPT2Config
+from models.beam_search import beam_search
+from models.generation import generate
 from modules.attention import KVCache
 from modules.gpt2_layer import GPT2Layer
+from modules.masks import build_attention_mask, position_ids_from_mask  # noqa: F401 (re-exported)
 
 # Token ids may come in any of these (e.g. uint8 from a small vocabulary); the embedding reads them as int64.
 INTEGER_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
-
-
-def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-    """(B, S) 0/1 mask -> (B, S) positions counting real tokens only, so left padding does not shift them.
-    Padding gets position 0 (its output is never used)."""
-    return (attention_mask.long().cumsum(-1) - 1).clamp_(min=0)
-
-
-def build_attention_mask(attention_mask: torch.Tensor | None, num_new: int, num_cached: int) -> torch.Tensor | None:
-    """2-D padding mask over cached + new tokens (B, S) -> bool (B, 1, T, S), True where a query may attend a key.
-
-    Returns None when attention is plainly causal (no padding, and no cached tokens or a single new token), which
-    lets SDPA take its fastest kernel.
-    """
-    if attention_mask is None or (num_cached == 0 or num_new == 1) and bool(attention_mask.all()):
-        return None
-    total = num_cached + num_new
-    causal = torch.ones(num_new, total, dtype=torch.bool, device=attention_mask.device).tril(num_cached)
-    mask = causal & attention_mask.bool()[:, None, None, :]  # (B, 1, T, S)
-    # A padding query sees no real key; letting every query see itself keeps its softmax finite (no NaN that could
-    # leak through 0 * NaN) without changing any real token's output.
-    mask[..., num_cached:] |= torch.eye(num_new, dtype=torch.bool, device=mask.device)
-    return mask
 
 
 class GPT2Model(nn.Module):
@@ -215,10 +195,19 @@ class GPT2LMHeadModel(nn.Module):
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, max_new_tokens: int = 20,
                  **kwargs) -> torch.Tensor:
-        """Decode with a KV cache; see models.generation.generate for the options. Returns (B, prompt + new)."""
-        from models.generation import generate
-
-        return generate(self, input_ids, attention_mask, max_new_tokens=max_new_tokens, **kwargs)
+        """Decode with a KV cache -> (B, prompt + new). num_beams > 1 (with do_sample=False) runs beam search
+        (models.beam_search, transformers' length_penalty and early_stopping rules); otherwise greedy or sampled
+        decoding (models.generation.generate, which lists the options)."""
+        num_beams = kwargs.pop("num_beams", 1)
+        if num_beams == 1:
+            for ignored in ("length_penalty", "early_stopping"):  # beam options mean nothing to one sequence
+                kwargs.pop(ignored, None)
+            return generate(self, input_ids, attention_mask, max_new_tokens=max_new_tokens, **kwargs)
+        if kwargs.pop("do_sample", False):
+            raise ValueError("beam search is deterministic here: pass do_sample=False with num_beams > 1")
+        for ignored in ("temperature", "top_k", "top_p", "generator"):  # sampling options mean nothing to beams
+            kwargs.pop(ignored, None)
+        return beam_search(self, input_ids, attention_mask, num_beams, max_new_tokens, **kwargs)
 
     @classmethod
     def from_pretrained(cls, model: str | os.PathLike = "gpt2", config: GPT2Config | None = None,

@@ -20,6 +20,7 @@ from typing import Iterable
 import torch
 
 from config import PRESETS, GPT2Config
+from models.hub import expand
 
 # Our GPT2Model key -> HF GPT2Model key. "{}" is the layer index.
 OURS_TO_HF: dict[str, str] = {
@@ -217,6 +218,7 @@ def _download_from_hub(repo_id: str) -> tuple[Path, Path]:
 
 def resolve_checkpoint(model: str | os.PathLike) -> tuple[Path | None, Path]:
     """-> (config.json or None, weights file) for a folder, a weights file or a hub id."""
+    model = expand(model)  # a quoted `~/...` reaches us unexpanded
     path = Path(model)
     if path.is_dir():
         config = path / "config.json"

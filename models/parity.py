@@ -19,6 +19,7 @@ import torch
 
 from config import PRESETS, GPT2Config
 from models.gpt2 import GPT2LMHeadModel, position_ids_from_mask
+from models.hub import expand, load_tokenizer, shared_tokenizer_dir
 
 SENTENCES = [
     "Shall I compare thee to a summer's day?",
@@ -26,7 +27,6 @@ SENTENCES = [
     "Hello",
     "GPT-2 is a transformer language model trained on WebText.",
 ]
-SHARED_TOKENIZER = Path(__file__).resolve().parents[2] / "shared" / "gpt2-tokenizer"
 
 
 def make_random_reference(preset: str, directory: Path, seed: int = 0) -> Path:
@@ -41,16 +41,16 @@ def make_random_reference(preset: str, directory: Path, seed: int = 0) -> Path:
     return directory
 
 
-def load_tokenizer(name: str | None, model: str):
-    from transformers import AutoTokenizer
-
-    candidates = [name] if name else [model, str(SHARED_TOKENIZER), "gpt2"]
+def pick_tokenizer(name: str | None, model: str):
+    """The tokenizer asked for, else the model folder's own, else GPT-2's (the shared copy first, to spare the
+    hub's retries offline); None when none loads (the comparison then uses random ids)."""
+    candidates = [name] if name else [model, str(shared_tokenizer_dir()), "gpt2"]
     for candidate in candidates:
-        folder = Path(candidate)
+        folder = Path(expand(candidate))
         if not name and folder.is_dir() and not any((folder / f).is_file() for f in ("tokenizer.json", "vocab.json")):
             continue  # a weights-only folder: AutoTokenizer would build an empty tokenizer from it
         try:
-            tokenizer = AutoTokenizer.from_pretrained(candidate)
+            tokenizer = load_tokenizer(candidate)
         except Exception:
             continue
         if len(tokenizer) > 1:
@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         model = str(make_random_reference(preset, args.random_dir / f"random-{preset}"))
         ours = GPT2LMHeadModel.from_pretrained(model)
     hf = transformers.GPT2LMHeadModel.from_pretrained(model, attn_implementation="eager").eval()
-    tokenizer = load_tokenizer(args.tokenizer, model)
+    tokenizer = pick_tokenizer(args.tokenizer, model)
     cfg = ours.config
     print(f"model: {model}  ({cfg.n_layer} layers, {cfg.n_head} heads, n_embd {cfg.n_embd}, vocab {cfg.vocab_size}; "
           f"{sum(p.numel() for p in ours.parameters()) / 1e6:.1f}M parameters; loaded in {time.perf_counter() - t0:.1f}s)")

@@ -10,9 +10,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from tasks import distributed as dist
-from tasks.data import collate, encode, load_sentiment, load_tokenizer
+from tasks.data import check_vocab, collate, encode, load_sentiment, load_task_tokenizer
 from tasks.evaluate import classification_metrics, write_predictions
-from tasks.training import body_overrides, build_body, load_weights, predict_in_order, seed_everything, train, train_config
+from tasks.training import (
+    body_overrides,
+    build_body,
+    load_weights,
+    predict_in_order,
+    seed_everything,
+    train,
+    train_config,
+)
 
 MODES = ("last-linear-layer", "full-model")
 
@@ -64,7 +72,7 @@ def run(args, task: str, train_path: str, dev_path: str, test_path: str | None, 
     seed_everything(args.seed)
     body = build_body(args.model, expect=args.expect, **body_overrides(args))
     model = GPT2SentimentClassifier(body, num_labels, args.head_dropout, args.fine_tune_mode)
-    tokenizer = load_tokenizer(args.tokenizer)
+    tokenizer = load_task_tokenizer(args.tokenizer)
     check_vocab(tokenizer, body.config.vocab_size)
     max_length = min(args.max_length or body.config.n_positions, body.config.n_positions)
     enc = {name: encode(ex, tokenizer, max_length, prompt=lambda e: e.text, what=name)
@@ -104,9 +112,3 @@ def run(args, task: str, train_path: str, dev_path: str, test_path: str | None, 
         write_predictions(test_out, [e.id for e in enc["test"]], test_preds, "sentiment")
         print(f"wrote {test_out}")
     return {"task": task, **metrics, "best_epoch": result["best"]["epoch"], "history": result["history"]}
-
-
-def check_vocab(tokenizer, vocab_size: int) -> None:
-    if len(tokenizer) > vocab_size:
-        raise ValueError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary is {vocab_size}: "
-                         f"use a matching --tokenizer / --model")

@@ -2,7 +2,7 @@
 
     examples = load_sentiment("../shared/data/cs224n/ids-sst-train.csv", split="train", num_labels=5)
     examples = load_paraphrase("../shared/data/quora/quora-dev-minbert.csv", split="train", skip_bad_rows=True)
-    tokenizer = load_tokenizer("gpt2")                  # falls back to ../shared/gpt2-tokenizer when offline
+    tokenizer = load_task_tokenizer("gpt2")             # falls back to ../shared/gpt2-tokenizer when offline
     encoded = encode(examples, tokenizer, max_length=1024, prompt=sentiment_text)
     for batch in iterate_batches(encoded, batch_size=8, order=range(len(encoded))): ...
 
@@ -29,7 +29,8 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 
-SHARED_TOKENIZER = Path(__file__).resolve().parents[2] / "shared" / "gpt2-tokenizer"
+from models.hub import load_tokenizer
+
 NUM_LABELS = {"sst": 5, "cfimdb": 2}  # the course's datasets
 # Column names used by hub datasets for the same fields (first match wins).
 COLUMN_ALIASES = {
@@ -286,22 +287,18 @@ def split_head(examples: list[Example], n: int, source: str = "") -> tuple[list[
 # Tokenization and batches
 
 
-def load_tokenizer(name: str = "gpt2"):
-    """AutoTokenizer with pad = EOS. `gpt2` falls back to ../shared/gpt2-tokenizer when the hub is unreachable."""
-    from transformers import AutoTokenizer
-
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(name)
-    except (OSError, ValueError) as e:
-        if name in ("gpt2", "openai-community/gpt2") and SHARED_TOKENIZER.is_dir():
-            print(f"tokenizer {name!r} cannot be loaded from the hub; using {SHARED_TOKENIZER} (the same GPT-2 BPE)")
-            tokenizer = AutoTokenizer.from_pretrained(SHARED_TOKENIZER)
-        else:
-            raise OSError(f"cannot load tokenizer {name!r}: {e}") from None
-    if tokenizer.eos_token is None:
+def load_task_tokenizer(name: str = "gpt2"):
+    """models.hub.load_tokenizer, for the tasks: they pad batches, so the tokenizer must have an EOS to pad with."""
+    tokenizer = load_tokenizer(name)
+    if tokenizer.pad_token is None:
         raise ValueError(f"tokenizer {name!r} has no EOS token to pad with")
-    tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def check_vocab(tokenizer, vocab_size: int) -> None:
+    if len(tokenizer) > vocab_size:
+        raise ValueError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary is {vocab_size}: "
+                         f"use a matching --tokenizer / --model")
 
 
 def single_token_id(tokenizer, word: str) -> int:

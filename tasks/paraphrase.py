@@ -14,10 +14,26 @@ import torch.nn.functional as F
 from torch import nn
 
 from tasks import distributed as dist
-from tasks.classifier import check_vocab
-from tasks.data import Example, collate, encode, load_paraphrase, load_tokenizer, single_token_id, split_head
+from tasks.data import (
+    Example,
+    check_vocab,
+    collate,
+    encode,
+    load_paraphrase,
+    load_task_tokenizer,
+    single_token_id,
+    split_head,
+)
 from tasks.evaluate import NO_ID, YES_ID, classification_metrics, write_predictions
-from tasks.training import body_overrides, build_body, load_weights, predict_in_order, seed_everything, train, train_config
+from tasks.training import (
+    body_overrides,
+    build_body,
+    load_weights,
+    predict_in_order,
+    seed_everything,
+    train,
+    train_config,
+)
 
 MODES = ("full-model", "last-linear-layer")
 
@@ -91,7 +107,7 @@ def run(args, device: torch.device) -> dict:
 
     seed_everything(args.seed)
     body = build_body(args.model, expect=args.expect, **body_overrides(args))
-    tokenizer = load_tokenizer(args.tokenizer)
+    tokenizer = load_task_tokenizer(args.tokenizer)
     check_vocab(tokenizer, body.config.vocab_size)
     model = ParaphraseGPT(body, single_token_id(tokenizer, "yes"), single_token_id(tokenizer, "no"),
                           args.fine_tune_mode)

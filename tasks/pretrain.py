@@ -1,7 +1,7 @@
 """Train a GPT-2 from scratch on a text file ("Let's build GPT"): text -> token ids on disk -> random windows ->
 AdamW with warmup and cosine decay -> periodic loss estimate -> best-val checkpoint -> samples.
 
-    tokenizer = load_tokenizer("char" | "gpt2" | folder)          # "char" is built from the corpus
+    tokenizer = tokenizer_for("gpt2" | folder)                     # "char" tokenizers are built from the corpus
     corpus = prepare_corpus("input.txt", "char", cache_dir)          # ids memory-mapped from cache_dir, 90/10 split
     x, y = get_batch(corpus.train, 12, 64, generator)               # (12, 64) inputs and next-token targets
     losses = estimate_loss(model, {"train": corpus.train, "val": corpus.val}, 20, 12, 64, generator)
@@ -38,34 +38,32 @@ from tqdm import tqdm
 from config import GPT2Config
 from models.generation import process_logits
 from models.gpt2 import GPT2LMHeadModel
+from models.hub import expand, load_tokenizer
 from optimizer import AdamW, make_lr_scheduler, param_groups_for_weight_decay
 from tasks import distributed as dist
 from tasks.char_tokenizer import VOCAB_FILE, CharTokenizer
-from tasks.checkpoint import (capture_rng, check_resume_settings, load_checkpoint, read_step, resolve, restore_rng,
-                             save_checkpoint)
+from tasks.checkpoint import (
+    capture_rng,
+    check_resume_settings,
+    load_checkpoint,
+    read_step,
+    resolve,
+    restore_rng,
+    save_checkpoint,
+)
 from tasks.training import MAX_SKIPPED_IN_A_ROW, check_architecture, nonfinite_error
 
-SHARED_GPT2_TOKENIZER = Path(os.environ.get("GPT2_SHARED_DIR", Path(__file__).resolve().parents[2] / "shared")) / "gpt2-tokenizer"
 CHUNK_BYTES = 1 << 22  # the corpus is read, checked and encoded 4 MiB at a time
 
 
 # ---- tokenizers ------------------------------------------------------------------------------------------------
 
-def load_tokenizer(spec: str | os.PathLike):
-    """A GPT-2 BPE tokenizer: a hub id ('gpt2') or a folder. `gpt2` falls back to the shared copy when the hub is
-    unreachable. A checkpoint folder holding char_vocab.json gives its CharTokenizer."""
-    if (Path(spec) / VOCAB_FILE).is_file():
-        return CharTokenizer.from_pretrained(spec)
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(str(spec))
-    except OSError as e:
-        if str(spec) not in ("gpt2", "openai-community/gpt2") or not SHARED_GPT2_TOKENIZER.is_dir():
-            raise OSError(f"cannot load tokenizer {spec!r}: {e}") from None
-        print(f"tokenizer {spec!r} is not reachable on the hub ({type(e).__name__}); "
-              f"using the GPT-2 tokenizer at {SHARED_GPT2_TOKENIZER}")
-        return AutoTokenizer.from_pretrained(SHARED_GPT2_TOKENIZER)
+def tokenizer_for(spec: str | os.PathLike):
+    """The tokenizer of a checkpoint folder holding char_vocab.json (a CharTokenizer), else a GPT-2 BPE tokenizer
+    from models.hub.load_tokenizer (a hub id or folder; `gpt2` falls back to the shared copy offline)."""
+    if (Path(expand(spec)) / VOCAB_FILE).is_file():
+        return CharTokenizer.from_pretrained(expand(spec))
+    return load_tokenizer(spec)
 
 
 def encode(tokenizer, text: str) -> np.ndarray:
@@ -373,25 +371,6 @@ def estimate_loss(model, splits: dict[str, np.ndarray], eval_iters: int, batch_s
     return losses
 
 
-@torch.inference_mode()
-def full_loss(model, tokens: np.ndarray, block_size: int, batch_size: int = 64) -> float:
-    """Loss over a whole split in consecutive windows (every token but the first predicted once): a precise figure
-    to put beside the random-batch estimate."""
-    was_training = model.training
-    model.eval()
-    n = (len(tokens) - 1) // block_size
-    windows = torch.from_numpy(np.asarray(tokens[: n * block_size + 1]).astype(np.int64))
-    total, count = 0.0, 0
-    for i in range(0, n, batch_size):
-        rows = range(i, min(n, i + batch_size))
-        x = torch.stack([windows[r * block_size: (r + 1) * block_size] for r in rows])
-        y = torch.stack([windows[r * block_size + 1: (r + 1) * block_size + 1] for r in rows])
-        total += next_token_loss(model, x, y, reduction="sum").item()
-        count += y.numel()
-    model.train(was_training)
-    return total / count
-
-
 # ---- model -----------------------------------------------------------------------------------------------------
 
 def build_config(args, tokenizer) -> GPT2Config:
@@ -467,8 +446,8 @@ def setup(args):
     if ck is not None:
         check_resume_settings(ck.state.get("args", {}), {k: getattr(args, k) for k in RESUME_FIXED + ("max_iters",)},
                               ck.path, extendable=("max_iters",))
-    tokenizer = load_tokenizer(resume_from) if resume_from else (
-        "char" if args.tokenizer == "char" else load_tokenizer(args.tokenizer))
+    tokenizer = tokenizer_for(ck.path) if ck is not None else (
+        "char" if args.tokenizer == "char" else tokenizer_for(args.tokenizer))
     with dist.main_first():  # under torchrun rank 0 encodes the corpus, the others then map the cached ids
         corpus = prepare_corpus(args.data, tokenizer, args.data_dir or out_dir / "data", args.val_fraction)
     check_split_sizes(corpus, args.block_size)
@@ -722,7 +701,7 @@ def load_for_sampling(folder: str | os.PathLike, tokenizer_spec: str | None = No
     has_tokenizer = (folder / VOCAB_FILE).is_file() or (folder / "tokenizer_config.json").is_file()
     if not has_tokenizer and tokenizer_spec in (None, "char"):
         raise FileNotFoundError(f"{folder} holds no tokenizer ({VOCAB_FILE} or tokenizer files); pass --tokenizer")
-    tokenizer = load_tokenizer(folder if has_tokenizer else tokenizer_spec)
+    tokenizer = tokenizer_for(folder if has_tokenizer else tokenizer_spec)
     model = GPT2LMHeadModel.from_pretrained(folder).eval()
     if len(tokenizer) > model.config.vocab_size:
         raise ValueError(f"tokenizer has {len(tokenizer)} tokens but the model in {folder} only "

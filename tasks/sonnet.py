@@ -22,9 +22,8 @@ from torch import nn
 
 from models.gpt2 import GPT2LMHeadModel
 from tasks import distributed as dist
-from tasks.classifier import check_vocab
-from tasks.data import Encoded, collate, load_tokenizer
-from tasks.training import body_overrides, autocast, build_body, load_weights, seed_everything, train, train_config
+from tasks.data import Encoded, check_vocab, collate, load_task_tokenizer
+from tasks.training import autocast, body_overrides, build_body, load_weights, seed_everything, train, train_config
 
 # The course splits on \n\s*\d+\s*\n; the lookahead leaves the closing newline unconsumed, so two number lines in a
 # row give an (refused) empty sonnet instead of the second number becoming the first line of a sonnet.
@@ -228,6 +227,9 @@ def complete_sonnets(model: SonnetGPT, tokenizer, prompts: list[str], decoding: 
     eos = tokenizer.eos_token_id
     encoded = tokenizer(prompts, add_special_tokens=False)["input_ids"]
     limit = model.config.n_positions - decoding.max_new_tokens
+    if limit < 1:
+        raise ValueError(f"max_new_tokens {decoding.max_new_tokens} leaves no room for a prompt in the model's "
+                         f"context of {model.config.n_positions} tokens: use at most {model.config.n_positions - 1}")
     for i, x in enumerate(encoded):
         if not x or len(x) > limit:
             raise ValueError(f"prompt {i} has {len(x)} tokens; with max_new_tokens {decoding.max_new_tokens} the "
@@ -303,7 +305,7 @@ def run(args, device: torch.device) -> dict:
 
     seed_everything(args.seed)
     model = SonnetGPT(build_body(args.model, cls=GPT2LMHeadModel, expect=args.expect, **body_overrides(args)))
-    tokenizer = load_tokenizer(args.tokenizer)
+    tokenizer = load_task_tokenizer(args.tokenizer)
     check_vocab(tokenizer, model.config.vocab_size)
     model.to(device)
     max_length = min(args.max_length or model.config.n_positions, model.config.n_positions)

@@ -42,8 +42,7 @@ from models.gpt2 import GPT2Model
 from models.loading import load_pretrained
 from optimizer import AdamW, make_lr_scheduler, param_groups_for_weight_decay
 from tasks import distributed as dist
-from tasks.checkpoint import (capture_rng, check_resume_settings, load_checkpoint, resolve, restore_rng,
-                             save_checkpoint)
+from tasks.checkpoint import capture_rng, check_resume_settings, load_checkpoint, resolve, restore_rng, save_checkpoint
 
 
 @dataclass

@@ -14,8 +14,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from config import GPT2Config  # noqa: E402
-
-SHARED = Path(os.environ.get("GPT2_SHARED_DIR", ROOT.parent / "shared"))
+from models.hub import shared_dir  # noqa: E402
 
 # Odd shapes on purpose: head counts 3 and 5, n_inner set, vocab sizes that are not multiples of 64.
 TINY_CONFIGS = {
@@ -69,7 +68,7 @@ def hf_folder(tmp_path):
 
 def shared_path(*parts: str) -> Path:
     """A file under ../shared, or skip the test with the reason."""
-    path = SHARED.joinpath(*parts)
+    path = shared_dir().joinpath(*parts)
     if not path.exists():
         pytest.skip(f"shared data not found: {path} (set GPT2_SHARED_DIR to the shared folder)")
     return path

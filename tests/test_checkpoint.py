@@ -1,9 +1,8 @@
 """Atomic, verified training checkpoints (tasks/checkpoint.py)."""
 import random
-
-import numpy as np
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from conftest import tiny_config

@@ -5,7 +5,6 @@ import transformers
 
 from config import ALIASES, PRESETS, GPT2Config
 
-
 COURSE = dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=8, intermediate_size=100,
               max_position_embeddings=50, hidden_dropout_prob=0.2, attention_probs_dropout_prob=0.05,
               layer_norm_eps=1e-6)

@@ -2,8 +2,7 @@
 import pytest
 import torch
 from conftest import make_hf_model, padded_batch, tiny_config
-from transformers.generation.logits_process import (RepetitionPenaltyLogitsProcessor, TopKLogitsWarper,
-                                                    TopPLogitsWarper)
+from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor, TopKLogitsWarper, TopPLogitsWarper
 
 from models.generation import apply_repetition_penalty, top_k_filter, top_p_filter
 from models.gpt2 import GPT2LMHeadModel

@@ -20,6 +20,13 @@ def logits_equal(ours, hf, config, atol=ATOL):
         torch.testing.assert_close(ours(ids)["logits"], hf(ids).logits, atol=atol, rtol=0)
 
 
+def test_a_quoted_home_path_is_expanded(hf_folder, monkeypatch):
+    hf, folder = hf_folder()
+    monkeypatch.setenv("HOME", str(folder.parent))
+    ours = GPT2LMHeadModel.from_pretrained(f"~/{folder.name}")  # as it arrives from a quoted shell argument
+    logits_equal(ours, hf, ours.config)
+
+
 def test_load_hf_folder_with_safetensors(hf_folder):
     hf, folder = hf_folder()
     ours = GPT2LMHeadModel.from_pretrained(folder)

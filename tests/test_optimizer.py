@@ -2,7 +2,6 @@
 import copy
 import io
 import math
-import os
 import sys
 from pathlib import Path
 
@@ -15,6 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import optimizer as optimizer_module  # noqa: E402
+from models.hub import shared_dir  # noqa: E402
 from optimizer import (  # noqa: E402
     AdamW,
     make_lr_scheduler,
@@ -23,7 +23,6 @@ from optimizer import (  # noqa: E402
     warmup_linear,
 )
 
-SHARED = Path(os.environ.get("GPT2_SHARED_DIR", ROOT.parent / "shared"))
 EPS = 1e-6  # our default; torch.optim.AdamW defaults to 1e-8, so comparisons pass it explicitly
 
 
@@ -59,7 +58,7 @@ def course_run(opt_class) -> torch.Tensor:
 
 
 def test_course_reference():
-    path = SHARED / "data" / "cs224n" / "optimizer_test.npy"
+    path = shared_dir() / "data" / "cs224n" / "optimizer_test.npy"
     if not path.exists():
         pytest.skip(f"course reference not found: {path} (set GPT2_SHARED_DIR to the shared folder)")
     ref = torch.tensor(np.load(path))

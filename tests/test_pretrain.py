@@ -64,7 +64,7 @@ def test_corpus_is_encoded_once_split_90_10_and_batches_are_shifted_windows(corp
 
 
 def test_bpe_encoding_in_chunks_equals_encoding_the_whole_text(tmp_path):
-    tok = pretrain.load_tokenizer(shared_path("gpt2-tokenizer"))
+    tok = pretrain.tokenizer_for(shared_path("gpt2-tokenizer"))
     text = "".join(f"line {i}:  spaced   words{' ' * (i % 3)}\n{chr(10) * (i % 4)}\r\n  indent {i}\n"
                    for i in range(200))
     path = tmp_path / "bpe.txt"

@@ -21,7 +21,8 @@ import run_pretrain
 from models.gpt2 import GPT2LMHeadModel, GPT2Model
 from tasks import checkpoint as ck
 from tasks import pretrain
-from tasks.classifier import GPT2SentimentClassifier, loss_fn as sentiment_loss
+from tasks.classifier import GPT2SentimentClassifier
+from tasks.classifier import loss_fn as sentiment_loss
 from tasks.data import Encoded, collate
 from tasks.training import ArchitectureMismatchError, NonFiniteError, TrainConfig, load_weights, train
 

@@ -179,6 +179,14 @@ def test_batched_greedy_equals_one_at_a_time_and_stops_at_eos(tokenizer):
     assert all(t.startswith(p) and len(t) > len(p) for t, p in zip(batched, prompts))
 
 
+def test_prompt_length_errors_give_a_real_range(tokenizer):
+    model = tiny_sonnet_gpt(len(tokenizer), n_positions=32)
+    with pytest.raises(ValueError, match="prompt 0 has .* tokens; .* allows 1 to 2$"):
+        S.complete_sonnets(model, tokenizer, ["a much longer prompt than two tokens"], S.Decoding(max_new_tokens=30))
+    with pytest.raises(ValueError, match="max_new_tokens 32 leaves no room for a prompt .* use at most 31"):
+        S.complete_sonnets(model, tokenizer, ["a"], S.Decoding(max_new_tokens=32))
+
+
 def test_seeded_sampling_repeats(tokenizer):
     model = tiny_sonnet_gpt(len(tokenizer), seed=4)
     prompts = prompts_for(4)

@@ -210,6 +210,36 @@ def test_gpt2_tokenizer_falls_back_to_the_shared_copy(capsys):
     assert tok.pad_token_id == tok.eos_token_id == 50256
 
 
+def test_a_moved_shared_folder_is_found_through_gpt2_shared_dir(tmp_path, monkeypatch, capsys):
+    """One resolver (models.hub.shared_dir) for every consumer: the tokenizer fallback, the course data defaults of
+    the CLIs, the parity tool's tokenizer, the tests' data."""
+    import shutil
+
+    from conftest import shared_path as test_shared_path
+
+    import run_classifier
+    import run_sonnet
+    from models import hub, parity
+
+    moved = tmp_path / "elsewhere"
+    shutil.copytree(shared_path("gpt2-tokenizer"), moved / "gpt2-tokenizer")
+    (moved / "data" / "cs224n").mkdir(parents=True)
+    (moved / "data" / "cs224n" / "sonnets.txt").write_text("x\n")
+    monkeypatch.setenv("GPT2_SHARED_DIR", str(moved))
+    monkeypatch.chdir(tmp_path)  # no data/ folder here: the CLIs fall back to the shared one
+    assert hub.shared_dir() == moved
+    tok = D.load_tokenizer("gpt2")
+    assert str(moved / "gpt2-tokenizer") in capsys.readouterr().out and len(tok) == 50257
+    assert parity.pick_tokenizer(None, str(tmp_path)) is not None
+    assert run_sonnet.data_file("sonnets.txt") == str(moved / "data" / "cs224n" / "sonnets.txt")
+    jobs = run_classifier.jobs(run_classifier.get_args(["--task", "sst"]))
+    assert jobs[0][1] == moved / "data" / "cs224n" / "ids-sst-train.csv"
+    assert test_shared_path("data", "cs224n", "sonnets.txt") == moved / "data" / "cs224n" / "sonnets.txt"
+    monkeypatch.setenv("GPT2_SHARED_DIR", str(tmp_path / "nowhere"))
+    with pytest.raises(OSError, match="cannot load tokenizer 'gpt2'"):
+        D.load_tokenizer("gpt2")
+
+
 def test_unknown_tokenizer_is_a_clear_error(tmp_path):
     with pytest.raises(OSError, match="cannot load tokenizer"):
         D.load_tokenizer(str(tmp_path / "no-such-tokenizer"))

@@ -143,7 +143,7 @@ def main(argv=None) -> dict:
                                        args.temperature, args.top_k or None, args.top_p, args.num_samples, gen)
         summary = {"samples": samples}
     else:
-        distributed.init(args.threads)  # a no-op unless launched by torchrun
+        distributed.init(args.threads, args.device)  # a no-op unless launched by torchrun
         try:
             summary = pretrain.train(args)
         finally:

@@ -9,7 +9,9 @@
 Every rank draws the same global batch (same seed, same order) and trains on its slice; gradients are averaged by
 DistributedDataParallel, and each rank scales its loss so the average equals the loss of the whole global batch.
 So N processes reach the weights one process reaches on the same global batches (up to float rounding).
-Backend: nccl when CUDA is there, gloo on CPU. Without torchrun every function behaves as for one process.
+Backend: nccl when the run asked for a CUDA device, gloo otherwise (a CPU run on a GPU host too); the collectives
+put their tensors where the backend wants them (nccl takes only CUDA tensors). Without torchrun every function
+behaves as for one process.
 """
 from __future__ import annotations
 
@@ -43,8 +45,14 @@ def is_main() -> bool:
     return rank() == 0
 
 
-def init(threads: int = 0, timeout_minutes: float = 60.0) -> bool:
-    """Join the process group when launched by torchrun (WORLD_SIZE > 1); True if distributed.
+def backend_for(device: str | torch.device) -> str:
+    """nccl for a run on CUDA devices, gloo for one on the CPU (whatever the host has)."""
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
+def init(threads: int = 0, device: str | torch.device = "cpu", timeout_minutes: float = 60.0) -> bool:
+    """Join the process group when launched by torchrun (WORLD_SIZE > 1); True if distributed. `device` is the
+    device the run asked for ('cuda' or 'cpu'): it picks the backend (backend_for).
 
     Each process gets `threads` CPU threads, or its share of the cores (torchrun also sets OMP_NUM_THREADS=1).
     Ranks other than 0 print nothing to stdout (their warnings and errors still reach stderr). The timeout bounds how
@@ -59,8 +67,10 @@ def init(threads: int = 0, timeout_minutes: float = 60.0) -> bool:
     elif "OMP_NUM_THREADS" not in os.environ:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    backend = backend_for(device)
     if backend == "nccl":
+        if not torch.cuda.is_available():
+            raise RuntimeError("a CUDA run was asked for under torchrun, but CUDA is not available")
         torch.cuda.set_device(local_rank())
     dist.init_process_group(backend, timeout=datetime.timedelta(minutes=timeout_minutes))
     if not is_main():
@@ -103,14 +113,25 @@ def shard(items: list) -> list:
     return items[start: start + base + (r < extra)]
 
 
+def comm_device() -> torch.device:
+    """Where collective tensors must live: this rank's GPU under nccl, the CPU under gloo."""
+    if is_distributed() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def all_reduce_sum(value: float | torch.Tensor) -> float | torch.Tensor:
-    """Sum over ranks; floats come back as floats (float64 on the wire)."""
+    """Sum over ranks, in place for a tensor (on whatever device it is); floats come back as floats (float64 on
+    the wire)."""
     if not is_distributed():
         return value
     if torch.is_tensor(value):
-        dist.all_reduce(value)
+        wire = value.to(comm_device())
+        dist.all_reduce(wire)
+        if wire is not value:
+            value.copy_(wire)
         return value
-    t = torch.tensor(float(value), dtype=torch.float64)
+    t = torch.tensor(float(value), dtype=torch.float64, device=comm_device())
     dist.all_reduce(t)
     return float(t)
 
@@ -119,7 +140,7 @@ def any_rank(flag: bool) -> bool:
     """True on every rank if it is True on any (so all ranks take the same branch)."""
     if not is_distributed():
         return flag
-    t = torch.tensor(int(flag))
+    t = torch.tensor(int(flag), device=comm_device())
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t)
 

@@ -107,7 +107,7 @@ def start(args, output_dir: str | None = None) -> torch.device:
     args.expect = None if args.model else {k: size[k] for k in ("n_embd", "n_layer", "n_head")}
     args.model = args.model or args.model_size
     args.output_dir = args.output_dir or output_dir
-    dist.init(args.threads)
+    dist.init(args.threads, "cuda" if args.use_gpu and torch.cuda.is_available() else "cpu")
     return pick_device(args.use_gpu, args.threads)
 
 

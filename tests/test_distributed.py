@@ -80,3 +80,33 @@ def test_single_process_helpers_are_identities():
     assert dist.shard(list(range(5))) == [0, 1, 2, 3, 4]
     assert dist.all_reduce_sum(2.5) == 2.5 and dist.any_rank(False) is False
     assert dist.gather_objects({"a": torch.ones(2)})[0]["a"].sum() == 2
+
+
+def test_the_backend_follows_the_device_asked_for_not_the_host(monkeypatch):
+    """A CPU run under torchrun on a GPU host gets gloo (nccl would refuse its CPU tensors); a CUDA run gets nccl."""
+    import torch.distributed as tdist
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda index: None)
+    asked = []
+    monkeypatch.setattr(tdist, "init_process_group", lambda backend, **kw: asked.append(backend))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert dist.init(1, "cpu") and dist.init(1, "cuda") and dist.init(1, torch.device("cuda", 0))
+    assert asked == ["gloo", "nccl", "nccl"]
+    assert dist.backend_for("cpu") == "gloo" and dist.backend_for("cuda:1") == "nccl"
+
+
+def test_collectives_in_a_real_single_process_group_keep_tensors_where_they_were():
+    import torch.distributed as tdist
+
+    tdist.init_process_group("gloo", store=tdist.HashStore(), rank=0, world_size=1)
+    try:
+        assert dist.is_distributed() and dist.comm_device() == torch.device("cpu")
+        meter = torch.tensor(2.5)
+        assert dist.all_reduce_sum(meter) is meter and float(meter) == 2.5
+        assert dist.all_reduce_sum(1.25) == 1.25 and isinstance(dist.all_reduce_sum(1.25), float)
+        assert dist.any_rank(True) is True and dist.any_rank(False) is False
+        assert dist.gather_objects({"a": torch.ones(2)})[0]["a"].sum() == 2
+    finally:
+        tdist.destroy_process_group()

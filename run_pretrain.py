@@ -77,8 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--beta2", type=float, default=0.99, help="AdamW beta2")
     g.add_argument("--adam_eps", type=float, default=1e-8, help="AdamW epsilon")
     g.add_argument("--grad_clip", type=float, default=1.0, help="clip the gradient norm to this (0: off)")
-    g.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
-                   help="bfloat16: autocast matmuls (fast only on CPUs with AVX512-BF16/AMX, or GPUs)")
+    g.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                   help="autocast matmuls: bfloat16 (fast only on CPUs with AVX512-BF16/AMX, or GPUs), or float16 with "
+                        "a gradient scaler (GPUs without bf16; overflowing steps are skipped and counted)")
     g = p.add_argument_group("evaluation and checkpoints")
     g.add_argument("--eval_interval", type=_positive(int), default=250, help="estimate train/val loss every N steps")
     g.add_argument("--eval_iters", type=_positive(int), default=20, help="random batches per split per estimate")

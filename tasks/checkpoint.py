@@ -203,7 +203,8 @@ def check_resume_settings(saved: dict[str, Any], now: dict[str, Any], source, ex
     """The one resume rule of both training loops: a setting that changes what the saved state means (data, model,
     optimizer, batch, schedule shape, seed, ...) must be as it was, and the error names each one that is not;
     the `extendable` ones (the schedule's length: epochs, max_iters) may grow, to train a run further."""
-    changed = {k: (saved.get(k), v) for k, v in now.items() if k not in extendable and saved.get(k) != v}
+    # (a setting the saved run did not record, from an older version of a loop, is not compared)
+    changed = {k: (saved[k], v) for k, v in now.items() if k not in extendable and k in saved and saved[k] != v}
     shrunk = {k: (saved.get(k), now[k]) for k in extendable
               if k in now and saved.get(k) is not None and now[k] < saved[k]}
     if changed or shrunk:

@@ -90,7 +90,7 @@ def run(args, task: str, train_path: str, dev_path: str, test_path: str | None, 
                 "dev": str(dev_path), "num_labels": num_labels, "fine_tune_mode": args.fine_tune_mode,
                 "hidden_dropout_prob": args.hidden_dropout_prob, "head_dropout": args.head_dropout, "max_length": max_length, "lr": lr,
                 **{k: getattr(cfg, k) for k in ("epochs", "batch_size", "grad_accum", "weight_decay", "schedule",
-                                                "warmup_ratio", "max_grad_norm", "bf16", "seed")}}
+                                                "warmup_ratio", "max_grad_norm", "bf16", "fp16", "seed")}}
     n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     print(f"model {args.model}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, "
           f"{n_trainable / 1e6:.2f}M trainable; lr {lr:g}; checkpoints in {output_dir}")
@@ -100,7 +100,8 @@ def run(args, task: str, train_path: str, dev_path: str, test_path: str | None, 
         return result
 
     load_weights(model, Path(output_dir) / "best")
-    preds = predict_in_order(model, enc["dev"], args.eval_batch_size, pad, predict_labels, device, args.bf16, "dev")
+    preds = predict_in_order(model, enc["dev"], args.eval_batch_size, pad, predict_labels, device, args.bf16, "dev",
+                             args.fp16)
     metrics = classification_metrics([e.label for e in enc["dev"]], preds, list(range(num_labels)))
     write_predictions(dev_out, [e.id for e in enc["dev"]], preds, "sentiment")
     print(f"{task} best epoch {result['best']['epoch']}: dev acc {metrics['accuracy']:.4f} macro-F1 "
@@ -108,7 +109,7 @@ def run(args, task: str, train_path: str, dev_path: str, test_path: str | None, 
     print(f"wrote {dev_out}")
     if test_ex:
         test_preds = predict_in_order(model, enc["test"], args.eval_batch_size, pad, predict_labels, device,
-                                      args.bf16, "test")
+                                      args.bf16, "test", args.fp16)
         write_predictions(test_out, [e.id for e in enc["test"]], test_preds, "sentiment")
         print(f"wrote {test_out}")
     return {"task": task, **metrics, "best_epoch": result["best"]["epoch"], "history": result["history"]}

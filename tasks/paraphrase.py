@@ -134,7 +134,7 @@ def run(args, device: torch.device) -> dict:
                 "dev": str(args.dev), "split_dev": args.split_dev, "fine_tune_mode": args.fine_tune_mode,
                 "hidden_dropout_prob": args.hidden_dropout_prob, "max_length": max_length, "lr": lr,
                 **{k: getattr(cfg, k) for k in ("epochs", "batch_size", "grad_accum", "weight_decay", "schedule",
-                                                "warmup_ratio", "max_grad_norm", "bf16", "seed")}}
+                                                "warmup_ratio", "max_grad_norm", "bf16", "fp16", "seed")}}
     n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     print(f"model {args.model}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, "
           f"{n_trainable / 1e6:.2f}M trainable; lr {lr:g}; yes/no token ids {model.yes_id}/{model.no_id}; "
@@ -145,7 +145,8 @@ def run(args, device: torch.device) -> dict:
         return result
 
     load_weights(model, Path(args.output_dir) / "best")
-    preds = predict_in_order(model, enc["dev"], args.eval_batch_size, pad, predict, device, args.bf16, "dev")
+    preds = predict_in_order(model, enc["dev"], args.eval_batch_size, pad, predict, device, args.bf16, "dev",
+                             args.fp16)
     metrics = classification_metrics(dev_gold, preds, labels)
     write_predictions(args.dev_out, [e.id for e in enc["dev"]], to_course_codes(preds, model), "paraphrase")
     print(f"para best epoch {result['best']['epoch']}: dev acc {metrics['accuracy']:.4f} macro-F1 "
@@ -153,7 +154,7 @@ def run(args, device: torch.device) -> dict:
     print(f"wrote {args.dev_out}")
     if test_ex:
         test_preds = predict_in_order(model, enc["test"], args.eval_batch_size, pad, predict, device, args.bf16,
-                                      "test")
+                                      "test", args.fp16)
         write_predictions(args.test_out, [e.id for e in enc["test"]], to_course_codes(test_preds, model),
                           "paraphrase")
         print(f"wrote {args.test_out}")

@@ -327,17 +327,20 @@ class BatchRunner:
         slices = zip(x.tensor_split(self.workers), y.tensor_split(self.workers))
         return list(self.pool.map(lambda job: fn(job[0], *job[1]), enumerate(slices)))
 
-    def backward(self, x: torch.Tensor, y: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
-        """Add d(scale * mean loss)/d(params) to the gradients; return the mean loss (detached)."""
+    def backward(self, x: torch.Tensor, y: torch.Tensor, scale: float = 1.0,
+                 scaler: torch.amp.GradScaler | None = None) -> torch.Tensor:
+        """Add d(scale * mean loss)/d(params) to the gradients (times the fp16 loss scale when a scaler is given);
+        return the mean loss (detached, unscaled)."""
         n = y.numel()
+        scaled = scaler.scale if scaler is not None else (lambda loss: loss)
 
         def work(index, xs, ys):
             with autocast(self.device, self.dtype):
                 loss = next_token_loss(self.model, xs, ys, reduction="sum")
             if index == 0:  # the first slice accumulates into .grad itself; the others return theirs to be added
-                (loss * (scale / n)).backward()
+                scaled(loss * (scale / n)).backward()
                 return loss.detach(), None
-            return loss.detach(), torch.autograd.grad(loss * (scale / n), self.params)
+            return loss.detach(), torch.autograd.grad(scaled(loss * (scale / n)), self.params)
 
         results = self._map(work, x, y)
         for _, grads in results[1:]:
@@ -485,7 +488,9 @@ def train(args) -> dict[str, Any]:
                                   min_ratio=args.min_lr / args.learning_rate)
     # Separate generators for training and evaluation batches, so evaluating never shifts the training stream.
     train_gen, eval_gen = torch.Generator().manual_seed(args.seed), torch.Generator().manual_seed(args.seed + 1)
-    step, best_val, skipped = 0, math.inf, 0
+    step, best_val, skipped, overflows = 0, math.inf, 0, 0
+    # fp16 needs loss scaling (its gradients underflow otherwise); with other dtypes the scaler does nothing.
+    scaler = torch.amp.GradScaler(torch.device(args.device).type, enabled=args.dtype == "float16")
     losses: dict[str, float] = {}
     if ck is not None:
         if ck.state["corpus"]["sha256"] != corpus.meta["sha256"]:
@@ -493,11 +498,16 @@ def train(args) -> dict[str, Any]:
         optimizer.load_state_dict(ck.optimizer)
         scheduler.load_state_dict(ck.scheduler)
         step, best_val, skipped = ck.state["step"], ck.state["best_val"], ck.state.get("skipped", 0)
+        overflows = ck.state.get("overflows", 0)
+        if ck.state.get("scaler"):
+            scaler.load_state_dict(ck.state["scaler"])
         ranks = ck.state.get("rank_rng")
         restore_rng(ranks[rank] if ranks and rank < len(ranks) else ck.state["rng"], train_gen)
         eval_gen.set_state(ck.state["eval_rng"])
         losses = dict(ck.state.get("losses", {}))
         print(f"resuming from {ck.path} at step {step} (best val {best_val:.4f})")
+    if scaler.is_enabled():  # make the scale tensor now: the batch threads would race to create it lazily
+        scaler.scale(torch.ones((), device=args.device))
     dist.barrier()  # every rank has looked for checkpoints before rank 0 may write one
     start_step = step
     print(f"corpus {args.data}: {corpus.meta['num_tokens']:,} tokens ({len(corpus.train):,} train, "
@@ -530,6 +540,7 @@ def train(args) -> dict[str, Any]:
                     saved = "best" if improved else "last"
                     state = {"step": step, "best_val": best_val, "losses": losses, "rng": rngs[0],
                              **({"rank_rng": rngs} if world > 1 else {}), "skipped": skipped,
+                             "overflows": overflows, "scaler": scaler.state_dict(),
                              "eval_rng": eval_gen.get_state(), "args": _plain(vars(args)),
                              "corpus": {k: corpus.meta[k] for k in ("sha256", "tokenizer", "num_tokens")}}
                     with flat.unshared():
@@ -539,7 +550,8 @@ def train(args) -> dict[str, Any]:
                 tqdm.write(f"step {step:>6} | train {losses['train']:.4f} | val {losses['val']:.4f} | best val "
                            f"{best_val:.4f} | lr {scheduler.get_last_lr()[0]:.2e} | "
                            f"{eval_meter.speed(tokens_per_step)}" + (f" | saved {saved}/" if saved else "")
-                           + (f" | {skipped} non-finite steps skipped" if skipped else ""))
+                           + (f" | {skipped} non-finite steps skipped" if skipped else "")
+                           + (f" | {overflows} fp16 overflow steps skipped" if overflows else ""))
             eval_meter.reset()
         if step >= args.max_iters:
             break
@@ -550,10 +562,16 @@ def train(args) -> dict[str, Any]:
             x, y = get_batch(corpus.train, args.batch_size, args.block_size, train_gen, args.device)
             x, y = x[rows[0]: rows[-1] + 1], y[rows[0]: rows[-1] + 1]
             with dist.no_sync(trained, micro + 1 < args.grad_accum):  # all-reduce once per optimizer step
-                step_loss += runner.backward(x, y, weight / args.grad_accum) * (weight / world)
+                step_loss += runner.backward(x, y, weight / args.grad_accum, scaler if scaler.is_enabled() else None
+                                             ) * (weight / world)
+        scaler.unscale_(optimizer)  # clip and check the true gradients (a no-op without fp16)
         norm = (torch.nn.utils.clip_grad_norm_(flat.flat, args.grad_clip, foreach=True) if args.grad_clip
                 else torch.nn.utils.get_total_norm(flat.grad_list()))
         bad = not bool(torch.isfinite(step_loss + norm))  # one read-back per step (the norm is after DDP's average)
+        if scaler.is_enabled() and dist.any_rank(bad and bool(torch.isfinite(step_loss))):
+            scaler.update()  # an fp16 overflow at this loss scale, not a diverging run: lower the scale, no step
+            overflows += 1
+            continue
         if dist.any_rank(bad):
             bad_in_a_row += 1
             what = (f"loss {float(step_loss)}" if not torch.isfinite(step_loss) else
@@ -571,7 +589,8 @@ def train(args) -> dict[str, Any]:
             continue
         bad_in_a_row = 0
         log_meter.loss += step_loss.cpu()
-        optimizer.step()
+        scaler.step(optimizer)
+        scaler.update()
         scheduler.step()
         step += 1
         dt = time.perf_counter() - t0
@@ -592,7 +611,7 @@ def train(args) -> dict[str, Any]:
         print(f"the run in {out_dir} is already complete: step {step} of --max_iters {args.max_iters}; its "
               f"checkpoint is {find_checkpoint(out_dir)}. Raise --max_iters to train it further")
     summary = {"main": main, "complete": complete, "step": step, "train_loss": losses.get("train"), "val_loss": losses.get("val"), "best_val": best_val,
-               "steps_run": steps_run, "skipped": skipped,
+               "steps_run": steps_run, "skipped": skipped, "fp16_overflows": overflows,
                "checkpoint": str(out_dir / "best") if (out_dir / "best").is_dir() else None,
                "ms_per_step": 1000 * total_time / max(steps_run, 1),
                "tokens_per_s": tokens_per_step * steps_run / max(total_time, 1e-9),

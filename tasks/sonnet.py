@@ -332,7 +332,7 @@ def run(args, device: torch.device) -> dict:
                     "dev": str(args.dev_sonnet_path), "max_length": max_length, "lr": lr,
                     "hidden_dropout_prob": args.hidden_dropout_prob, "decoding": asdict(decoding),
                     **{k: getattr(cfg, k) for k in ("epochs", "batch_size", "grad_accum", "weight_decay", "schedule",
-                                                    "warmup_ratio", "max_grad_norm", "bf16", "seed")}}
+                                                    "warmup_ratio", "max_grad_norm", "bf16", "fp16", "seed")}}
         print(f"fine-tuning: lr {lr:g}, {cfg.epochs} epochs of {len(enc_train)} sonnets; "
               f"checkpoints in {args.output_dir}")
         result = train(model, len(enc_train), lambda idx: collate([enc_train[i] for i in idx], pad), loss_fn, evaluate,
@@ -341,7 +341,7 @@ def run(args, device: torch.device) -> dict:
             return result
         load_weights(model, Path(args.output_dir) / "best")
         print(f"best epoch {result['best']['epoch']}: dev chrF {result['best']['metrics']['chrf']:.2f}")
-    with autocast(device, args.bf16):
+    with autocast(device, args.bf16, args.fp16):
         dev_texts, test_texts = generate_all(model, dev_prompts), generate_all(model, test_prompts)
     return _finish(args, dev_texts, test_texts, describe(decoding))
 

@@ -57,6 +57,7 @@ class TrainConfig:
     warmup_ratio: float = 0.0  # fraction of all optimizer steps spent warming up
     max_grad_norm: float = 0.0  # 0 = no clipping (the course does not clip)
     bf16: bool = False
+    fp16: bool = False  # fp16 autocast with a gradient scaler (for GPUs without bf16)
     seed: int = 11711
     device: str = "cpu"
     resume: bool = False
@@ -130,12 +131,17 @@ def bf16_matmul_is_fast(device: torch.device | str) -> bool:
         return True
 
 
-def autocast(device: torch.device | str, bf16: bool):
+def autocast(device: torch.device | str, bf16: bool, fp16: bool = False):
+    """bf16 or fp16 autocast on `device` (parameters stay fp32), or nothing."""
     device = torch.device(device)
+    if bf16 and fp16:
+        raise ValueError("--bf16 and --fp16 exclude each other: pick one")
     if bf16 and not bf16_matmul_is_fast(device):
         warnings.warn("--bf16 on a CPU without bf16 matrix instructions (no AVX512-BF16/AMX): bf16 matmuls run much "
                       "slower than fp32 here; drop --bf16 for speed", stacklevel=2)
-    return torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
+    if bf16 or fp16:
+        return torch.autocast(device.type, dtype=torch.bfloat16 if bf16 else torch.float16)
+    return contextlib.nullcontext()
 
 
 def body_overrides(args) -> dict:
@@ -306,7 +312,13 @@ def train(model: nn.Module, n_train: int, make_batch: Callable[[list[int]], dict
     if world > 1:
         print(f"distributed: {world} processes, each on its slice of every batch of {cfg.batch_size}")
 
-    amp = autocast(device, cfg.bf16)
+    amp = autocast(device, cfg.bf16, cfg.fp16)
+    # fp16 gradients underflow without loss scaling; the scaler raises the scale while steps stay finite and halves
+    # it (skipping the step) when they overflow. Disabled, it is a no-op.
+    scaler = torch.amp.GradScaler(device.type, enabled=cfg.fp16)
+    if state.get("scaler"):
+        scaler.load_state_dict(state["scaler"])
+    state.setdefault("overflows", 0)
     bench = {"seconds": 0.0, "batches": 0, "tokens": 0.0}  # this process's throughput, for --max_steps
     bad_in_a_row = 0
     for epoch in range(state["epoch"], cfg.epochs):
@@ -335,7 +347,7 @@ def train(model: nn.Module, n_train: int, make_batch: Callable[[list[int]], dict
                 with amp:
                     result = trainer(batch)
                 loss, stats = result if isinstance(result, tuple) else (result, {})
-                (loss * weight / group_size).backward()
+                scaler.scale(loss * weight / group_size).backward()
             if part:
                 value = loss.item()
                 if not math.isfinite(value) and nonfinite is None:
@@ -348,7 +360,15 @@ def train(model: nn.Module, n_train: int, make_batch: Callable[[list[int]], dict
             bar.update(1)
             if not last_of_group:
                 continue
+            scaler.unscale_(optimizer)  # clip and check the true gradients (a no-op without fp16)
             norm = grad_norm(model, cfg.max_grad_norm)  # after DDP's all-reduce: the same on every rank
+            if cfg.fp16 and nonfinite is None and dist.any_rank(not math.isfinite(norm)):
+                # an fp16 overflow at this loss scale, not a diverging run: the scaler lowers the scale, no step
+                optimizer.zero_grad(set_to_none=True)
+                scaler.update()
+                state["overflows"] += 1
+                pending = {}
+                continue
             if nonfinite is None and not math.isfinite(norm):
                 nonfinite = f"gradient norm {norm}"
             if dist.any_rank(nonfinite is not None):
@@ -373,7 +393,8 @@ def train(model: nn.Module, n_train: int, make_batch: Callable[[list[int]], dict
             pending = {}
             if sums.get("examples"):
                 bar.set_postfix(loss=f"{sums['loss'] / sums['examples']:.4f}")
-            optimizer.step()
+            scaler.step(optimizer)
+            scaler.update()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             state["step"] += 1
@@ -384,7 +405,7 @@ def train(model: nn.Module, n_train: int, make_batch: Callable[[list[int]], dict
                 bar.close()
                 return _benchmark_report(bench, state["step"], batches_per_epoch)
             if cfg.save_every and state["step"] % cfg.save_every == 0 and b + 1 < len(batches):
-                state.update(epoch=epoch, batch=b + 1, sums=_merged_sums(sums))
+                state.update(epoch=epoch, batch=b + 1, sums=_merged_sums(sums), scaler=scaler.state_dict())
                 rng = _rng_state()
                 if main:
                     _save(out / "last", model, state={**state, **rng}, optimizer=optimizer, scheduler=scheduler,
@@ -404,13 +425,14 @@ def train(model: nn.Module, n_train: int, make_batch: Callable[[list[int]], dict
                       "lr": scheduler.get_last_lr()[0],
                       **({"train_acc": sums["correct"] / sums["count"]} if sums.get("count") else {}),
                       **({"skipped": state["skipped"]} if state["skipped"] else {}),
+                      **({"fp16_overflows": state["overflows"]} if state["overflows"] else {}),
                       **{f"dev_{k}": v for k, v in metrics.items() if isinstance(v, (int, float))}}
             state["history"].append(record)
             if improved:
                 state["best"] = {"epoch": epoch + 1, "metrics": {k: v for k, v in metrics.items()
                                                                   if isinstance(v, (int, float))}}
                 _save(out / "best", model, state={"best": state["best"], "run": run_info}, tokenizer=tokenizer)
-        state.update(epoch=epoch + 1, batch=0, sums={})
+        state.update(epoch=epoch + 1, batch=0, sums={}, scaler=scaler.state_dict())
         rng = _rng_state()
         if main:
             _save(out / "last", model, state={**state, **rng}, optimizer=optimizer, scheduler=scheduler,
@@ -433,6 +455,7 @@ def summary_line(r: dict, epochs: int, improved: bool) -> str:
     return (f"epoch {r['epoch']}/{epochs} | {train} | dev {dev} | lr {r['lr']:.2e} | {r['seconds']:.1f} s, "
             f"{r['tokens_per_sec']:.0f} tok/s"
             + (f" | {r['skipped']} non-finite steps skipped" if r.get("skipped") else "")
+            + (f" | {r['fp16_overflows']} fp16 overflow steps skipped" if r.get("fp16_overflows") else "")
             + (" | best, saved" if improved else ""))
 
 
@@ -481,6 +504,8 @@ def add_training_args(parser: argparse.ArgumentParser, epochs: int, batch_size: 
     g.add_argument("--max_grad_norm", type=float, default=0.0, help="clip gradients to this norm (0: no clipping)")
     g.add_argument("--bf16", action="store_true", help="bf16 autocast for training and evaluation; parameters and "
                    "optimizer stay fp32. Fast on GPUs and CPUs with AVX512-BF16/AMX, much slower on AVX2-only CPUs")
+    g.add_argument("--fp16", action="store_true", help="fp16 autocast with a gradient scaler, for GPUs without bf16 "
+                   "(parameters and optimizer stay fp32; overflowing steps are skipped and counted)")
     g.add_argument("--seed", type=int, default=11711, help="seed of initialisation, shuffling and dropout")
     g.add_argument("--use_gpu", action="store_true", help="use CUDA if available")
     g.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default; on a busy "
@@ -502,9 +527,12 @@ def train_config(args, output_dir: str, lr: float, device: torch.device) -> Trai
     for name in ("epochs", "batch_size", "grad_accum", "eval_batch_size"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name} must be at least 1, got {getattr(args, name)}")
+    if args.bf16 and getattr(args, "fp16", False):
+        raise ValueError("--bf16 and --fp16 exclude each other: pick one")
     return TrainConfig(output_dir=output_dir, epochs=args.epochs, batch_size=args.batch_size, lr=lr,
                        weight_decay=args.weight_decay, grad_accum=args.grad_accum, schedule=args.schedule,
                        warmup_ratio=args.warmup_ratio, max_grad_norm=args.max_grad_norm, bf16=args.bf16,
+                       fp16=getattr(args, "fp16", False),
                        seed=args.seed, device=str(device), resume=args.resume, overwrite=args.overwrite,
                        save_every=args.save_every, max_steps=args.max_steps,
                        skip_nonfinite=getattr(args, "skip_nonfinite", False),
@@ -513,7 +541,8 @@ def train_config(args, output_dir: str, lr: float, device: torch.device) -> Trai
 
 @torch.no_grad()
 def predict_in_order(model: nn.Module, encoded, batch_size: int, pad_id: int, predict_fn: Callable,
-                     device: torch.device | str, bf16: bool = False, desc: str = "eval") -> list[int]:
+                     device: torch.device | str, bf16: bool = False, desc: str = "eval",
+                     fp16: bool = False) -> list[int]:
     """predict_fn(model, batch) -> (B,) labels for each example of `encoded`, returned in its order. Batches are
     formed longest-first so they carry little padding (outputs do not depend on padding)."""
     from tasks.data import iterate_batches, length_sorted
@@ -523,7 +552,7 @@ def predict_in_order(model: nn.Module, encoded, batch_size: int, pad_id: int, pr
     order = length_sorted(encoded)
     preds: list[int] = [0] * len(encoded)
     position = 0
-    with autocast(device, bf16):
+    with autocast(device, bf16, fp16):
         for batch in tqdm(iterate_batches(encoded, batch_size, order, pad_id), desc=desc, leave=False,
                           total=math.ceil(len(encoded) / batch_size), dynamic_ncols=True):
             out = predict_fn(model, batch["input_ids"].to(device), batch["attention_mask"].to(device)).tolist()

@@ -52,6 +52,8 @@ TARGETS = {("train", "fp32"): 1.1, ("train", "bf16"): 3.0, ("forward", "fp32"): 
            ("generate b1", "fp32"): 1.5, ("generate b1", "bf16"): 2.5, ("generate b8", "fp32"): 2.0}
 PROMPT_LENGTHS_B8 = [16, 13, 10, 16, 7, 12, 15, 9]  # the batch-8 prompts, left-padded to 16
 SHARED = shared_dir()
+DEVICE = torch.device("cpu")  # --device; the inputs and every contender live there
+CPU_ONLY_SECTIONS = ("memory", "xl", "checkpointing")  # they measure the process's RSS
 
 
 # ---- models and inputs -------------------------------------------------------------------------------------------
@@ -88,7 +90,7 @@ def build(impl: str, preset: str, state: dict | None, dtype: torch.dtype = torch
                 model.load_state_dict(state, strict=False)  # the tied lm_head may be absent
             model.generation_config.eos_token_id = None  # like ours without eos_token_id: always max_new_tokens
             model.generation_config.pad_token_id = config.eos_token_id
-    return model.to(dtype)
+    return model.to(device=DEVICE, dtype=dtype)
 
 
 def training_batch(batch: int, length: int, seed: int) -> torch.Tensor:
@@ -96,8 +98,8 @@ def training_batch(batch: int, length: int, seed: int) -> torch.Tensor:
     text, tok = SHARED / "data/tinyshakespeare/input.txt", SHARED / "gpt2-tokenizer"
     if text.exists() and tok.exists():
         ids = transformers.AutoTokenizer.from_pretrained(tok)(text.read_text()[:200_000])["input_ids"]
-        return torch.tensor(ids[: batch * length]).view(batch, length)
-    return torch.randint(0, 50257, (batch, length), generator=torch.Generator().manual_seed(seed))
+        return torch.tensor(ids[: batch * length]).view(batch, length).to(DEVICE)
+    return torch.randint(0, 50257, (batch, length), generator=torch.Generator().manual_seed(seed)).to(DEVICE)
 
 
 def prompts(batch: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -107,7 +109,7 @@ def prompts(batch: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     mask = torch.zeros_like(ids)
     for row, n in enumerate(lengths):
         mask[row, 16 - n:] = 1
-    return ids, mask
+    return ids.to(DEVICE), mask.to(DEVICE)
 
 
 # ---- one unit of work per case ------------------------------------------------------------------------------------
@@ -134,7 +136,7 @@ def make_train_step(model, ids: torch.Tensor, bf16: bool, optimizer: str):
 
     def step() -> float:
         opt.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        with torch.autocast(DEVICE.type, dtype=torch.bfloat16, enabled=bf16):
             loss = loss_of(model, ids)
         loss.backward()
         opt.step()
@@ -168,17 +170,24 @@ def make_generate(model, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int)
 
 # ---- timing -------------------------------------------------------------------------------------------------------
 
+def _sync() -> None:
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()  # a GPU call returns before its kernels finish
+
+
 def time_contenders(fns: dict, repeats: int, warmup: int = 1) -> dict[str, float]:
     """Median seconds per call of each function; calls interleave, the order rotating every round."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
+    _sync()
     times = {name: [] for name in fns}
     names = list(fns)
     for r in range(repeats):
         for name in names[r % len(names):] + names[: r % len(names)]:
             start = time.perf_counter()
             fns[name]()
+            _sync()
             times[name].append(time.perf_counter() - start)
     return {name: statistics.median(ts) for name, ts in times.items()}
 
@@ -254,7 +263,7 @@ def section_train(args, state: dict, report: Report) -> None:
 
 
 def section_forward(args, state: dict, report: Report) -> None:
-    ids = torch.randint(0, 50257, (8, 128), generator=torch.Generator().manual_seed(args.seed))
+    ids = torch.randint(0, 50257, (8, 128), generator=torch.Generator().manual_seed(args.seed)).to(DEVICE)
     for dtype in _dtypes(args):
         models = contenders(args, state, dtype, dtype == torch.bfloat16, args.compile and dtype == torch.float32)
         sec = time_contenders({k: make_forward(m, ids) for k, m in models.items()}, args.repeats)
@@ -382,6 +391,12 @@ def gemm_gflops(dtype: torch.dtype, seconds: float = 1.0) -> float:
 
 
 def describe_machine() -> None:
+    if DEVICE.type == "cuda":
+        props = torch.cuda.get_device_properties(DEVICE)
+        print(f"device: {props.name} ({props.total_memory / 2**30:.0f} GiB), CUDA {torch.version.cuda}, torch "
+              f"{torch.__version__}, transformers {transformers.__version__}; TF32 matmul "
+              f"{'on' if torch.backends.cuda.matmul.allow_tf32 else 'off'}", flush=True)
+        return
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), platform.processor())
     caps = torch.backends.cpu.get_cpu_capability()
@@ -413,6 +428,8 @@ def main() -> None:
     g.add_argument("--repeats", type=int, default=5, help="timed calls per contender (the median is reported)")
     g.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
     g.add_argument("--seed", type=int, default=0, help="seed of the random-init weights and of the inputs")
+    g.add_argument("--device", default="cpu", help="cpu or cuda (on cuda the RSS sections memory, xl and "
+                   "checkpointing are skipped; timings synchronise the GPU)")
     g.add_argument("--new-tokens", type=int, default=64, help="new tokens per greedy generation")
     g.add_argument("--loss-steps", type=int, default=20, help="steps of the fp32 vs bf16 loss check (0: skip)")
     g.add_argument("--xl-new-tokens", type=int, default=32, help="new tokens per gpt2-xl generation")
@@ -424,7 +441,16 @@ def main() -> None:
     transformers.logging.set_verbosity_error()
     if args.child:
         return child_main(json.loads(args.child))
+    global DEVICE
+    DEVICE = torch.device(args.device)
+    if DEVICE.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: CUDA is not available on this machine")
     sections = [s for s in (args.only or SECTIONS) if not (s == "xl" and args.skip_xl)]
+    if DEVICE.type != "cpu":
+        skipped = [s for s in sections if s in CPU_ONLY_SECTIONS]
+        sections = [s for s in sections if s not in CPU_ONLY_SECTIONS]
+        if skipped:
+            print(f"skipping {', '.join(skipped)} on {DEVICE.type}: they measure this process's CPU memory")
     describe_machine()
     state = hf_reference("gpt2", args.seed)
     report = Report()

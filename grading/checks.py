@@ -95,6 +95,7 @@ class Scorer:
 
 def failed_run(result: CheckResult, run: Run) -> bool:
     """Fill the result for a run that produced nothing to compare; True if so."""
+    result.messages += [f"finding: {f}" for f in run.findings]
     info = run.info
     if run.problem:
         status, message = "error", run.problem
@@ -173,6 +174,7 @@ def training_properties(result: CheckResult, part: Part, t: dict, values: dict) 
         return
     allowed = ref.bool_mask(MASKS["right"]).expand_as(pt)
     real_q = MASKS["right"].bool()[:, None, :, None].expand_as(pt)
+    pt = torch.nan_to_num(pt, nan=float("inf"))  # e.g. dropout on -inf scores: NaN counts as a leak
     leak = float(pt[real_q & ~allowed].abs().max())
     kept = real_q & allowed
     off_pattern = float(torch.minimum(pt[kept].abs(), (pt[kept] - pe[kept] / (1 - p)).abs()).max())

@@ -49,6 +49,7 @@ class Run:
     problem: str = ""  # set when the process did not finish normally (timeout, signal, limits, no result)
     sandbox: dict = field(default_factory=dict)
     wall: float = 0.0
+    findings: list = field(default_factory=list)  # side effects outside the check's folder
 
 
 def _snapshot(folder: Path) -> dict:
@@ -164,7 +165,7 @@ class Sandbox:
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         if _snapshot(submission) != before:
-            run.problem = (run.problem + "; " if run.problem else "") + "the original submission folder changed during the check"
+            run.findings.append("the original submission folder changed during the check")
         return run
 
     def _ask(self, req: dict, timeout: float) -> Run:
@@ -181,6 +182,8 @@ class Sandbox:
             return run
         reply = json.loads(line)
         run.wall = reply["wall"]
+        if reply.get("strays"):
+            run.findings.append(f"wrote outside its folder (removed after the check): {', '.join(reply['strays'][:5])}")
         if reply["timed_out"]:
             run.problem = f"timed out after {timeout:.0f} s (wall clock); the check's processes were killed"
         elif "signal" in reply:

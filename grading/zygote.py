@@ -30,7 +30,8 @@ _spec = importlib.util.spec_from_file_location("_grading_probes", os.path.join(G
 probes = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(probes)
 
-CLONE_NEWNET = 0x40000000
+CLONE_NEWNET, CLONE_NEWNS = 0x40000000, 0x00020000
+MS_BIND, MS_REC, MS_PRIVATE = 4096, 16384, 1 << 18
 # Names a submission defines at top level; a warm import of any of them would shadow the submission's.
 SUBMISSION_NAMES = ("config", "models", "modules", "optimizer", "utils")
 
@@ -41,6 +42,44 @@ def isolate_network() -> str:
     if libc.unshare(CLONE_NEWNET) == 0:
         return "isolated"
     return f"not isolated: unshare(CLONE_NEWNET) failed with {os.strerror(ctypes.get_errno())}"
+
+
+def _check(ret: int, what: str) -> None:
+    if ret != 0:
+        raise OSError(ctypes.get_errno(), f"{what}: {os.strerror(ctypes.get_errno())}")
+
+
+def expose_python(scratch: str) -> str:
+    """Let the sandbox user read the Python installation where it lives in a folder others cannot enter (e.g.
+    /root/.pyenv): in a private mount namespace, an empty tmpfs covers that folder (hiding the rest of it, a home
+    directory's secrets included) and only the installation is bind-mounted back."""
+    paths = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix, *sys.path) if p}
+    blocked = None
+    for p in sorted(paths):
+        parts = p.split(os.sep)
+        for i in range(2, len(parts)):
+            folder = os.sep.join(parts[:i])
+            if os.path.isdir(folder) and not os.stat(folder).st_mode & 0o001:
+                blocked = blocked or folder
+                break
+    if blocked is None:
+        return "readable"
+    tops = sorted({os.path.join(blocked, os.path.relpath(p, blocked).split(os.sep)[0])
+                   for p in paths if p.startswith(blocked + os.sep)})
+    libc = ctypes.CDLL(None, use_errno=True)
+    _check(libc.unshare(CLONE_NEWNS), "unshare(CLONE_NEWNS)")
+    _check(libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None), "mount --make-rprivate /")
+    stages = []
+    for i, top in enumerate(tops):
+        stage = os.path.join(scratch, f"stage{i}")
+        os.mkdir(stage)
+        _check(libc.mount(top.encode(), stage.encode(), None, MS_BIND | MS_REC, None), f"bind {top}")
+        stages.append(stage)
+    _check(libc.mount(b"tmpfs", blocked.encode(), b"tmpfs", 0, b"mode=0755,size=1m"), f"tmpfs on {blocked}")
+    for stage, top in zip(stages, tops):
+        os.makedirs(top, exist_ok=True)
+        _check(libc.mount(stage.encode(), top.encode(), None, MS_BIND | MS_REC, None), f"bind back {top}")
+    return f"{blocked} hidden except {', '.join(tops)}"
 
 
 def child(req: dict) -> None:
@@ -67,6 +106,12 @@ def child(req: dict) -> None:
         for which, value in limits.items():
             resource.setrlimit(which, (value, value))
         uid = req.get("uid")
+        if uid is not None:
+            try:
+                info["python"] = expose_python(req["outdir"])
+            except OSError as e:  # the sandbox user could not import anything new: keep the grader's uid
+                info["python"] = f"not readable by a sandbox user ({e}); the check runs as the grader's user"
+                uid = None
         if uid is not None:  # root: become a throw-away user, so writes outside the sandbox are refused
             os.setgroups([])
             os.setresgid(uid, uid, uid)
@@ -112,6 +157,31 @@ def kill_all_of(uid: int) -> None:
     os.waitpid(pid, 0)
 
 
+def remove_strays(uid: int) -> list[str]:
+    """Files and folders the sandbox user left in the world-writable folders (the only places outside its own
+    folder it can write to): listed for the report, then removed."""
+    import shutil
+
+    found = []
+    for folder in ("/tmp", "/var/tmp", "/dev/shm"):
+        try:
+            entries = list(os.scandir(folder))
+        except OSError:
+            continue
+        for entry in entries:
+            try:
+                if entry.stat(follow_symlinks=False).st_uid != uid:
+                    continue
+                found.append(entry.path)
+                if entry.is_dir(follow_symlinks=False):
+                    shutil.rmtree(entry.path, ignore_errors=True)
+                else:
+                    os.unlink(entry.path)
+            except OSError:
+                pass
+    return found
+
+
 def run(req: dict) -> dict:
     start = time.monotonic()
     pid = os.fork()
@@ -137,9 +207,12 @@ def run(req: dict) -> dict:
         os.killpg(pid, signal.SIGKILL)  # leftovers in the child's group
     except (ProcessLookupError, PermissionError):
         pass
+    strays = []
     if req.get("uid") is not None:
         kill_all_of(req["uid"])
-    reply = {"wall": wall, "timed_out": timed_out, "max_rss_mb": usage.ru_maxrss / 1024 if usage else None}
+        strays = remove_strays(req["uid"])
+    reply = {"wall": wall, "timed_out": timed_out, "max_rss_mb": usage.ru_maxrss / 1024 if usage else None,
+             "strays": strays}
     if os.WIFSIGNALED(status):
         reply["signal"] = signal.Signals(os.WTERMSIG(status)).name
     else:

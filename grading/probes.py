@@ -297,6 +297,36 @@ def probe_layer(out, notes, values):
             out["add"] = tensor_out(y, "GPT2Layer.add")
         except (TypeError, AttributeError) as e:
             notes.append(f"add(input, output, dense_layer, dropout) could not be called ({e}); graded through forward()")
+    values["dropout_placement"] = probe_layer_dropout(x, notes)
+
+
+def probe_layer_dropout(x, notes):
+    """Training mode: is each residual dropout applied to its dense layer's output, as the course places it?
+    Hooks record what attention_dense / out_dense return and what the two dropout modules receive."""
+    layer = construct(load("modules.gpt2_layer", "GPT2Layer"), make_config(hidden_dropout_prob=0.5))
+    randomize(layer, 13)
+    layer.train()
+    seen, placement = {}, {}
+    pairs = {"attention_dropout": "attention_dense", "out_dropout": "out_dense"}
+    try:
+        for drop, dense in pairs.items():
+            child(layer, dense, "GPT2Layer").register_forward_hook(
+                lambda m, i, o, k=dense: seen.setdefault(k, o.detach().clone()))
+            child(layer, drop, "GPT2Layer").register_forward_hook(
+                lambda m, i, o, k=drop: seen.setdefault(k, i[0].detach().clone()))
+    except Deviation as e:
+        notes.append(f"dropout placement not checked: {e}")
+        return {}
+    with torch.no_grad():
+        layer(x, extended_mask(masks()["nopad"], []))
+    for drop, dense in pairs.items():
+        if drop not in seen:
+            placement[drop] = "not called in training mode"
+        elif dense in seen and seen[drop].shape == seen[dense].shape and torch.equal(seen[drop], seen[dense]):
+            placement[drop] = "ok"
+        else:
+            placement[drop] = f"not applied to the output of {dense}"
+    return placement
 
 
 def model_and_weights(out, values, cfg=None, model=None):

@@ -100,8 +100,11 @@ _GRADER: Grader | None = None
 
 
 def _init_worker(rubric, limits, shared):
+    from multiprocessing.util import Finalize
+
     global _GRADER
     _GRADER = Grader(rubric, limits, shared)
+    Finalize(_GRADER, _GRADER.close, exitpriority=10)  # pool workers leave by os._exit: close the sandbox first
 
 
 def _grade_row(folder: str, checks) -> dict:

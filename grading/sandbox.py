@@ -29,7 +29,8 @@ import torch
 
 ZYGOTE = Path(__file__).with_name("zygote.py")
 OUTPUT_KEEP = 3000  # characters of captured output kept from each end
-SKIP = shutil.ignore_patterns(".git", "__pycache__", "*.pyc", ".ipynb_checkpoints")
+SKIP_NAMES = shutil.ignore_patterns(".git", "__pycache__", "*.pyc", ".ipynb_checkpoints")
+LARGE_FILE = 20 * 2**20  # checkpoints and data a submission carries: no check reads them, and copying is per check
 
 
 @dataclass
@@ -52,13 +53,33 @@ class Run:
     findings: list = field(default_factory=list)  # side effects outside the check's folder
 
 
+def _copy_submission(src: Path, dst: Path) -> list[str]:
+    """Copy the submission, leaving out VCS folders, caches and files over LARGE_FILE; returns what was left out."""
+    left_out = []
+
+    def ignore(folder, names):
+        skip = set(SKIP_NAMES(folder, names))
+        for name in names:
+            path = os.path.join(folder, name)
+            if name not in skip and os.path.isfile(path) and not os.path.islink(path) and \
+                    os.path.getsize(path) > LARGE_FILE:
+                skip.add(name)
+                left_out.append(os.path.relpath(path, src))
+        return skip
+
+    shutil.copytree(src, dst, symlinks=True, ignore=ignore)
+    return left_out
+
+
 def _snapshot(folder: Path) -> dict:
     return {str(p): (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 def _read_output(path: Path) -> tuple[str, int]:
-    size = path.stat().st_size if path.exists() else 0
-    with open(path, "rb") if size else open(os.devnull, "rb") as f:
+    if not path.is_file():
+        return "", 0
+    size = path.stat().st_size
+    with open(path, "rb") as f:
         head = f.read(OUTPUT_KEEP)
         if size > 2 * OUTPUT_KEEP:
             f.seek(size - OUTPUT_KEEP)
@@ -135,7 +156,7 @@ class Sandbox:
         try:
             os.chmod(tmp, 0o755)
             work, result, home = tmp / "submission", tmp / "result", tmp / "home"
-            shutil.copytree(submission, work, symlinks=True, ignore=SKIP)
+            left_out = _copy_submission(submission, work)
             result.mkdir()
             home.mkdir()
             env = {"HOME": str(home), "TMPDIR": str(home), "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1",
@@ -157,6 +178,8 @@ class Sandbox:
                    "max_file_mb": self.limits.max_file_mb, "max_procs": self.limits.max_procs, "uid": self.uid,
                    "isolate_network": self.isolate_network}
             run = self._ask(req, timeout)
+            if left_out:
+                run.findings.append(f"files over {LARGE_FILE >> 20} MiB not copied into the sandbox: {', '.join(left_out[:5])}")
             run.output, size = _read_output(tmp / "output.txt")
             if size >= self.limits.max_file_mb * 2**20 and not run.problem.startswith("timed out"):
                 run.problem = (f"output limit: the check wrote {self.limits.max_file_mb} MiB or more and was stopped "

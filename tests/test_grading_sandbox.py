@@ -85,7 +85,10 @@ def test_writes_outside_the_sandbox_are_refused_and_network_is_off(grader, tmp_p
             f"                lambda: __import__('socket').create_connection(('127.0.0.1', {port}), timeout=1)):\n"
             f"    try:\n        attempt()\n        print('ESCAPED')\n    except OSError as e:\n        print('refused:', e)")
     sub = hostile(tmp_path, code)
+    with open(sub / "checkpoint.pt", "wb") as f:  # a checkpoint a student left in: not copied per check
+        f.truncate(21 * 2**20)
     report = grader.grade(sub, ("attention",))
+    assert any("not copied into the sandbox: checkpoint.pt" in m for m in report.checks[0].messages)
     assert report.checks[0].score == 16, report.checks[0].messages  # refused side effects cost nothing
     assert not (target / "pwned.txt").exists()
     assert "ESCAPED" not in report.checks[0].output and report.checks[0].output.count("refused") == 2

@@ -1,0 +1,161 @@
+"""Grade CS224N "Build GPT-2" submissions against this project's reference GPT-2.
+
+    python -m grading path/to/submission --gradescope results.json --json report.json
+    python -m grading path/to/submission --predictions path/to/submission/predictions --gold ../shared/data/cs224n
+    python -m grading --batch submissions/ --csv scores.csv --jobs 2
+
+Each check runs the submission's code in its own sandboxed process (see grading/sandbox.py); the comparison with
+the reference runs here. Exit code 0 whenever grading ran, whatever the score; 2 for bad arguments or missing
+reference files; 1 when the sandbox itself could not run (the results file is written all the same).
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures.process import BrokenProcessPool
+from pathlib import Path
+
+from grading.grader import CHECKS, DEFAULT_RUBRIC, Grader, RubricError, load_rubric
+from grading.report import gradescope, table, write_json
+from grading.sandbox import Limits
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="python -m grading", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("submission", nargs="?", help="a submission folder in the course's layout")
+    g = p.add_argument_group("outputs")
+    g.add_argument("--gradescope", metavar="FILE", help="write Gradescope's results.json here")
+    g.add_argument("--json", metavar="FILE", help="write the full report (every part, error and note) here")
+    g = p.add_argument_group("what to grade")
+    g.add_argument("--rubric", default=str(DEFAULT_RUBRIC), help="points per check and part, tolerances (JSON)")
+    g.add_argument("--checks", default=",".join(CHECKS), help=f"comma-separated subset of {','.join(CHECKS)}")
+    g.add_argument("--predictions", metavar="DIR", help="the submission's prediction files (course file names)")
+    g.add_argument("--gold", metavar="DIR", help="folder with the course's dev files for --predictions")
+    g.add_argument("--shared", metavar="DIR", help="shared data folder (default ../shared or $GPT2_SHARED_DIR)")
+    g = p.add_argument_group("sandbox")
+    g.add_argument("--timeout", type=float, default=60.0, help="wall-clock seconds per check (default 60)")
+    g.add_argument("--memory", type=int, default=3072, help="MiB of address space per check beyond the interpreter's")
+    g = p.add_argument_group("batch")
+    g.add_argument("--batch", metavar="DIR", help="grade every folder in DIR (one CSV row each)")
+    g.add_argument("--csv", metavar="FILE", help="the batch's scores (required with --batch)")
+    g.add_argument("--jobs", type=int, default=1, help="submissions graded in parallel (default 1)")
+    args = p.parse_args(argv)
+    if (args.batch is None) == (args.submission is None):
+        p.error("give either a SUBMISSION_DIR or --batch DIR")
+    if args.batch and not args.csv:
+        p.error("--batch needs --csv FILE")
+    if args.jobs < 1 or args.timeout <= 0 or args.memory < 256:
+        p.error("--jobs must be >= 1, --timeout > 0 and --memory >= 256")
+    args.checks = tuple(c.strip() for c in args.checks.split(",") if c.strip())
+    unknown = set(args.checks) - set(CHECKS)
+    if unknown or not args.checks:
+        p.error(f"unknown check(s) {sorted(unknown)}; choose from {','.join(CHECKS)}")
+    for flag in ("submission", "batch", "predictions", "gold", "shared"):
+        value = getattr(args, flag)
+        if value is not None and not Path(value).is_dir():
+            p.error(f"{flag} folder not found: {value}")
+    if args.predictions and not args.gold:
+        p.error("--predictions needs --gold DIR")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        rubric = load_rubric(args.rubric)
+    except RubricError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    limits = Limits(timeout=args.timeout, mem_mb=args.memory)
+    if args.batch:
+        return batch(args, rubric, limits)
+    try:
+        with Grader(rubric, limits, args.shared) as grader:
+            report = grader.grade(args.submission, args.checks, args.predictions, args.gold)
+    except Exception as e:  # noqa: BLE001  (the results file is written whatever happened)
+        print(f"error: the grader could not run: {type(e).__name__}: {e}", file=sys.stderr)
+        failure = {"score": 0, "execution_time": 0, "tests": [],
+                   "output": f"The grader could not run ({type(e).__name__}: {e}); please contact the course staff."}
+        for path in (args.gradescope, args.json):
+            if path:
+                write_json(path, failure)
+        return 1
+    print(table(report))
+    print(f"graded in {report.seconds:.1f} s")
+    if args.gradescope:
+        write_json(args.gradescope, gradescope(report))
+    if args.json:
+        write_json(args.json, report.to_dict())
+    return 0
+
+
+# ---- batch ---------------------------------------------------------------------------------------------------------
+
+_GRADER: Grader | None = None
+
+
+def _init_worker(rubric, limits, shared):
+    from multiprocessing.util import Finalize
+
+    global _GRADER
+    _GRADER = Grader(rubric, limits, shared)
+    Finalize(_GRADER, _GRADER.close, exitpriority=10)  # pool workers leave by os._exit: close the sandbox first
+
+
+def _grade_row(folder: str, checks) -> dict:
+    row = {"submission": Path(folder).name}
+    try:
+        report = _GRADER.grade(folder, checks)
+        row.update(score=round(report.total, 4), max_score=report.max_total, seconds=round(report.seconds, 1))
+        row.update({c.name: round(c.score, 4) for c in report.checks})
+        row["notes"] = "; ".join(f"{c.name}: {c.diagnosis or c.verdict}" for c in report.checks if c.verdict != "pass")
+        row["error"] = ""
+    except Exception as e:  # noqa: BLE001  (one broken submission is a row, never an abort)
+        row["error"] = f"{type(e).__name__}: {e}"
+    return row
+
+
+def batch(args, rubric, limits) -> int:
+    from tqdm import tqdm
+
+    folders = sorted(str(p) for p in Path(args.batch).iterdir() if p.is_dir() and not p.name.startswith("."))
+    fields = ["submission", "score", "max_score", *args.checks, "seconds", "notes", "error"]
+    rows, start = {}, time.monotonic()
+    pending = list(folders)
+    with tqdm(total=len(folders), desc="grading", unit="submission") as bar:
+        while pending:  # a worker that dies takes its pool down: the rest is resubmitted to a fresh pool
+            with ProcessPoolExecutor(args.jobs, initializer=_init_worker,
+                                     initargs=(rubric, limits, args.shared)) as pool:
+                futures = {pool.submit(_grade_row, f, args.checks): f for f in pending}
+                try:
+                    for fut in as_completed(futures):
+                        rows[futures[fut]] = fut.result()
+                        bar.update()
+                except BrokenProcessPool:
+                    pass
+            lost = [f for f in pending if f not in rows]
+            if lost == pending:  # nothing finished: mark the first one broken and go on without it
+                rows[lost[0]] = {"submission": Path(lost[0]).name, "error": "the grading worker died on this submission"}
+                bar.update()
+            pending = [f for f in pending if f not in rows]
+    path = Path(args.csv)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
+        writer.writeheader()
+        for folder in folders:
+            writer.writerow(rows[folder])
+    minutes = (time.monotonic() - start) / 60
+    print(f"graded {len(folders)} submissions in {minutes * 60:.1f} s "
+          f"({len(folders) / max(minutes, 1e-9):.1f} per minute, --jobs {args.jobs}); wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    sys.exit(main())

@@ -1,0 +1,175 @@
+"""Grade one submission: each check in its own sandboxed process, compared in this process, scored by the rubric.
+
+    with Grader() as g:
+        report = g.grade("submissions/alice", predictions="submissions/alice/predictions", gold="../shared/data/cs224n")
+        report.total, report.checks
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from grading import checks, probes
+from grading.sandbox import Limits, Run, Sandbox
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_RUBRIC = Path(__file__).with_name("rubric.json")
+CHECKS = ("attention", "layer", "embed", "model", "from_pretrained", "adamw")
+HUB_SIZE = dict(n_embd=probes.D, n_layer=probes.L, n_head=probes.H)
+HUB_NOTE = ("the checkpoint loaded as 'gpt2' is a random-init GPT-2 (n_embd {n_embd}, {n_layer} layers, {n_head} heads, "
+            "GPT-2's vocabulary) in a temporary offline Hugging Face cache: random weights test the name mapping as "
+            "well as the official ones").format(**HUB_SIZE)
+
+
+class RubricError(ValueError):
+    """A rubric file that cannot be used; the message names the problem."""
+
+
+def load_rubric(path: str | os.PathLike = DEFAULT_RUBRIC) -> dict:
+    try:
+        rubric = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise RubricError(f"rubric file not found: {path}") from None
+    except ValueError as e:
+        raise RubricError(f"rubric file {path} is not valid JSON: {e}") from None
+    default = json.loads(DEFAULT_RUBRIC.read_text())
+    for key in ("tolerance", "partial_fraction", "checks"):
+        if key not in rubric:
+            raise RubricError(f"rubric {path} lacks {key!r} (see {DEFAULT_RUBRIC})")
+    for check, parts in rubric["checks"].items():
+        if check not in default["checks"]:
+            raise RubricError(f"rubric {path}: unknown check {check!r}; known: {sorted(default['checks'])}")
+        if set(parts) != set(default["checks"][check]):
+            raise RubricError(f"rubric {path}: check {check!r} must have the parts {sorted(default['checks'][check])}, "
+                              f"got {sorted(parts)}")
+        for part, pts in parts.items():
+            if not isinstance(pts, (int, float)) or pts < 0:
+                raise RubricError(f"rubric {path}: {check}.{part} points must be a number >= 0, got {pts!r}")
+    tol = rubric["tolerance"]
+    if not (isinstance(tol, dict) and 0 < tol.get("exact", -1) <= tol.get("close", -1)):
+        raise RubricError(f"rubric {path}: tolerance must be {{'exact': e, 'close': c}} with 0 < e <= c, got {tol!r}")
+    if not 0 <= rubric["partial_fraction"] <= 1:
+        raise RubricError(f"rubric {path}: partial_fraction must be in [0, 1], got {rubric['partial_fraction']!r}")
+    return rubric
+
+
+@dataclass
+class Report:
+    submission: str
+    checks: list = field(default_factory=list)  # CheckResult
+    leaderboard: list = field(default_factory=list)  # {'name', 'value'}
+    predictions: list = field(default_factory=list)  # messages about prediction files
+    sandbox: dict = field(default_factory=dict)
+    seconds: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return sum(c.score for c in self.checks)
+
+    @property
+    def max_total(self) -> float:
+        return sum(c.max_score for c in self.checks)
+
+    def to_dict(self) -> dict:
+        return {"submission": self.submission, "score": self.total, "max_score": self.max_total,
+                "seconds": self.seconds, "checks": [c.to_dict() for c in self.checks],
+                "leaderboard": self.leaderboard, "predictions": self.predictions, "sandbox": self.sandbox}
+
+
+class Grader:
+    def __init__(self, rubric: dict | None = None, limits: Limits | None = None, shared_dir: str | None = None):
+        self.rubric = rubric or load_rubric()
+        self.scorer = checks.Scorer(self.rubric)
+        self.sandbox = Sandbox(limits)
+        shared = Path(shared_dir or os.environ.get("GPT2_SHARED_DIR", ROOT.parent / "shared"))
+        self.course_npy = shared / "data" / "cs224n" / "optimizer_test.npy"
+        self._hub: tuple[str, dict] | None = None
+        self._tmp = tempfile.TemporaryDirectory(prefix="grading-hub-")
+
+    def close(self) -> None:
+        self.sandbox.close()
+        self._tmp.cleanup()
+
+    def __enter__(self) -> "Grader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def hub(self) -> tuple[str, dict]:
+        """An HF_HOME whose hub cache holds a random-init GPT-2 as 'gpt2' (the hub's real layout), and its weights
+        under this project's names."""
+        if self._hub is None:
+            import transformers
+
+            from models.loading import hf_to_ours
+
+            torch.manual_seed(1234)
+            cfg = transformers.GPT2Config(**HUB_SIZE)
+            model = transformers.GPT2Model(cfg)
+            transformers.utils.logging.disable_progress_bar()  # save_pretrained's shard bar is noise here
+            with torch.no_grad():
+                for name, p in model.named_parameters():  # no bias or LayerNorm left at 0 / 1
+                    if name.endswith("bias") or ".ln_" in name:
+                        p.add_(torch.randn_like(p) * 0.1)
+            home = Path(self._tmp.name) / "hf"
+            commit = "0123456789abcdef0123456789abcdef01234567"
+            repo = home / "hub" / "models--gpt2"
+            model.save_pretrained(repo / "snapshots" / commit)
+            (repo / "refs").mkdir(parents=True)
+            (repo / "refs" / "main").write_text(commit)
+            self._hub = (str(home), hf_to_ours(model.state_dict(), cfg.n_layer))
+        return self._hub
+
+    def grade(self, submission: str | os.PathLike, only: tuple[str, ...] = CHECKS, predictions=None, gold=None,
+              timeout: float | None = None) -> Report:
+        start = time.monotonic()
+        submission = Path(submission)
+        if not submission.is_dir():
+            raise NotADirectoryError(f"submission folder not found: {submission}")
+        report = Report(str(submission))
+        for name in only:
+            hf_home = self.hub()[0] if name == "from_pretrained" else None
+            run = self.sandbox.run(name, submission, hf_home=hf_home, timeout=timeout)
+            report.sandbox = report.sandbox or run.sandbox
+            report.checks.append(self._compare(name, run))
+        if predictions is not None:
+            from grading.predictions import score_predictions
+
+            report.leaderboard, report.predictions = score_predictions(predictions, gold)
+        report.seconds = time.monotonic() - start
+        return report
+
+    def _compare(self, name: str, run: Run):
+        # The references are tiny: one thread avoids waking a thread pool for each small op (10x on a busy host).
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return self._compare_checks(name, run)
+        finally:
+            torch.set_num_threads(threads)
+
+    def _compare_checks(self, name: str, run: Run):
+        s = self.scorer
+        try:
+            if name == "from_pretrained":
+                return checks.check_from_pretrained(run, s, self.hub()[1], HUB_NOTE)
+            if name == "adamw":
+                npy = torch.tensor(np.load(self.course_npy)) if self.course_npy.is_file() else None
+                return checks.check_adamw(run, s, npy, str(self.course_npy))
+            return getattr(checks, f"check_{name}")(run, s)
+        except Exception as e:  # noqa: BLE001
+            # The probe's result lacks what the comparison needs (a submission that fooled the probe, a shape the
+            # reference refuses, or a grader bug, named as such): a zero with the reason, never a grader crash.
+            result = checks.CheckResult(name, s.parts(name), verdict="error", output=run.output)
+            for p in result.parts:
+                p.status, p.message = "error", f"could not compare: {type(e).__name__}: {e}"
+            result.messages.append(f"the check's result could not be compared with the reference ({type(e).__name__}: {e})")
+            return result

@@ -1,0 +1,65 @@
+"""The grader's outputs: a terminal table, the full JSON report, Gradescope's results.json, a batch CSV row."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from grading.grader import Report
+
+
+def table(report: Report) -> str:
+    rows = [("check", "points", "max", "verdict", "diagnosis")]
+    for c in report.checks:
+        rows.append((c.name, f"{c.score:g}", f"{c.max_score:g}", c.verdict, c.diagnosis or "-"))
+    rows.append(("total", f"{report.total:g}", f"{report.max_total:g}", "", ""))
+    widths = [max(len(r[i]) for r in rows[:-1] + [rows[-1]]) for i in range(4)]
+    lines = ["  ".join(r[i].ljust(widths[i]) for i in range(4)) + "  " + r[4] for r in rows]
+    lines.insert(1, "-" * min(120, sum(widths) + 30))
+    details = []
+    for c in report.checks:
+        notes = [p.message for p in c.parts if p.message and p.status != "pass"] + c.messages + \
+            [f"info: {i}" for i in c.info]
+        details += [f"  {c.name}: {n}" for n in dict.fromkeys(notes)]
+    if report.leaderboard or report.predictions:
+        details += [f"  predictions: {m}" for m in report.predictions]
+    return "\n".join(lines + ([""] + details if details else []))
+
+
+def check_output(c) -> str:
+    lines = [f"{c.verdict}: {c.score:g} / {c.max_score:g}"]
+    for p in c.parts:
+        err = f", max error {p.error:.3g}" if p.error is not None and p.error != float("inf") else ""
+        lines.append(f"- {p.name}: {p.points:g} / {p.max:g} ({p.status}{err})" + (f" {p.message}" if p.message else ""))
+    if c.diagnosis:
+        lines.append(f"Diagnosis: {c.diagnosis}")
+    lines += list(dict.fromkeys(c.messages)) + [f"Info (no points): {i}" for i in c.info]
+    if c.output.strip():
+        lines.append("Output of your code (truncated):\n" + c.output[-2000:])
+    return "\n".join(lines)
+
+
+def gradescope(report: Report) -> dict:
+    """Gradescope's results.json: score, execution_time, tests (name, score, max_score, output, visibility),
+    leaderboard."""
+    out = {
+        "score": round(report.total, 4),
+        "execution_time": round(report.seconds, 2),
+        "output": f"Graded against the reference GPT-2: {report.total:g} / {report.max_total:g}",
+        "tests": [{"name": c.name, "score": round(c.score, 4), "max_score": c.max_score, "output": check_output(c),
+                   "visibility": "visible"} for c in report.checks],
+    }
+    if report.leaderboard:
+        out["leaderboard"] = report.leaderboard
+    if report.predictions:
+        out["output"] += "\nPredictions: " + "; ".join(report.predictions)
+    return out
+
+
+def write_json(path: str | os.PathLike, data: dict) -> None:
+    """Write through a temporary name, so a reader never sees half a file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1, default=str) + "\n")
+    os.replace(tmp, path)

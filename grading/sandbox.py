@@ -1,0 +1,247 @@
+"""Run one probe on an untrusted submission: a fresh forked process per check, limits, a throw-away copy.
+
+    with Sandbox() as sb:
+        run = sb.run("attention", "path/to/submission", timeout=60)
+        run.info, run.tensors, run.output, run.problem
+
+Per check the sandbox makes a temporary folder holding a copy of the submission (the working directory and the
+first entry of the import path), a HOME/TMPDIR, and the result folder; a fork of the warm zygote (grading/zygote.py)
+then drops into it with: its own session (the whole process group is killed at the wall-clock deadline), a new
+network namespace (no interfaces but a downed loopback), RLIMIT_AS / RLIMIT_CPU / RLIMIT_FSIZE / RLIMIT_NPROC /
+no core files, and, when the grader runs as root, a uid of its own, so writes outside its folder are refused and
+every process it leaves behind is killed. Output goes to a file capped by RLIMIT_FSIZE and is read back truncated.
+Results come back as safetensors + JSON, never pickles. See README "Grading" for what is not isolated.
+"""
+from __future__ import annotations
+
+import json
+import os
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+ZYGOTE = Path(__file__).with_name("zygote.py")
+OUTPUT_KEEP = 3000  # characters of captured output kept from each end
+SKIP_NAMES = shutil.ignore_patterns(".git", "__pycache__", "*.pyc", ".ipynb_checkpoints")
+LARGE_FILE = 20 * 2**20  # checkpoints and data a submission carries: no check reads them, and copying is per check
+
+
+@dataclass
+class Limits:
+    timeout: float = 60.0  # wall-clock seconds per check
+    mem_mb: int = 3072  # address space beyond what the warm interpreter already maps
+    max_file_mb: int = 16  # largest file (captured output included) a check may write
+    max_procs: int = 64  # processes + threads of the sandbox user (only enforced for a non-root uid)
+
+
+@dataclass
+class Run:
+    """What one check's process left: the probe's info and tensors, its output, and what went wrong."""
+    info: dict = field(default_factory=dict)
+    tensors: dict = field(default_factory=dict)
+    output: str = ""
+    problem: str = ""  # set when the process did not finish normally (timeout, signal, limits, no result)
+    sandbox: dict = field(default_factory=dict)
+    wall: float = 0.0
+    findings: list = field(default_factory=list)  # side effects outside the check's folder
+
+
+def _copy_submission(src: Path, dst: Path) -> list[str]:
+    """Copy the submission, leaving out VCS folders, caches and files over LARGE_FILE; returns what was left out."""
+    left_out = []
+
+    def ignore(folder, names):
+        skip = set(SKIP_NAMES(folder, names))
+        for name in names:
+            path = os.path.join(folder, name)
+            if name not in skip and os.path.isfile(path) and not os.path.islink(path) and \
+                    os.path.getsize(path) > LARGE_FILE:
+                skip.add(name)
+                left_out.append(os.path.relpath(path, src))
+        return skip
+
+    shutil.copytree(src, dst, symlinks=True, ignore=ignore)
+    return left_out
+
+
+def _snapshot(folder: Path) -> dict:
+    return {str(p): (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _read_output(path: Path) -> tuple[str, int]:
+    if not path.is_file():
+        return "", 0
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(OUTPUT_KEEP)
+        if size > 2 * OUTPUT_KEEP:
+            f.seek(size - OUTPUT_KEEP)
+            text = head.decode(errors="replace") + f"\n[... {size - 2 * OUTPUT_KEEP} bytes cut ...]\n" + \
+                f.read().decode(errors="replace")
+        else:
+            text = (head + f.read()).decode(errors="replace")
+    return text, size
+
+
+def _chown_tree(root: Path, uid: int) -> None:
+    for dirpath, dirnames, filenames in os.walk(root):
+        os.lchown(dirpath, uid, uid)
+        for name in dirnames + filenames:
+            os.lchown(os.path.join(dirpath, name), uid, uid)
+
+
+class Sandbox:
+    def __init__(self, limits: Limits | None = None, isolate_network: bool = True):
+        self.limits = limits or Limits()
+        self.isolate_network = isolate_network
+        # A uid of our own (unused by any account) makes "kill everything it left" and "refuse writes" exact.
+        self.uid = 200000 + os.getpid() if os.geteuid() == 0 else None
+        self._proc: subprocess.Popen | None = None
+        self._home = ""
+
+    # ---- the warm fork server ----------------------------------------------------------------------------------
+    def _start(self) -> None:
+        # huggingface_hub reads HF_HOME once, at import in the zygote; every child sees it through this link, which
+        # each check points at its own copy of the cache.
+        self._home = tempfile.mkdtemp(prefix="grading-zygote-")
+        os.chmod(self._home, 0o755)
+        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+               "HF_HOME": os.path.join(self._home, "hf"), "HOME": self._home, "OMP_NUM_THREADS": "1",
+               "TOKENIZERS_PARALLELISM": "false", "PYTHONDONTWRITEBYTECODE": "1"}
+        self._proc = subprocess.Popen([sys.executable, "-I", str(ZYGOTE)], stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE, cwd=self._home, env=env, start_new_session=True,
+                                      text=True)
+        line = self._readline(300)
+        if not line or not json.loads(line).get("ready"):
+            self.close()
+            raise RuntimeError("the grading sandbox could not start (python grading/zygote.py failed)")
+
+    def _readline(self, timeout: float) -> str | None:
+        ready, _, _ = select.select([self._proc.stdout], [], [], timeout)
+        return self._proc.stdout.readline() if ready else None
+
+    def close(self) -> None:
+        if self._proc is not None:
+            try:
+                os.killpg(self._proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            self._proc.wait()
+            self._proc = None
+        if self._home:
+            shutil.rmtree(self._home, ignore_errors=True)
+
+    def __enter__(self) -> "Sandbox":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- one check ---------------------------------------------------------------------------------------------
+    def run(self, probe: str, submission: str | os.PathLike, hf_home: str | os.PathLike | None = None,
+            timeout: float | None = None) -> Run:
+        if self._proc is None or self._proc.poll() is not None:
+            self._start()
+        submission = Path(submission)
+        timeout = timeout or self.limits.timeout
+        before = _snapshot(submission)
+        tmp = Path(tempfile.mkdtemp(prefix="grading-check-"))
+        try:
+            os.chmod(tmp, 0o755)
+            work, result, home = tmp / "submission", tmp / "result", tmp / "home"
+            left_out = _copy_submission(submission, work)
+            result.mkdir()
+            home.mkdir()
+            env = {"HOME": str(home), "TMPDIR": str(home), "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1",
+                   "TRANSFORMERS_OFFLINE": "1", "HF_HOME": str(home / "hf"), "PYTHONDONTWRITEBYTECODE": "1",
+                   "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_DISABLE_TELEMETRY": "1"}
+            if hf_home is not None:
+                shutil.copytree(hf_home, home / "hf", symlinks=True)
+            else:
+                (home / "hf").mkdir()
+            link = Path(self._home) / "hf"
+            link.unlink(missing_ok=True)
+            link.symlink_to(home / "hf")
+            env["HF_HOME"] = str(link)
+            if self.uid is not None:
+                for folder in (work, result, home):
+                    _chown_tree(folder, self.uid)
+            req = {"probe": probe, "workdir": str(work), "outdir": str(tmp), "resultdir": str(result), "env": env,
+                   "timeout": timeout, "cpu_s": int(timeout) + 5, "mem_mb": self.limits.mem_mb,
+                   "max_file_mb": self.limits.max_file_mb, "max_procs": self.limits.max_procs, "uid": self.uid,
+                   "isolate_network": self.isolate_network}
+            run = self._ask(req, timeout)
+            if left_out:
+                run.findings.append(f"files over {LARGE_FILE >> 20} MiB not copied into the sandbox: {', '.join(left_out[:5])}")
+            run.output, size = _read_output(tmp / "output.txt")
+            if size >= self.limits.max_file_mb * 2**20 and not run.problem.startswith("timed out"):
+                run.problem = (f"output limit: the check wrote {self.limits.max_file_mb} MiB or more and was stopped "
+                               f"({run.problem or 'no result'})")
+            self._collect(run, result)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if _snapshot(submission) != before:
+            run.findings.append("the original submission folder changed during the check")
+        return run
+
+    def _ask(self, req: dict, timeout: float) -> Run:
+        run = Run()
+        try:
+            self._proc.stdin.write(json.dumps(req) + "\n")
+            self._proc.stdin.flush()
+            line = self._readline(timeout + 60)
+        except (BrokenPipeError, OSError):
+            line = None
+        if not line:  # the fork server itself died or hung: start a fresh one for the next check
+            self.close()
+            run.problem = "the sandbox's worker process died during the check"
+            return run
+        reply = json.loads(line)
+        run.wall = reply["wall"]
+        if reply.get("strays"):
+            run.findings.append(f"wrote outside its folder (removed after the check): {', '.join(reply['strays'][:5])}")
+        if reply["timed_out"]:
+            run.problem = f"timed out after {timeout:.0f} s (wall clock); the check's processes were killed"
+        elif "signal" in reply:
+            sig = reply["signal"]
+            why = {"SIGXCPU": "CPU-time limit", "SIGXFSZ": "file-size limit (too much output?)",
+                   "SIGKILL": "killed (memory?)", "SIGSEGV": "segmentation fault"}.get(sig, "")
+            run.problem = f"the check's process died with {sig}" + (f" ({why})" if why else "")
+        elif reply.get("exit") != 0:
+            run.problem = f"the check's process exited with status {reply.get('exit')} before reporting (os._exit?)"
+        return run
+
+    def _collect(self, run: Run, result: Path) -> None:
+        info_path, tensors_path = result / "info.json", result / "tensors.safetensors"
+        sandbox_path = result / "sandbox.json"
+        if sandbox_path.is_file() and sandbox_path.stat().st_size < 10_000:
+            try:
+                run.sandbox = json.loads(sandbox_path.read_text())
+            except ValueError:
+                pass
+        if not info_path.is_file():
+            run.problem = run.problem or "the check's process ended without writing a result (os._exit or killed)"
+            return
+        if info_path.stat().st_size > 1_000_000:
+            run.problem = "the check's result file is oversized"
+            return
+        try:
+            run.info = json.loads(info_path.read_text())
+        except ValueError as e:
+            run.problem = f"the check's result file is unreadable: {e}"
+            return
+        if run.problem:  # e.g. a process that wrote its result and then hung: the result is not trusted
+            run.info = {}
+            return
+        if tensors_path.is_file():
+            import safetensors.torch
+
+            run.tensors = safetensors.torch.load_file(str(tensors_path))
+            run.tensors = {k: v.to(torch.float32) for k, v in run.tensors.items()}

@@ -1,0 +1,223 @@
+"""python -m grading: a correct course-layout submission gets full marks; each typical bug loses exactly the points of
+the checks it breaks and is named; interface deviations are still graded; an untouched starter is "not implemented".
+
+One Grader (one warm sandbox) serves the whole module: a check costs a fork, not an interpreter start.
+"""
+from __future__ import annotations
+
+import pytest
+
+from grading.grader import CHECKS, Grader
+from grading_submission import write_submission
+
+MODEL_CHECKS = CHECKS[:-1]  # the optimizer file is untouched by model mutations, so adamw is left out there
+FULL = {"attention": 16, "layer": 14, "embed": 8, "model": 14, "from_pretrained": 18, "adamw": 30}
+
+
+@pytest.fixture(scope="module")
+def grader():
+    with Grader() as g:
+        yield g
+
+
+def grade(grader, tmp_path, only=CHECKS, **replace):
+    return grader.grade(write_submission(tmp_path / "sub", **replace), only)
+
+
+def scores(report):
+    return {c.name: c.score for c in report.checks}
+
+
+@pytest.mark.parametrize("gelu", ["exact", "tanh"])
+def test_correct_submission_gets_full_marks(grader, tmp_path, gelu):
+    replace = {} if gelu == "exact" else {"layer": [("self.interm_af = F.gelu",
+                                                    "self.interm_af = lambda x: F.gelu(x, approximate='tanh')")]}
+    report = grade(grader, tmp_path, **replace)
+    assert scores(report) == FULL, [(c.name, c.messages, [vars(p) for p in c.parts]) for c in report.checks]
+    assert report.total == report.max_total == 100
+    model = next(c for c in report.checks if c.name == "model")
+    assert any("exact GELU" in i for i in model.info) == (gelu == "exact")  # information, never lost points
+    assert all(c.parts[0].error < 1e-5 for c in report.checks if c.parts[0].error is not None)
+
+
+ATTN_SCORES = [("scores = scores / math.sqrt(self.attention_head_size)", "scores = scores")]
+MERGE = "return out.transpose(1, 2).reshape(out.shape[0], out.shape[2], self.all_head_size)"
+LAYER_FWD = """        attn = self.self_attention(self.attention_layer_norm(hidden_states), attention_mask)
+        hidden_states = self.add(hidden_states, attn, self.attention_dense, self.attention_dropout)
+        mlp = self.interm_af(self.interm_dense(self.out_layer_norm(hidden_states)))
+        return self.add(hidden_states, mlp, self.out_dense, self.out_dropout)"""
+POST_LN = """        h = self.attention_layer_norm(self.add(hidden_states, self.self_attention(hidden_states, attention_mask),
+                                               self.attention_dense, self.attention_dropout))
+        return self.out_layer_norm(self.add(h, self.interm_af(self.interm_dense(h)), self.out_dense, self.out_dropout))"""
+RESIDUAL_NORMED = """        x = self.attention_layer_norm(hidden_states)
+        h = self.add(x, self.self_attention(x, attention_mask), self.attention_dense, self.attention_dropout)
+        y = self.out_layer_norm(h)
+        return self.add(y, self.interm_af(self.interm_dense(y)), self.out_dense, self.out_dropout)"""
+ALL_MODEL = {"attention", "layer", "model", "from_pretrained"}
+
+# bug -> (substitutions, checks that lose points)
+MUTATIONS = {
+    "no_scale": (dict(attention=ATTN_SCORES), ALL_MODEL),
+    "no_causal": (dict(attention=[('scores = scores.masked_fill(~causal, float("-inf"))', "")]), ALL_MODEL),
+    # under right padding a causal mask already hides the padding from real tokens: only the left-padded
+    # attention and layer cases see an ignored mask; an inverted one also costs the model checks, because
+    # subtracting 10000 from every real score rounds them (fp32 spacing near 1e4 is 1e-3)
+    "pad_ignored": (dict(attention=[("scores = scores + attention_mask", "scores = scores")]), {"attention", "layer"}),
+    "pad_inverted": (dict(attention=[("scores = scores + attention_mask", "scores = scores + (-10000.0 - attention_mask)")]),
+                     ALL_MODEL),
+    "softmax_axis": (dict(attention=[("F.softmax(scores, dim=-1)", "F.softmax(scores, dim=-2)")]), ALL_MODEL),
+    "merge_no_transpose": (dict(attention=[(MERGE, MERGE.replace("out.transpose(1, 2).reshape", "out.reshape"))]),
+                           ALL_MODEL),
+    "dropout_before_softmax": (dict(attention=[("probs = F.softmax(scores, dim=-1)\n        probs = self.dropout(probs)",
+                                                "probs = F.softmax(self.dropout(scores), dim=-1)")]), {"attention"}),
+    "no_attention_dropout": (dict(attention=[("        probs = self.dropout(probs)\n", "")]), {"attention"}),
+    "no_ln_attn": (dict(layer=[("self.self_attention(self.attention_layer_norm(hidden_states), attention_mask)",
+                                "self.self_attention(hidden_states, attention_mask)")]), ALL_MODEL - {"attention"}),
+    "no_ln_mlp": (dict(layer=[("self.interm_dense(self.out_layer_norm(hidden_states))",
+                               "self.interm_dense(hidden_states)")]), ALL_MODEL - {"attention"}),
+    "post_ln": (dict(layer=[(LAYER_FWD, POST_LN)]), ALL_MODEL - {"attention"}),
+    "residual_normed": (dict(layer=[(LAYER_FWD, RESIDUAL_NORMED)]), ALL_MODEL - {"attention"}),
+    "dropout_misplaced": (dict(layer=[("return input + dropout(dense_layer(output))",
+                                       "return input + dense_layer(dropout(output))")]), {"layer"}),
+    "no_final_ln": (dict(model=[("        hidden = self.final_layer_norm(hidden)\n", "")]), {"model", "from_pretrained"}),
+    "no_positions": (dict(model=[("self.word_embedding(input_ids) + self.pos_embedding(pos_ids)",
+                                  "self.word_embedding(input_ids)")]), {"embed", "model", "from_pretrained"}),
+    "last_position": (dict(model=[("last_idx = attention_mask.sum(dim=1) - 1",
+                                   "last_idx = torch.full_like(attention_mask.sum(dim=1), attention_mask.shape[1] - 1)")]),
+                      {"model", "from_pretrained"}),
+    "untied_head": (dict(model=[("        self.final_layer_norm = nn.LayerNorm",
+                                 "        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)\n"
+                                 "        self.final_layer_norm = nn.LayerNorm"),
+                                ("return hidden_state @ self.word_embedding.weight.t()",
+                                 "return self.lm_head(hidden_state)")]), {"model"}),
+    "conv1d_not_transposed": (dict(model=[("c_attn.weight[:, j * d:(j + 1) * d].T", "c_attn.weight[:, j * d:(j + 1) * d]"),
+                                          ("theirs.attn.c_proj.weight.T", "theirs.attn.c_proj.weight")]),
+                              {"from_pretrained"}),
+    "qkv_swapped": (dict(model=[('enumerate(("query", "key", "value"))', 'enumerate(("key", "query", "value"))')]),
+                    {"from_pretrained"}),
+}
+ADAMW_MUTATIONS = {
+    "no_bias_correction": [('if group["correct_bias"]:', "if False:")],
+    "decay_in_gradient": [("grad = p.grad.data", 'grad = p.grad.data + group["weight_decay"] * p.data'),
+                          ('                p.data.add_(p.data, alpha=-group["lr"] * group["weight_decay"])\n', "")],
+}
+
+
+@pytest.mark.parametrize("bug", sorted(MUTATIONS))
+def test_mutation_loses_its_checks_and_is_named(grader, tmp_path, bug):
+    replace, broken = MUTATIONS[bug]
+    report = grade(grader, tmp_path, MODEL_CHECKS, **replace)
+    lost = {c.name for c in report.checks if c.score < FULL[c.name]}
+    assert lost == broken, {c.name: (c.score, c.diagnosis, c.messages) for c in report.checks}
+    # the check closest to the bug names it (the others may name it too, through the same variants)
+    named = {c.name: c.diagnosis_key for c in report.checks if c.name in broken}
+    assert bug in named.values(), named
+    for c in report.checks:
+        if c.diagnosis_key:
+            assert c.diagnosis_key == bug, (c.name, c.diagnosis)
+
+
+@pytest.mark.parametrize("bug", sorted(ADAMW_MUTATIONS))
+def test_adamw_mutation(grader, tmp_path, bug):
+    (check,) = grade(grader, tmp_path, ("adamw",), optimizer=ADAMW_MUTATIONS[bug]).checks
+    assert check.parts[1].points == 0, vars(check.parts[1])  # against torch.optim.AdamW, "close" or not
+    assert check.diagnosis_key == bug, check.diagnosis
+
+
+def test_adamw_paper_form_gets_full_marks(grader, tmp_path):
+    """eps after the bias correction and decay before the update (torch's order): same marks as the handout's."""
+    paper = [("step_size = group[\"lr\"]\n                if group[\"correct_bias\"]:\n"
+              "                    step_size = step_size * math.sqrt(1 - beta2 ** t) / (1 - beta1 ** t)\n"
+              "                p.data.addcdiv_(m, v.sqrt().add_(group[\"eps\"]), value=-step_size)\n"
+              "                p.data.add_(p.data, alpha=-group[\"lr\"] * group[\"weight_decay\"])",
+              "p.data.mul_(1 - group[\"lr\"] * group[\"weight_decay\"])\n"
+              "                denom = (v / (1 - beta2 ** t)).sqrt().add_(group[\"eps\"])\n"
+              "                p.data.addcdiv_(m / (1 - beta1 ** t), denom, value=-group[\"lr\"])")]
+    (check,) = grade(grader, tmp_path, ("adamw",), optimizer=paper).checks
+    assert check.score == FULL["adamw"] or check.parts[0].status == "skipped", [vars(p) for p in check.parts]
+    assert check.parts[1].points == 15
+
+
+LORA = '''
+class LoRALinear(nn.Module):
+    def __init__(self, d_in, d_out, r=4):
+        super().__init__()
+        self.linear = nn.Linear(d_in, d_out)
+        self.lora_A = nn.Parameter(torch.randn(r, d_in) * 0.1)
+        self.lora_B = nn.Parameter(torch.randn(d_out, r) * 0.1)  # non-zero at init, as some students do
+        self.register_buffer("lora_scale", torch.tensor(0.5))
+
+    def forward(self, x):
+        return self.linear(x) + (x @ self.lora_A.t() @ self.lora_B.t()) * self.lora_scale
+
+
+class CausalSelfAttention'''
+
+DEVIATIONS = {
+    # the head merge moves out of attention() into the layer: attention() and forward() return (B, h, T, hd)
+    "merge_in_layer": (dict(attention=[(MERGE, "return out")],
+                            layer=[("        hidden_states = self.add(hidden_states, attn,",
+                                    "        attn = attn.transpose(1, 2).reshape(hidden_states.shape)\n"
+                                    "        hidden_states = self.add(hidden_states, attn,")]),
+                       "returns the heads unmerged"),
+    "add_removed": (dict(layer=[("    def add(self, input, output, dense_layer, dropout):\n"
+                                 "        return input + dropout(dense_layer(output))\n\n", ""),
+                                (LAYER_FWD, LAYER_FWD.replace("self.add(hidden_states, attn, self.attention_dense, "
+                                                              "self.attention_dropout)",
+                                                              "hidden_states + self.attention_dropout("
+                                                              "self.attention_dense(attn))")
+                                 .replace("self.add(hidden_states, mlp, self.out_dense, self.out_dropout)",
+                                          "hidden_states + self.out_dropout(self.out_dense(mlp))"))]),
+                    "graded through forward()"),
+    # fields the modules require, that only the submission's own config.py has
+    "required_config_fields": (dict(config=[("        self.layer_norm_eps = layer_norm_eps\n",
+                                             "        self.layer_norm_eps = layer_norm_eps\n"
+                                             "        self.use_lora = kwargs.get('use_lora', True)\n"
+                                             "        self.flash_attention = False\n")],
+                                    attention=[("        self.dropout = nn.Dropout(config.attention_probs_dropout_prob)",
+                                                "        self.dropout = nn.Dropout(config.attention_probs_dropout_prob)\n"
+                                                "        assert config.use_lora and not config.flash_attention")]),
+                               None),
+    "lora_projections": (dict(attention=[("\nclass CausalSelfAttention", LORA),
+                                         ("self.query = nn.Linear(", "self.query = LoRALinear("),
+                                         ("self.key = nn.Linear(", "self.key = LoRALinear("),
+                                         ("self.value = nn.Linear(", "self.value = LoRALinear(")],
+                              model=[("proj = getattr(mine.self_attention, name)",
+                                      "proj = getattr(mine.self_attention, name).linear\n"
+                                      "                getattr(mine.self_attention, name).lora_B.data.zero_()")]),
+                         None),
+    # a dead raise after a return is not "not implemented": that is decided by running
+    "dead_raise": (dict(attention=[(MERGE, MERGE + "\n        raise NotImplementedError")]), None),
+}
+
+
+@pytest.mark.parametrize("name", sorted(DEVIATIONS))
+def test_interface_deviations_are_graded(grader, tmp_path, name):
+    replace, said = DEVIATIONS[name]
+    report = grade(grader, tmp_path, MODEL_CHECKS, **replace)
+    assert scores(report) == {k: v for k, v in FULL.items() if k in MODEL_CHECKS}, \
+        {c.name: (c.score, c.messages, [p.message for p in c.parts]) for c in report.checks}
+    if said:
+        text = " ".join(m for c in report.checks for m in c.messages + [p.message for p in c.parts])
+        assert said in text
+
+
+STARTER = {
+    "attention": [("    def attention(self, key, query, value, attention_mask):\n",
+                   "    def attention(self, key, query, value, attention_mask):\n        raise NotImplementedError\n")],
+    "layer": [("        return input + dropout(dense_layer(output))", "        raise NotImplementedError"),
+              ("    def forward(self, hidden_states, attention_mask):\n",
+               "    def forward(self, hidden_states, attention_mask):\n        raise NotImplementedError\n")],
+    "model": [("    def embed(self, input_ids):\n", "    def embed(self, input_ids):\n        return None  # TODO\n"),
+              ("    def hidden_state_to_token(self, hidden_state):\n",
+               "    def hidden_state_to_token(self, hidden_state):\n        raise NotImplementedError\n")],
+    "optimizer": [("                grad = p.grad.data\n", "                raise NotImplementedError\n")],
+}
+
+
+def test_untouched_starter_gets_zero_and_not_implemented(grader, tmp_path):
+    report = grade(grader, tmp_path, **STARTER)
+    assert report.total == 0
+    for c in report.checks:
+        assert c.verdict == "not implemented", (c.name, c.verdict, c.messages)
+        assert "not implemented" in c.messages[0]

@@ -1,0 +1,143 @@
+"""Hostile submissions are contained (0 on the affected checks, a clear message, the grader goes on), and the CLI
+writes Gradescope's results.json and the batch CSV whatever the submissions do."""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from grading.grader import Grader
+from grading.sandbox import Limits
+from grading_submission import write_submission
+
+ROOT = Path(__file__).resolve().parents[1]
+ATTN_INIT = "        self.dropout = nn.Dropout(config.attention_probs_dropout_prob)\n"
+
+
+@pytest.fixture(scope="module")
+def grader():
+    with Grader(limits=Limits(timeout=4)) as g:
+        yield g
+
+
+def hostile(tmp_path, code: str, where: str = "attention"):
+    """The correct submission with `code` run when the attention module is imported (or in its constructor)."""
+    if where == "init":
+        return write_submission(tmp_path / "sub", attention=[(ATTN_INIT, ATTN_INIT + code)])
+    return write_submission(tmp_path / "sub", attention=[("import math\n", "import math\n" + code + "\n")])
+
+
+def sandbox_processes(grader) -> list[int]:
+    pids = []
+    for p in Path("/proc").iterdir():
+        try:
+            if p.name.isdigit() and p.stat().st_uid == grader.sandbox.uid:
+                pids.append(int(p.name))
+        except OSError:
+            pass
+    return pids
+
+
+CASES = {  # name -> (code, where, words the message must contain)
+    "hang_at_import": ("while True:\n    pass", "import", "timed out"),
+    "sys_exit": ("import sys\nsys.exit(3)", "import", "sys.exit(3)"),
+    "os_exit": ("import os\nos._exit(0)", "import", "without writing a result"),
+    "allocate_30GB": ("        self.buf = torch.zeros(30 * 2**30 // 4)", "init", "memory"),
+    "fork_loop": ("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass", "import",
+                  "timed out"),
+    "print_100MB": ("print('x' * 100_000_000)", "import", "output limit"),
+    "raise_in_constructor": ("        raise ValueError('boom in the constructor')", "init", "boom in the constructor"),
+    "syntax_error": ("def broken(:\n    pass", "import", "SyntaxError"),
+    "hard_coded_cuda": ("        torch.ones(1, device='cuda')", "init", "CUDA"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_hostile_submission_is_contained(grader, tmp_path, name):
+    code, where, words = CASES[name]
+    report = grader.grade(hostile(tmp_path, code, "init" if where == "init" else "import"), ("attention", "adamw"))
+    attention, adamw = report.checks
+    assert attention.score == 0 and attention.verdict == "error", (attention.verdict, attention.messages)
+    assert words in " ".join(attention.messages), attention.messages
+    # the next check (which does not import the attention module) runs on a healthy sandbox
+    assert adamw.score == adamw.max_score > 0, (adamw.verdict, adamw.messages)
+    assert sandbox_processes(grader) == []  # nothing the submission started survives its check
+
+
+def test_writes_outside_the_sandbox_are_refused_and_network_is_off(grader, tmp_path):
+    if grader.sandbox.uid is None:
+        pytest.skip("writes outside the sandbox are only refused when the grader runs as root (own uid per check)")
+    target = tmp_path / "outside"
+    target.mkdir(mode=0o755)
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    server.settimeout(0.5)
+    port = server.getsockname()[1]
+    code = ("open('/tmp/left-by-a-submission.txt', 'w').write('x')\n"
+            f"for attempt in (lambda: open({str(target / 'pwned.txt')!r}, 'w'),\n"
+            f"                lambda: __import__('socket').create_connection(('127.0.0.1', {port}), timeout=1)):\n"
+            f"    try:\n        attempt()\n        print('ESCAPED')\n    except OSError as e:\n        print('refused:', e)")
+    sub = hostile(tmp_path, code)
+    with open(sub / "checkpoint.pt", "wb") as f:  # a checkpoint a student left in: not copied per check
+        f.truncate(21 * 2**20)
+    report = grader.grade(sub, ("attention",))
+    assert any("not copied into the sandbox: checkpoint.pt" in m for m in report.checks[0].messages)
+    assert report.checks[0].score == 16, report.checks[0].messages  # refused side effects cost nothing
+    assert not (target / "pwned.txt").exists()
+    assert "ESCAPED" not in report.checks[0].output and report.checks[0].output.count("refused") == 2
+    with pytest.raises(socket.timeout):
+        server.accept()
+    assert report.sandbox["network"] == "isolated"
+    assert not Path("/tmp/left-by-a-submission.txt").exists()  # world-writable /tmp: detected, reported, removed
+    assert any("wrote outside its folder" in m and "left-by-a-submission" in m for m in report.checks[0].messages)
+    server.close()
+
+
+def run_cli(*args, timeout=600):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    return subprocess.run([sys.executable, "-m", "grading", *map(str, args)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout, env=env)
+
+
+def test_cli_gradescope_results_for_a_good_and_a_broken_submission(tmp_path):
+    good = write_submission(tmp_path / "good")
+    broken = write_submission(tmp_path / "batch" / "broken", utils=[("import torch\n", "import os\nos._exit(1)\n")])
+    write_submission(tmp_path / "batch" / "good")
+    out = run_cli(good, "--checks", "attention,adamw", "--gradescope", tmp_path / "results.json",
+                  "--json", tmp_path / "report.json")
+    assert out.returncode == 0, out.stderr
+    results = json.loads((tmp_path / "results.json").read_text())
+    # Gradescope's documented fields
+    assert set(results) >= {"score", "execution_time", "tests"}
+    assert isinstance(results["score"], float) and results["execution_time"] > 0
+    for test in results["tests"]:
+        assert set(test) == {"name", "score", "max_score", "output", "visibility"}
+        assert test["visibility"] in ("visible", "hidden", "after_due_date", "after_published")
+    assert [t["name"] for t in results["tests"]] == ["attention", "adamw"]
+    assert results["score"] == sum(t["score"] for t in results["tests"])
+    assert "attention" in out.stdout and "total" in out.stdout
+    # batch: the broken submission is a row with its verdicts, never an abort
+    out = run_cli("--batch", tmp_path / "batch", "--csv", tmp_path / "scores.csv", "--jobs", "2",
+                  "--checks", "attention,embed")
+    assert out.returncode == 0, out.stderr
+    rows = {r["submission"]: r for r in csv.DictReader(open(tmp_path / "scores.csv"))}
+    assert float(rows["good"]["score"]) == 24 and float(rows["broken"]["score"]) == 0
+    assert "error" in rows["broken"]["notes"] and broken.is_dir()
+
+
+def test_cli_refuses_bad_arguments(tmp_path):
+    bad_rubric = tmp_path / "rubric.json"
+    bad_rubric.write_text(json.dumps({"tolerance": {"exact": 1e-5, "close": 1e-2}, "partial_fraction": 0.5,
+                                      "checks": {"attention": {"forward": 8}}}))
+    write_submission(tmp_path / "sub")
+    out = run_cli(tmp_path / "sub", "--rubric", bad_rubric, timeout=120)
+    assert out.returncode == 2 and "check 'attention' must have the parts" in out.stderr
+    out = run_cli(tmp_path / "missing", timeout=120)
+    assert out.returncode == 2 and "submission folder not found" in out.stderr

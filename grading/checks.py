@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from grading import probes, reference as ref
+from grading import probes
+from grading import reference as ref
 from grading.reference import BUGS
 from grading.sandbox import Run
 

@@ -6,9 +6,9 @@ One Grader (one warm sandbox) serves the whole module: a check costs a fork, not
 from __future__ import annotations
 
 import pytest
+from grading_submission import write_submission
 
 from grading.grader import CHECKS, Grader
-from grading_submission import write_submission
 
 MODEL_CHECKS = CHECKS[:-1]  # the optimizer file is untouched by model mutations, so adamw is left out there
 FULL = {"attention": 16, "layer": 14, "embed": 8, "model": 14, "from_pretrained": 18, "adamw": 30}

@@ -11,10 +11,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from grading_submission import write_submission
 
 from grading.grader import Grader
 from grading.sandbox import Limits
-from grading_submission import write_submission
 
 ROOT = Path(__file__).resolve().parents[1]
 ATTN_INIT = "        self.dropout = nn.Dropout(config.attention_probs_dropout_prob)\n"

@@ -111,6 +111,7 @@ def _wrap(body: GPT2Model, layer: int, linears: tuple[str, ...], rank: int, alph
         parent_name, attr = f"gpt_layers.{layer}.{name}".rsplit(".", 1)
         parent = body.get_submodule(parent_name)
         wrapped = LoRALinear(getattr(parent, attr), rank, alpha, dropout, shared if name in QKV else None, use_rslora)
+        wrapped.train(parent.training)  # a model in eval mode must not start dropping out its new adapters
         if name in QKV:
             shared = wrapped.lora_A
         setattr(parent, attr, wrapped)

@@ -69,7 +69,7 @@ def test_our_adapter_loads_in_peft_with_the_same_logits(base, tmp_path, rank, ta
 
 PEFT_CONFIGS = [
     dict(r=4, lora_alpha=8, target_modules=["c_attn"]),
-    dict(r=2, lora_alpha=5, target_modules=["c_attn", "c_proj", "c_fc"], use_rslora=True),
+    dict(r=2, lora_alpha=5, target_modules=["c_attn", "c_proj", "c_fc"], use_rslora=True, lora_dropout=0.1),
     dict(r=3, lora_alpha=6, target_modules=["c_attn", "c_fc"], layers_to_transform=[0, 2],
          rank_pattern={"h.2.attn.c_attn": 5}, alpha_pattern={"h.0.mlp.c_fc": 1.5}),
 ]
@@ -146,3 +146,135 @@ def test_adapters_for_another_shape_or_with_unsupported_peft_features_are_refuse
     emb.save_pretrained(tmp_path / "emb")
     with pytest.raises(AdapterError, match=r"not LoRA A/B of GPT-2's .*transformer\.wte\.lora_embedding_A"):
         load_adapter(ours, tmp_path / "emb")
+
+
+# ---- training, checkpoints and the task CLIs -----------------------------------------------------------------------
+
+def test_training_with_lora_changes_only_adapters_and_head_and_checkpoints_hold_only_them(tmp_path):
+    from safetensors.torch import load_file
+
+    from models.gpt2 import GPT2Model
+    from tasks.classifier import GPT2SentimentClassifier, loss_fn
+    from tasks.data import Encoded, collate
+    from tasks.training import TrainConfig, load_weights, train
+
+    torch.manual_seed(0)
+    model = GPT2SentimentClassifier(GPT2Model(tiny_config()), 3, 0.0, "full-model")
+    apply_lora(model, rank=2, alpha=4, targets="query,value,mlp", dropout=0.1)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    g = torch.Generator().manual_seed(1)
+    data = [Encoded(str(i), torch.randint(0, 100, (5,), generator=g).tolist(), i % 3) for i in range(16)]
+    cfg = TrainConfig(output_dir=str(tmp_path / "out"), epochs=1, batch_size=4, lr=1e-2, weight_decay=0.1)
+    train(model, len(data), lambda idx: collate([data[i] for i in idx], 0), loss_fn, lambda m: {"acc": 0.0}, cfg, {})
+
+    after = model.state_dict()
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    expected = {k for k in before if "lora_" in k or k.startswith("classifier.")}
+    assert changed == expected  # every adapter tensor and the head moved; no base weight did (decay included)
+    files = {p.name for p in (tmp_path / "out" / "last").iterdir()}
+    assert {"adapter_config.json", "adapter_model.safetensors", "extra.safetensors"} <= files
+    assert "model.safetensors" not in files
+    assert set(load_file(tmp_path / "out" / "last" / "extra.safetensors")) == {"classifier.weight", "classifier.bias"}
+
+    fresh = GPT2SentimentClassifier(GPT2Model(tiny_config()), 3, 0.0, "full-model")
+    with pytest.raises(ValueError, match="holds a LoRA adapter, not a whole model"):
+        load_weights(fresh, tmp_path / "out" / "last")
+    apply_lora(fresh, rank=2, alpha=4, targets="query,value,mlp")
+    load_weights(fresh, tmp_path / "out" / "last")
+    assert all(torch.equal(v, after[k]) for k, v in fresh.state_dict().items() if "lora_" in k or "classifier" in k)
+    apply_other = GPT2SentimentClassifier(GPT2Model(tiny_config()), 3, 0.0, "full-model")
+    apply_lora(apply_other, rank=3, alpha=4, targets="query,value,mlp")
+    with pytest.raises(AdapterError, match=r"h\.0\.attn\.c_attn has rank 2, alpha 4, .* the model's LoRA there has rank 3"):
+        load_weights(apply_other, tmp_path / "out" / "last")
+
+
+def write_base(folder):
+    """A random-init body saved in HF format, so runs and the test start from the same base weights."""
+    from config import GPT2Config
+    from models.gpt2 import GPT2Model
+
+    torch.manual_seed(3)
+    GPT2Model(GPT2Config(vocab_size=64, n_positions=64, n_embd=16, n_layer=2, n_head=2)).save_pretrained(folder)
+    return str(folder)
+
+
+def test_a_lora_classifier_run_killed_resumes_to_the_same_adapter_and_merges(tmp_path, capsys):
+    import sys
+
+    from safetensors.torch import load_file
+    from test_reliability import ROOT, kill_once_checkpointed
+    from test_task_data import make_tokenizer, write_sentiment
+
+    import run_classifier
+    from models.gpt2 import GPT2Model
+
+    tok, paths, base_dir = make_tokenizer(tmp_path / "tok"), write_sentiment(tmp_path, "sst", 48), write_base(tmp_path / "base")
+    common = ["--tokenizer", tok, "--model", base_dir, "--epochs", "3", "--batch_size", "4", "--save_every", "1",
+              "--threads", "1", "--train", str(paths["train"]), "--dev", str(paths["dev"]),
+              "--lora_rank", "4", "--lora_targets", "c_attn,c_fc", "--lora_dropout", "0.1", "--lr", "1e-2"]
+    out = lambda d: ["--output_dir", str(tmp_path / d), "--dev_out", str(tmp_path / d / "dev.csv")]  # noqa: E731
+    kill_once_checkpointed([sys.executable, str(ROOT / "run_classifier.py"), *common, *out("killed")],
+                           [tmp_path / "killed" / "last"], tmp_path)
+    capsys.readouterr()
+    assert run_classifier.main(common + out("killed") + ["--resume"]) == 0
+    assert "resuming from" in capsys.readouterr().out
+    assert run_classifier.main(common + out("full") + ["--merge_lora"]) == 0
+    assert "LoRA rank 4, alpha 8" in capsys.readouterr().out
+
+    for name in ("adapter_model.safetensors", "extra.safetensors"):
+        a, b = load_file(tmp_path / "full" / "last" / name), load_file(tmp_path / "killed" / "last" / name)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name  # exactly equal
+    assert (tmp_path / "full" / "dev.csv").read_text() == (tmp_path / "killed" / "dev.csv").read_text()
+    assert sum(p.stat().st_size for p in (tmp_path / "full" / "last").iterdir()) < 200_000  # no base weights
+
+    # merged/ = base + the best adapter, a whole checkpoint transformers loads; the head beside it
+    ours = load_adapter(GPT2Model.from_pretrained(base_dir), tmp_path / "full" / "best")
+    hf = transformers.GPT2Model.from_pretrained(tmp_path / "full" / "merged", attn_implementation="eager").eval()
+    ids, mask = padded_batch([6, 3], 6, 64, "right")
+    real = mask.bool()
+    with torch.no_grad():
+        torch.testing.assert_close(hf(input_ids=ids, attention_mask=mask).last_hidden_state[real],
+                                   ours(ids, mask)["last_hidden_state"][real], atol=1e-5, rtol=0)
+    assert set(load_file(tmp_path / "full" / "merged" / "extra.safetensors")) == {"classifier.weight", "classifier.bias"}
+
+
+def test_paraphrase_and_sonnet_clis_train_adapters_and_refuse_contradictions(tmp_path, capsys):
+    import random
+
+    from test_sonnet import course_file, make_bpe_tokenizer, make_sonnet
+    from test_task_data import make_tokenizer, write_quora
+
+    import run_paraphrase
+    import run_sonnet
+
+    tok = make_tokenizer(tmp_path / "tok")
+    train = write_quora(tmp_path / "quora.csv", 24)
+    common = ["--tokenizer", tok, "--model", write_base(tmp_path / "base"), "--epochs", "1", "--batch_size", "8",
+              "--threads", "1", "--para_train", str(train), "--split_dev", "16", "--output_dir", str(tmp_path / "p"),
+              "--para_dev_out", str(tmp_path / "p.csv"), "--lora_rank", "2", "--lora_targets", "attention"]
+    assert run_paraphrase.main(common) == 0
+    out = capsys.readouterr().out
+    assert "LoRA rank 2, alpha 4" in out and "0.00M trainable" in out  # the adapters alone (no head to train)
+    assert (tmp_path / "p" / "best" / "adapter_model.safetensors").is_file()
+    with pytest.raises(SystemExit):
+        run_paraphrase.main(common + ["--fine-tune-mode", "last-linear-layer"])
+    assert "LoRA adapters in the body would never learn" in capsys.readouterr().err
+
+    rng = random.Random(5)
+    sonnets = [make_sonnet(rng, 14) for _ in range(6)]
+    tokenizer = make_bpe_tokenizer(tmp_path / "bpe", sonnets * 3)
+    for name, text in {"train": course_file(sonnets[:4]), "gold": course_file(sonnets[4:], first=5),
+                       "dev": course_file(["\n".join(s.splitlines()[:3]) for s in sonnets[4:]], first=5)}.items():
+        (tmp_path / f"{name}.txt").write_text(text)
+    files = ["--tokenizer", str(tmp_path / "bpe"), "--sonnet_path", str(tmp_path / "train.txt"),
+             "--dev_sonnet_path", str(tmp_path / "dev.txt"), "--dev_gold_path", str(tmp_path / "gold.txt"),
+             "--held_out_sonnet_path", str(tmp_path / "dev.txt"), "--dev_out", str(tmp_path / "dev_out.txt"),
+             "--sonnet_out", str(tmp_path / "out.txt"), "--max_new_tokens", "8", "--threads", "1"]
+    model = f"random:n_layer=2,n_head=2,n_embd=16,n_positions=160,vocab_size={len(tokenizer)}"
+    assert run_sonnet.main(files + ["--model", model, "--epochs", "1", "--batch_size", "4", "--lora_rank", "2",
+                                    "--output_dir", str(tmp_path / "s"), "--merge_lora"]) == 0
+    assert "the adapter merged into the base" in capsys.readouterr().out
+    assert run_sonnet.main(files + ["--generate_only", "--model", str(tmp_path / "s" / "merged")]) == 0
+    with pytest.raises(SystemExit):
+        run_sonnet.main(files + ["--generate_only", "--model", model, "--lora_rank", "2"])
+    assert "--generate_only and --baseline do not train" in capsys.readouterr().err

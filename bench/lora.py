@@ -12,13 +12,13 @@ and runs one LoRA step, reporting its peak RSS (does it fit in 24 GiB?).
 
     python bench/lora.py                                  # gpt2 and gpt2-medium, 5 rounds, memory, gpt2-large
     python bench/lora.py --sizes gpt2 --rounds 3 --no-large
+    python bench/lora.py --only memory                    # the memory rows and gpt2-large, no timing
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -69,19 +69,21 @@ def grad_and_optimizer_bytes(model, optimizer) -> int:
     return grads + state
 
 
-def rss_mb() -> float:
+def status_mb(field: str) -> float:
+    """VmRSS (now) or VmHWM (peak) of this address space. Not getrusage's ru_maxrss: Linux carries that across
+    fork + exec, so a child would report at least its parent's size at the fork."""
     with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":")) / 1024
 
 
 def child(size: str, mode: str, steps: int) -> None:
     """One contender alone: build, `steps` steps, print JSON (peak RSS is this process's)."""
     start = time.perf_counter()
     model, optimizer = build(size, mode)
-    built, build_s = rss_mb(), time.perf_counter() - start
+    built, build_s = status_mb("VmRSS"), time.perf_counter() - start
     times = [step(model, optimizer, make_batch(i)) for i in range(steps)]
     print(json.dumps({"size": size, "mode": mode, "build_s": build_s, "rss_after_build_mb": built,
-                      "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                      "peak_rss_mb": status_mb("VmHWM"),
                       "grad_optim_mb": grad_and_optimizer_bytes(model, optimizer) / 2**20, "step_s": times,
                       "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
                       "params": sum(p.numel() for p in model.parameters())}))
@@ -123,6 +125,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
     parser.add_argument("--memory-steps", type=int, default=2, help="steps of each memory subprocess")
     parser.add_argument("--no-large", action="store_true", help="skip the gpt2-large LoRA fit check")
+    parser.add_argument("--only", choices=("time", "memory"), help="only the step times, or only the memory rows")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds allowed to each subprocess")
     parser.add_argument("--child", nargs=2, metavar=("SIZE", "MODE"), help=argparse.SUPPRESS)
     parser.add_argument("--steps", type=int, default=2, help=argparse.SUPPRESS)
@@ -134,26 +137,30 @@ def main() -> None:
     print(f"{BATCH} x {SEQ} tokens, fp32, {args.threads} threads, torch {torch.__version__}; load before: {load()}")
     rows = []
     for size in args.sizes:
-        t = time_size(size, args.rounds)
-        print(f"{size}: step median full {t['full']:.2f} s, LoRA {t['lora']:.2f} s (speed-up {t['full'] / t['lora']:.2f}x); "
-              f"rounds {json.dumps({k: [round(x, 2) for x in v] for k, v in t['all'].items()})}; load {load()}", flush=True)
-        mem = {mode: run_child(size, mode, args.memory_steps, args.threads, args.timeout) for mode in ("full", "lora")}
-        for m in mem.values():
+        t = time_size(size, args.rounds) if args.only != "memory" else None
+        if t:
+            print(f"{size}: step median full {t['full']:.2f} s, LoRA {t['lora']:.2f} s (speed-up "
+                  f"{t['full'] / t['lora']:.2f}x); rounds {json.dumps({k: [round(x, 2) for x in v] for k, v in t['all'].items()})}"
+                  f"; load {load()}", flush=True)
+        mem = ({mode: run_child(size, mode, args.memory_steps, args.threads, args.timeout) for mode in ("full", "lora")}
+               if args.only != "time" else None)
+        for m in (mem or {}).values():
             print(f"  memory {json.dumps(m)}", flush=True)
         rows.append((size, t, mem))
-    print(f"\n| model (load {load()}) | full step | LoRA step | speed-up | peak RSS full / LoRA | grad + optim full / LoRA "
-          "(ratio) | trainable LoRA |")
+    print(f"\n| model (load {load()}) | full step | LoRA step | speed-up | peak RSS full / LoRA | grad + optim full / "
+          "LoRA (ratio) | trainable LoRA |")
     print("|---|---|---|---|---|---|---|")
     for size, t, mem in rows:
-        f, l = mem["full"], mem["lora"]
-        if "error" in f or "error" in l:
-            print(f"| {size} | {t['full']:.2f} s | {t['lora']:.2f} s | {t['full'] / t['lora']:.2f}x | "
-                  f"{f.get('error', '')} {l.get('error', '')} | | |")
+        times = f"{t['full']:.2f} s | {t['lora']:.2f} s | {t['full'] / t['lora']:.2f}x" if t else "- | - | -"
+        if not mem or "error" in mem["full"] or "error" in mem["lora"]:
+            errors = " ".join(m.get("error", "") for m in (mem or {}).values())
+            print(f"| {size} | {times} | {errors or '-'} | - | - |")
             continue
-        print(f"| {size} | {t['full']:.2f} s | {t['lora']:.2f} s | {t['full'] / t['lora']:.2f}x | "
-              f"{f['peak_rss_mb']:.0f} / {l['peak_rss_mb']:.0f} MB | {f['grad_optim_mb']:.0f} / {l['grad_optim_mb']:.1f} MB "
-              f"({l['grad_optim_mb'] / f['grad_optim_mb']:.1%}) | {l['trainable'] / 1e6:.2f}M of {l['params'] / 1e6:.1f}M |")
-    if not args.no_large:
+        f, l = mem["full"], mem["lora"]
+        print(f"| {size} | {times} | {f['peak_rss_mb']:.0f} / {l['peak_rss_mb']:.0f} MB | {f['grad_optim_mb']:.0f} / "
+              f"{l['grad_optim_mb']:.1f} MB ({l['grad_optim_mb'] / f['grad_optim_mb']:.1%}) | "
+              f"{l['trainable'] / 1e6:.2f}M of {l['params'] / 1e6:.1f}M |")
+    if not args.no_large and args.only != "time":
         large = run_child("gpt2-large", "lora", 1, args.threads, args.timeout)
         print(f"\ngpt2-large LoRA, one step (load {load()}): {json.dumps(large)}")
         if "error" not in large:

@@ -236,6 +236,8 @@ def test_a_lora_classifier_run_killed_resumes_to_the_same_adapter_and_merges(tmp
         torch.testing.assert_close(hf(input_ids=ids, attention_mask=mask).last_hidden_state[real],
                                    ours(ids, mask)["last_hidden_state"][real], atol=1e-5, rtol=0)
     assert set(load_file(tmp_path / "full" / "merged" / "extra.safetensors")) == {"classifier.weight", "classifier.bias"}
+    lm = load_adapter(GPT2LMHeadModel.from_pretrained(base_dir), tmp_path / "full" / "best")
+    assert_same_logits(lm, peft_from(base_dir, tmp_path / "full" / "best"), 64)  # PEFT reads a run's best/ as it is
 
 
 def test_paraphrase_and_sonnet_clis_train_adapters_and_refuse_contradictions(tmp_path, capsys):

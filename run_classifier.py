@@ -28,6 +28,7 @@ from pathlib import Path
 from models.hub import shared_dir
 from tasks.classifier import MODES, run
 from tasks.data import NUM_LABELS
+from tasks.lora import add_lora_args, check_lora_args
 from tasks.training import add_model_args, add_training_args, run_cli, start
 
 ROOT = Path(__file__).resolve().parent
@@ -36,8 +37,9 @@ ROOT = Path(__file__).resolve().parent
 def get_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = parser.add_argument_group("model")
-    g.add_argument("--fine-tune-mode", dest="fine_tune_mode", choices=MODES, default="last-linear-layer",
-                   help="last-linear-layer: the GPT-2 body is frozen and only the head learns; full-model: all learn")
+    g.add_argument("--fine-tune-mode", dest="fine_tune_mode", choices=MODES, default=None,
+                   help="last-linear-layer (default): the GPT-2 body is frozen and only the head learns; full-model "
+                        "(the default with --lora_rank): all learn")
     add_model_args(g)
     g.add_argument("--head_dropout", type=float, default=0.3,
                    help="dropout before the linear head (the course's classifier.py called this --hidden_dropout_prob)")
@@ -58,7 +60,11 @@ def get_args(argv=None):
     d.add_argument("--skip_bad_rows", action="store_true", help="skip malformed rows (listed) instead of stopping")
     add_training_args(parser, epochs=10, batch_size=8,
                       lr_help="learning rate (default: 1e-3 for last-linear-layer, 1e-5 for full-model, as the course)")
-    return parser.parse_args(argv)
+    add_lora_args(parser)
+    args = parser.parse_args(argv)
+    check_lora_args(parser, args)
+    args.fine_tune_mode = args.fine_tune_mode or ("full-model" if args.lora_rank else "last-linear-layer")
+    return args
 
 
 def jobs(args):
@@ -83,7 +89,7 @@ def jobs(args):
 def main(argv=None) -> int:
     args = get_args(argv)
     device = start(args)  # output_dir defaults per task below
-    mode = args.fine_tune_mode
+    mode = "lora" if args.lora_rank else args.fine_tune_mode  # names the default prediction files and checkpoints
 
     def job():
         todo = jobs(args)

@@ -22,6 +22,7 @@ import argparse
 import os
 import sys
 
+from tasks.lora import add_lora_args, check_lora_args
 from tasks.paraphrase import MODES, run
 from tasks.training import add_model_args, add_training_args, run_cli, start
 
@@ -50,12 +51,15 @@ def get_args(argv=None):
                    help="prompt for the test file: the course's test prompt, or the train/dev one")
     d.add_argument("--skip_bad_rows", action="store_true", help="skip malformed rows (listed) instead of stopping")
     add_training_args(parser, epochs=10, batch_size=8, lr_help="learning rate (course: 1e-5)")
-    return parser.parse_args(argv)
+    add_lora_args(parser)
+    args = parser.parse_args(argv)
+    check_lora_args(parser, args)
+    return args
 
 
 def main(argv=None) -> int:
     args = get_args(argv)
-    device = start(args, "checkpoints/paraphrase")
+    device = start(args, "checkpoints/paraphrase-lora" if args.lora_rank else "checkpoints/paraphrase")
     return run_cli(lambda: run(args, device))
 
 

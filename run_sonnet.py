@@ -26,6 +26,7 @@ import sys
 from pathlib import Path
 
 from models.hub import shared_dir
+from tasks.lora import add_lora_args, check_lora_args
 from tasks.sonnet import run
 from tasks.training import add_model_args, add_training_args, run_cli, start
 
@@ -72,7 +73,9 @@ def get_args(argv=None):
                    help="no model: write and grade the prompts alone, or each followed by lines 4-14 of a random "
                         "training sonnet (chosen with --seed)")
     add_training_args(parser, epochs=10, batch_size=8, lr_help="learning rate (course: 1e-5)")
+    add_lora_args(parser)
     args = parser.parse_args(argv)
+    check_lora_args(parser, args)
     if args.num_beams < 1 or args.max_new_tokens < 1:
         parser.error("--num_beams and --max_new_tokens must be at least 1")
     if not 0 < args.top_p <= 1 or args.temperature <= 0 or args.top_k < 0 or args.repetition_penalty <= 0:
@@ -82,7 +85,7 @@ def get_args(argv=None):
 
 def main(argv=None) -> int:
     args = get_args(argv)
-    device = start(args, "checkpoints/sonnet")
+    device = start(args, "checkpoints/sonnet-lora" if args.lora_rank else "checkpoints/sonnet")
     return run_cli(lambda: run(args, device))
 
 

@@ -294,6 +294,10 @@ def save_pretrained(body: torch.nn.Module, save_directory: str | os.PathLike) ->
     """
     from safetensors.torch import save_file
 
+    if any(getattr(m, "merged", True) is False for m in body.modules()):  # LoRALinear (modules/lora.py)
+        raise CheckpointError("the model has unmerged LoRA adapters, which this format would silently drop: "
+                              "models.lora.merge_lora(model) first for a full checkpoint, or save_adapter for "
+                              "the adapter alone")
     directory = Path(save_directory)
     directory.mkdir(parents=True, exist_ok=True)
     hf_sd = ours_to_hf({k: v.detach() for k, v in body.state_dict().items()}, body.config.n_layer)

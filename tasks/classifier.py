@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tasks import distributed as dist
+from tasks import lora
 from tasks.data import check_vocab, collate, encode, load_sentiment, load_task_tokenizer
 from tasks.evaluate import classification_metrics, write_predictions
 from tasks.training import (
@@ -72,6 +73,7 @@ def run(args, task: str, train_path: str, dev_path: str, test_path: str | None, 
     seed_everything(args.seed)
     body = build_body(args.model, expect=args.expect, **body_overrides(args))
     model = GPT2SentimentClassifier(body, num_labels, args.head_dropout, args.fine_tune_mode)
+    lora.apply_from_args(model, args)
     tokenizer = load_task_tokenizer(args.tokenizer)
     check_vocab(tokenizer, body.config.vocab_size)
     max_length = min(args.max_length or body.config.n_positions, body.config.n_positions)
@@ -90,7 +92,8 @@ def run(args, task: str, train_path: str, dev_path: str, test_path: str | None, 
                 "dev": str(dev_path), "num_labels": num_labels, "fine_tune_mode": args.fine_tune_mode,
                 "hidden_dropout_prob": args.hidden_dropout_prob, "head_dropout": args.head_dropout, "max_length": max_length, "lr": lr,
                 **{k: getattr(cfg, k) for k in ("epochs", "batch_size", "grad_accum", "weight_decay", "schedule",
-                                                "warmup_ratio", "max_grad_norm", "bf16", "fp16", "seed")}}
+                                                "warmup_ratio", "max_grad_norm", "bf16", "fp16", "seed")},
+                **lora.run_info(args)}
     n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     print(f"model {args.model}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, "
           f"{n_trainable / 1e6:.2f}M trainable; lr {lr:g}; checkpoints in {output_dir}")
@@ -112,4 +115,6 @@ def run(args, task: str, train_path: str, dev_path: str, test_path: str | None, 
                                       args.bf16, "test", args.fp16)
         write_predictions(test_out, [e.id for e in enc["test"]], test_preds, "sentiment")
         print(f"wrote {test_out}")
+    if args.merge_lora:
+        lora.write_merged(model, Path(output_dir) / "merged", tokenizer)
     return {"task": task, **metrics, "best_epoch": result["best"]["epoch"], "history": result["history"]}

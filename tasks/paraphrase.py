@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tasks import distributed as dist
+from tasks import lora
 from tasks.data import (
     Example,
     check_vocab,
@@ -111,6 +112,7 @@ def run(args, device: torch.device) -> dict:
     check_vocab(tokenizer, body.config.vocab_size)
     model = ParaphraseGPT(body, single_token_id(tokenizer, "yes"), single_token_id(tokenizer, "no"),
                           args.fine_tune_mode)
+    lora.apply_from_args(model, args)
     max_length = min(args.max_length or body.config.n_positions, body.config.n_positions)
     # Truncate on the left so the end of the prompt, where the answer goes, is kept.
     enc = {"train": encode(train_ex, tokenizer, max_length, prompt_for_train, "left", "train"),
@@ -134,7 +136,8 @@ def run(args, device: torch.device) -> dict:
                 "dev": str(args.dev), "split_dev": args.split_dev, "fine_tune_mode": args.fine_tune_mode,
                 "hidden_dropout_prob": args.hidden_dropout_prob, "max_length": max_length, "lr": lr,
                 **{k: getattr(cfg, k) for k in ("epochs", "batch_size", "grad_accum", "weight_decay", "schedule",
-                                                "warmup_ratio", "max_grad_norm", "bf16", "fp16", "seed")}}
+                                                "warmup_ratio", "max_grad_norm", "bf16", "fp16", "seed")},
+                **lora.run_info(args)}
     n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     print(f"model {args.model}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, "
           f"{n_trainable / 1e6:.2f}M trainable; lr {lr:g}; yes/no token ids {model.yes_id}/{model.no_id}; "
@@ -158,4 +161,6 @@ def run(args, device: torch.device) -> dict:
         write_predictions(args.test_out, [e.id for e in enc["test"]], to_course_codes(test_preds, model),
                           "paraphrase")
         print(f"wrote {args.test_out}")
+    if args.merge_lora:
+        lora.write_merged(model, Path(args.output_dir) / "merged", tokenizer)
     return {"task": "para", **metrics, "best_epoch": result["best"]["epoch"], "history": result["history"]}

@@ -22,6 +22,7 @@ from torch import nn
 
 from models.gpt2 import GPT2LMHeadModel
 from tasks import distributed as dist
+from tasks import lora
 from tasks.data import Encoded, check_vocab, collate, load_task_tokenizer
 from tasks.training import autocast, body_overrides, build_body, load_weights, seed_everything, train, train_config
 
@@ -305,6 +306,7 @@ def run(args, device: torch.device) -> dict:
 
     seed_everything(args.seed)
     model = SonnetGPT(build_body(args.model, cls=GPT2LMHeadModel, expect=args.expect, **body_overrides(args)))
+    lora.apply_from_args(model, args)
     tokenizer = load_task_tokenizer(args.tokenizer)
     check_vocab(tokenizer, model.config.vocab_size)
     model.to(device)
@@ -332,7 +334,8 @@ def run(args, device: torch.device) -> dict:
                     "dev": str(args.dev_sonnet_path), "max_length": max_length, "lr": lr,
                     "hidden_dropout_prob": args.hidden_dropout_prob, "decoding": asdict(decoding),
                     **{k: getattr(cfg, k) for k in ("epochs", "batch_size", "grad_accum", "weight_decay", "schedule",
-                                                    "warmup_ratio", "max_grad_norm", "bf16", "fp16", "seed")}}
+                                                    "warmup_ratio", "max_grad_norm", "bf16", "fp16", "seed")},
+                    **lora.run_info(args)}
         print(f"fine-tuning: lr {lr:g}, {cfg.epochs} epochs of {len(enc_train)} sonnets; "
               f"checkpoints in {args.output_dir}")
         result = train(model, len(enc_train), lambda idx: collate([enc_train[i] for i in idx], pad), loss_fn, evaluate,
@@ -343,6 +346,8 @@ def run(args, device: torch.device) -> dict:
         print(f"best epoch {result['best']['epoch']}: dev chrF {result['best']['metrics']['chrf']:.2f}")
     with autocast(device, args.bf16, args.fp16):
         dev_texts, test_texts = generate_all(model, dev_prompts), generate_all(model, test_prompts)
+    if args.merge_lora:
+        lora.write_merged(model, Path(args.output_dir) / "merged", tokenizer)
     return _finish(args, dev_texts, test_texts, describe(decoding))
 
 

@@ -42,6 +42,7 @@ from models.gpt2 import GPT2Model
 from models.loading import load_pretrained
 from optimizer import AdamW, make_lr_scheduler, param_groups_for_weight_decay
 from tasks import distributed as dist
+from tasks import lora
 from tasks.checkpoint import capture_rng, check_resume_settings, load_checkpoint, resolve, restore_rng, save_checkpoint
 
 
@@ -192,9 +193,10 @@ def load_weights(model: nn.Module, folder: str | Path):
     """Load a checkpoint folder's weights into `model` (verified against its manifest); returns the Checkpoint."""
     ck = load_checkpoint(folder)
     body, head_keys = split_model(model)
-    loaded = type(body).from_pretrained(ck.path)
-    check_architecture(loaded.config, body.config, ck.path)
-    body.load_state_dict(loaded.state_dict())
+    if not lora.load_if_adapter(model, ck.path):  # a LoRA run's checkpoint holds the adapter, not the frozen base
+        loaded = type(body).from_pretrained(ck.path)
+        check_architecture(loaded.config, body.config, ck.path)
+        body.load_state_dict(loaded.state_dict())
     if set(ck.extra_tensors) != set(head_keys):
         raise ValueError(f"checkpoint {ck.path} holds head tensors {sorted(ck.extra_tensors)}, "
                          f"the model expects {sorted(head_keys)}")
@@ -222,7 +224,7 @@ def check_architecture(saved, model_config, source) -> None:
 def _save(folder: Path, model, *, state, optimizer=None, scheduler=None, tokenizer=None) -> None:
     body, head_keys = split_model(model)
     sd = model.state_dict()
-    save_checkpoint(folder, body, optimizer=optimizer, scheduler=scheduler, state=state,
+    save_checkpoint(folder, lora.checkpoint_part(model) or body, optimizer=optimizer, scheduler=scheduler, state=state,
                     extra_tensors={k: sd[k] for k in head_keys}, tokenizer=tokenizer)
 
 

@@ -142,7 +142,9 @@ class AttentionFn(torch.autograd.Function):
         probs = torch.exp(scores - lse)
         if keep is not None:
             probs = probs * keep / (1 - p)
-        out = probs @ v  # (B, h, T, d)
+        # (B, h, T, d) laid out as (B, T, h, d): merging the heads afterwards is then a view, and the tensor saved
+        # here is the one the output projection saves too, not a second copy of it
+        out = (probs @ v).transpose(1, 2).contiguous().transpose(1, 2)
         ctx.save_for_backward(q, k, v, out, lse, mask, keep)
         ctx.scale, ctx.p = scale, p
         return out

@@ -230,7 +230,8 @@ class ManualLayerNorm(nn.LayerNorm):
 
 class ManualAttention(nn.Module):
     """The attention core of CausalSelfAttention (after the projections) with AttentionFn's backward; dropout on the
-    probabilities in training. forward(key, query, value, attention_mask) -> (B, T, C), as CausalSelfAttention.attention."""
+    probabilities in training. forward(key, query, value, attention_mask) -> (B, T, C), as
+    CausalSelfAttention.attention."""
 
     def __init__(self, scale: float, dropout: float):
         super().__init__()

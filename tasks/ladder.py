@@ -55,7 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--learning_rate", type=float, default=1e-3, help="peak learning rate")
     g.add_argument("--bigram_lr", type=float, default=1e-2,
                    help="peak learning rate of the bigram rung (the lecture's bigram.py: a table needs larger steps)")
-    g.add_argument("--min_lr", type=float, default=1e-4, help="floor of the cosine decay of --learning_rate (the bigram decays by the same ratio)")
+    g.add_argument("--min_lr", type=float, default=1e-4,
+                   help="floor of the cosine decay of --learning_rate (the bigram decays by the same ratio)")
     g.add_argument("--warmup_iters", type=int, default=100, help="linear warmup steps")
     g.add_argument("--weight_decay", type=float, default=0.1, help="AdamW decay of weight matrices")
     g.add_argument("--grad_clip", type=float, default=1.0, help="gradient norm clip (0: off)")

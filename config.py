@@ -70,6 +70,7 @@ class _Alias:
 
 ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh", "gelu", "relu")
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
+BACKWARDS = ("autograd", "manual")
 
 
 @dataclass(kw_only=True, init=False)
@@ -95,6 +96,7 @@ class GPT2Config:
     eos_token_id: int | None = 50256
     pad_token_id: int | None = None  # informational; padding is given by the attention mask, never by this id
     attn_implementation: str = "sdpa"  # "sdpa" (F.scaled_dot_product_attention) or "eager" (explicit softmax)
+    backward: str = "autograd"  # "manual": hand-derived backward passes (modules/manual_backward.py), same forward
     # HF fields we read but do not change behaviour on (kept so configs round-trip).
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
@@ -157,6 +159,11 @@ class GPT2Config:
             raise ValueError(
                 f"GPT2Config.attn_implementation must be one of {ATTN_IMPLEMENTATIONS}, got {self.attn_implementation!r}"
             )
+        if self.backward not in BACKWARDS:
+            raise ValueError(f"GPT2Config.backward must be one of {BACKWARDS}, got {self.backward!r}")
+        if self.backward == "manual" and self.activation_function not in ("gelu_new", "gelu_pytorch_tanh"):
+            raise ValueError(f"GPT2Config(backward='manual') has a hand-derived backward for the tanh GELU only; "
+                             f"activation_function={self.activation_function!r} needs backward='autograd'")
 
     # ---- derived sizes -------------------------------------------------------------------------------------------
     @property
@@ -214,7 +221,8 @@ class GPT2Config:
     # ---- export --------------------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         """An HF-style config.json dict that `transformers.GPT2Config` reads."""
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("extra", "attn_implementation")}
+        runtime = ("extra", "attn_implementation", "backward")  # choices of this process, not of the checkpoint
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in runtime}
         out = {**self.extra, **d}
         out.update(model_type="gpt2", architectures=["GPT2LMHeadModel"], activation_function=self.activation_function)
         out["tie_word_embeddings"] = True

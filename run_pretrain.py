@@ -10,6 +10,9 @@
     # two processes sharing each batch (DDP; gloo on CPU, nccl on GPUs): the same weights as one process
     torchrun --standalone --nproc_per_node=2 run_pretrain.py --data ../shared/data/tinyshakespeare/input.txt \\
         --out_dir out/shakespeare-char-ddp
+    # the bigram baseline of the same corpus (a next-token table; the lecture trains it with lr 1e-2)
+    python run_pretrain.py --arch bigram --learning_rate 1e-2 --min_lr 1e-3 \\
+        --data ../shared/data/tinyshakespeare/input.txt --out_dir out/shakespeare-bigram
     # sample from a saved checkpoint
     python run_pretrain.py --sample --model out/shakespeare-char/best --prompt "ROMEO:" --max_new_tokens 500 \\
         --temperature 0.8 --top_k 200 --num_samples 3
@@ -52,6 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--val_fraction", type=float, default=0.1, help="last fraction of the token ids held out for val")
     g.add_argument("--data_dir", help="cache for the encoded ids (default: OUT_DIR/data)")
     g = p.add_argument_group("model (random init)")
+    g.add_argument("--arch", choices=("gpt2", "bigram"), default="gpt2",
+                   help="gpt2, or bigram: a table of next-token logits (the floor of 'Let's build GPT'; no sizes)")
     g.add_argument("--preset", choices=sorted(PRESETS), help="start from a GPT-2 size (n_positions 1024)")
     g.add_argument("--n_layer", type=_positive(int), help="transformer blocks (default 4, or the preset's)")
     g.add_argument("--n_head", type=_positive(int), help="attention heads (default 4, or the preset's)")
@@ -124,6 +129,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(f"--dropout must be in [0, 1), got {args.dropout}")
     if args.top_p is not None and not 0 < args.top_p <= 1:
         parser.error(f"--top_p must be in (0, 1], got {args.top_p}")
+    if args.arch == "bigram":
+        given = [f"--{k}" for k in ("preset", "n_layer", "n_head", "n_embd") if getattr(args, k)]
+        given += ["--dropout"] * bool(args.dropout) + ["--gradient_checkpointing"] * args.gradient_checkpointing
+        if given:
+            parser.error(f"--arch bigram is a (vocab x vocab) table: {', '.join(given)} do(es) not apply to it")
     if args.resume and args.overwrite:
         parser.error("--resume continues the run in --out_dir and --overwrite deletes it: pass one of them")
     return args

@@ -69,31 +69,7 @@ def precise_val_loss(out_dir: Path, data: Path) -> float:
     tokenizer = pretrain.tokenizer_for(folder)
     corpus = pretrain.prepare_corpus(data, tokenizer, out_dir / "data")
     model = GPT2LMHeadModel.from_pretrained(folder)
-    return full_loss(model, corpus.val, model.config.n_positions)
-
-
-def full_loss(model, tokens, block_size: int, batch_size: int = 64) -> float:
-    """Loss over a whole split in consecutive windows (every token but the first predicted once): a precise figure
-    to put beside the random-batch estimate."""
-    import numpy as np
-    import torch
-
-    from tasks.pretrain import next_token_loss
-
-    was_training = model.training
-    model.eval()
-    n = (len(tokens) - 1) // block_size
-    windows = torch.from_numpy(np.asarray(tokens[: n * block_size + 1]).astype(np.int64))
-    total, count = 0.0, 0
-    for i in range(0, n, batch_size):
-        rows = range(i, min(n, i + batch_size))
-        x = torch.stack([windows[r * block_size: (r + 1) * block_size] for r in rows])
-        y = torch.stack([windows[r * block_size + 1: (r + 1) * block_size + 1] for r in rows])
-        with torch.inference_mode():
-            total += next_token_loss(model, x, y, reduction="sum").item()
-        count += y.numel()
-    model.train(was_training)
-    return total / count
+    return pretrain.full_loss(model, corpus.val, model.config.n_positions)
 
 
 def main() -> None:

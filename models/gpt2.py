@@ -14,6 +14,7 @@ from torch import nn
 from config import GPT2Config
 from models.beam_search import beam_search
 from models.generation import generate
+from modules import manual_backward
 from modules.attention import KVCache
 from modules.gpt2_layer import GPT2Layer
 from modules.masks import build_attention_mask, position_ids_from_mask  # noqa: F401 (re-exported)
@@ -33,7 +34,10 @@ class GPT2Model(nn.Module):
         self.embed_dropout = nn.Dropout(config.embd_pdrop)
         self.register_buffer("position_ids", torch.arange(config.n_positions).unsqueeze(0), persistent=False)
         self.gpt_layers = nn.ModuleList([GPT2Layer(config, i) for i in range(config.n_layer)])
-        self.final_layer_norm = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+        manual = config.backward == "manual"  # hand-derived backward passes (modules/manual_backward.py)
+        LayerNorm = manual_backward.ManualLayerNorm if manual else nn.LayerNorm
+        self.final_layer_norm = LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+        self.lm_linear = manual_backward.linear if manual else F.linear
         self.gradient_checkpointing = False  # recompute each block in backward to save activation memory
         self.apply(self._init_weights)
         # GPT-2 paper: scale the init of projections that write into the residual stream by 1/sqrt(#residual layers).
@@ -116,7 +120,7 @@ class GPT2Model(nn.Module):
 
     def hidden_state_to_token(self, hidden_state: torch.Tensor) -> torch.Tensor:
         """(..., C) -> (..., vocab) logits with the weights tied to the token embedding."""
-        return F.linear(hidden_state, self.word_embedding.weight)
+        return self.lm_linear(hidden_state, self.word_embedding.weight)
 
     def new_cache(self, batch_size: int, capacity: int, dtype: torch.dtype | None = None) -> KVCache:
         c = self.config
@@ -176,6 +180,7 @@ class GPT2LMHeadModel(nn.Module):
         super().__init__()
         self.config = config
         self.gpt = GPT2Model(config)
+        self.cross_entropy = manual_backward.cross_entropy if config.backward == "manual" else F.cross_entropy
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
@@ -186,7 +191,7 @@ class GPT2LMHeadModel(nn.Module):
         logits = self.gpt.hidden_state_to_token(out["last_hidden_state"])  # (B, T, V)
         loss = None
         if labels is not None:
-            loss = lm_loss(logits, labels, attention_mask, input_ids.shape[1])
+            loss = lm_loss(logits, labels, attention_mask, input_ids.shape[1], self.cross_entropy)
         result = {"logits": logits, "loss": loss}
         if use_cache:
             result["past_key_values"] = out["past_key_values"]
@@ -225,7 +230,8 @@ class GPT2LMHeadModel(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
 
-def lm_loss(logits: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor | None, num_new: int) -> torch.Tensor:
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor | None, num_new: int,
+            cross_entropy=F.cross_entropy) -> torch.Tensor:
     """Shifted next-token cross-entropy (fp32), ignoring -100 labels and pairs that touch padding."""
     if labels.shape != logits.shape[:2]:
         raise ValueError(f"labels must have shape {tuple(logits.shape[:2])}, got {tuple(labels.shape)}")
@@ -234,4 +240,4 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Te
     if attention_mask is not None:  # a target counts only if it and the position predicting it are real tokens
         real = attention_mask[:, -num_new:].bool()
         targets = targets.masked_fill(~(F.pad(real[:, 1:], (0, 1)) & real), -100)
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
+    return cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)

@@ -8,6 +8,8 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
+from modules.manual_backward import ManualAttention, ManualLinear
+
 
 class KVCache:
     """Keys and values of every layer for the tokens seen so far, in buffers allocated once.
@@ -60,14 +62,17 @@ class CausalSelfAttention(nn.Module):
         self.attention_head_size = config.n_embd // config.n_head
         self.all_head_size = config.n_embd
         self.layer_idx = layer_idx
-        self.query = nn.Linear(config.n_embd, self.all_head_size)
-        self.key = nn.Linear(config.n_embd, self.all_head_size)
-        self.value = nn.Linear(config.n_embd, self.all_head_size)
+        Linear = ManualLinear if config.backward == "manual" else nn.Linear
+        self.query = Linear(config.n_embd, self.all_head_size)
+        self.key = Linear(config.n_embd, self.all_head_size)
+        self.value = Linear(config.n_embd, self.all_head_size)
         self.dropout = nn.Dropout(config.attn_pdrop)
         self.scale = 1.0 / math.sqrt(self.attention_head_size) if config.scale_attn_weights else 1.0
         if config.scale_attn_by_inverse_layer_idx:
             self.scale /= layer_idx + 1
-        self.use_sdpa = config.attn_implementation == "sdpa"
+        self.use_sdpa = config.attn_implementation == "sdpa" and config.backward == "autograd"
+        # backward="manual": the core of the explicit path as one Function with a hand-derived backward
+        self.manual = ManualAttention(self.scale, config.attn_pdrop) if config.backward == "manual" else None
 
     def transform(self, x: torch.Tensor, linear_layer: nn.Linear) -> torch.Tensor:
         """Project (B, T, C) and split heads -> (B, nh, T, hs)."""
@@ -102,6 +107,8 @@ class CausalSelfAttention(nn.Module):
         T, S = query.shape[2], key.shape[2]
         if attention_mask is None and 1 < T < S:  # several new tokens after cached ones: causal is bottom-right
             attention_mask = torch.ones(T, S, dtype=torch.bool, device=query.device).tril(S - T)
+        if self.manual is not None:
+            return self.manual(key, query, value, attention_mask)
         if not self.use_sdpa:
             return self.attention(key, query, value, attention_mask)
         is_causal = attention_mask is None and T > 1

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from modules.attention import CausalSelfAttention, KVCache
+from modules.manual_backward import ManualLayerNorm, ManualLinear, gelu_tanh
 
 ACTIVATION_FNS = {
     "gelu_new": lambda x: F.gelu(x, approximate="tanh"),  # GPT-2's GELU is the tanh approximation
@@ -18,16 +19,18 @@ ACTIVATION_FNS = {
 class GPT2Layer(nn.Module):
     def __init__(self, config, layer_idx: int = 0):
         super().__init__()
+        manual = config.backward == "manual"  # hand-derived backward passes, same parameters and forward
+        Linear, LayerNorm = (ManualLinear, ManualLayerNorm) if manual else (nn.Linear, nn.LayerNorm)
         # Multi-head attention.
         self.self_attention = CausalSelfAttention(config, layer_idx)
-        self.attention_dense = nn.Linear(config.n_embd, config.n_embd)
-        self.attention_layer_norm = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+        self.attention_dense = Linear(config.n_embd, config.n_embd)
+        self.attention_layer_norm = LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
         self.attention_dropout = nn.Dropout(config.resid_pdrop)
         # Feed forward.
-        self.interm_dense = nn.Linear(config.n_embd, config.inner_dim)
-        self.interm_af = ACTIVATION_FNS[config.activation_function]
-        self.out_dense = nn.Linear(config.inner_dim, config.n_embd)
-        self.out_layer_norm = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+        self.interm_dense = Linear(config.n_embd, config.inner_dim)
+        self.interm_af = gelu_tanh if manual else ACTIVATION_FNS[config.activation_function]
+        self.out_dense = Linear(config.inner_dim, config.n_embd)
+        self.out_layer_norm = LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
         self.out_dropout = nn.Dropout(config.resid_pdrop)
 
     def add(self, input: torch.Tensor, output: torch.Tensor, dense_layer: nn.Linear, dropout: nn.Dropout) -> torch.Tensor:

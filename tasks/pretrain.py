@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from config import GPT2Config
+from models.bigram import BigramConfig, BigramLM, load_lm
 from models.generation import process_logits
 from models.gpt2 import GPT2LMHeadModel
 from models.hub import expand, load_tokenizer
@@ -374,6 +375,25 @@ def estimate_loss(model, splits: dict[str, np.ndarray], eval_iters: int, batch_s
     return losses
 
 
+@torch.inference_mode()
+def full_loss(model, tokens: np.ndarray, block_size: int, batch_size: int = 64) -> float:
+    """Loss over a whole split in consecutive windows (every token but the first predicted once): a precise figure
+    to put beside the random-batch estimate."""
+    was_training = model.training
+    model.eval()
+    n = (len(tokens) - 1) // block_size
+    windows = torch.from_numpy(np.asarray(tokens[: n * block_size + 1]).astype(np.int64))
+    total, count = 0.0, 0
+    for i in range(0, n, batch_size):
+        rows = range(i, min(n, i + batch_size))
+        x = torch.stack([windows[r * block_size: (r + 1) * block_size] for r in rows])
+        y = torch.stack([windows[r * block_size + 1: (r + 1) * block_size + 1] for r in rows])
+        total += next_token_loss(model, x, y, reduction="sum").item()
+        count += y.numel()
+    model.train(was_training)
+    return total / count
+
+
 # ---- model -----------------------------------------------------------------------------------------------------
 
 def build_config(args, tokenizer) -> GPT2Config:
@@ -455,17 +475,24 @@ def setup(args):
         corpus = prepare_corpus(args.data, tokenizer, args.data_dir or out_dir / "data", args.val_fraction)
     check_split_sizes(corpus, args.block_size)
     if ck is not None:
-        model = GPT2LMHeadModel.from_pretrained(ck.path)
+        model = load_lm(ck.path)
+        if isinstance(model, BigramLM) != (getattr(args, "arch", "gpt2") == "bigram"):
+            raise ValueError(f"--resume: {ck.path} holds a {type(model).__name__}, not --arch {args.arch}")
         asked = {k: getattr(args, k) for k in ("n_layer", "n_head", "n_embd", "n_positions") if getattr(args, k)}
         check_architecture(model.config, model.config.replace(**asked), resume_from)  # flags vs checkpoint
         check_block_size(args.block_size, model.config)
     else:
         torch.manual_seed(args.seed)
-        model = GPT2LMHeadModel(build_config(args, corpus.tokenizer))
+        if getattr(args, "arch", "gpt2") == "bigram":
+            config = BigramConfig(vocab_size=len(corpus.tokenizer), n_positions=args.n_positions or args.block_size)
+            model = BigramLM(config)
+        else:
+            model = GPT2LMHeadModel(build_config(args, corpus.tokenizer))
     if len(corpus.tokenizer) > model.config.vocab_size:  # ids past the embedding would fail mid-run (or on GPU, worse)
         raise ValueError(f"the tokenizer has {len(corpus.tokenizer)} tokens but the model's embedding only "
                          f"{model.config.vocab_size} rows ({resume_from or 'new model'})")
-    model.gpt.gradient_checkpointing = getattr(args, "gradient_checkpointing", False)
+    if hasattr(model, "gpt"):  # a bigram table has no blocks to recompute
+        model.gpt.gradient_checkpointing = getattr(args, "gradient_checkpointing", False)
     return out_dir, ck, corpus, model.to(args.device).train()
 
 
@@ -512,8 +539,9 @@ def train(args) -> dict[str, Any]:
     start_step = step
     print(f"corpus {args.data}: {corpus.meta['num_tokens']:,} tokens ({len(corpus.train):,} train, "
           f"{len(corpus.val):,} val), vocab {len(tokenizer)}; model {model.num_parameters() / 1e6:.2f}M parameters, "
-          f"{model.config.n_layer} layers, {model.config.n_head} heads, n_embd {model.config.n_embd}, "
-          f"block {args.block_size}; {_threads_note(workers)}; ready in {time.perf_counter() - t_start:.1f} s")
+          + (f"{model.config.n_layer} layers, {model.config.n_head} heads, n_embd {model.config.n_embd}, "
+             if hasattr(model, "gpt") else "a bigram table, ")
+          + f"block {args.block_size}; {_threads_note(workers)}; ready in {time.perf_counter() - t_start:.1f} s")
 
     splits = {"train": corpus.train, "val": corpus.val}
     tokens_per_step = args.batch_size * args.block_size * args.grad_accum
@@ -721,7 +749,7 @@ def load_for_sampling(folder: str | os.PathLike, tokenizer_spec: str | None = No
     if not has_tokenizer and tokenizer_spec in (None, "char"):
         raise FileNotFoundError(f"{folder} holds no tokenizer ({VOCAB_FILE} or tokenizer files); pass --tokenizer")
     tokenizer = tokenizer_for(folder if has_tokenizer else tokenizer_spec)
-    model = GPT2LMHeadModel.from_pretrained(folder).eval()
+    model = load_lm(folder).eval()  # a GPT-2 or a bigram table (--arch bigram)
     if len(tokenizer) > model.config.vocab_size:
         raise ValueError(f"tokenizer has {len(tokenizer)} tokens but the model in {folder} only "
                          f"{model.config.vocab_size}")

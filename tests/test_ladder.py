@@ -1,0 +1,177 @@
+"""The learning path: the bigram baseline (models/bigram.py, run_pretrain.py --arch bigram) and the ladder of
+"Let's build GPT" (models/ladder.py, python -m tasks.ladder)."""
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import run_pretrain
+from models.bigram import BigramConfig, BigramLM, load_lm
+from models.ladder import RUNGS, LadderLM, Residual, build_rung
+from optimizer import AdamW
+from tasks import ladder
+
+ENGLISH = "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n" * 30
+KOREAN = "옛날 옛적에 호랑이가 살았습니다.\n호랑이는 떡을 좋아했습니다.\n어머니는 떡을 팔러 갔습니다.\n" * 30
+FAST = ["--max_iters", "6", "--eval_interval", "3", "--eval_iters", "1", "--warmup_iters", "1", "--batch_size", "4",
+        "--block_size", "16", "--n_layer", "2", "--n_head", "2", "--n_embd", "16", "--threads", "1"]
+
+
+def count_entropy(ids: np.ndarray, vocab: int) -> tuple[float, torch.Tensor]:
+    """Cross-entropy of the count-based bigram estimate on the pairs it was counted from, and its log table."""
+    counts = np.zeros((vocab, vocab))
+    np.add.at(counts, (ids[:-1], ids[1:]), 1)
+    probs = counts / np.maximum(counts.sum(1, keepdims=True), 1)
+    ce = -np.mean(np.log(probs[ids[:-1], ids[1:]]))
+    with np.errstate(divide="ignore"):  # pairs never seen get probability 0, logit -inf
+        return float(ce), torch.from_numpy(np.log(probs))
+
+
+def test_bigram_loss_reaches_the_cross_entropy_of_the_counts():
+    rng = np.random.default_rng(0)
+    vocab = 7
+    # A skewed Markov chain, so the floor is well below uniform (ln 7 = 1.95).
+    transition = rng.dirichlet(np.full(vocab, 0.3), size=vocab)
+    ids = [0]
+    for u in rng.random(1500):
+        ids.append(min(int(np.searchsorted(transition[ids[-1]].cumsum(), u)), vocab - 1))
+    ids = np.array(ids)
+    floor, log_table = count_entropy(ids, vocab)
+    x, y = torch.from_numpy(ids[:-1])[None], torch.from_numpy(ids[1:])[None]
+    model = BigramLM(BigramConfig(vocab_size=vocab)).double()
+    with torch.no_grad():  # the count estimate itself, as the model's table: its loss is the floor exactly
+        model.token_embedding_table.weight.copy_(log_table)
+    assert model(x, y)["loss"].item() == pytest.approx(floor, abs=1e-12)
+    # Trained by gradient descent from random init, the loss approaches that floor and cannot go below it.
+    model = BigramLM(BigramConfig(vocab_size=vocab)).double()
+    opt = AdamW(model.parameters(), lr=0.2)
+    for _ in range(150):
+        opt.zero_grad()
+        loss = model(x, y)["loss"]
+        loss.backward()
+        opt.step()
+    assert floor - 1e-9 <= model(x, y)["loss"].item() <= floor + 0.005
+    assert floor < math.log(vocab) - 0.3
+
+
+def test_bigram_logits_depend_on_the_current_token_only_and_bad_ids_are_refused():
+    model = BigramLM(BigramConfig(vocab_size=5))
+    ids = torch.tensor([[1, 2, 3, 4]])
+    logits = model(ids)["logits"]
+    assert torch.equal(logits[0, 2], model.token_embedding_table.weight[3])
+    with pytest.raises(ValueError, match=r"input_ids must be in \[0, 5\)"):
+        model(torch.tensor([[1, 5]]))
+    with pytest.raises(ValueError, match="a bigram model has no"):
+        model.config.replace(n_layer=2)
+
+
+def run_bigram(data, out_dir, *extra):
+    return run_pretrain.main(["--arch", "bigram", "--data", str(data), "--out_dir", str(out_dir),
+                              "--block_size", "16", "--batch_size", "8", "--max_iters", "40", "--eval_interval", "20",
+                              "--eval_iters", "2", "--warmup_iters", "2", "--learning_rate", "5e-2", "--min_lr", "1e-3",
+                              "--num_samples", "1", "--max_new_tokens", "30", "--threads", "1", *extra])
+
+
+def test_run_pretrain_arch_bigram_trains_checkpoints_samples_and_resumes(tmp_path, capsys):
+    data = tmp_path / "corpus.txt"
+    data.write_text(ENGLISH, encoding="utf-8")
+    summary = run_bigram(data, tmp_path / "out")
+    vocab = len(set(ENGLISH))
+    assert summary["val_loss"] < math.log(vocab) - 0.5  # well below the uniform guess
+    assert isinstance(load_lm(tmp_path / "out" / "best"), BigramLM)
+    assert len(summary["samples"][0]) == 1 + 30  # the default prompt (newline) and 30 characters
+    sampled = run_pretrain.main(["--sample", "--model", str(tmp_path / "out" / "best"), "--prompt", "Speak",
+                                 "--max_new_tokens", "20"])
+    assert sampled["samples"][0].startswith("Speak") and len(sampled["samples"][0]) == 25
+    resumed = run_bigram(data, tmp_path / "out", "--resume", "--max_iters", "60")
+    assert resumed["step"] == 60
+    with pytest.raises(ValueError, match="holds a BigramLM, not --arch gpt2"):
+        run_pretrain.main(["--data", str(data), "--out_dir", str(tmp_path / "out"), "--resume", "--block_size", "16"])
+    with pytest.raises(SystemExit):
+        run_pretrain.parse_args(["--arch", "bigram", "--data", str(data), "--n_layer", "2"])
+    assert "--n_layer do(es) not apply" in capsys.readouterr().err
+
+
+def test_each_rung_is_causal_and_built_from_its_parts():
+    torch.manual_seed(0)
+    ids = torch.randint(11, (2, 8))
+    later = ids.clone()
+    later[:, 5:] = (later[:, 5:] + 1) % 11
+    for rung in RUNGS:
+        model = build_rung(rung, 11, 8, n_layer=2, n_head=2, n_embd=8, dropout=0.2).eval()
+        with torch.no_grad():  # weights large enough that every token visibly moves the logits it may reach
+            for p in model.parameters():
+                p.normal_(std=0.5)
+            a, b = model(ids)["logits"], model(later)["logits"]
+        torch.testing.assert_close(a[:, :5], b[:, :5], msg=f"{rung}: a later token changed an earlier prediction")
+        assert (a[:, 5:] - b[:, 5:]).abs().amax() > 1e-3, rung
+        if rung == "bigram":
+            continue
+        kinds = {type(m) for m in model.modules()}
+        assert (Residual in kinds) == (RUNGS.index(rung) >= RUNGS.index("residual")), rung
+        assert (torch.nn.LayerNorm in kinds) == (RUNGS.index(rung) >= RUNGS.index("layernorm")), rung
+        assert any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules()) == (rung == "dropout")
+        assert len(model.blocks) == (2 if RUNGS.index(rung) >= RUNGS.index("blocks") else 1)
+        heads = model.blocks[0][0].branch[1] if Residual in kinds else model.blocks[0][0]
+        assert heads.num_attention_heads == (1 if rung == "one_head" else 2)
+    with pytest.raises(ValueError, match="unknown rung"):
+        LadderLM("bigram", build_rung("one_head", 11, 8).config)
+
+
+@pytest.mark.parametrize("text", [ENGLISH, KOREAN], ids=["english", "korean"])
+def test_ladder_runs_end_to_end(tmp_path, text, capsys):
+    data = tmp_path / "corpus.txt"
+    data.write_text(text, encoding="utf-8")
+    results = ladder.main(["--data", str(data), "--out_dir", str(tmp_path / "ladder"), *FAST])
+    assert list(results["rungs"]) == list(RUNGS)
+    assert results["corpus"]["vocab"] == len(set(text))
+    saved = json.loads((tmp_path / "ladder" / "ladder.json").read_text())
+    for rung, r in saved["rungs"].items():
+        assert math.isfinite(r["val_full"]) and [s for s, _, _ in r["curve"]] == [0, 3, 6], rung
+        assert r["val_full"] < r["curve"][0][2] + 0.05, rung  # 6 steps do not make it worse than the start
+    assert (tmp_path / "ladder" / "ladder.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    out = capsys.readouterr().out
+    assert "| residual | + residual connections (with projections) |" in out
+
+
+def test_ladder_runs_a_subset_in_ladder_order_and_refuses_bad_input(tmp_path, capsys):
+    data = tmp_path / "corpus.txt"
+    data.write_text(ENGLISH, encoding="utf-8")
+    results = ladder.main(["--data", str(data), "--out_dir", str(tmp_path / "l"), "--no_plot",
+                           "--rungs", "layernorm", "bigram", *FAST])
+    assert list(results["rungs"]) == ["bigram", "layernorm"]
+    assert not (tmp_path / "l" / "ladder.png").exists()
+    with pytest.raises(SystemExit):
+        ladder.parse_args(["--data", str(data), "--n_embd", "10", "--n_head", "4"])
+    assert "--n_embd 10 must be divisible by --n_head 4" in capsys.readouterr().err
+    with pytest.raises(FileNotFoundError, match="corpus file not found"):
+        ladder.main(["--data", str(tmp_path / "missing.txt"), "--out_dir", str(tmp_path / "l"), *FAST])
+    short = tmp_path / "short.txt"
+    short.write_text("abc", encoding="utf-8")
+    with pytest.raises(ValueError, match="too few for one window"):
+        ladder.main(["--data", str(short), "--out_dir", str(tmp_path / "l"), *FAST])
+
+
+def test_bigram_floor_of_the_ladder_matches_a_direct_count(tmp_path):
+    """The ladder's whole-split val loss of a well-trained bigram is the val cross-entropy of the train counts:
+    F.cross_entropy over the same windows, computed from the counts instead of a trained table."""
+    data = tmp_path / "corpus.txt"
+    data.write_text(ENGLISH, encoding="utf-8")
+    results = ladder.main(["--data", str(data), "--out_dir", str(tmp_path / "b"), "--no_plot", "--rungs", "bigram",
+                           "--max_iters", "300", "--bigram_lr", "0.1", "--eval_interval", "300", "--eval_iters", "1",
+                           "--block_size", "16", "--batch_size", "32", "--threads", "1"])
+    from tasks.pretrain import prepare_corpus
+
+    corpus = prepare_corpus(data, "char", tmp_path / "b" / "data")
+    train, val = np.asarray(corpus.train).astype(np.int64), np.asarray(corpus.val).astype(np.int64)
+    V = len(corpus.tokenizer)
+    counts = np.full((V, V), 1e-3)  # pairs unseen in train get a tiny mass (the text repeats, so none occur in val)
+    np.add.at(counts, (train[:-1], train[1:]), 1)
+    n = (len(val) - 1) // 16 * 16
+    logits = torch.from_numpy(np.log(counts / counts.sum(1, keepdims=True)))[val[:n]]
+    floor = F.cross_entropy(logits, torch.from_numpy(val[1: n + 1])).item()
+    assert results["rungs"]["bigram"]["val_full"] == pytest.approx(floor, abs=0.05)
+    assert floor < math.log(V) - 1  # far from what an untrained table scores

@@ -467,6 +467,10 @@ def setup(args):
         raise FileNotFoundError(f"--resume: no checkpoint (best/ or last/) in {out_dir}")
     ck = load_checkpoint(resume_from) if resume_from else None
     if ck is not None:
+        saved_arch, arch = ck.state.get("args", {}).get("arch", "gpt2"), getattr(args, "arch", "gpt2")
+        if saved_arch != arch:  # named before any other setting: it decides what every other one means
+            kind = "BigramLM" if saved_arch == "bigram" else "GPT2LMHeadModel"
+            raise ValueError(f"--resume: {ck.path} holds a {kind}, not --arch {arch}")
         check_resume_settings(ck.state.get("args", {}), {k: getattr(args, k) for k in RESUME_FIXED + ("max_iters",)},
                               ck.path, extendable=("max_iters",))
     tokenizer = tokenizer_for(ck.path) if ck is not None else (

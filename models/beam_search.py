@@ -26,7 +26,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from models.generation import apply_repetition_penalty, check_request
+from models.generation import apply_repetition_penalty, check_request, decode_lm_head
 from modules.masks import position_ids_from_mask
 
 EARLY_STOPPING = (False, True, "never")
@@ -90,9 +90,10 @@ def beam_search(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | N
         hidden = body(input_ids, mask[:, :T], positions[:, :T], cache, use_cache=True)["last_hidden_state"][:, -1]
         cache.reorder(rows)
         hidden = hidden[rows]  # (B*N, C)
+        lm_head = decode_lm_head(body, hidden.shape[0], max_new_tokens)  # B*N > 1 rows: no copy is made
         for step in range(max_new_tokens):
             new_len, last = step + 1, step == max_new_tokens - 1
-            logp = F.log_softmax(body.hidden_state_to_token(hidden).float(), dim=-1)  # (B*N, V)
+            logp = F.log_softmax(lm_head(hidden).float(), dim=-1)  # (B*N, V)
             if seen is not None:
                 logp = apply_repetition_penalty(logp, seen, repetition_penalty)
             top, index = (scores.view(-1, 1) + logp).view(B, N * V).topk(K, dim=1)  # (B, K), best first

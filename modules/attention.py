@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
+from modules.linear import Linear as DecodeLinear
 from modules.manual_backward import ManualAttention, ManualLinear
 
 
@@ -62,7 +63,7 @@ class CausalSelfAttention(nn.Module):
         self.attention_head_size = config.n_embd // config.n_head
         self.all_head_size = config.n_embd
         self.layer_idx = layer_idx
-        Linear = ManualLinear if config.backward == "manual" else nn.Linear
+        Linear = ManualLinear if config.backward == "manual" else DecodeLinear
         self.query = Linear(config.n_embd, self.all_head_size)
         self.key = Linear(config.n_embd, self.all_head_size)
         self.value = Linear(config.n_embd, self.all_head_size)

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from modules.attention import CausalSelfAttention, KVCache
+from modules.linear import Linear as DecodeLinear
 from modules.manual_backward import ManualLayerNorm, ManualLinear, gelu_tanh
 
 ACTIVATION_FNS = {
@@ -20,7 +21,7 @@ class GPT2Layer(nn.Module):
     def __init__(self, config, layer_idx: int = 0):
         super().__init__()
         manual = config.backward == "manual"  # hand-derived backward passes, same parameters and forward
-        Linear, LayerNorm = (ManualLinear, ManualLayerNorm) if manual else (nn.Linear, nn.LayerNorm)
+        Linear, LayerNorm = (ManualLinear, ManualLayerNorm) if manual else (DecodeLinear, nn.LayerNorm)
         # Multi-head attention.
         self.self_attention = CausalSelfAttention(config, layer_idx)
         self.attention_dense = Linear(config.n_embd, config.n_embd)

@@ -154,3 +154,21 @@ def test_autocast_decoding_writes_bf16_projections_into_an_fp32_cache(monkeypatc
     written = caches[0].keys[:, :, :, :10]  # (layers, B, heads, tokens, head_dim)
     assert torch.equal(written, written.to(torch.bfloat16).float())
     assert (out == ref).all(1).float().mean() >= 0.5  # autocast decoding follows fp32's greedy path on most rows
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_decode_linear_kernel_equals_f_linear(bias):
+    """modules.linear.Linear: a batch of single tokens in inference takes (W @ x.T).T; the values are F.linear's."""
+    from modules.linear import Linear
+
+    torch.manual_seed(0)
+    layer = Linear(48, 80, bias=bias)
+    x = torch.randn(8, 1, 48)
+    with torch.no_grad():
+        got = layer(x)
+    want = F.linear(x, layer.weight, layer.bias)
+    assert got.shape == (8, 1, 80)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(layer(x), want)  # with autograd on (training), F.linear itself
+    with torch.no_grad():  # other shapes: F.linear itself
+        assert torch.equal(layer(torch.ones(1, 1, 48)), F.linear(torch.ones(1, 1, 48), layer.weight, layer.bias))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from modules.linear import weight_first
 from modules.masks import position_ids_from_mask
 
 
@@ -91,7 +92,7 @@ def decode_lm_head(body, batch_size: int, new_tokens: int):
     if weight.device.type != "cpu":
         return body.hidden_state_to_token
     if batch_size > 1:
-        return lambda hidden: (weight @ hidden.t()).t()  # (V, C) @ (C, B) -> (B, V)
+        return lambda hidden: weight_first(hidden, weight)  # (V, C) @ (C, B) -> (B, V)
     if new_tokens >= DECODE_HEAD_COPY_MIN_TOKENS:
         transposed = weight.detach().t().contiguous()  # (C, V), built per call: never stale, freed after it
         return lambda hidden: hidden @ transposed

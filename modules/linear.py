@@ -13,10 +13,14 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def weight_first(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) for x (B, in) computed as (W @ x^T)^T: the faster form on CPUs for a few rows."""
+    out = torch.mm(weight, x.t()) if bias is None else torch.addmm(bias[:, None], weight, x.t())  # (out, B)
+    return out.t()
+
+
 class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 3 and x.shape[1] == 1 and x.shape[0] > 1 and x.is_cpu and not torch.is_grad_enabled():
-            rows = x[:, 0].t()  # (in, B)
-            out = torch.mm(self.weight, rows) if self.bias is None else torch.addmm(self.bias[:, None], self.weight, rows)
-            return out.t()[:, None]  # (B, 1, out)
+            return weight_first(x[:, 0], self.weight, self.bias)[:, None]  # (B, 1, out)
         return F.linear(x, self.weight, self.bias)

@@ -479,11 +479,9 @@ def setup(args):
         corpus = prepare_corpus(args.data, tokenizer, args.data_dir or out_dir / "data", args.val_fraction)
     check_split_sizes(corpus, args.block_size)
     if ck is not None:
-        model = load_lm(ck.path)
-        if isinstance(model, BigramLM) != (getattr(args, "arch", "gpt2") == "bigram"):
-            raise ValueError(f"--resume: {ck.path} holds a {type(model).__name__}, not --arch {args.arch}")
+        model = load_lm(ck.path)  # its kind (--arch) was checked against the saved run's above
         asked = {k: getattr(args, k) for k in ("n_layer", "n_head", "n_embd", "n_positions") if getattr(args, k)}
-        check_architecture(model.config, model.config.replace(**asked), resume_from)  # flags vs checkpoint
+        check_architecture(model.config, model.config.replace(**asked), ck.path)  # flags vs checkpoint
         check_block_size(args.block_size, model.config)
     else:
         torch.manual_seed(args.seed)

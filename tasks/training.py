@@ -529,8 +529,6 @@ def train_config(args, output_dir: str, lr: float, device: torch.device) -> Trai
     for name in ("epochs", "batch_size", "grad_accum", "eval_batch_size"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name} must be at least 1, got {getattr(args, name)}")
-    if args.bf16 and getattr(args, "fp16", False):
-        raise ValueError("--bf16 and --fp16 exclude each other: pick one")
     return TrainConfig(output_dir=output_dir, epochs=args.epochs, batch_size=args.batch_size, lr=lr,
                        weight_decay=args.weight_decay, grad_accum=args.grad_accum, schedule=args.schedule,
                        warmup_ratio=args.warmup_ratio, max_grad_norm=args.max_grad_norm, bf16=args.bf16,

@@ -1,0 +1,197 @@
+"""The metrics log of training runs (tasks/metrics.py)."""
+import json
+import math
+import sys
+
+import numpy as np
+import pytest
+from matplotlib.image import imread
+
+from tasks.metrics import MetricsLog, read_metrics
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def _write_run(out_dir, steps=range(0, 101, 10), eval_every=50, scale=1.0, **kw):
+    """A small run as the training engine logs it; returns what was logged (without "unix")."""
+    logged = []
+    with MetricsLog(out_dir, **kw) as log:
+        for step in steps:
+            record = {"kind": "train", "step": step, "epoch": step // 50, "train_loss": scale * 3.0 / (1 + step / 20),
+                      "lr": 1e-3 * (1 - step / 200), "tokens_per_s": 1000.0 + 37 * (step % 3), "wall_s": 0.5 * step}
+            log.log(record)
+            logged.append(record)
+            if step and step % eval_every == 0:
+                record = {"kind": "eval", "step": step, "epoch": step // 50, "wall_s": 0.5 * step + 0.2,
+                          "val_loss": scale * 3.2 / (1 + step / 20), "dev_acc": 0.4 + step / 400, "dev_f1": 0.3}
+                log.log(record)
+                logged.append(record)
+    return logged
+
+
+def _without_unix(records):
+    return [{k: v for k, v in r.items() if k != "unix"} for r in records]
+
+
+def _assert_png(path, min_size=(500, 800)):
+    assert path.read_bytes()[:8] == PNG_SIGNATURE
+    image = imread(path)
+    assert image.shape[0] >= min_size[0] and image.shape[1] >= min_size[1]
+    rgb = image[..., :3]
+    assert rgb.std() > 0.05  # not a blank canvas
+    assert ((rgb.max(-1) - rgb.min(-1)) > 0.25).mean() > 0.002  # coloured pixels: curves, not only axes and text
+    assert not [p.name for p in path.parent.iterdir() if p.name.endswith(".tmp")]  # the temp file was renamed
+
+
+def test_records_round_trip_as_strict_json_lines(tmp_path):
+    run = tmp_path / "a" / "run"  # folders are created
+    logged = _write_run(run)
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == len(logged) == 13
+    for line in lines:
+        record = json.loads(line)
+        assert isinstance(record["unix"], float) and record["kind"] in ("train", "eval")
+    assert _without_unix(read_metrics(run)) == logged
+    assert read_metrics(run / "metrics.jsonl") == read_metrics(run)
+
+
+def test_appends_across_logs_and_keeps_a_callers_unix(tmp_path):
+    with MetricsLog(tmp_path) as log:
+        log.log({"kind": "train", "step": 1, "train_loss": 1.0, "unix": 5.0})
+    with MetricsLog(tmp_path) as log:
+        log.log({"kind": "train", "step": 2, "train_loss": np.float32(0.5), "note": "ok", "flag": True, "x": None})
+    records = read_metrics(tmp_path)
+    assert records[0] == {"kind": "train", "step": 1, "train_loss": 1.0, "unix": 5.0}
+    assert _without_unix(records[1:]) == [{"kind": "train", "step": 2, "train_loss": 0.5, "note": "ok", "flag": True,
+                                           "x": None}]
+
+
+def test_non_finite_values_are_strings_in_the_file_and_floats_when_read(tmp_path):
+    with MetricsLog(tmp_path) as log:
+        log.log({"kind": "train", "step": 1, "train_loss": float("nan"), "lr": float("inf"), "grad": -math.inf})
+    line = (tmp_path / "metrics.jsonl").read_text()
+    json.loads(line, parse_constant=lambda name: pytest.fail(f"{name} in the file is not JSON"))
+    assert '"train_loss": "nan"' in line and '"lr": "inf"' in line and '"grad": "-inf"' in line
+    (record,) = read_metrics(tmp_path)
+    assert math.isnan(record["train_loss"]) and record["lr"] == math.inf and record["grad"] == -math.inf
+
+
+def test_bad_records_are_refused(tmp_path):
+    with MetricsLog(tmp_path) as log:
+        for bad in ({"step": 1}, {"kind": "evl", "step": 1}, {"kind": "eval"}, {"kind": "eval", "step": 1.5}):
+            with pytest.raises(ValueError, match="kind|step"):
+                log.log(bad)
+        with pytest.raises(TypeError, match="'losses'"):
+            log.log({"kind": "train", "step": 1, "losses": [1.0, 2.0]})
+    with pytest.raises(ValueError, match="closed"):
+        log.log({"kind": "train", "step": 1})
+    assert read_metrics(tmp_path) == []
+
+
+def test_disabled_log_creates_nothing(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # tensorboard is not needed either
+    log = MetricsLog(tmp_path / "run", enabled=False, tensorboard=True)
+    log.log({"kind": "train", "step": 1, "train_loss": 1.0})
+    log.log({"bad": "records are not even checked"})
+    assert log.plot() is None
+    log.close()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_truncated_last_line_is_skipped_with_a_warning(tmp_path):
+    logged = _write_run(tmp_path, steps=[10, 20])
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"kind": "train", "step": 30, "train_lo')  # a crash mid-write
+    with pytest.warns(UserWarning, match="line 3"):
+        assert _without_unix(read_metrics(tmp_path)) == logged
+
+
+def test_reopening_after_a_torn_write_drops_the_torn_line(tmp_path):
+    _write_run(tmp_path, steps=[10])
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"kind": "train", "st')
+    with pytest.warns(UserWarning, match="cut short"):
+        log = MetricsLog(tmp_path)
+    log.log({"kind": "resume", "step": 10})
+    log.close()
+    assert [r["kind"] for r in read_metrics(tmp_path)] == ["train", "resume"]
+    # a whole record that only lost its newline is kept
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"kind": "train", "step": 11, "train_loss": 1.5}')
+    with MetricsLog(tmp_path) as log:
+        log.log({"kind": "train", "step": 12, "train_loss": 1.0})
+    assert [r["step"] for r in read_metrics(tmp_path)] == [10, 10, 11, 12]
+
+
+def test_malformed_middle_line_raises_naming_file_and_line(tmp_path):
+    _write_run(tmp_path, steps=[10, 20, 30])
+    path = tmp_path / "metrics.jsonl"
+    lines = path.read_text().splitlines()
+    lines[1] = lines[1][:-5]
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(ValueError, match=r"metrics\.jsonl, line 2"):
+        read_metrics(tmp_path)
+    path.write_text('{"kind": "train", "step": 1}\n[1, 2]\n{"kind": "train", "step": 2}\n')
+    with pytest.raises(ValueError, match="line 2: not a record"):
+        read_metrics(path)
+
+
+def test_resume_drops_the_rolled_back_steps(tmp_path):
+    _write_run(tmp_path, steps=range(10, 61, 10), eval_every=20)  # crashed after step 60; last checkpoint at 40
+    with MetricsLog(tmp_path) as log:
+        log.log({"kind": "resume", "step": 40})
+        for step in (50, 60, 70):
+            log.log({"kind": "train", "step": step, "train_loss": 0.1 * step})
+    raw = read_metrics(tmp_path, raw=True)
+    assert [(r["kind"], r["step"]) for r in raw] == [
+        ("train", 10), ("train", 20), ("eval", 20), ("train", 30), ("train", 40), ("eval", 40), ("train", 50),
+        ("train", 60), ("eval", 60), ("resume", 40), ("train", 50), ("train", 60), ("train", 70)]
+    kept = read_metrics(tmp_path)
+    assert [(r["kind"], r["step"]) for r in kept] == [
+        ("train", 10), ("train", 20), ("eval", 20), ("train", 30), ("train", 40), ("eval", 40), ("resume", 40),
+        ("train", 50), ("train", 60), ("train", 70)]
+    assert [r["train_loss"] for r in kept if r["step"] > 40] == [5.0, 6.0, 7.0]
+
+
+def test_plot_writes_a_legible_png_with_non_finite_values(tmp_path):
+    already_pyplot = "matplotlib.pyplot" in sys.modules
+    _write_run(tmp_path)
+    with MetricsLog(tmp_path) as log:
+        log.log({"kind": "train", "step": 110, "train_loss": float("nan"), "lr": 1e-4, "tokens_per_s": math.inf})
+        path = log.plot()
+    assert path == tmp_path / "curves.png"
+    _assert_png(path, min_size=(700, 1000))  # 10 x 7 inches at dpi 100
+    assert already_pyplot or "matplotlib.pyplot" not in sys.modules  # pyplot's global backend is left alone
+    assert MetricsLog(tmp_path / "quiet", plot=False).plot() is None
+
+
+def test_plot_with_nothing_to_draw_returns_none(tmp_path):
+    with MetricsLog(tmp_path) as log:
+        log.log({"kind": "resume", "step": 0})
+        assert log.plot() is None
+    assert not (tmp_path / "curves.png").exists()
+
+
+def test_tensorboard_scalars_read_back_and_a_resume_purges_rolled_back_steps(tmp_path):
+    pytest.importorskip("tensorboard", reason="tensorboard is pinned in requirements.txt")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    _write_run(tmp_path, steps=range(10, 61, 10), eval_every=20, tensorboard=True)
+    with MetricsLog(tmp_path, tensorboard=True) as log:
+        log.log({"kind": "resume", "step": 40})
+        log.log({"kind": "train", "step": 50, "train_loss": -1.0, "note": "strings are not scalars"})
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert set(events.Tags()["scalars"]) == {
+        "train/train_loss", "train/lr", "train/tokens_per_s", "train/epoch", "train/wall_s",
+        "eval/val_loss", "eval/dev_acc", "eval/dev_f1", "eval/epoch", "eval/wall_s"}
+    losses = {e.step: e.value for e in events.Scalars("train/train_loss")}
+    assert losses == pytest.approx({10: 2.0, 20: 1.5, 30: 1.2, 40: 1.0, 50: -1.0})  # 60 was rolled back
+    assert [e.step for e in events.Scalars("eval/dev_acc")] == [20, 40]
+    assert events.Scalars("eval/dev_acc")[1].value == pytest.approx(0.5)
+
+
+def test_tensorboard_missing_names_the_install_command(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # as if the package were not installed
+    with pytest.raises(ImportError, match="pip install tensorboard"):
+        MetricsLog(tmp_path, tensorboard=True)

@@ -1,4 +1,4 @@
-"""The metrics log of training runs (tasks/metrics.py)."""
+"""The metrics log of training runs (tasks/metrics.py) and the overlay plot CLI (tasks/plot.py)."""
 import json
 import math
 import sys
@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from matplotlib.image import imread
 
+from tasks import plot as plot_cli
 from tasks.metrics import MetricsLog, read_metrics
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -170,6 +171,32 @@ def test_plot_with_nothing_to_draw_returns_none(tmp_path):
         log.log({"kind": "resume", "step": 0})
         assert log.plot() is None
     assert not (tmp_path / "curves.png").exists()
+
+
+def test_cli_overlays_two_runs(tmp_path, capsys):
+    _write_run(tmp_path / "run-a")
+    _write_run(tmp_path / "run-b", steps=range(0, 61, 10), scale=1.3)
+    out = tmp_path / "figs" / "both.png"
+    assert plot_cli.main([str(tmp_path / "run-a"), str(tmp_path / "run-b"), "--out", str(out)]) == 0
+    assert capsys.readouterr().out.strip() == f"wrote {out}"
+    _assert_png(out)
+    out2 = tmp_path / "wall.png"
+    assert plot_cli.main([str(tmp_path / "run-a"), str(tmp_path / "run-b"), "--out", str(out2), "--x", "wall_s",
+                          "--keys", "val_loss", "dev_acc", "--labels", "A", "B"]) == 0
+    _assert_png(out2)
+
+
+def test_cli_errors_are_one_line(tmp_path, capsys):
+    _write_run(tmp_path / "run-a")
+    (tmp_path / "empty").mkdir()
+    cases = {str(tmp_path / "missing"): "no such run folder", str(tmp_path / "empty"): "has no metrics.jsonl"}
+    for run, message in cases.items():
+        assert plot_cli.main([str(tmp_path / "run-a"), run, "--out", str(tmp_path / "x.png")]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and message in err and err.count("\n") == 1
+    assert plot_cli.main([str(tmp_path / "run-a"), "--keys", "val_los", "--out", str(tmp_path / "x.png")]) == 1
+    assert "val_los" in capsys.readouterr().err
+    assert not (tmp_path / "x.png").exists()
 
 
 def test_tensorboard_scalars_read_back_and_a_resume_purges_rolled_back_steps(tmp_path):

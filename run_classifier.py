@@ -25,16 +25,14 @@ import os
 import sys
 from pathlib import Path
 
-from models.hub import shared_dir
-from tasks.classifier import MODES, run
-from tasks.data import NUM_LABELS
+from tasks.classifier import MODES, ClassifierConfig, run
 from tasks.lora import add_lora_args, check_lora_args
-from tasks.training import add_model_args, add_training_args, run_cli, start
+from tasks.training import add_model_args, add_training_args, run_cli
 
 ROOT = Path(__file__).resolve().parent
 
 
-def get_args(argv=None):
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = parser.add_argument_group("model")
     g.add_argument("--fine-tune-mode", dest="fine_tune_mode", choices=MODES, default=None,
@@ -61,48 +59,19 @@ def get_args(argv=None):
     add_training_args(parser, epochs=10, batch_size=8,
                       lr_help="learning rate (default: 1e-3 for last-linear-layer, 1e-5 for full-model, as the course)")
     add_lora_args(parser)
+    return parser
+
+
+def get_args(argv=None) -> ClassifierConfig:
+    parser = build_parser()
     args = parser.parse_args(argv)
     check_lora_args(parser, args)
-    args.fine_tune_mode = args.fine_tune_mode or ("full-model" if args.lora_rank else "last-linear-layer")
-    return args
-
-
-def jobs(args):
-    """(task, train, dev, test, num_labels) for each dataset to run."""
-    if args.train or args.dev:
-        if not (args.train and args.dev):
-            raise ValueError("--train and --dev go together")
-        if args.task == "both":
-            raise ValueError("--task both runs the course files; with --train give one --task or none")
-        name = args.task or next((t for t in NUM_LABELS if t in Path(args.train).name.lower()), None)
-        num_labels = args.num_labels or NUM_LABELS.get(name)
-        if num_labels is None:
-            raise ValueError(f"cannot tell the number of classes of {args.train}: pass --num_labels")
-        return [(name or "custom", args.train, args.dev, args.test, num_labels)]
-    data_dir = Path(args.data_dir) if args.data_dir else (Path("data") if Path("data/ids-sst-train.csv").is_file()
-                                                          else shared_dir() / "data" / "cs224n")
-    tasks = ("sst", "cfimdb") if args.task in (None, "both") else (args.task,)
-    return [(t, data_dir / f"ids-{t}-train.csv", data_dir / f"ids-{t}-dev.csv", data_dir / f"ids-{t}-test-student.csv",
-             args.num_labels or NUM_LABELS[t]) for t in tasks]
+    return ClassifierConfig(**vars(args))
 
 
 def main(argv=None) -> int:
-    args = get_args(argv)
-    device = start(args)  # output_dir defaults per task below
-    mode = "lora" if args.lora_rank else args.fine_tune_mode  # names the default prediction files and checkpoints
-
-    def job():
-        todo = jobs(args)
-        if len(todo) > 1 and (args.dev_out or args.test_out):
-            raise ValueError("--dev_out / --test_out name one file: use them with a single --task")
-        for task, train, dev, test, num_labels in todo:
-            out = Path(args.output_dir) / task if args.output_dir and len(todo) > 1 else args.output_dir
-            run(args, task, train, dev, test, num_labels,
-                dev_out=args.dev_out or f"predictions/{mode}-{task}-dev-out.csv",
-                test_out=args.test_out or f"predictions/{mode}-{task}-test-out.csv",
-                output_dir=str(out or f"checkpoints/{mode}-{task}"), device=device)
-
-    return run_cli(job)
+    cfg = get_args(argv)
+    return run_cli(lambda: run(cfg))
 
 
 if __name__ == "__main__":

@@ -23,11 +23,11 @@ import os
 import sys
 
 from tasks.lora import add_lora_args, check_lora_args
-from tasks.paraphrase import MODES, run
-from tasks.training import add_model_args, add_training_args, run_cli, start
+from tasks.paraphrase import MODES, ParaphraseConfig, run
+from tasks.training import add_model_args, add_training_args, run_cli
 
 
-def get_args(argv=None):
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = parser.add_argument_group("model")
     g.add_argument("--fine-tune-mode", dest="fine_tune_mode", choices=MODES, default="full-model",
@@ -52,15 +52,19 @@ def get_args(argv=None):
     d.add_argument("--skip_bad_rows", action="store_true", help="skip malformed rows (listed) instead of stopping")
     add_training_args(parser, epochs=10, batch_size=8, lr_help="learning rate (course: 1e-5)")
     add_lora_args(parser)
+    return parser
+
+
+def get_args(argv=None) -> ParaphraseConfig:
+    parser = build_parser()
     args = parser.parse_args(argv)
     check_lora_args(parser, args)
-    return args
+    return ParaphraseConfig(**vars(args))
 
 
 def main(argv=None) -> int:
-    args = get_args(argv)
-    device = start(args, "checkpoints/paraphrase-lora" if args.lora_rank else "checkpoints/paraphrase")
-    return run_cli(lambda: run(args, device))
+    cfg = get_args(argv)
+    return run_cli(lambda: run(cfg))
 
 
 if __name__ == "__main__":

@@ -1,24 +1,24 @@
 """Train a GPT-2 from scratch on a text file, then sample from it ("Let's build GPT").
 
     # nanoGPT's CPU configuration on tiny shakespeare (every default below is that configuration):
-    python run_pretrain.py --data ../shared/data/tinyshakespeare/input.txt --out_dir out/shakespeare-char
+    python run_pretrain.py --data ../shared/data/tinyshakespeare/input.txt --output_dir out/shakespeare-char
     # continue an interrupted run exactly where its last checkpoint left off
-    python run_pretrain.py --data ../shared/data/tinyshakespeare/input.txt --out_dir out/shakespeare-char --resume
+    python run_pretrain.py --data ../shared/data/tinyshakespeare/input.txt --output_dir out/shakespeare-char --resume
     # GPT-2 BPE tokens, a preset size with a shorter context, gradient accumulation
     python run_pretrain.py --data corpus.txt --tokenizer gpt2 --preset gpt2 --n_positions 256 --block_size 256 \\
-        --batch_size 8 --grad_accum 4 --out_dir out/corpus-bpe
+        --batch_size 8 --grad_accum 4 --output_dir out/corpus-bpe
     # two processes sharing each batch (DDP; gloo on CPU, nccl on GPUs): the same weights as one process
     torchrun --standalone --nproc_per_node=2 run_pretrain.py --data ../shared/data/tinyshakespeare/input.txt \\
-        --out_dir out/shakespeare-char-ddp
+        --output_dir out/shakespeare-char-ddp
     # the bigram baseline of the same corpus (a next-token table; the lecture trains it with lr 1e-2)
-    python run_pretrain.py --arch bigram --learning_rate 1e-2 --min_lr 1e-3 \\
-        --data ../shared/data/tinyshakespeare/input.txt --out_dir out/shakespeare-bigram
+    python run_pretrain.py --arch bigram --lr 1e-2 --min_lr 1e-3 \\
+        --data ../shared/data/tinyshakespeare/input.txt --output_dir out/shakespeare-bigram
     # sample from a saved checkpoint
     python run_pretrain.py --sample --model out/shakespeare-char/best --prompt "ROMEO:" --max_new_tokens 500 \\
         --temperature 0.8 --top_k 200 --num_samples 3
 
-The checkpoint folders (out_dir/best, out_dir/last) are Hugging Face model folders with their tokenizer
-(char_vocab.json, or the BPE tokenizer's files) and training state; the token ids live once in out_dir/data.
+The checkpoint folders (OUTPUT_DIR/best, OUTPUT_DIR/last) are Hugging Face model folders with their tokenizer
+(char_vocab.json, or the BPE tokenizer's files) and training state; the token ids live once in OUTPUT_DIR/data.
 """
 from __future__ import annotations
 
@@ -26,7 +26,10 @@ import argparse
 import os
 import sys
 
+import torch
+
 from config import ACTIVATIONS, PRESETS
+from tasks.training import add_device_args, add_precision_args, resolve_dtype
 
 
 def _positive(kind):
@@ -72,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max_iters", type=_non_negative_int, default=2000, help="optimizer steps")
     g.add_argument("--batch_size", type=_positive(int), default=12, help="windows per micro-batch")
     g.add_argument("--grad_accum", type=_positive(int), default=1, help="micro-batches per optimizer step")
-    g.add_argument("--learning_rate", type=_positive(float), default=1e-3, help="peak learning rate")
+    g.add_argument("--lr", "--learning_rate", dest="lr", type=_positive(float), default=1e-3, help="peak learning rate")
     g.add_argument("--min_lr", type=float, default=1e-4, help="floor the cosine decays to")
     g.add_argument("--warmup_iters", type=_non_negative_int, default=100, help="linear warmup steps")
     g.add_argument("--lr_decay_iters", type=_positive(int), help="step where the cosine reaches --min_lr (default --max_iters)")
@@ -81,21 +84,22 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--beta1", type=float, default=0.9, help="AdamW beta1")
     g.add_argument("--beta2", type=float, default=0.99, help="AdamW beta2")
     g.add_argument("--adam_eps", type=float, default=1e-8, help="AdamW epsilon")
-    g.add_argument("--grad_clip", type=float, default=1.0, help="clip the gradient norm to this (0: off)")
-    g.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
-                   help="autocast matmuls: bfloat16 (fast only on CPUs with AVX512-BF16/AMX, or GPUs), or float16 with "
-                        "a gradient scaler (GPUs without bf16; overflowing steps are skipped and counted)")
+    g.add_argument("--max_grad_norm", "--grad_clip", dest="max_grad_norm", type=float, default=1.0,
+                   help="clip the gradient norm to this (0: off)")
+    add_precision_args(g)
     g = p.add_argument_group("evaluation and checkpoints")
     g.add_argument("--eval_interval", type=_positive(int), default=250, help="estimate train/val loss every N steps")
     g.add_argument("--eval_iters", type=_positive(int), default=20, help="random batches per split per estimate")
     g.add_argument("--log_interval", type=_positive(int), default=50, help="print the training loss every N steps")
-    g.add_argument("--out_dir", default="out/pretrain", help="checkpoints best/ and last/, and the id cache")
-    g.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out_dir, with the "
+    g.add_argument("--output_dir", "--out_dir", dest="output_dir", default="out/pretrain",
+                   help="checkpoints best/ and last/, metrics.jsonl, curves.png and the id cache")
+    g.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --output_dir, with the "
                    "run's own settings (a changed one is refused, naming it; --max_iters may be raised to train further)")
     g.add_argument("--overwrite", action="store_true",
-                   help="start afresh, deleting the checkpoints already in --out_dir (the id cache is kept)")
+                   help="start afresh, deleting the checkpoints already in --output_dir (the id cache is kept)")
     g.add_argument("--skip_nonfinite", action="store_true", help="skip (and count) steps whose loss or gradient is "
                    "not finite, instead of stopping the run there")
+    g.add_argument("--tensorboard", action="store_true", help="also write TensorBoard events to OUTPUT_DIR/tensorboard")
     g = p.add_argument_group("sampling (after training, or from a checkpoint with --sample)")
     g.add_argument("--sample", action="store_true", help="only sample from --model (no training)")
     g.add_argument("--model", help="checkpoint or model folder for --sample (default OUT_DIR/best)")
@@ -107,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top_p", type=float, help="nucleus sampling mass in (0, 1]")
     g = p.add_argument_group("system")
     g.add_argument("--seed", type=int, default=1337, help="seeds init, batches and sampling")
-    g.add_argument("--device", default="cpu", help="torch device")
+    add_device_args(g, default="cpu")
     g.add_argument("--threads", type=_non_negative_int, default=0, help="CPU threads (0: torch's default, one per core)")
     g.add_argument("--split_batch", action=argparse.BooleanOptionalAction, default=True,
                    help="split each batch across the threads, one core each, rather than parallelising every "
@@ -120,8 +124,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if not args.sample and not args.data:
         parser.error("--data is required to train (or pass --sample to sample from a checkpoint)")
-    if not 0 <= args.min_lr <= args.learning_rate:
-        parser.error(f"--min_lr must be in [0, --learning_rate], got {args.min_lr}")
+    if not 0 <= args.min_lr <= args.lr:
+        parser.error(f"--min_lr must be in [0, --lr], got {args.min_lr}")
     if args.warmup_iters > (args.lr_decay_iters or args.max_iters):
         parser.error(f"--warmup_iters {args.warmup_iters} is longer than the schedule (--lr_decay_iters, default "
                      f"--max_iters: {args.lr_decay_iters or args.max_iters})")
@@ -134,20 +138,31 @@ def parse_args(argv=None) -> argparse.Namespace:
         given += ["--dropout"] * bool(args.dropout) + ["--gradient_checkpointing"] * args.gradient_checkpointing
         if given:
             parser.error(f"--arch bigram is a (vocab x vocab) table: {', '.join(given)} do(es) not apply to it")
+    try:
+        resolve_dtype(args)
+    except ValueError as e:
+        parser.error(str(e))
+    if args.use_gpu and args.device == "cpu":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.resume and args.overwrite:
-        parser.error("--resume continues the run in --out_dir and --overwrite deletes it: pass one of them")
+        parser.error("--resume continues the run in --output_dir and --overwrite deletes it: pass one of them")
     return args
+
+
+def config_from_args(args: argparse.Namespace):
+    """The parsed flags as tasks.pretrain.PretrainConfig (the course-style switches folded into --dtype / --device)."""
+    from tasks.pretrain import PretrainConfig
+
+    return PretrainConfig(**{k: v for k, v in vars(args).items() if k not in ("bf16", "fp16", "use_gpu")})
 
 
 def main(argv=None) -> dict:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     args = parse_args(argv)
-    import torch
-
     from tasks import distributed, pretrain
 
     if args.sample:
-        model, tokenizer = pretrain.load_for_sampling(args.model or os.path.join(args.out_dir, "best"),
+        model, tokenizer = pretrain.load_for_sampling(args.model or os.path.join(args.output_dir, "best"),
                                                       args.tokenizer)
         gen = torch.Generator().manual_seed(args.seed)
         samples = pretrain.sample_text(model.to(args.device), tokenizer, args.prompt, args.max_new_tokens,
@@ -156,7 +171,7 @@ def main(argv=None) -> dict:
     else:
         distributed.init(args.threads, args.device)  # a no-op unless launched by torchrun
         try:
-            summary = pretrain.train(args)
+            summary = pretrain.train(config_from_args(args))
         finally:
             distributed.cleanup()
         if not summary["main"]:  # a rank other than 0 under torchrun: rank 0 reports

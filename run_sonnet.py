@@ -25,20 +25,14 @@ import os
 import sys
 from pathlib import Path
 
-from models.hub import shared_dir
 from tasks.lora import add_lora_args, check_lora_args
-from tasks.sonnet import run
-from tasks.training import add_model_args, add_training_args, run_cli, start
+from tasks.sonnet import SonnetConfig, course_file, run
+from tasks.training import add_model_args, add_training_args, run_cli
 
 ROOT = Path(__file__).resolve().parent
 
 
-def data_file(name: str) -> str:
-    local = Path("data") / name
-    return str(local if local.is_file() else shared_dir() / "data" / "cs224n" / name)
-
-
-def get_args(argv=None):
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = parser.add_argument_group("model")
     add_model_args(g, "hub id, HF folder (e.g. a run_pretrain.py checkpoint), weights file, or random:key=value,...")
@@ -46,12 +40,12 @@ def get_args(argv=None):
     g.add_argument("--max_length", type=int, default=None,
                    help="cut training sonnets to this many tokens (default and maximum: the model's n_positions)")
     d = parser.add_argument_group("data")
-    d.add_argument("--sonnet_path", default=data_file("sonnets.txt"), help="training sonnets")
-    d.add_argument("--held_out_sonnet_path", default=data_file("sonnets_held_out.txt"),
+    d.add_argument("--sonnet_path", default=course_file("sonnets.txt"), help="training sonnets")
+    d.add_argument("--held_out_sonnet_path", default=course_file("sonnets_held_out.txt"),
                    help="prompts (first 3 lines) to complete into --sonnet_out")
     d.add_argument("--sonnet_out", default="predictions/generated_sonnets.txt", help="completions of the held-out prompts")
-    d.add_argument("--dev_sonnet_path", default=data_file("sonnets_held_out_dev.txt"), help="dev prompts")
-    d.add_argument("--dev_gold_path", default=data_file("TRUE_sonnets_held_out_dev.txt"),
+    d.add_argument("--dev_sonnet_path", default=course_file("sonnets_held_out_dev.txt"), help="dev prompts")
+    d.add_argument("--dev_gold_path", default=course_file("TRUE_sonnets_held_out_dev.txt"),
                    help="the dev sonnets in full, for chrF")
     d.add_argument("--dev_out", default="predictions/generated_sonnets_dev.txt", help="completions of the dev prompts")
     dec = parser.add_argument_group("decoding")
@@ -74,19 +68,23 @@ def get_args(argv=None):
                         "training sonnet (chosen with --seed)")
     add_training_args(parser, epochs=10, batch_size=8, lr_help="learning rate (course: 1e-5)")
     add_lora_args(parser)
+    return parser
+
+
+def get_args(argv=None) -> SonnetConfig:
+    parser = build_parser()
     args = parser.parse_args(argv)
     check_lora_args(parser, args)
     if args.num_beams < 1 or args.max_new_tokens < 1:
         parser.error("--num_beams and --max_new_tokens must be at least 1")
     if not 0 < args.top_p <= 1 or args.temperature <= 0 or args.top_k < 0 or args.repetition_penalty <= 0:
         parser.error("need 0 < --top_p <= 1, --temperature > 0, --top_k >= 0 and --repetition_penalty > 0")
-    return args
+    return SonnetConfig(**vars(args))
 
 
 def main(argv=None) -> int:
-    args = get_args(argv)
-    device = start(args, "checkpoints/sonnet-lora" if args.lora_rank else "checkpoints/sonnet")
-    return run_cli(lambda: run(args, device))
+    cfg = get_args(argv)
+    return run_cli(lambda: run(cfg))
 
 
 if __name__ == "__main__":

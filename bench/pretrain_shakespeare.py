@@ -38,7 +38,7 @@ FINAL_EVAL = re.compile(r"^step +(\d+) \| train ([\d.]+) \| val ([\d.]+)")
 
 def run_once(data: Path, extra: list[str], max_iters: int) -> dict:
     with tempfile.TemporaryDirectory(prefix="pretrain-bench-") as out:
-        cmd = [sys.executable, str(ROOT / "run_pretrain.py"), "--data", str(data), "--out_dir", out,
+        cmd = [sys.executable, str(ROOT / "run_pretrain.py"), "--data", str(data), "--output_dir", out,
                "--max_iters", str(max_iters), *extra]
         load = os.getloadavg()[0]
         start = time.perf_counter()
@@ -65,7 +65,7 @@ def precise_val_loss(out_dir: Path, data: Path) -> float:
     from models.gpt2 import GPT2LMHeadModel
     from tasks import pretrain
 
-    folder = pretrain.find_checkpoint(out_dir)
+    folder = out_dir / "last"  # the final weights
     tokenizer = pretrain.tokenizer_for(folder)
     corpus = pretrain.prepare_corpus(data, tokenizer, out_dir / "data")
     model = GPT2LMHeadModel.from_pretrained(folder)

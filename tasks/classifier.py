@@ -1,24 +1,32 @@
 """Sentiment classification (SST-5, CFIMDB): GPT2SentimentClassifier, its loss and predictions, and `run`, the
-whole task (read, train, reload the best checkpoint, write the course's prediction files) that run_classifier.py calls.
+whole task (read, train, reload the best checkpoint, write the course's prediction files) that run_classifier.py calls:
+
+    from tasks.classifier import ClassifierConfig, run
+    run(ClassifierConfig(task="sst", model="random:n_layer=2,n_head=2,n_embd=64", fine_tune_mode="full-model",
+                         lr=3e-4, epochs=1, output_dir="checkpoints/sst-small"))
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.hub import shared_dir
 from tasks import distributed as dist
 from tasks import lora
-from tasks.data import check_vocab, collate, encode, load_sentiment, load_task_tokenizer
+from tasks.data import NUM_LABELS, check_vocab, collate, encode, load_sentiment, load_task_tokenizer
+from tasks.engine import load_weights
 from tasks.evaluate import classification_metrics, write_predictions
 from tasks.training import (
+    FineTuneConfig,
     body_overrides,
     build_body,
-    load_weights,
     predict_in_order,
     seed_everything,
+    start,
     train,
     train_config,
 )
@@ -61,8 +69,64 @@ def predict_labels(model, input_ids, attention_mask) -> torch.Tensor:
     return model(input_ids, attention_mask).argmax(-1)
 
 
-def run(args, task: str, train_path: str, dev_path: str, test_path: str | None, num_labels: int,
-        dev_out: str, test_out: str | None, output_dir: str, device: torch.device) -> dict | None:
+@dataclass
+class ClassifierConfig(FineTuneConfig):
+    """run_classifier.py's flags (see FineTuneConfig for the shared ones)."""
+    fine_tune_mode: str | None = None  # last-linear-layer, or full-model (the default with lora_rank)
+    head_dropout: float = 0.3
+    tokenizer: str = "gpt2"
+    max_length: int | None = None
+    task: str | None = None  # sst, cfimdb or both (default: both, or the one named by train)
+    data_dir: str | None = None
+    train: str | None = None
+    dev: str | None = None
+    test: str | None = None
+    num_labels: int | None = None
+    dev_out: str | None = None
+    test_out: str | None = None
+    skip_bad_rows: bool = False
+
+
+def jobs(args) -> list[tuple]:
+    """(task, train, dev, test, num_labels) for each dataset to run."""
+    if args.train or args.dev:
+        if not (args.train and args.dev):
+            raise ValueError("--train and --dev go together")
+        if args.task == "both":
+            raise ValueError("--task both runs the course files; with --train give one --task or none")
+        name = args.task or next((t for t in NUM_LABELS if t in Path(args.train).name.lower()), None)
+        num_labels = args.num_labels or NUM_LABELS.get(name)
+        if num_labels is None:
+            raise ValueError(f"cannot tell the number of classes of {args.train}: pass --num_labels")
+        return [(name or "custom", args.train, args.dev, args.test, num_labels)]
+    data_dir = Path(args.data_dir) if args.data_dir else (Path("data") if Path("data/ids-sst-train.csv").is_file()
+                                                          else shared_dir() / "data" / "cs224n")
+    tasks = ("sst", "cfimdb") if args.task in (None, "both") else (args.task,)
+    return [(t, data_dir / f"ids-{t}-train.csv", data_dir / f"ids-{t}-dev.csv", data_dir / f"ids-{t}-test-student.csv",
+             args.num_labels or NUM_LABELS[t]) for t in tasks]
+
+
+def run(cfg: ClassifierConfig) -> list[dict | None]:
+    """The whole of run_classifier.py: for each dataset (SST then CFIMDB, or the given files) train, reload the best
+    dev checkpoint and write the course's prediction files. Returns each dataset's result."""
+    cfg.fine_tune_mode = cfg.fine_tune_mode or ("full-model" if cfg.lora_rank else "last-linear-layer")
+    device = start(cfg)  # output_dir defaults per task below
+    mode = "lora" if cfg.lora_rank else cfg.fine_tune_mode  # names the default prediction files and checkpoints
+    todo = jobs(cfg)
+    if len(todo) > 1 and (cfg.dev_out or cfg.test_out):
+        raise ValueError("--dev_out / --test_out name one file: use them with a single --task")
+    results = []
+    for task, train_path, dev_path, test_path, num_labels in todo:
+        out = Path(cfg.output_dir) / task if cfg.output_dir and len(todo) > 1 else cfg.output_dir
+        results.append(run_dataset(cfg, task, train_path, dev_path, test_path, num_labels,
+                                   dev_out=cfg.dev_out or f"predictions/{mode}-{task}-dev-out.csv",
+                                   test_out=cfg.test_out or f"predictions/{mode}-{task}-test-out.csv",
+                                   output_dir=str(out or f"checkpoints/{mode}-{task}"), device=device))
+    return results
+
+
+def run_dataset(args, task: str, train_path: str, dev_path: str, test_path: str | None, num_labels: int,
+                dev_out: str, test_out: str | None, output_dir: str, device: torch.device) -> dict | None:
     """Train on one dataset, reload the best dev checkpoint and write the dev (and test) prediction files."""
     print(f"== {task}: {num_labels} classes, fine-tune mode {args.fine_tune_mode}, train {train_path}")
     train_ex = load_sentiment(train_path, "train", num_labels, args.skip_bad_rows)

@@ -52,18 +52,20 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("optimization (the same for every rung)")
     g.add_argument("--max_iters", type=int, default=2000, help="optimizer steps per rung")
     g.add_argument("--batch_size", type=int, default=12, help="windows per step")
-    g.add_argument("--learning_rate", type=float, default=1e-3, help="peak learning rate")
+    g.add_argument("--lr", "--learning_rate", dest="lr", type=float, default=1e-3, help="peak learning rate")
     g.add_argument("--bigram_lr", type=float, default=1e-2,
                    help="peak learning rate of the bigram rung (the lecture's bigram.py: a table needs larger steps)")
     g.add_argument("--min_lr", type=float, default=1e-4,
-                   help="floor of the cosine decay of --learning_rate (the bigram decays by the same ratio)")
+                   help="floor of the cosine decay of --lr (the bigram decays by the same ratio)")
     g.add_argument("--warmup_iters", type=int, default=100, help="linear warmup steps")
     g.add_argument("--weight_decay", type=float, default=0.1, help="AdamW decay of weight matrices")
-    g.add_argument("--grad_clip", type=float, default=1.0, help="gradient norm clip (0: off)")
+    g.add_argument("--max_grad_norm", "--grad_clip", dest="max_grad_norm", type=float, default=1.0,
+                   help="gradient norm clip (0: off)")
     g = p.add_argument_group("evaluation and output")
     g.add_argument("--eval_interval", type=int, default=250, help="estimate train/val loss every N steps (the curves)")
     g.add_argument("--eval_iters", type=int, default=20, help="random batches per split per estimate")
-    g.add_argument("--out_dir", default="runs/ladder", help="ladder.json, ladder.png and the encoded corpus")
+    g.add_argument("--output_dir", "--out_dir", dest="output_dir", default="runs/ladder",
+                   help="ladder.json, ladder.png and the encoded corpus")
     g.add_argument("--no_plot", action="store_true", help="skip the PNG (no matplotlib needed)")
     g.add_argument("--seed", type=int, default=1337, help="seeds init and batches (the same for every rung)")
     g.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch's default)")
@@ -81,10 +83,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(f"--n_embd {args.n_embd} must be divisible by --n_head {args.n_head}")
     if not 0 <= args.dropout < 1:
         parser.error(f"--dropout must be in [0, 1), got {args.dropout}")
-    if args.learning_rate <= 0 or args.bigram_lr <= 0:
-        parser.error("--learning_rate and --bigram_lr must be > 0")
-    if not 0 <= args.min_lr <= args.learning_rate:
-        parser.error(f"--min_lr must be in [0, --learning_rate], got {args.min_lr}")
+    if args.lr <= 0 or args.bigram_lr <= 0:
+        parser.error("--lr and --bigram_lr must be > 0")
+    if not 0 <= args.min_lr <= args.lr:
+        parser.error(f"--min_lr must be in [0, --lr], got {args.min_lr}")
     if not 0 <= args.warmup_iters <= args.max_iters:
         parser.error(f"--warmup_iters must be in [0, --max_iters], got {args.warmup_iters}")
     args.rungs = [r for r in RUNGS if r in args.rungs]  # ladder order, each once
@@ -94,7 +96,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def train_rung(model, corpus, args, lr: float) -> dict:
     """Train one rung; returns its curve of (step, train, val) estimates, whole-split val loss and timings."""
     optimizer = AdamW(param_groups_for_weight_decay(model, args.weight_decay), lr=lr, betas=(0.9, 0.99), eps=1e-8)
-    scheduler = make_lr_scheduler(optimizer, args.warmup_iters, args.max_iters, args.min_lr / args.learning_rate)
+    scheduler = make_lr_scheduler(optimizer, args.warmup_iters, args.max_iters, args.min_lr / args.lr)
     params = [p for p in model.parameters() if p.requires_grad]
     train_gen = torch.Generator().manual_seed(args.seed)
     eval_gen = torch.Generator().manual_seed(args.seed + 1)
@@ -113,14 +115,14 @@ def train_rung(model, corpus, args, lr: float) -> dict:
         loss = next_token_loss(model, x, y)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        if args.grad_clip:
-            torch.nn.utils.clip_grad_norm_(params, args.grad_clip)
+        if args.max_grad_norm:
+            torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
         optimizer.step()
         scheduler.step()
         train_seconds += time.perf_counter() - t0
     if not torch.isfinite(torch.tensor(curve[-1][2])):
         raise FloatingPointError(f"rung {getattr(model, 'rung', 'bigram')}: the val loss is {curve[-1][2]}; "
-                                 f"try a lower --learning_rate")
+                                 f"try a lower --lr")
     return {"curve": curve, "val_full": full_loss(model, corpus.val, args.block_size),
             "train_seconds": train_seconds, "ms_per_step": 1000 * train_seconds / max(args.max_iters, 1)}
 
@@ -128,7 +130,7 @@ def train_rung(model, corpus, args, lr: float) -> dict:
 def run(args) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
-    out_dir = Path(args.out_dir)
+    out_dir = Path(args.output_dir)
     corpus = prepare_corpus(args.data, "char", out_dir / "data", args.val_fraction)
     check_split_sizes(corpus, args.block_size)
     vocab = len(corpus.tokenizer)
@@ -143,7 +145,7 @@ def run(args) -> dict:
         torch.manual_seed(args.seed)
         model = build_rung(rung, vocab, args.block_size, args.n_layer, args.n_head, args.n_embd, args.dropout)
         print(f"rung {rung}: {ADDS[rung]} ({model.num_parameters():,} parameters)", flush=True)
-        lr = args.bigram_lr if rung == "bigram" else args.learning_rate
+        lr = args.bigram_lr if rung == "bigram" else args.lr
         result = train_rung(model, corpus, args, lr)
         result["params"] = model.num_parameters()
         results["rungs"][rung] = result

@@ -7,6 +7,7 @@ token id, and predictions restricted to the two answers. Prediction files use 85
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -25,13 +26,15 @@ from tasks.data import (
     single_token_id,
     split_head,
 )
+from tasks.engine import load_weights
 from tasks.evaluate import NO_ID, YES_ID, classification_metrics, write_predictions
 from tasks.training import (
+    FineTuneConfig,
     body_overrides,
     build_body,
-    load_weights,
     predict_in_order,
     seed_everything,
+    start,
     train,
     train_config,
 )
@@ -91,7 +94,29 @@ def to_course_codes(preds: list[int], model: ParaphraseGPT) -> list[int]:
     return [YES_ID if p == model.yes_id else NO_ID for p in preds]
 
 
-def run(args, device: torch.device) -> dict:
+@dataclass
+class ParaphraseConfig(FineTuneConfig):
+    """run_paraphrase.py's flags (see FineTuneConfig for the shared ones)."""
+    fine_tune_mode: str = "full-model"
+    tokenizer: str = "gpt2"
+    max_length: int | None = None
+    train: str = "data/quora-train.csv"
+    dev: str | None = None
+    test: str | None = None
+    split_dev: int = 0
+    dev_out: str = "predictions/para-dev-output.csv"
+    test_out: str = "predictions/para-test-output.csv"
+    test_prompt: str = "test"
+    skip_bad_rows: bool = False
+
+
+def run(args: ParaphraseConfig) -> dict:
+    """The whole of run_paraphrase.py (the Python API: `run(ParaphraseConfig(train=..., split_dev=16000, ...))`)."""
+    device = start(args, "checkpoints/paraphrase-lora" if args.lora_rank else "checkpoints/paraphrase")
+    return run_on(args, device)
+
+
+def run_on(args, device: torch.device) -> dict:
     """Train, reload the best dev checkpoint, write the dev (and test) prediction files."""
     train_ex = load_paraphrase(args.train, "train", args.skip_bad_rows)
     if args.split_dev:

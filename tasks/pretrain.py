@@ -1,31 +1,29 @@
 """Train a GPT-2 from scratch on a text file ("Let's build GPT"): text -> token ids on disk -> random windows ->
-AdamW with warmup and cosine decay -> periodic loss estimate -> best-val checkpoint -> samples.
+the training engine (tasks/engine.py: AdamW with warmup and cosine decay, periodic loss estimates, checkpoints,
+metrics) -> samples.
 
     tokenizer = tokenizer_for("gpt2" | folder)                     # "char" tokenizers are built from the corpus
     corpus = prepare_corpus("input.txt", "char", cache_dir)          # ids memory-mapped from cache_dir, 90/10 split
     x, y = get_batch(corpus.train, 12, 64, generator)               # (12, 64) inputs and next-token targets
     losses = estimate_loss(model, {"train": corpus.train, "val": corpus.val}, 20, 12, 64, generator)
-    summary = train(args)                                           # the loop behind run_pretrain.py
+    summary = train(PretrainConfig(data="input.txt", output_dir="out/char"))   # what run_pretrain.py runs
     text = sample_text(model, tokenizer, "ROMEO:", 200, temperature=0.8, top_k=200)
 
-Checkpoints: out_dir/best (lowest val loss) and out_dir/last (the latest evaluation that did not improve); each
-evaluation writes exactly one of them, and --resume continues from whichever holds the later step. A non-finite loss
-or gradient stops the run naming the step (the checkpoints are the last good ones), or is skipped with
---skip_nonfinite. Under torchrun every rank draws the same global batch and trains on its rows inside
-DistributedDataParallel; rank 0 alone evaluates, writes checkpoints and logs.
+This module supplies the corpus, the batch source (RandomWindows), the loss and the evaluation; the engine does the
+rest, as for fine-tuning: OUT/last (everything --resume needs) at every evaluation, OUT/best (the lowest val
+estimate), OUT/metrics.jsonl and OUT/curves.png. A non-finite loss or gradient stops the run naming the step (the
+checkpoints are the last good ones), or is skipped with --skip_nonfinite. Under torchrun every rank draws the same
+global batch and trains on its rows inside DistributedDataParallel; rank 0 alone evaluates, writes checkpoints and
+logs.
 """
 from __future__ import annotations
 
 import codecs
-import contextlib
 import hashlib
 import json
-import math
 import os
-import shutil
 import time
 import warnings
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -40,19 +38,10 @@ from models.bigram import BigramConfig, BigramLM, load_lm
 from models.generation import process_logits
 from models.gpt2 import GPT2LMHeadModel
 from models.hub import expand, load_tokenizer
-from optimizer import AdamW, make_lr_scheduler, param_groups_for_weight_decay
 from tasks import distributed as dist
 from tasks.char_tokenizer import VOCAB_FILE, CharTokenizer
-from tasks.checkpoint import (
-    capture_rng,
-    check_resume_settings,
-    load_checkpoint,
-    read_step,
-    resolve,
-    restore_rng,
-    save_checkpoint,
-)
-from tasks.training import MAX_SKIPPED_IN_A_ROW, check_architecture, nonfinite_error
+from tasks.checkpoint import check_resume_settings, resolve
+from tasks.engine import MicroBatch, Step, TrainConfig, autocast, check_architecture, fit, open_run
 
 CHUNK_BYTES = 1 << 22  # the corpus is read, checked and encoded 4 MiB at a time
 
@@ -256,121 +245,22 @@ def next_token_loss(model: GPT2LMHeadModel, x: torch.Tensor, y: torch.Tensor, re
     return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), reduction=reduction)
 
 
-def autocast(device: str | torch.device, dtype: str) -> contextlib.AbstractContextManager:
-    if dtype == "float32":
-        return contextlib.nullcontext()
-    return torch.autocast(torch.device(device).type, dtype=getattr(torch, dtype))
-
-
-# ---- the step: flat parameters, batches split across threads --------------------------------------------------
-
-class FlatParams:
-    """Each optimizer group's parameters re-seated as views into one flat tensor, with one flat gradient.
-
-    AdamW then updates one tensor per group (each of its passes is one kernel instead of one per parameter),
-    clipping takes one norm per group and zeroing the gradients is one fill: on a small model these per-tensor
-    costs are a large part of a step. Autograd accumulates into the gradient views in place.
-    """
-
-    def __init__(self, groups: list[dict]):
-        self.groups, self.params, self.flat = [], [], []
-        for group in groups:
-            params = group["params"]
-            if not params:
-                continue
-            flat = torch.cat([p.detach().reshape(-1) for p in params])
-            flat.grad = torch.zeros_like(flat)
-            offset = 0
-            for p in params:
-                p.data = flat[offset: offset + p.numel()].view_as(p)
-                p.grad = flat.grad[offset: offset + p.numel()].view_as(p)
-                offset += p.numel()
-            self.flat.append(flat)
-            self.params += params
-            rest = {k: v for k, v in group.items() if k not in ("params", "param_names")}
-            self.groups.append({**rest, "params": [flat], "param_names": [f"flat{len(self.flat) - 1}"]})
-
-    def grad_list(self) -> list[torch.Tensor]:
-        return [flat.grad for flat in self.flat]
-
-    def zero_grad(self) -> None:
-        for flat in self.flat:
-            flat.grad.zero_()
-
-    @contextlib.contextmanager
-    def unshared(self):
-        """Parameters with storage of their own while inside (safetensors refuses tensors that share memory)."""
-        views = [p.data for p in self.params]
-        for p in self.params:
-            p.data = p.data.clone()
-        try:
-            yield
-        finally:
-            for p, view in zip(self.params, views):
-                p.data = view
-
-
-class BatchRunner:
-    """Forward and backward passes over a batch, optionally split row-wise across `workers` threads that each use
-    one core. Torch's own intra-op threads synchronise at every operation, which on a small model costs more than
-    the work they share; slices of the batch need no synchronisation until their gradients are added (in a fixed
-    order, so runs repeat exactly). Autocast and inference mode are per thread, so each worker enters them itself.
-    """
-
-    def __init__(self, model, params: list[torch.nn.Parameter], workers: int = 1, device="cpu", dtype="float32"):
-        self.model, self.params, self.workers, self.device, self.dtype = model, params, workers, device, dtype
-        self.pool = ThreadPoolExecutor(workers, thread_name_prefix="batch") if workers > 1 else None
-
-    def _map(self, fn, x: torch.Tensor, y: torch.Tensor) -> list:
-        """fn(index, rows of x, rows of y) for each slice, in the workers; results in slice order."""
-        if self.pool is None:
-            return [fn(0, x, y)]
-        slices = zip(x.tensor_split(self.workers), y.tensor_split(self.workers))
-        return list(self.pool.map(lambda job: fn(job[0], *job[1]), enumerate(slices)))
-
-    def backward(self, x: torch.Tensor, y: torch.Tensor, scale: float = 1.0,
-                 scaler: torch.amp.GradScaler | None = None) -> torch.Tensor:
-        """Add d(scale * mean loss)/d(params) to the gradients (times the fp16 loss scale when a scaler is given);
-        return the mean loss (detached, unscaled)."""
-        n = y.numel()
-        scaled = scaler.scale if scaler is not None else (lambda loss: loss)
-
-        def work(index, xs, ys):
-            with autocast(self.device, self.dtype):
-                loss = next_token_loss(self.model, xs, ys, reduction="sum")
-            if index == 0:  # the first slice accumulates into .grad itself; the others return theirs to be added
-                scaled(loss * (scale / n)).backward()
-                return loss.detach(), None
-            return loss.detach(), torch.autograd.grad(scaled(loss * (scale / n)), self.params)
-
-        results = self._map(work, x, y)
-        for _, grads in results[1:]:
-            torch._foreach_add_([p.grad for p in self.params], grads)
-        return sum(loss for loss, _ in results) / n
-
-    @torch.inference_mode()
-    def loss_sum(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        def work(_, xs, ys):
-            with torch.inference_mode(), autocast(self.device, self.dtype):
-                return next_token_loss(self.model, xs, ys, reduction="sum").double().cpu()
-
-        return sum(self._map(work, x, y))
-
-
 def estimate_loss(model, splits: dict[str, np.ndarray], eval_iters: int, batch_size: int, block_size: int,
-                  generator: torch.Generator, runner: BatchRunner | None = None) -> dict[str, float]:
+                  generator: torch.Generator, dtype: str = "float32") -> dict[str, float]:
     """Mean loss over eval_iters random batches per split. The batches are drawn at once and run in large chunks:
     every batch has the same number of tokens, so the mean over all tokens is the mean of the batch means."""
-    runner = runner or BatchRunner(model, [])
     was_training = model.training
     model.eval()
+    device = next(model.parameters()).device
     rows = eval_iters * batch_size
     chunk = max(batch_size, min(rows, (1 << 24) // (block_size * model.config.vocab_size)))  # caps the logits' size
     losses = {}
-    for name, tokens in splits.items():
-        x, y = get_batch(tokens, rows, block_size, generator, runner.device)
-        total = sum(runner.loss_sum(x[i: i + chunk], y[i: i + chunk]) for i in range(0, rows, chunk))
-        losses[name] = float(total) / (rows * block_size)
+    with torch.inference_mode(), autocast(device, dtype == "bfloat16", dtype == "float16"):
+        for name, tokens in splits.items():
+            x, y = get_batch(tokens, rows, block_size, generator, device)
+            total = sum(next_token_loss(model, x[i: i + chunk], y[i: i + chunk], reduction="sum").double().cpu()
+                        for i in range(0, rows, chunk))
+            losses[name] = float(total) / (rows * block_size)
     model.train(was_training)
     return losses
 
@@ -416,291 +306,212 @@ def check_block_size(block_size: int, config: GPT2Config) -> None:
                          f"lower --block_size or raise --n_positions")
 
 
-# ---- the training loop -----------------------------------------------------------------------------------------
+# ---- the run ---------------------------------------------------------------------------------------------------
 
-CHECKPOINTS = ("best", "last")
+@dataclass
+class PretrainConfig:
+    """run_pretrain.py's flags as a dataclass (the Python API: `train(PretrainConfig(data="input.txt", ...))`); each
+    field means what the flag of the same name does (see `python run_pretrain.py --help`)."""
+    data: str | None = None
+    tokenizer: str = "char"
+    val_fraction: float = 0.1
+    data_dir: str | None = None
+    arch: str = "gpt2"  # gpt2, or bigram: a table of next-token logits
+    preset: str | None = None
+    n_layer: int | None = None
+    n_head: int | None = None
+    n_embd: int | None = None
+    block_size: int = 64
+    n_positions: int | None = None
+    dropout: float = 0.0
+    activation: str = "gelu_new"
+    gradient_checkpointing: bool = False
+    max_iters: int = 2000
+    batch_size: int = 12
+    grad_accum: int = 1
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    warmup_iters: int = 100
+    lr_decay_iters: int | None = None
+    weight_decay: float = 0.1
+    decay_embeddings: bool = False
+    beta1: float = 0.9
+    beta2: float = 0.99
+    adam_eps: float = 1e-8
+    max_grad_norm: float = 1.0
+    dtype: str = "float32"
+    eval_interval: int = 250
+    eval_iters: int = 20
+    log_interval: int = 50
+    output_dir: str = "out/pretrain"
+    resume: bool = False
+    overwrite: bool = False
+    skip_nonfinite: bool = False
+    tensorboard: bool = False
+    sample: bool = False
+    model: str | None = None
+    prompt: str | None = None
+    max_new_tokens: int = 300
+    num_samples: int = 1
+    temperature: float = 0.8
+    top_k: int = 200
+    top_p: float | None = None
+    seed: int = 1337
+    device: str = "cpu"
+    threads: int = 0
+    split_batch: bool = True
 
 
-# Flags that shape the saved state (optimizer moments, schedule, batches, model): --resume refuses a change to any of
+# Settings that shape the saved state (optimizer moments, schedule, batches, model): --resume refuses a change to any of
 # them. --max_iters may grow (the cosine then stretches to the new end unless --lr_decay_iters pins it); the
 # architecture flags are checked against the checkpoint's config, and the tokenizer is the checkpoint's own.
-RESUME_FIXED = ("val_fraction", "block_size", "dropout", "activation", "batch_size", "grad_accum", "learning_rate",
-                "min_lr", "warmup_iters", "lr_decay_iters", "weight_decay", "decay_embeddings", "beta1", "beta2",
-                "adam_eps", "grad_clip", "dtype", "seed")
+RESUME_FIXED = ("val_fraction", "block_size", "dropout", "activation", "batch_size", "grad_accum", "lr", "min_lr",
+                "warmup_iters", "lr_decay_iters", "weight_decay", "decay_embeddings", "beta1", "beta2", "adam_eps",
+                "max_grad_norm", "dtype", "seed")
 
 
-def find_checkpoint(out_dir: Path) -> Path | None:
-    """The checkpoint in out_dir (best or last) with the later step, or None. Only the steps are read."""
-    found = []
-    for name in CHECKPOINTS:
-        with contextlib.suppress(FileNotFoundError):
-            folder = resolve(out_dir / name)
-            found.append((read_step(folder), folder))
-    return max(found)[1] if found else None
+def train_config(cfg: PretrainConfig) -> TrainConfig:
+    """The engine's settings for a pretraining run: steps instead of epochs, a cosine from lr to min_lr, the best
+    checkpoint by the lowest val loss estimate, a log line every log_interval steps."""
+    return TrainConfig(output_dir=cfg.output_dir, epochs=0, max_iters=cfg.max_iters, batch_size=cfg.batch_size,
+                       grad_accum=cfg.grad_accum, lr=cfg.lr, min_lr=cfg.min_lr, schedule="cosine",
+                       warmup_steps=cfg.warmup_iters, decay_steps=cfg.lr_decay_iters or 0,
+                       weight_decay=cfg.weight_decay, decay_embeddings=cfg.decay_embeddings,
+                       betas=(cfg.beta1, cfg.beta2), eps=cfg.adam_eps, max_grad_norm=cfg.max_grad_norm,
+                       dtype=cfg.dtype, seed=cfg.seed, device=str(cfg.device), resume=cfg.resume,
+                       overwrite=cfg.overwrite, eval_interval=cfg.eval_interval, eval_at_start=True,
+                       log_interval=cfg.log_interval, print_logs=True, select_metric="val_loss", select_max=False,
+                       eval_prefix="", skip_nonfinite=cfg.skip_nonfinite,
+                       gradient_checkpointing=cfg.gradient_checkpointing, split_batch=cfg.split_batch,
+                       tensorboard=cfg.tensorboard)
 
 
-def remove_checkpoints(out_dir: Path) -> None:
-    """--overwrite: the old run's best/ and last/ go (whatever state they are in), or a later --resume could pick
-    the old run's step. The id cache stays."""
-    if dist.is_main():
-        folders = [out_dir / f"{prefix}{name}{suffix}" for name in CHECKPOINTS for prefix, suffix in (("", ""), (".", ".old"))]
-        folders += list(out_dir.glob(".*.tmp-*")) if out_dir.is_dir() else []
-        existing = [f for f in folders if f.exists()]
-        for folder in existing:
-            shutil.rmtree(folder, ignore_errors=True)
-        if existing:
-            print(f"--overwrite: removed the checkpoints in {out_dir}")
-    dist.barrier()
+class RandomWindows:
+    """Pretraining's batch source: every optimizer step draws grad_accum batches of random windows from the train
+    split with one generator (the same on every rank: each rank takes its rows of the global batch). Its state is
+    that generator's and the evaluation's (so evaluating never shifts the training stream)."""
+
+    total_steps = 0  # the run is TrainConfig.max_iters steps long
+
+    def __init__(self, tokens: np.ndarray, batch_size: int, block_size: int, grad_accum: int, seed: int,
+                 device: str | torch.device):
+        self.tokens, self.batch_size, self.block_size, self.grad_accum = tokens, batch_size, block_size, grad_accum
+        self.device = device
+        self.generator = torch.Generator().manual_seed(seed)
+        self.eval_generator = torch.Generator().manual_seed(seed + 1)
+        self.rows = dist.shard(list(range(batch_size)))
+        # DDP averages over ranks: this weight makes it the global batch's mean, and the steps' mean of micro-batches
+        self.weight = dist.world_size() * len(self.rows) / batch_size / grad_accum
+
+    def next_step(self) -> Step:
+        micro = []
+        for _ in range(self.grad_accum):
+            x, y = get_batch(self.tokens, self.batch_size, self.block_size, self.generator, self.device)
+            x, y = x[self.rows[0]: self.rows[-1] + 1], y[self.rows[0]: self.rows[-1] + 1]
+            micro.append(MicroBatch({"input_ids": x, "labels": y}, self.weight, x.numel()))
+        return Step(micro, "step {step}", 0.0)
+
+    def state_dict(self) -> dict:
+        return {"generator": self.generator.get_state(), "eval_generator": self.eval_generator.get_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.generator.set_state(state["generator"])
+        self.eval_generator.set_state(state["eval_generator"])
 
 
-def setup(args):
-    """(out_dir, the Checkpoint that --resume continues or None, corpus, model): the corpus encoded (or found in the
-    cache), the model initialised from --seed or loaded from the checkpoint (verified once, here)."""
-    out_dir = Path(args.out_dir)
-    if getattr(args, "overwrite", False) and not args.resume:
-        remove_checkpoints(out_dir)  # before looking: a broken checkpoint is cleared, not read
-    resume_from = find_checkpoint(out_dir)
-    if resume_from and not args.resume:
-        raise FileExistsError(f"{out_dir} already holds a checkpoint ({resume_from.name}); pass --resume to continue "
-                              f"it, --overwrite to start again, or choose another --out_dir")
-    if args.resume and not resume_from:
-        raise FileNotFoundError(f"--resume: no checkpoint (best/ or last/) in {out_dir}")
-    ck = load_checkpoint(resume_from) if resume_from else None
+def window_loss(model, batch: dict) -> torch.Tensor:
+    return next_token_loss(model, batch["input_ids"], batch["labels"])
+
+
+def setup(cfg: PretrainConfig, engine_cfg: TrainConfig):
+    """(the Checkpoint that cfg.resume continues or None, corpus, model): the corpus encoded (or found in the cache),
+    the model initialised from cfg.seed or loaded from the checkpoint (verified once, here)."""
+    ck = open_run(engine_cfg)
     if ck is not None:
-        saved_arch, arch = ck.state.get("args", {}).get("arch", "gpt2"), getattr(args, "arch", "gpt2")
-        if saved_arch != arch:  # named before any other setting: it decides what every other one means
+        saved = ck.state.get("run", {})
+        saved_arch = saved.get("arch", "gpt2")
+        if saved_arch != cfg.arch:  # named before any other setting: it decides what every other one means
             kind = "BigramLM" if saved_arch == "bigram" else "GPT2LMHeadModel"
-            raise ValueError(f"--resume: {ck.path} holds a {kind}, not --arch {arch}")
-        check_resume_settings(ck.state.get("args", {}), {k: getattr(args, k) for k in RESUME_FIXED + ("max_iters",)},
-                              ck.path, extendable=("max_iters",))
+            raise ValueError(f"--resume: {ck.path} holds a {kind}, not --arch {cfg.arch}")
+        check_resume_settings(saved, run_settings(cfg), ck.path, extendable=("max_iters",))
     tokenizer = tokenizer_for(ck.path) if ck is not None else (
-        "char" if args.tokenizer == "char" else tokenizer_for(args.tokenizer))
+        "char" if cfg.tokenizer == "char" else tokenizer_for(cfg.tokenizer))
     with dist.main_first():  # under torchrun rank 0 encodes the corpus, the others then map the cached ids
-        corpus = prepare_corpus(args.data, tokenizer, args.data_dir or out_dir / "data", args.val_fraction)
-    check_split_sizes(corpus, args.block_size)
+        corpus = prepare_corpus(cfg.data, tokenizer, cfg.data_dir or Path(cfg.output_dir) / "data", cfg.val_fraction)
+    check_split_sizes(corpus, cfg.block_size)
     if ck is not None:
+        if ck.state["run"].get("corpus") != corpus.meta["sha256"]:
+            raise ValueError(f"--resume: {cfg.data} is not the corpus the checkpoint {ck.path} was trained on")
         model = load_lm(ck.path)  # its kind (--arch) was checked against the saved run's above
-        asked = {k: getattr(args, k) for k in ("n_layer", "n_head", "n_embd", "n_positions") if getattr(args, k)}
+        asked = {k: getattr(cfg, k) for k in ("n_layer", "n_head", "n_embd", "n_positions") if getattr(cfg, k)}
         check_architecture(model.config, model.config.replace(**asked), ck.path)  # flags vs checkpoint
-        check_block_size(args.block_size, model.config)
+        check_block_size(cfg.block_size, model.config)
     else:
-        torch.manual_seed(args.seed)
-        if getattr(args, "arch", "gpt2") == "bigram":
-            config = BigramConfig(vocab_size=len(corpus.tokenizer), n_positions=args.n_positions or args.block_size)
-            model = BigramLM(config)
+        torch.manual_seed(cfg.seed)
+        if cfg.arch == "bigram":
+            model = BigramLM(BigramConfig(vocab_size=len(corpus.tokenizer), n_positions=cfg.n_positions or cfg.block_size))
         else:
-            model = GPT2LMHeadModel(build_config(args, corpus.tokenizer))
+            model = GPT2LMHeadModel(build_config(cfg, corpus.tokenizer))
     if len(corpus.tokenizer) > model.config.vocab_size:  # ids past the embedding would fail mid-run (or on GPU, worse)
         raise ValueError(f"the tokenizer has {len(corpus.tokenizer)} tokens but the model's embedding only "
-                         f"{model.config.vocab_size} rows ({resume_from or 'new model'})")
-    if hasattr(model, "gpt"):  # a bigram table has no blocks to recompute
-        model.gpt.gradient_checkpointing = getattr(args, "gradient_checkpointing", False)
-    return out_dir, ck, corpus, model.to(args.device).train()
+                         f"{model.config.vocab_size} rows ({ck.path if ck else 'new model'})")
+    return ck, corpus, model.to(cfg.device).train()
 
 
-def train(args) -> dict[str, Any]:
-    """Train as `args` (run_pretrain.py's flags) say; returns a summary (losses, timings, checkpoint, sample)."""
+def run_settings(cfg: PretrainConfig) -> dict:
+    return {"arch": cfg.arch, **{k: getattr(cfg, k) for k in RESUME_FIXED + ("max_iters",)}}
+
+
+def eval_line(record: dict, improved: bool, engine_cfg: TrainConfig) -> str:
+    speed = (f"{record['ms_per_step']:.1f} ms/step | {record['tokens_per_s']:,.0f} tok/s" if "ms_per_step" in record
+             else "- ms/step | - tok/s")
+    saved = " | saved best/ and last/" if improved else " | saved last/" if record["step"] else ""
+    return (f"step {record['step']:>6} | train {record['train_loss_estimate']:.4f} | val {record['val_loss']:.4f} | "
+            f"best val {record.get('best_val_loss', record['val_loss']):.4f} | lr {record['lr']:.2e} | {speed}{saved}"
+            + (f" | {record['skipped']} non-finite steps skipped" if record.get("skipped") else "")
+            + (f" | {record['fp16_overflows']} fp16 overflow steps skipped" if record.get("fp16_overflows") else ""))
+
+
+def train(cfg: PretrainConfig) -> dict[str, Any]:
+    """Train as `cfg` says (run_pretrain.py's flags); returns a summary (losses, timings, checkpoint, sample)."""
     t_start = time.perf_counter()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    main, world, rank = dist.is_main(), dist.world_size(), dist.rank()
-    if world > 1 and str(args.device).startswith("cuda"):
-        args.device = str(dist.device(True))  # one GPU per process
-    if args.batch_size < world:
-        raise ValueError(f"--batch_size {args.batch_size} is smaller than the {world} processes sharing each batch")
-    out_dir, ck, corpus, model = setup(args)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    world = dist.world_size()
+    if world > 1 and str(cfg.device).startswith("cuda"):
+        cfg.device = str(dist.device(True))  # one GPU per process
+    if cfg.batch_size < world:
+        raise ValueError(f"--batch_size {cfg.batch_size} is smaller than the {world} processes sharing each batch")
+    engine_cfg = train_config(cfg)
+    ck, corpus, model = setup(cfg, engine_cfg)
     tokenizer = corpus.tokenizer
-    workers = batch_workers(args, model.config)
-    flat = FlatParams(param_groups_for_weight_decay(model, args.weight_decay, args.decay_embeddings))
-    optimizer = AdamW(flat.groups, lr=args.learning_rate, betas=(args.beta1, args.beta2), eps=args.adam_eps)
-    scheduler = make_lr_scheduler(optimizer, args.warmup_iters, args.lr_decay_iters or args.max_iters,
-                                  min_ratio=args.min_lr / args.learning_rate)
-    # Separate generators for training and evaluation batches, so evaluating never shifts the training stream.
-    train_gen, eval_gen = torch.Generator().manual_seed(args.seed), torch.Generator().manual_seed(args.seed + 1)
-    step, best_val, skipped, overflows = 0, math.inf, 0, 0
-    # fp16 needs loss scaling (its gradients underflow otherwise); with other dtypes the scaler does nothing.
-    scaler = torch.amp.GradScaler(torch.device(args.device).type, enabled=args.dtype == "float16")
-    losses: dict[str, float] = {}
-    if ck is not None:
-        if ck.state["corpus"]["sha256"] != corpus.meta["sha256"]:
-            raise ValueError(f"--resume: {args.data} is not the corpus the checkpoint {ck.path} was trained on")
-        optimizer.load_state_dict(ck.optimizer)
-        scheduler.load_state_dict(ck.scheduler)
-        step, best_val, skipped = ck.state["step"], ck.state["best_val"], ck.state.get("skipped", 0)
-        overflows = ck.state.get("overflows", 0)
-        if ck.state.get("scaler"):
-            scaler.load_state_dict(ck.state["scaler"])
-        ranks = ck.state.get("rank_rng")
-        restore_rng(ranks[rank] if ranks and rank < len(ranks) else ck.state["rng"], train_gen)
-        eval_gen.set_state(ck.state["eval_rng"])
-        losses = dict(ck.state.get("losses", {}))
-        print(f"resuming from {ck.path} at step {step} (best val {best_val:.4f})")
-    if scaler.is_enabled():  # make the scale tensor now: the batch threads would race to create it lazily
-        scaler.scale(torch.ones((), device=args.device))
-    dist.barrier()  # every rank has looked for checkpoints before rank 0 may write one
-    start_step = step
-    print(f"corpus {args.data}: {corpus.meta['num_tokens']:,} tokens ({len(corpus.train):,} train, "
+    batches = RandomWindows(corpus.train, cfg.batch_size, cfg.block_size, cfg.grad_accum, cfg.seed, cfg.device)
+    splits = {"train": corpus.train, "val": corpus.val}
+
+    def evaluate(m) -> dict:
+        losses = estimate_loss(m, splits, cfg.eval_iters, cfg.batch_size, cfg.block_size, batches.eval_generator,
+                               cfg.dtype)
+        return {"val_loss": losses["val"], "train_loss_estimate": losses["train"]}
+
+    print(f"corpus {cfg.data}: {corpus.meta['num_tokens']:,} tokens ({len(corpus.train):,} train, "
           f"{len(corpus.val):,} val), vocab {len(tokenizer)}; model {model.num_parameters() / 1e6:.2f}M parameters, "
           + (f"{model.config.n_layer} layers, {model.config.n_head} heads, n_embd {model.config.n_embd}, "
              if hasattr(model, "gpt") else "a bigram table, ")
-          + f"block {args.block_size}; {_threads_note(workers)}; ready in {time.perf_counter() - t_start:.1f} s")
-
-    splits = {"train": corpus.train, "val": corpus.val}
-    tokens_per_step = args.batch_size * args.block_size * args.grad_accum
-    trained = dist.wrap(model, torch.device(args.device))  # DDP under torchrun (averages the flat gradients)
-    runner = BatchRunner(trained, flat.params, workers, args.device, args.dtype)
-    eval_runner = runner if trained is model else BatchRunner(model, flat.params, 1, args.device, args.dtype)
-    # This rank's rows of each global batch, and the weight that turns DDP's average into the global batch's mean.
-    rows = dist.shard(list(range(args.batch_size)))
-    weight = world * len(rows) / args.batch_size
-    log_meter, eval_meter, total_time = Meter(), Meter(), 0.0
-    bad_in_a_row, evaluated = 0, (start_step if ck is not None else -1)  # a skipped step must not evaluate twice
-    bar = tqdm(total=args.max_iters, initial=step, desc="training", unit="step", leave=False,
-               disable=None if main else True)
-    while True:
-        if (step % args.eval_interval == 0 or step == args.max_iters) and step != evaluated:
-            saved, evaluated = "", step
-            if main:  # rank 0 evaluates and writes; the others wait for it at the next collective
-                losses = estimate_loss(model, splits, args.eval_iters, args.batch_size, args.block_size, eval_gen,
-                                       eval_runner)
-                improved, best_val = losses["val"] < best_val, min(best_val, losses["val"])
-            if step > 0:  # each evaluation writes one checkpoint: best/ if val improved, else last/
-                rngs = dist.gather_objects(capture_rng(train_gen))
-                if main:
-                    saved = "best" if improved else "last"
-                    state = {"step": step, "best_val": best_val, "losses": losses, "rng": rngs[0],
-                             **({"rank_rng": rngs} if world > 1 else {}), "skipped": skipped,
-                             "overflows": overflows, "scaler": scaler.state_dict(),
-                             "eval_rng": eval_gen.get_state(), "args": _plain(vars(args)),
-                             "corpus": {k: corpus.meta[k] for k in ("sha256", "tokenizer", "num_tokens")}}
-                    with flat.unshared():
-                        save_checkpoint(out_dir / saved, model, optimizer=optimizer, scheduler=scheduler,
-                                        state=state, tokenizer=tokenizer)
-            if main:
-                tqdm.write(f"step {step:>6} | train {losses['train']:.4f} | val {losses['val']:.4f} | best val "
-                           f"{best_val:.4f} | lr {scheduler.get_last_lr()[0]:.2e} | "
-                           f"{eval_meter.speed(tokens_per_step)}" + (f" | saved {saved}/" if saved else "")
-                           + (f" | {skipped} non-finite steps skipped" if skipped else "")
-                           + (f" | {overflows} fp16 overflow steps skipped" if overflows else ""))
-            eval_meter.reset()
-        if step >= args.max_iters:
-            break
-        t0 = time.perf_counter()
-        flat.zero_grad()
-        step_loss = torch.zeros((), device=args.device)
-        for micro in range(args.grad_accum):
-            x, y = get_batch(corpus.train, args.batch_size, args.block_size, train_gen, args.device)
-            x, y = x[rows[0]: rows[-1] + 1], y[rows[0]: rows[-1] + 1]
-            with dist.no_sync(trained, micro + 1 < args.grad_accum):  # all-reduce once per optimizer step
-                step_loss += runner.backward(x, y, weight / args.grad_accum, scaler if scaler.is_enabled() else None
-                                             ) * (weight / world)
-        scaler.unscale_(optimizer)  # clip and check the true gradients (a no-op without fp16)
-        norm = (torch.nn.utils.clip_grad_norm_(flat.flat, args.grad_clip, foreach=True) if args.grad_clip
-                else torch.nn.utils.get_total_norm(flat.grad_list()))
-        bad = not bool(torch.isfinite(step_loss + norm))  # one read-back per step (the norm is after DDP's average)
-        if scaler.is_enabled() and dist.any_rank(bad and bool(torch.isfinite(step_loss))):
-            scaler.update()  # an fp16 overflow at this loss scale, not a diverging run: lower the scale, no step
-            overflows += 1
-            continue
-        if dist.any_rank(bad):
-            bad_in_a_row += 1
-            what = (f"loss {float(step_loss)}" if not torch.isfinite(step_loss) else
-                    f"gradient norm {float(norm)}" if bad else "loss or gradient on another rank")
-            where = f"step {step + 1}"
-            if not args.skip_nonfinite or bad_in_a_row > MAX_SKIPPED_IN_A_ROW:
-                bar.close()
-                found = find_checkpoint(out_dir)
-                kept = f"the last good checkpoint {found} is kept" if found else "no checkpoint had been written yet"
-                raise nonfinite_error(what, where, kept, bad_in_a_row, args.skip_nonfinite,
-                                      "a lower --learning_rate or --grad_clip may help")
-            skipped += 1
-            if main:
-                tqdm.write(f"warning: skipped {where}: non-finite {what} ({skipped} skipped so far)")
-            continue
-        bad_in_a_row = 0
-        log_meter.loss += step_loss.cpu()
-        scaler.step(optimizer)
-        scaler.update()
-        scheduler.step()
-        step += 1
-        dt = time.perf_counter() - t0
-        total_time += dt
-        log_meter.tick(dt)
-        eval_meter.tick(dt)
-        bar.update()
-        if step % args.log_interval == 0:  # the only place the loss itself is read back
-            dist.all_reduce_sum(log_meter.loss)  # the global batches' loss (each rank added its weighted share)
-            tqdm.write(f"step {step:>6} | loss {log_meter.loss.item() / (log_meter.steps * args.grad_accum):.4f} | "
-                       f"lr {scheduler.get_last_lr()[0]:.2e} | {log_meter.speed(tokens_per_step)}")
-            log_meter.reset()
-    bar.close()
-
-    steps_run = step - start_step
-    complete = ck is not None and steps_run == 0
-    if complete and main:
-        print(f"the run in {out_dir} is already complete: step {step} of --max_iters {args.max_iters}; its "
-              f"checkpoint is {find_checkpoint(out_dir)}. Raise --max_iters to train it further")
-    summary = {"main": main, "complete": complete, "step": step, "train_loss": losses.get("train"), "val_loss": losses.get("val"), "best_val": best_val,
-               "steps_run": steps_run, "skipped": skipped, "fp16_overflows": overflows,
-               "checkpoint": str(out_dir / "best") if (out_dir / "best").is_dir() else None,
-               "ms_per_step": 1000 * total_time / max(steps_run, 1),
-               "tokens_per_s": tokens_per_step * steps_run / max(total_time, 1e-9),
+          + f"block {cfg.block_size}; ready in {time.perf_counter() - t_start:.1f} s")
+    run_info = {**run_settings(cfg), "corpus": corpus.meta["sha256"]}
+    result = fit(model, batches, window_loss, evaluate, engine_cfg, run_info, tokenizer=tokenizer, resume_from=ck,
+                 report=eval_line)
+    last = result["last_eval"]
+    out = Path(cfg.output_dir)
+    summary = {**result, "train_loss": last.get("train_loss_estimate"), "val_loss": last.get("val_loss"),
+               "best_val": (result["best"] or {}).get("metrics", {}).get("val_loss", last.get("val_loss")),
+               "checkpoint": str(out / "best") if (out / "best").is_dir() else None,
                "seconds": time.perf_counter() - t_start, "model": model, "tokenizer": tokenizer}
-    if args.num_samples and args.max_new_tokens and main:
-        gen = torch.Generator().manual_seed(args.seed)
-        summary["samples"] = sample_text(model, tokenizer, args.prompt, args.max_new_tokens, args.temperature,
-                                         args.top_k or None, args.top_p, args.num_samples, gen)
+    if cfg.num_samples and cfg.max_new_tokens and result["main"]:
+        gen = torch.Generator().manual_seed(cfg.seed)
+        summary["samples"] = sample_text(model, tokenizer, cfg.prompt, cfg.max_new_tokens, cfg.temperature,
+                                         cfg.top_k or None, cfg.top_p, cfg.num_samples, gen)
     return summary
-
-
-def batch_workers(args, config: GPT2Config) -> int:
-    """How many threads split each batch: all of them with --split_batch, unless dropout is on (its masks come from
-    one random generator that threads would race for, and the run would not repeat); then torch's intra-op threads."""
-    threads = torch.get_num_threads()
-    dropout = max(config.resid_pdrop, config.embd_pdrop, config.attn_pdrop)
-    if dist.world_size() > 1:  # each process already has its own core(s) and slice of the batch
-        return 1
-    if not args.split_batch or threads == 1 or args.batch_size == 1 or torch.device(args.device).type != "cpu":
-        return 1
-    if dropout > 0:
-        print(f"dropout {dropout}: not splitting batches across threads (the run would not repeat); "
-              f"{threads} intra-op threads instead")
-        return 1
-    torch.set_num_threads(1)
-    return min(threads, args.batch_size)
-
-
-def _threads_note(workers: int) -> str:
-    if workers > 1:
-        return f"each batch split across {workers} threads"
-    return f"{torch.get_num_threads()} intra-op thread(s)"
-
-
-class Meter:
-    """Training loss (kept as a tensor, read at log time only), steps and seconds since the last reset."""
-
-    def __init__(self):
-        self.loss = torch.zeros(())
-        self.reset()
-
-    def reset(self) -> None:
-        self.loss.zero_()
-        self.steps, self.seconds = 0, 0.0
-
-    def tick(self, seconds: float) -> None:
-        self.steps += 1
-        self.seconds += seconds
-
-    def speed(self, tokens_per_step: int) -> str:
-        if not self.steps:
-            return "- ms/step | - tok/s"
-        return (f"{1000 * self.seconds / self.steps:.1f} ms/step | "
-                f"{tokens_per_step * self.steps / self.seconds:,.0f} tok/s")
-
-
-def _plain(d: dict) -> dict:
-    """Flags as plain values (the checkpoint's training state loads with weights_only=True)."""
-    return {k: v if isinstance(v, (int, float, str, bool, type(None))) else str(v) for k, v in d.items()}
 
 
 # ---- sampling --------------------------------------------------------------------------------------------------

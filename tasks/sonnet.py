@@ -14,17 +14,28 @@ from __future__ import annotations
 
 import random
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from models.gpt2 import GPT2LMHeadModel
+from models.hub import shared_dir
 from tasks import distributed as dist
 from tasks import lora
 from tasks.data import Encoded, check_vocab, collate, load_task_tokenizer
-from tasks.training import autocast, body_overrides, build_body, load_weights, seed_everything, train, train_config
+from tasks.engine import autocast, load_weights
+from tasks.training import (
+    FineTuneConfig,
+    body_overrides,
+    build_body,
+    resolve_dtype,
+    seed_everything,
+    start,
+    train,
+    train_config,
+)
 
 # The course splits on \n\s*\d+\s*\n; the lookahead leaves the closing newline unconsumed, so two number lines in a
 # row give an (refused) empty sonnet instead of the second number becoming the first line of a sonnet.
@@ -206,8 +217,8 @@ def mean_loss(model: SonnetGPT, encoded: list[Encoded], pad_id: int, batch_size:
     was_training = model.training
     model.eval()
     total, count = 0.0, 0
-    for start in range(0, len(encoded), batch_size):
-        batch = collate(encoded[start: start + batch_size], pad_id)
+    for first in range(0, len(encoded), batch_size):
+        batch = collate(encoded[first: first + batch_size], pad_id)
         ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
         n = predicted_tokens(batch)  # targets that count
         total += float(model.loss(ids, mask)) * n
@@ -237,8 +248,8 @@ def complete_sonnets(model: SonnetGPT, tokenizer, prompts: list[str], decoding: 
                              f"model's context of {model.config.n_positions} allows 1 to {limit}")
     generator = torch.Generator(device=device).manual_seed(decoding.seed) if decoding.do_sample else None
     texts = []
-    for start in range(0, len(encoded), batch_size):
-        chunk = encoded[start: start + batch_size]
+    for first in range(0, len(encoded), batch_size):
+        chunk = encoded[first: first + batch_size]
         batch = collate([Encoded(str(i), x, None) for i, x in enumerate(chunk)], eos, side="left")
         width = batch["input_ids"].shape[1]
         out = model.generate(batch["input_ids"].to(device), batch["attention_mask"].to(device),
@@ -288,7 +299,42 @@ def describe(d: Decoding) -> str:
     return f"{how}{rep}, up to {d.max_new_tokens} new tokens"
 
 
-def run(args, device: torch.device) -> dict:
+def course_file(name: str) -> str:
+    """data/NAME if it is there, else the shared copy of the course's file."""
+    local = Path("data") / name
+    return str(local if local.is_file() else shared_dir() / "data" / "cs224n" / name)
+
+
+@dataclass
+class SonnetConfig(FineTuneConfig):
+    """run_sonnet.py's flags (see FineTuneConfig for the shared ones)."""
+    tokenizer: str = "gpt2"
+    max_length: int | None = None
+    sonnet_path: str = field(default_factory=lambda: course_file("sonnets.txt"))
+    held_out_sonnet_path: str = field(default_factory=lambda: course_file("sonnets_held_out.txt"))
+    sonnet_out: str = "predictions/generated_sonnets.txt"
+    dev_sonnet_path: str = field(default_factory=lambda: course_file("sonnets_held_out_dev.txt"))
+    dev_gold_path: str = field(default_factory=lambda: course_file("TRUE_sonnets_held_out_dev.txt"))
+    dev_out: str = "predictions/generated_sonnets_dev.txt"
+    temperature: float = 1.2
+    top_p: float = 0.9
+    top_k: int = 0
+    greedy: bool = False
+    num_beams: int = 1
+    length_penalty: float = 1.0
+    repetition_penalty: float = 1.0
+    max_new_tokens: int = 128
+    generate_only: bool = False
+    baseline: str | None = None  # prompts or random_sonnet: no model
+
+
+def run(args: SonnetConfig) -> dict:
+    """The whole of run_sonnet.py (the Python API: `run(SonnetConfig(model=..., epochs=1, ...))`)."""
+    device = start(args, "checkpoints/sonnet-lora" if args.lora_rank else "checkpoints/sonnet")
+    return run_on(args, device)
+
+
+def run_on(args, device: torch.device) -> dict:
     """Fine-tune on the training sonnets keeping the best dev-chrF epoch (or --generate_only / --baseline), then
     write the dev and held-out generations and grade the dev file."""
     train_sonnets = read_sonnets(args.sonnet_path)
@@ -344,6 +390,7 @@ def run(args, device: torch.device) -> dict:
             return result
         load_weights(model, Path(args.output_dir) / "best")
         print(f"best epoch {result['best']['epoch']}: dev chrF {result['best']['metrics']['chrf']:.2f}")
+    resolve_dtype(args)  # --generate_only reaches here without train_config
     with autocast(device, args.bf16, args.fp16):
         dev_texts, test_texts = generate_all(model, dev_prompts), generate_all(model, test_prompts)
     if args.merge_lora:

@@ -56,7 +56,8 @@ def test_two_processes_fine_tune_to_the_weights_of_one(tmp_path):
     assert "distributed: 2 processes" in done.stdout
     assert done.stdout.count("epoch 2/2 |") == 1  # rank 0 alone logs
     assert (tmp_path / "two" / "dev.csv").read_text() == (tmp_path / "one" / "dev.csv").read_text()
-    assert sorted(p.name for p in (tmp_path / "two").iterdir()) == ["best", "dev.csv", "last", "test.csv"]
+    assert sorted(p.name for p in (tmp_path / "two").iterdir()) == ["best", "curves.png", "dev.csv", "last", "metrics.jsonl",
+                                                                   "test.csv"]
 
 
 def test_two_processes_pretrain_to_the_weights_of_one(tmp_path):
@@ -72,7 +73,7 @@ def test_two_processes_pretrain_to_the_weights_of_one(tmp_path):
     diff = max_difference(tmp_path / "one" / "best", tmp_path / "two" / "best")
     assert diff < 1e-6, diff
     assert done.stdout.count("done: step 8") == 1
-    assert sorted(p.name for p in (tmp_path / "two").iterdir()) == ["best", "data"]
+    assert sorted(p.name for p in (tmp_path / "two").iterdir()) == ["best", "curves.png", "data", "last", "metrics.jsonl"]
 
 
 def test_single_process_helpers_are_identities():

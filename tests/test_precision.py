@@ -10,7 +10,7 @@ from test_task_data import make_tokenizer, write_sentiment
 
 import run_classifier
 import run_pretrain
-from tasks import training
+from tasks import engine
 from tasks.checkpoint import load_checkpoint
 
 
@@ -53,7 +53,7 @@ def test_bf16_and_fp16_together_are_refused(classifier_args, capsys):
     assert run_classifier.main(classifier_args("x", "--fp16", "--bf16")) == 1
     assert "--bf16 and --fp16 exclude each other" in capsys.readouterr().err
     with pytest.raises(ValueError, match="exclude each other"):
-        training.autocast("cpu", True, True)
+        engine.autocast("cpu", True, True)
 
 
 def test_fp16_pretraining_resumes_exactly(tmp_path):

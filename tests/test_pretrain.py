@@ -1,4 +1,5 @@
 """Training a GPT from scratch on a text file (run_pretrain.py, tasks/pretrain.py, tasks/char_tokenizer.py)."""
+import contextlib
 import math
 
 import numpy as np
@@ -9,7 +10,6 @@ from conftest import shared_path
 import run_pretrain
 from config import GPT2Config
 from models.gpt2 import GPT2LMHeadModel
-from optimizer import param_groups_for_weight_decay
 from tasks import pretrain
 from tasks.char_tokenizer import CharTokenizer
 
@@ -116,6 +116,9 @@ def test_gradient_checkpointing_trains_the_same_model(corpus_file, tmp_path, mon
 
 
 def test_batch_split_across_threads_gives_the_gradient_of_the_whole_batch(corpus_file, tmp_path):
+    """The engine's split_batch: slices of a micro-batch on separate threads add up to the whole batch's gradient."""
+    from tasks.engine import MicroBatch, _Backward, _LossOf
+
     corpus = pretrain.prepare_corpus(corpus_file, "char", tmp_path / "cache")
     x, y = pretrain.get_batch(corpus.train, 5, 16, torch.Generator().manual_seed(0))
     results = []
@@ -123,17 +126,17 @@ def test_batch_split_across_threads_gives_the_gradient_of_the_whole_batch(corpus
         torch.manual_seed(0)
         model = GPT2LMHeadModel(GPT2Config(vocab_size=len(corpus.tokenizer), n_positions=16, n_embd=16, n_layer=2,
                                            n_head=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
-        flat = pretrain.FlatParams(param_groups_for_weight_decay(model, 0.1))
-        runner = pretrain.BatchRunner(model, flat.params, workers)
-        loss = runner.backward(x, y, scale=0.5)
-        results.append((loss, torch.cat([f.grad for f in flat.flat]), runner.loss_sum(x, y)))
-    (loss1, grad1, sum1), (loss3, grad3, sum3) = results
+        params = list(model.parameters())
+        backward = _Backward(_LossOf(model, pretrain.window_loss), params, workers, contextlib.nullcontext)
+        loss, _ = backward(MicroBatch({"input_ids": x, "labels": y}, 0.5, x.numel()), lambda t: t)
+        backward.close()
+        results.append((loss, torch.cat([p.grad.flatten() for p in params])))
+    (loss1, grad1), (loss3, grad3) = results
     expected = torch.nn.functional.cross_entropy(model(x)["logits"].flatten(0, 1), y.flatten()).detach()
-    torch.testing.assert_close(loss1, expected, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(loss1, 0.5 * expected, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(loss3, loss1, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(grad3, grad1, rtol=1e-5, atol=1e-7)
     assert grad1.abs().sum() > 0
-    torch.testing.assert_close(float(sum3), float(expected) * y.numel(), rtol=1e-5, atol=1e-5)
 
 
 def test_sampling_from_a_checkpoint_beyond_the_context(corpus_file, tmp_path, capsys):

@@ -24,7 +24,8 @@ from tasks import pretrain
 from tasks.classifier import GPT2SentimentClassifier
 from tasks.classifier import loss_fn as sentiment_loss
 from tasks.data import Encoded, collate
-from tasks.training import ArchitectureMismatchError, NonFiniteError, TrainConfig, load_weights, train
+from tasks.engine import ArchitectureMismatchError, NonFiniteError, TrainConfig, load_weights
+from tasks.training import train
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "random:n_layer=2,n_head=2,n_embd=16,n_positions=64,vocab_size=64"
@@ -204,14 +205,14 @@ def test_pretrain_resume_refuses_other_sizes_and_a_vocabulary_larger_than_the_em
     with pytest.raises(ArchitectureMismatchError, match="n_embd 16 vs 32"):
         run_pretrain.main(common + ["--out_dir", str(tmp_path / "out"), "--max_iters", "10", "--resume",
                                     "--n_embd", "32"])
-    vocab = tmp_path / "out" / "best" / "char_vocab.json"
+    vocab = tmp_path / "out" / "last" / "char_vocab.json"  # --resume continues last/
     chars = json.loads(vocab.read_text())
     chars = chars["chars"] if isinstance(chars, dict) else chars
     extra = [c for c in "ABCDEFGHIJKLMNOPQRSTUVWXYZ" if c not in chars][:5]
     vocab.write_text(vocab.read_text().replace(json.dumps(chars[-1])[1:-1] + '"',
                                                json.dumps(chars[-1])[1:-1] + '", ' + ", ".join(f'"{c}"' for c in extra),
                                                1))
-    _resave_manifest(tmp_path / "out" / "best")
+    _resave_manifest(tmp_path / "out" / "last")
     with pytest.raises(ValueError, match="tokenizer has .* tokens but the model's embedding only"):
         run_pretrain.main(common + ["--out_dir", str(tmp_path / "out"), "--max_iters", "10", "--resume"])
 
@@ -221,7 +222,7 @@ def test_pretrain_overwrite_clears_a_broken_checkpoint_without_reading_it(tmp_pa
     corpus.write_text(TEXT, encoding="utf-8")
     common = ["--data", str(corpus), *TINY, "--eval_interval", "5", "--out_dir", str(tmp_path / "out")]
     run_pretrain.main(common + ["--max_iters", "5"])
-    (tmp_path / "out" / "best" / ck.STATE).write_bytes(b"garbage")
+    (tmp_path / "out" / "last" / ck.STATE).write_bytes(b"garbage")  # the checkpoint --resume reads
     with pytest.raises(ck.CorruptCheckpointError, match="pass --overwrite"):
         run_pretrain.main(common + ["--max_iters", "5", "--resume"])
     capsys.readouterr()
@@ -235,7 +236,7 @@ def test_pretrain_resume_rule_refuses_changed_settings_allows_more_steps_and_say
     corpus.write_text(TEXT, encoding="utf-8")
     common = ["--data", str(corpus), *TINY, "--eval_interval", "5", "--out_dir", str(tmp_path / "out")]
     run_pretrain.main(common + ["--max_iters", "5"])
-    with pytest.raises(ValueError, match=r"batch_size was 4, now 8; learning_rate was 0.001, now 0.002"):
+    with pytest.raises(ValueError, match=r"batch_size was 4, now 8; lr was 0.001, now 0.002"):
         run_pretrain.main(common + ["--max_iters", "5", "--resume", "--learning_rate", "2e-3", "--batch_size", "8"])
     with pytest.raises(ValueError, match=r"max_iters was 5, now 3 \(it may only grow\)"):
         run_pretrain.main(common + ["--max_iters", "3", "--resume"])
@@ -335,7 +336,7 @@ def test_pretraining_stops_on_a_nan_loss_or_skips_it(tmp_path, monkeypatch, caps
 
     monkeypatch.setattr(pretrain, "next_token_loss", poisoned)
     common = ["--data", str(corpus), *TINY, "--max_iters", "10", "--eval_interval", "5"]
-    with pytest.raises(NonFiniteError, match=r"non-finite loss nan at step 7: .*last good checkpoint .*best is kept"):
+    with pytest.raises(NonFiniteError, match=r"non-finite loss nan at step 7: .*last good checkpoint .*last is kept"):
         run_pretrain.main(common + ["--out_dir", str(tmp_path / "stop")])
     assert ck.load_checkpoint(tmp_path / "stop" / "best").state["step"] == 5
     calls["n"] = 0

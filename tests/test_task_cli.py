@@ -135,3 +135,56 @@ def test_dropout_flags_mean_one_thing_on_every_cli(setup, capsys):
         saved = json.loads((tmp / run / "last" / "config.json").read_text())
         assert (saved["resid_pdrop"], saved["embd_pdrop"], saved["attn_pdrop"]) == (0.25, 0.25, 0.1), run
     assert load_checkpoint(tmp / "cls" / "last").state["run"]["head_dropout"] == 0.4
+
+
+# ---- the Python API: one dataclass per CLI, the same fields and defaults as its flags -----------------------------
+
+def _flags(parser) -> dict:
+    return {a.dest: a.default for a in parser._actions if a.dest != "help"}
+
+
+@pytest.mark.parametrize("cli", ["run_classifier", "run_paraphrase", "run_sonnet", "run_pretrain"])
+def test_every_cli_flag_is_a_config_field_with_the_same_default(cli):
+    import dataclasses
+    import importlib
+
+    module = importlib.import_module(cli)
+    flags = _flags(module.build_parser())
+    if cli == "run_pretrain":
+        from tasks.pretrain import PretrainConfig as config
+        folded = {"bf16", "fp16", "use_gpu", "dtype"}  # folded into dtype / device before the config is made
+    else:
+        config = type(module.get_args([]))
+        folded = set()
+    fields = {f.name: f for f in dataclasses.fields(config)}
+    missing = set(flags) - set(fields) - (folded - {"dtype"})
+    assert not missing, f"{cli}: flags without a config field: {sorted(missing)}"
+    extra = set(fields) - set(flags) - {"expect"}
+    assert not extra, f"{cli}: config fields without a flag: {sorted(extra)}"
+    instance = config()
+    for name, default in flags.items():
+        if name not in folded:
+            assert getattr(instance, name) == default, f"{cli} --{name}: flag default {default!r}, config " \
+                                                       f"default {getattr(instance, name)!r}"
+
+
+def test_the_classifier_runs_from_python_with_a_config_and_writes_metrics(setup, capsys):
+    from tasks.classifier import ClassifierConfig, run
+    from tasks.metrics import read_metrics
+
+    tmp, _ = setup
+    paths = write_sentiment(tmp, "sst", 24)
+    cfg = ClassifierConfig(tokenizer=str(tmp / "tok"), model="random:n_layer=2,n_head=2,n_embd=16,n_positions=64,"
+                           "vocab_size=64", epochs=2, batch_size=8, threads=1, fine_tune_mode="full-model",
+                           train=str(paths["train"]), dev=str(paths["dev"]), dev_out=str(tmp / "dev.csv"),
+                           output_dir=str(tmp / "ck"), lr=1e-3, log_interval=1)
+    (result,) = run(cfg)
+    assert result["task"] == "sst" and len(result["history"]) == 2 and (tmp / "dev.csv").is_file()
+    records = read_metrics(tmp / "ck")
+    evals = [r for r in records if r["kind"] == "eval"]
+    trains = [r for r in records if r["kind"] == "train"]
+    assert [r["step"] for r in evals] == [3, 6] and [r["epoch"] for r in evals] == [1, 2]  # 24 examples, batch 8
+    assert [r["step"] for r in trains] == [1, 2, 3, 4, 5, 6]
+    assert all({"train_loss", "lr", "tokens_per_s", "wall_s"} <= set(r) for r in trains)
+    assert all("dev_acc" in r and "dev_f1" in r for r in evals)
+    assert (tmp / "ck" / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

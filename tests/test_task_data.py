@@ -218,8 +218,8 @@ def test_a_moved_shared_folder_is_found_through_gpt2_shared_dir(tmp_path, monkey
     from conftest import shared_path as test_shared_path
 
     import run_classifier
-    import run_sonnet
     from models import hub, parity
+    from tasks import classifier, sonnet
 
     moved = tmp_path / "elsewhere"
     shutil.copytree(shared_path("gpt2-tokenizer"), moved / "gpt2-tokenizer")
@@ -231,8 +231,8 @@ def test_a_moved_shared_folder_is_found_through_gpt2_shared_dir(tmp_path, monkey
     tok = D.load_tokenizer("gpt2")
     assert str(moved / "gpt2-tokenizer") in capsys.readouterr().out and len(tok) == 50257
     assert parity.pick_tokenizer(None, str(tmp_path)) is not None
-    assert run_sonnet.data_file("sonnets.txt") == str(moved / "data" / "cs224n" / "sonnets.txt")
-    jobs = run_classifier.jobs(run_classifier.get_args(["--task", "sst"]))
+    assert sonnet.course_file("sonnets.txt") == str(moved / "data" / "cs224n" / "sonnets.txt")
+    jobs = classifier.jobs(run_classifier.get_args(["--task", "sst"]))
     assert jobs[0][1] == moved / "data" / "cs224n" / "ids-sst-train.csv"
     assert test_shared_path("data", "cs224n", "sonnets.txt") == moved / "data" / "cs224n" / "sonnets.txt"
     monkeypatch.setenv("GPT2_SHARED_DIR", str(tmp_path / "nowhere"))

@@ -1,9 +1,10 @@
-"""Task heads (GPT2SentimentClassifier, ParaphraseGPT) and the shared training loop (tasks/training.py)."""
+"""Task heads (GPT2SentimentClassifier, ParaphraseGPT) and fine-tuning on the training engine (tasks/training.py, tasks/engine.py)."""
 import pytest
 import torch
 from conftest import padded_batch, tiny_config
 
 from models.gpt2 import GPT2Model
+from tasks import engine as E
 from tasks import training as T
 from tasks.classifier import GPT2SentimentClassifier
 from tasks.classifier import loss_fn as classifier_loss
@@ -120,7 +121,7 @@ def _run(tmp_path, name, stop_after=None, resume=False, **cfg):
         preds = T.predict_in_order(m, data[:6], 4, 0, lambda m, i, a: m(i, a).argmax(-1), "cpu")
         return {"acc": sum(p == e.label for p, e in zip(preds, data)) / 6}
 
-    config = T.TrainConfig(output_dir=str(tmp_path / name), epochs=3, batch_size=4, lr=1e-2, grad_accum=2,
+    config = E.TrainConfig(output_dir=str(tmp_path / name), epochs=3, batch_size=4, lr=1e-2, grad_accum=2,
                            schedule="linear", warmup_ratio=0.2, seed=3, resume=resume, **cfg)
     result = T.train(model, len(data), lambda idx: collate([data[i] for i in idx], 0), loss_fn, evaluate, config,
                      run_info={"lr": 1e-2, "name": "x"})
@@ -151,13 +152,13 @@ def test_resume_after_a_crash_gives_the_same_weights_as_an_uninterrupted_run(tmp
 def test_best_checkpoint_reloads_into_a_fresh_model(tmp_path):
     model, result = _run(tmp_path, "a")
     fresh = GPT2SentimentClassifier(body(seed=9), 3)
-    ck = T.load_weights(fresh, tmp_path / "a" / "best")
+    ck = E.load_weights(fresh, tmp_path / "a" / "best")
     assert ck.state["best"]["epoch"] == result["best"]["epoch"]
     assert (tmp_path / "a" / "last" / "config.json").is_file()  # the body in HF format
     at_best = result["snapshots"][result["best"]["epoch"] - 1]
     for k, v in at_best.items():  # best/ holds the weights of the best epoch, head included
         assert torch.equal(v, fresh.state_dict()[k]), k
-    T.load_weights(fresh, tmp_path / "a" / "last")
+    E.load_weights(fresh, tmp_path / "a" / "last")
     for k, v in model.state_dict().items():  # last/ holds the weights at the end of training
         assert torch.equal(v, fresh.state_dict()[k]), k
     assert not torch.equal(result["snapshots"][0]["classifier.weight"], model.state_dict()["classifier.weight"])
@@ -176,7 +177,7 @@ def test_resume_with_other_settings_is_refused(tmp_path):
     _run(tmp_path, "a")
     data = _data()
     model = GPT2SentimentClassifier(body(), 3, 0.3, "full-model")
-    config = T.TrainConfig(output_dir=str(tmp_path / "a"), epochs=3, batch_size=4, resume=True)
+    config = E.TrainConfig(output_dir=str(tmp_path / "a"), epochs=3, batch_size=4, resume=True)
     with pytest.raises(ValueError, match=r"settings differ from the saved run.s: lr was 0.01, now 0.5"):
         T.train(model, len(data), lambda idx: collate([data[i] for i in idx], 0), classifier_loss,
                 lambda m: {"acc": 0.0}, config, run_info={"lr": 0.5, "name": "x"})

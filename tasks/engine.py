@@ -277,10 +277,13 @@ class _Backward:
             return weighted.detach(), stats, torch.autograd.grad(scale(weighted), self.params, allow_unused=True)
 
         results = list(self.pool.map(work, range(len(slices))))
-        for _, _, grads in results[1:]:
-            for p, g in zip(self.params, grads):
-                if g is not None:
-                    p.grad = g if p.grad is None else p.grad.add_(g)
+        for _, _, grads in results[1:]:  # in slice order, so that runs repeat
+            pairs = [(p, g) for p, g in zip(self.params, grads) if g is not None]
+            for p, g in pairs:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            if pairs:
+                torch._foreach_add_([p.grad for p, _ in pairs], [g for _, g in pairs])
         stats: dict = {}
         for _, s, _ in results:
             for k, v in s.items():
@@ -437,6 +440,9 @@ class Meter:
         self.sums = {}
 
 
+INTERVAL_RATES = ("train_loss", "ms_per_step", "tokens_per_s", "seconds")
+
+
 def _rates(sums: dict) -> dict:
     """Train loss (and accuracy where the loss counts it), step time and throughput from a meter's merged sums."""
     steps, seconds = sums.get("steps", 0), max(sums.get("seconds", 0.0), 1e-9)
@@ -569,7 +575,7 @@ def fit(model: nn.Module, batches: BatchSource, loss_fn: Callable, evaluate_fn: 
         state.wall_s += time.perf_counter() - t0
         if main:
             record["wall_s"] = round(state.wall_s, 3)
-            log.log(record)
+            log.log({k: v for k, v in record.items() if k not in INTERVAL_RATES})  # the train records carry those
             log.plot()
             line = (report or summary_line)(record, improved and saved, cfg)
             tqdm.write(line) if bar is not None else print(line, flush=True)

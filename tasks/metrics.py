@@ -225,7 +225,7 @@ def _is_number(v) -> bool:
 # "tokens_per_s" by name, and otherwise, for eval records only, to "metrics".
 PANELS = (("loss", "loss", "loss"), ("metrics", "eval metrics", "value"), ("lr", "learning rate", "lr"),
           ("tokens_per_s", "throughput", "tokens/s"))
-_NOT_SERIES = {"kind", "step", "epoch", "wall_s", "unix"}
+_NOT_SERIES = {"kind", "step", "epoch", "wall_s", "unix", "seconds", "ms_per_step", "skipped", "fp16_overflows"}
 _X_LABEL = {"step": "step (optimizer steps)", "wall_s": "wall time (s)"}
 _EVAL_STYLES = (("--", "o"), (":", "s"), ("-.", "^"), ("--", "D"), (":", "v"), ("-.", "P"))
 
@@ -245,7 +245,8 @@ def series_of(records: list[dict], x: str = "step") -> dict[str, dict[tuple[str,
         if r.get("kind") not in ("train", "eval") or not _is_number(r.get(x)):
             continue
         for key, value in r.items():
-            if key in _NOT_SERIES or key == x or not _is_number(value) or (panel := _panel(r["kind"], key)) is None:
+            if (key in _NOT_SERIES or key.startswith("best_") or key == x or not _is_number(value)
+                    or (panel := _panel(r["kind"], key)) is None):  # best_*: the running best, a copy of a series
                 continue
             xs, ys = out.setdefault(panel, {}).setdefault((r["kind"], key), ([], []))
             xs.append(r[x])

@@ -399,6 +399,7 @@ class RandomWindows:
         self.device = device
         self.generator = torch.Generator().manual_seed(seed)
         self.eval_generator = torch.Generator().manual_seed(seed + 1)
+        self.drawn = 0  # batches drawn
         self.rows = dist.shard(list(range(batch_size)))
         # DDP averages over ranks: this weight makes it the global batch's mean, and the steps' mean of micro-batches
         self.weight = dist.world_size() * len(self.rows) / batch_size / grad_accum
@@ -409,14 +410,18 @@ class RandomWindows:
             x, y = get_batch(self.tokens, self.batch_size, self.block_size, self.generator, self.device)
             x, y = x[self.rows[0]: self.rows[-1] + 1], y[self.rows[0]: self.rows[-1] + 1]
             micro.append(MicroBatch({"input_ids": x, "labels": y}, self.weight, x.numel()))
-        return Step(micro, "step {step}", 0.0)
+        self.drawn += self.grad_accum
+        # epochs: windows' tokens drawn over the train split's (how many times it was seen, on average)
+        return Step(micro, "step {step}", self.drawn * self.batch_size * self.block_size / len(self.tokens))
 
     def state_dict(self) -> dict:
-        return {"generator": self.generator.get_state(), "eval_generator": self.eval_generator.get_state()}
+        return {"generator": self.generator.get_state(), "eval_generator": self.eval_generator.get_state(),
+                "drawn": self.drawn}
 
     def load_state_dict(self, state: dict) -> None:
         self.generator.set_state(state["generator"])
         self.eval_generator.set_state(state["eval_generator"])
+        self.drawn = state.get("drawn", 0)
 
 
 def window_loss(model, batch: dict) -> torch.Tensor:

@@ -113,6 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=1337, help="seeds init, batches and sampling")
     add_device_args(g, default="cpu")
     g.add_argument("--threads", type=_non_negative_int, default=0, help="CPU threads (0: torch's default, one per core)")
+    g.add_argument("--compile", action="store_true", help="torch.compile the training forward and loss (the first "
+                   "steps compile; on CPUs it needs a C++ compiler; turns --split_batch off)")
     g.add_argument("--split_batch", action=argparse.BooleanOptionalAction, default=True,
                    help="split each batch across the threads, one core each, rather than parallelising every "
                         "operation (needs dropout 0; off under torchrun, where processes split the batch)")

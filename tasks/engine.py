@@ -89,7 +89,9 @@ class TrainConfig:
     eval_prefix: str = "dev_"  # the evaluation's metrics are recorded as dev_acc, ...
     skip_nonfinite: bool = False  # skip (and count) steps with a non-finite loss or gradient instead of stopping
     gradient_checkpointing: bool = False  # recompute each block's activations in backward: less memory, more time
-    split_batch: bool = False  # on a CPU, cut each micro-batch across the threads (needs dropout 0 to repeat)
+    split_batch: bool = False  # on a CPU, cut each micro-batch across the threads (dropout 0; exact for a loss that
+    #                            averages over equally weighted rows, as pretraining's windows)
+    compile: bool = False  # torch.compile the training forward and loss (the first steps compile; evaluation is eager)
     tensorboard: bool = False  # also write TensorBoard events to OUT/tensorboard
     plot: bool = True  # refresh OUT/curves.png at each evaluation
 
@@ -299,7 +301,8 @@ def split_workers(cfg: TrainConfig, model: nn.Module) -> int:
     """Threads to cut each micro-batch across: all of torch's with split_batch on a CPU in one process, unless
     dropout is on (its masks come from one generator that the threads would race for); else 1."""
     threads = torch.get_num_threads()
-    if not cfg.split_batch or threads == 1 or dist.world_size() > 1 or torch.device(cfg.device).type != "cpu":
+    if (not cfg.split_batch or cfg.compile or threads == 1 or dist.world_size() > 1
+            or torch.device(cfg.device).type != "cpu"):
         return 1
     dropout = [m.p for m in model.modules() if isinstance(m, nn.Dropout) and m.p > 0]
     if dropout:
@@ -537,6 +540,8 @@ def fit(model: nn.Module, batches: BatchSource, loss_fn: Callable, evaluate_fn: 
         print(f"distributed: {world} processes, each on its slice of every batch of {cfg.batch_size}")
 
     trainer = dist.wrap(_LossOf(model, loss_fn), device)  # DDP under torchrun; the model itself is trained either way
+    if cfg.compile:
+        trainer = torch.compile(trainer)
     params = [p for g in optimizer.param_groups for p in g["params"]]
     threads = torch.get_num_threads()
     workers = split_workers(cfg, model)

@@ -360,6 +360,7 @@ class PretrainConfig:
     device: str = "cpu"
     threads: int = 0
     split_batch: bool = True
+    compile: bool = False
 
 
 # Settings that shape the saved state (optimizer moments, schedule, batches, model): --resume refuses a change to any of
@@ -382,7 +383,7 @@ def train_config(cfg: PretrainConfig) -> TrainConfig:
                        overwrite=cfg.overwrite, eval_interval=cfg.eval_interval, eval_at_start=True,
                        log_interval=cfg.log_interval, print_logs=True, select_metric="val_loss", select_max=False,
                        eval_prefix="", skip_nonfinite=cfg.skip_nonfinite,
-                       gradient_checkpointing=cfg.gradient_checkpointing, split_batch=cfg.split_batch,
+                       gradient_checkpointing=cfg.gradient_checkpointing, split_batch=cfg.split_batch, compile=cfg.compile,
                        tensorboard=cfg.tensorboard)
 
 

@@ -68,6 +68,7 @@ class FineTuneConfig:
     eval_batch_size: int = 32
     skip_nonfinite: bool = False
     gradient_checkpointing: bool = False
+    compile: bool = False
     # LoRA
     lora_rank: int = 0
     lora_alpha: float | None = None
@@ -222,6 +223,8 @@ def add_training_args(parser: argparse.ArgumentParser, epochs: int, batch_size: 
                    "gradient is not finite, instead of stopping the run there")
     g.add_argument("--gradient_checkpointing", action="store_true", help="recompute activations in backward: "
                    "less memory for longer sequences or bigger batches, about 15%% more time per step")
+    g.add_argument("--compile", action="store_true", help="torch.compile the training forward and loss (the first "
+                   "steps compile; on CPUs it needs a C++ compiler)")
 
 
 def add_precision_args(g) -> None:
@@ -251,7 +254,7 @@ def train_config(args, output_dir: str, lr: float, device: torch.device) -> Trai
                        seed=args.seed, device=str(device), resume=args.resume, overwrite=args.overwrite,
                        save_every=args.save_every, max_steps=args.max_steps,
                        skip_nonfinite=getattr(args, "skip_nonfinite", False),
-                       gradient_checkpointing=getattr(args, "gradient_checkpointing", False))
+                       gradient_checkpointing=args.gradient_checkpointing, compile=args.compile)
 
 
 @torch.no_grad()

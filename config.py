@@ -37,9 +37,10 @@ def nanochat_preset(depth: int) -> dict[str, Any]:
     """nanochat's GPT of `depth` layers, sized by nanochat's own rule (karpathy/nanochat scripts/base_train.py,
     build_model_meta, with its defaults --aspect-ratio 64 --head-dim 128 --max-seq-len 2048): the width depth * 64,
     rounded up to a multiple of the head size 128; n_head = width / 128 (so the head size is exactly 128); as many
-    key/value heads as query heads. The architecture is nanochat/gpt.py's where this config can say it: RMSNorm
-    without a learnable scale (F.rms_norm with eps=None, float32's machine epsilon), a 4x ReLU^2 MLP, RoPE with
-    theta 100000, q/k RMSNorm, no biases, no dropout, an untied LM head and logits soft-capped at 15.
+    key/value heads as query heads (n_kv_head=None, so it follows an overridden n_head). The architecture is
+    nanochat/gpt.py's where this config can say it: RMSNorm without a learnable scale (F.rms_norm with eps=None,
+    float32's machine epsilon), a 4x ReLU^2 MLP, RoPE with theta 100000, q/k RMSNorm, no biases, no dropout, an
+    untied LM head and logits soft-capped at 15.
 
     Not modelled (nanochat's extras beyond these variants): value embeddings, per-layer residual and x0 scalars,
     smear, backout, sliding-window layers, the norm after the token embedding, the 1.2 scale of q and k, its init
@@ -50,7 +51,7 @@ def nanochat_preset(depth: int) -> dict[str, Any]:
         raise ValueError(f"nanochat depth must be a positive integer, got {depth!r}")
     head_dim = 128
     width = math.ceil(depth * 64 / head_dim) * head_dim
-    return dict(n_layer=depth, n_embd=width, n_head=width // head_dim, n_kv_head=width // head_dim, n_positions=2048,
+    return dict(n_layer=depth, n_embd=width, n_head=width // head_dim, n_kv_head=None, n_positions=2048,
                 resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, norm="rmsnorm", norm_scale=False,
                 layer_norm_epsilon=2.0 ** -23, activation_function="relu2", position_embedding="rope",
                 rope_theta=100000.0, qk_norm=True, bias=False, tie_word_embeddings=False, logit_softcap=15.0)

@@ -2,6 +2,7 @@
 untied and soft-capped LM head. Each part against its reference (torch, transformers' Llama), the cache against the
 uncached forward, decoding against a no-cache reference, checkpoints round trip, bad configs named."""
 import json
+import re
 
 import pytest
 import torch
@@ -345,3 +346,61 @@ def test_nanochat_preset_follows_nanochats_sizing_rule(depth, width, heads):
     assert config.vocab_size == 300 and nanochat_preset(depth)["n_positions"] == 2048
     with pytest.raises(ValueError, match="nanochat depth"):
         GPT2Config.from_preset("nanochat-d0")
+
+
+# ---- run_pretrain.py: the flags reach the model, checkpoints resume, a changed architecture is refused ------------
+
+TEXT = "".join(f"the {w} of {n} said the {v}.\n" for w, v, n in zip(
+    ["king", "queen", "fool"] * 30, ["crown", "song", "sword", "word"] * 23, ["york", "rome"] * 45))
+TINY = ["--n_layer", "1", "--n_head", "4", "--n_embd", "16", "--block_size", "16", "--batch_size", "4",
+        "--eval_iters", "2", "--log_interval", "5", "--num_samples", "0", "--threads", "1", "--warmup_iters", "1",
+        "--eval_interval", "3"]
+VARIANT_ARGS = ["--norm", "rmsnorm", "--no-norm_scale", "--activation", "relu2", "--position_embedding", "rope",
+                "--rope_theta", "1000", "--n_kv_head", "2", "--qk_norm", "--no-bias", "--no-tie_word_embeddings",
+                "--logit_softcap", "10"]
+
+
+def test_pretraining_a_variant_from_the_flags_resumes_and_refuses_another_architecture(tmp_path):
+    import run_pretrain
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(TEXT)
+    common = ["--data", str(corpus), "--out_dir", str(tmp_path / "out"), *TINY]
+    first = run_pretrain.main([*common, *VARIANT_ARGS, "--max_iters", "3"])
+    config = first["model"].config
+    assert (config.norm, config.norm_scale, config.activation_function, config.position_embedding) == (
+        "rmsnorm", False, "relu2", "rope")
+    assert (config.rope_theta, config.kv_heads, config.qk_norm, config.bias, config.tie_word_embeddings,
+            config.logit_softcap) == (1000.0, 2, True, False, False, 10.0)
+    resumed = run_pretrain.main([*common, "--max_iters", "6", "--resume"])  # the checkpoint's own architecture
+    assert resumed["steps_run"] == 3 and resumed["model"].config.to_dict() == config.to_dict()
+    for flags, field in [(["--norm", "layernorm"], "norm"), (["--bias"], "bias"), (["--n_kv_head", "4"], "kv_heads"),
+                         (["--activation", "gelu_new"], "activation_function")]:
+        with pytest.raises(ValueError, match=f"different architecture.*{field}"):
+            run_pretrain.main([*common, *flags, "--max_iters", "9", "--resume"])
+
+
+def test_depth_flag_builds_nanochats_gpt_and_flags_override_it(capsys):
+    import run_pretrain
+    from tasks.char_tokenizer import CharTokenizer
+    from tasks.pretrain import build_config
+
+    tokenizer = CharTokenizer(list("abc"))
+    args = run_pretrain.parse_args(["--data", "x", "--depth", "3"])
+    config = build_config(args, tokenizer)
+    assert config.to_dict() == GPT2Config.from_preset("nanochat-d3", vocab_size=3, bos_token_id=None,
+                                                      eos_token_id=None).to_dict()
+    args = run_pretrain.parse_args(["--data", "x", "--depth", "3", "--n_head", "4", "--norm_scale", "--bias",
+                                    "--logit_softcap", "30", "--activation", "gelu"])
+    config = build_config(args, tokenizer)
+    assert (config.n_head, config.kv_heads, config.norm_scale, config.bias, config.logit_softcap) == (4, 4, True,
+                                                                                                     True, 30.0)
+    assert (config.activation_function, config.norm, config.position_embedding) == ("gelu", "rmsnorm", "rope")
+    plain = build_config(run_pretrain.parse_args(["--data", "x"]), tokenizer)
+    assert not plain.variant_fields() and plain.activation_function == "gelu_new"
+    for argv, message in [(["--preset", "gpt2", "--depth", "2"], "--preset .* and --depth"),
+                          (["--arch", "bigram", "--qk_norm"], "--qk_norm"),
+                          (["--arch", "bigram", "--depth", "2"], "--depth")]:
+        with pytest.raises(SystemExit):
+            run_pretrain.parse_args(["--data", "x", *argv])
+        assert re.search(message, capsys.readouterr().err)

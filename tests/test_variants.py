@@ -404,3 +404,12 @@ def test_depth_flag_builds_nanochats_gpt_and_flags_override_it(capsys):
         with pytest.raises(SystemExit):
             run_pretrain.parse_args(["--data", "x", *argv])
         assert re.search(message, capsys.readouterr().err)
+
+
+def test_paraphrase_last_linear_layer_trains_the_untied_head_alone():
+    from tasks.paraphrase import ParaphraseGPT
+
+    tied = ParaphraseGPT(GPT2Model(tiny_config("h4-wide")), 1, 2, "last-linear-layer")
+    assert [n for n, p in tied.named_parameters() if p.requires_grad] == ["gpt.word_embedding.weight"]
+    untied = ParaphraseGPT(GPT2Model(variant("untied")), 1, 2, "last-linear-layer")
+    assert [n for n, p in untied.named_parameters() if p.requires_grad] == ["gpt.lm_head.weight"]

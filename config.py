@@ -108,6 +108,9 @@ ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
 BACKWARDS = ("autograd", "manual")
 NORMS = ("layernorm", "rmsnorm")
 POSITION_EMBEDDINGS = ("learned", "rope")
+# The model_type of a config.json whose model transformers' GPT-2 cannot run (GPT2Config.hf_incompatibilities): its
+# Auto classes then refuse the folder instead of building a GPT-2 with half the weights missing.
+VARIANT_MODEL_TYPE = "gpt2-variant"
 # Architecture fields beyond transformers' GPT2Config; each defaults to GPT-2's choice.
 VARIANT_FIELDS = ("norm", "norm_scale", "position_embedding", "rope_theta", "n_kv_head", "qk_norm", "bias",
                   "logit_softcap")
@@ -295,7 +298,7 @@ class GPT2Config:
     def from_dict(cls, d: dict[str, Any]) -> "GPT2Config":
         """From an HF config dict (config.json): known fields are used, the rest kept in `extra`."""
         d = dict(d)
-        if d.get("model_type", "gpt2") != "gpt2":
+        if d.get("model_type", "gpt2") not in ("gpt2", VARIANT_MODEL_TYPE):
             raise ValueError(f"not a GPT-2 config: model_type is {d['model_type']!r}")
         if d.get("add_cross_attention"):
             raise ValueError("GPT-2 configs with add_cross_attention=True (encoder-decoder use) are not supported")
@@ -328,14 +331,15 @@ class GPT2Config:
     # ---- export --------------------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         """An HF-style config.json dict that `transformers.GPT2Config` reads. Variant fields are written only where
-        they differ from GPT-2's choice; transformers keeps them as attributes but cannot run most of them (to_hf
-        says which)."""
+        they differ from GPT-2's choice; a variant transformers' GPT-2 cannot run (to_hf says which) is marked
+        model_type 'gpt2-variant', which its Auto classes refuse."""
         runtime = ("extra", "attn_implementation", "backward")  # choices of this process, not of the checkpoint
         default_variants = set(VARIANT_FIELDS) - set(self.variant_fields())
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
              if f.name not in runtime and f.name not in default_variants}
         out = {**self.extra, **d}
-        out.update(model_type="gpt2", architectures=["GPT2LMHeadModel"], activation_function=self.activation_function)
+        model_type = VARIANT_MODEL_TYPE if self.hf_incompatibilities() else "gpt2"
+        out.update(model_type=model_type, architectures=["GPT2LMHeadModel"], activation_function=self.activation_function)
         return out
 
     def to_json_file(self, path: str | os.PathLike) -> None:

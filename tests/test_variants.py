@@ -245,6 +245,7 @@ def test_variant_save_and_load_round_trip(tmp_path, name):
     written = json.loads((tmp_path / "config.json").read_text())
     for field in model.config.variant_fields():
         assert written[field] == getattr(model.config, field)
+    assert written["model_type"] == ("gpt2" if name == "untied" else "gpt2-variant")  # what transformers can run
     back = GPT2LMHeadModel.from_pretrained(tmp_path)
     assert back.config.to_dict() == model.config.to_dict()
     ids, mask = padded_batch([8, 3], 8, model.config.vocab_size, "left")
@@ -328,9 +329,10 @@ def test_every_variant_field_round_trips_through_config_json(tmp_path):
     config = variant("nanochat-like", rope_theta=321.0, layer_norm_epsilon=1e-6)
     config.to_json_file(tmp_path / "config.json")
     assert GPT2Config.from_json_file(tmp_path / "config.json").to_dict() == config.to_dict()
-    # transformers reads it (keeping our fields as attributes) without being able to run it
-    hf = transformers.GPT2Config.from_pretrained(tmp_path)
-    assert hf.norm == "rmsnorm" and hf.n_kv_head == 2 and hf.tie_word_embeddings is False
+    # marked as a model transformers' GPT-2 cannot run: its Auto classes refuse it rather than build a GPT-2
+    assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "gpt2-variant"
+    with pytest.raises(ValueError, match="gpt2-variant"):
+        transformers.AutoConfig.from_pretrained(tmp_path)
 
 
 @pytest.mark.parametrize("depth, width, heads", [(1, 128, 1), (3, 256, 2), (12, 768, 6), (20, 1280, 10),

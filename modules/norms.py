@@ -18,7 +18,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim)) if scale else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, self.normalized_shape, self.weight, self.eps)
+        """Computed in float32 (as Llama's RMSNorm; a no-op cast for float32 inputs), returned in x's dtype: under
+        bf16 autocast or in a bf16 model the statistics keep full precision and input and weight dtypes agree."""
+        weight = None if self.weight is None else self.weight.float()
+        return F.rms_norm(x.float(), self.normalized_shape, weight, self.eps).to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"{self.normalized_shape[0]}, eps={self.eps}, scale={self.weight is not None}"

@@ -150,6 +150,23 @@ def test_modules_are_chosen_at_construction():
     assert "final_layer_norm.bias" not in llama.state_dict()
 
 
+
+@pytest.mark.filterwarnings("error")  # e.g. rms_norm's "Mismatch dtype between input and weight"
+def test_bf16_autocast_and_a_bf16_model_run_a_variant_close_to_float32():
+    config = variant("llama-like")
+    model = build(config)
+    ids, mask = padded_batch([8, 5], 8, config.vocab_size, "left")
+    real = mask.bool()
+    with torch.no_grad():
+        want = model(ids, mask)["logits"]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            mixed = model(ids, mask)["logits"]
+        half = build(config).to(torch.bfloat16)(ids, mask)["logits"]
+    for got in (mixed, half):
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.float()[real], want[real], atol=0.05, rtol=0.05)
+    assert model.generate(ids, mask, max_new_tokens=3).shape == (2, 11)
+
 # ---- the KV cache, padding and decoding --------------------------------------------------------------------------
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])

@@ -5,12 +5,20 @@
     cfg.n_embd == cfg.hidden_size == 64
     hf_cfg = cfg.to_hf()                      # transformers.GPT2Config
     cfg = GPT2Config.from_json_file("config.json")   # an HF config.json
+    cfg = GPT2Config.from_preset("nanochat-d12")     # a modern variant: RMSNorm, RoPE, ReLU^2, untied head, ...
+
+Beyond GPT-2 the config describes the variants of nanochat's GPT (and Llama-style models): the norm, the MLP
+activation, rotary positions, grouped-query attention, q/k norm, biases, an untied LM head and a logit soft-cap.
+Every variant field defaults to GPT-2's choice, so a plain config is GPT-2 bit for bit, and a config.json records a
+variant field only where it differs (a GPT-2 config.json stays what transformers writes).
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +29,33 @@ PRESETS: dict[str, dict[str, int]] = {
     "gpt2-large": dict(n_layer=36, n_head=20, n_embd=1280),  # 774M
     "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600),  # 1558M
 }
+
+NANOCHAT_PRESET = re.compile(r"nanochat-d(\d+)")
+
+
+def nanochat_preset(depth: int) -> dict[str, Any]:
+    """nanochat's GPT of `depth` layers, sized by nanochat's own rule (karpathy/nanochat scripts/base_train.py,
+    build_model_meta, with its defaults --aspect-ratio 64 --head-dim 128 --max-seq-len 2048): the width depth * 64,
+    rounded up to a multiple of the head size 128; n_head = width / 128 (so the head size is exactly 128); as many
+    key/value heads as query heads (n_kv_head=None, so it follows an overridden n_head). The architecture is
+    nanochat/gpt.py's where this config can say it: RMSNorm without a learnable scale (F.rms_norm with eps=None,
+    float32's machine epsilon), a 4x ReLU^2 MLP, RoPE with theta 100000, q/k RMSNorm, no biases, no dropout, an
+    untied LM head and logits soft-capped at 15.
+
+    Not modelled (nanochat's extras beyond these variants): value embeddings, per-layer residual and x0 scalars,
+    smear, backout, sliding-window layers, the norm after the token embedding, the 1.2 scale of q and k, its init
+    (zero output projections, uniform matrices), vocabulary padding. The vocabulary stays GPT-2's (nanochat trains
+    its own 32768-token tokenizer); a caller sets vocab_size to its tokenizer's.
+    """
+    if not isinstance(depth, int) or depth <= 0:
+        raise ValueError(f"nanochat depth must be a positive integer, got {depth!r}")
+    head_dim = 128
+    width = math.ceil(depth * 64 / head_dim) * head_dim
+    return dict(n_layer=depth, n_embd=width, n_head=width // head_dim, n_kv_head=None, n_positions=2048,
+                resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, norm="rmsnorm", norm_scale=False,
+                layer_norm_epsilon=2.0 ** -23, activation_function="relu2", position_embedding="rope",
+                rope_theta=100000.0, qk_norm=True, bias=False, tie_word_embeddings=False, logit_softcap=15.0)
+
 
 # Course (BERT-style) name -> the HF field(s) it stands for. Reading an alias reads the first field; constructing,
 # `replace`-ing or assigning with it writes all of them. hidden_dropout_prob is the course's one dropout for the
@@ -68,9 +103,17 @@ class _Alias:
             setattr(obj, target, value)
 
 
-ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh", "gelu", "relu")
+ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh", "gelu", "relu", "relu2")  # relu2: ReLU squared (nanochat, Primer)
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
 BACKWARDS = ("autograd", "manual")
+NORMS = ("layernorm", "rmsnorm")
+POSITION_EMBEDDINGS = ("learned", "rope")
+# The model_type of a config.json whose model transformers' GPT-2 cannot run (GPT2Config.hf_incompatibilities): its
+# Auto classes then refuse the folder instead of building a GPT-2 with half the weights missing.
+VARIANT_MODEL_TYPE = "gpt2-variant"
+# Architecture fields beyond transformers' GPT2Config; each defaults to GPT-2's choice.
+VARIANT_FIELDS = ("norm", "norm_scale", "position_embedding", "rope_theta", "n_kv_head", "qk_norm", "bias",
+                  "logit_softcap")
 
 
 @dataclass(kw_only=True, init=False)
@@ -97,6 +140,16 @@ class GPT2Config:
     pad_token_id: int | None = None  # informational; padding is given by the attention mask, never by this id
     attn_implementation: str = "sdpa"  # "sdpa" (F.scaled_dot_product_attention) or "eager" (explicit softmax)
     backward: str = "autograd"  # "manual": hand-derived backward passes (modules/manual_backward.py), same forward
+    # Variants (nanochat's GPT, Llama); the defaults are GPT-2.
+    norm: str = "layernorm"  # every norm of the model (per block, final): "layernorm" or "rmsnorm" (no mean, no shift)
+    norm_scale: bool = True  # the norms have a learnable scale (False: nanochat's parameter-free RMSNorm)
+    position_embedding: str = "learned"  # "learned": GPT-2's table added to the embeddings; "rope": rotary q and k
+    rope_theta: float = 10000.0  # RoPE base: pair i of a head rotates by position * rope_theta^(-2i / head_dim)
+    n_kv_head: int | None = None  # key/value heads, shared by n_head / n_kv_head query heads each; None: n_head
+    qk_norm: bool = False  # RMSNorm of every head's q and k before attention (scale as norm_scale)
+    bias: bool = True  # biases in the Linear layers and LayerNorms (nanoGPT's meaning; False: none anywhere)
+    tie_word_embeddings: bool = True  # the LM head is the token embedding (GPT-2); False: a separate lm_head
+    logit_softcap: float | None = None  # logits -> cap * tanh(logits / cap) (nanochat: 15); None: off
     # HF fields we read but do not change behaviour on (kept so configs round-trip).
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
@@ -164,6 +217,57 @@ class GPT2Config:
         if self.backward == "manual" and self.activation_function not in ("gelu_new", "gelu_pytorch_tanh"):
             raise ValueError(f"GPT2Config(backward='manual') has a hand-derived backward for the tanh GELU only; "
                              f"activation_function={self.activation_function!r} needs backward='autograd'")
+        self._check_variants()
+
+    def _check_variants(self) -> None:
+        if self.norm not in NORMS:
+            raise ValueError(f"GPT2Config.norm must be one of {NORMS}, got {self.norm!r}")
+        if self.position_embedding not in POSITION_EMBEDDINGS:
+            raise ValueError(f"GPT2Config.position_embedding must be one of {POSITION_EMBEDDINGS}, "
+                             f"got {self.position_embedding!r}")
+        for name in ("norm_scale", "qk_norm", "bias", "tie_word_embeddings"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"GPT2Config.{name} must be True or False, got {getattr(self, name)!r}")
+        if isinstance(self.rope_theta, bool) or not isinstance(self.rope_theta, (int, float)) or not self.rope_theta > 0:
+            raise ValueError(f"GPT2Config.rope_theta must be a positive number, got {self.rope_theta!r}")
+        cap = self.logit_softcap
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or not 0 < cap < math.inf):
+            raise ValueError(f"GPT2Config.logit_softcap must be a positive number or None, got {cap!r}")
+        kv = self.n_kv_head
+        if kv is not None and (not isinstance(kv, int) or isinstance(kv, bool) or kv <= 0):
+            raise ValueError(f"GPT2Config.n_kv_head must be a positive integer or None, got {kv!r}")
+        if kv is not None and self.n_head % kv != 0:
+            raise ValueError(f"GPT2Config.n_head ({self.n_head}) must be divisible by n_kv_head ({kv}): each key/value "
+                             f"head serves the same number of query heads")
+        if self.position_embedding == "rope" and self.head_dim % 2:
+            raise ValueError(f"GPT2Config(position_embedding='rope') needs an even head size, but n_embd / n_head = "
+                             f"{self.n_embd} / {self.n_head} = {self.head_dim}: RoPE rotates pairs of dimensions")
+        if self.backward == "manual" and self.variant_fields():
+            raise ValueError(f"GPT2Config(backward='manual') has hand-derived backward passes for GPT-2's layers only; "
+                             f"{', '.join(self.variant_fields())} need(s) backward='autograd'")
+
+    def variant_fields(self) -> list[str]:
+        """The variant fields (VARIANT_FIELDS and tie_word_embeddings) that differ from GPT-2's choice."""
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        names = VARIANT_FIELDS + ("tie_word_embeddings",)
+        return [name for name in names if getattr(self, name) != defaults[name]]
+
+    def hf_incompatibilities(self) -> list[str]:
+        """What transformers' GPT-2 cannot represent (each names its field); empty when to_hf() can export it.
+        An untied head and ReLU^2 it can (tie_word_embeddings=False, activation_function='relu2')."""
+        reasons = {
+            "norm": f"norm={self.norm!r}: its blocks use LayerNorm",
+            "norm_scale": "norm_scale=False: its LayerNorms have a learnable scale and shift",
+            "position_embedding": f"position_embedding={self.position_embedding!r}: it has a learned position table only",
+            "n_kv_head": f"n_kv_head={self.n_kv_head} (n_head={self.n_head}): it has as many key/value heads as query heads",
+            "qk_norm": "qk_norm=True: it has no q/k norm",
+            "bias": "bias=False: its Linear layers (Conv1D) and LayerNorms always have biases",
+            "logit_softcap": f"logit_softcap={self.logit_softcap}: it has no logit soft-cap",
+        }
+        differ = set(self.variant_fields()) - {"rope_theta", "tie_word_embeddings"}  # theta alone changes nothing
+        if "n_kv_head" in differ and self.kv_heads == self.n_head:
+            differ.remove("n_kv_head")
+        return [reasons[name] for name in VARIANT_FIELDS if name in differ]
 
     # ---- derived sizes -------------------------------------------------------------------------------------------
     @property
@@ -174,24 +278,30 @@ class GPT2Config:
     def inner_dim(self) -> int:
         return self.n_inner if self.n_inner is not None else 4 * self.n_embd
 
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads: n_kv_head, or n_head (GPT-2's multi-head attention) when it is None."""
+        return self.n_kv_head if self.n_kv_head is not None else self.n_head
+
     # ---- constructors --------------------------------------------------------------------------------------------
     @classmethod
     def from_preset(cls, name: str, **overrides: Any) -> "GPT2Config":
+        """One of PRESETS (the official GPT-2 sizes), or nanochat-d{depth} (nanochat_preset)."""
         key = name.split("/")[-1]  # accept "openai-community/gpt2-xl"
+        if m := NANOCHAT_PRESET.fullmatch(key):
+            return cls(**{**nanochat_preset(int(m.group(1))), **overrides})
         if key not in PRESETS:
-            raise ValueError(f"unknown GPT-2 preset {name!r}; choose one of {sorted(PRESETS)}")
+            raise ValueError(f"unknown GPT-2 preset {name!r}; choose one of {sorted(PRESETS)} or nanochat-d{{depth}}")
         return cls(**{**PRESETS[key], **overrides})
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "GPT2Config":
         """From an HF config dict (config.json): known fields are used, the rest kept in `extra`."""
         d = dict(d)
-        if d.get("model_type", "gpt2") != "gpt2":
+        if d.get("model_type", "gpt2") not in ("gpt2", VARIANT_MODEL_TYPE):
             raise ValueError(f"not a GPT-2 config: model_type is {d['model_type']!r}")
         if d.get("add_cross_attention"):
             raise ValueError("GPT-2 configs with add_cross_attention=True (encoder-decoder use) are not supported")
-        if d.get("tie_word_embeddings") is False:
-            raise ValueError("GPT-2 configs with tie_word_embeddings=False are not supported: the LM head is tied")
         if d.get("reorder_and_upcast_attn"):
             raise ValueError("reorder_and_upcast_attn=True is not supported")
         if isinstance(d.get("eos_token_id"), list):
@@ -220,12 +330,16 @@ class GPT2Config:
 
     # ---- export --------------------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        """An HF-style config.json dict that `transformers.GPT2Config` reads."""
+        """An HF-style config.json dict that `transformers.GPT2Config` reads. Variant fields are written only where
+        they differ from GPT-2's choice; a variant transformers' GPT-2 cannot run (to_hf says which) is marked
+        model_type 'gpt2-variant', which its Auto classes refuse."""
         runtime = ("extra", "attn_implementation", "backward")  # choices of this process, not of the checkpoint
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in runtime}
+        default_variants = set(VARIANT_FIELDS) - set(self.variant_fields())
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+             if f.name not in runtime and f.name not in default_variants}
         out = {**self.extra, **d}
-        out.update(model_type="gpt2", architectures=["GPT2LMHeadModel"], activation_function=self.activation_function)
-        out["tie_word_embeddings"] = True
+        model_type = VARIANT_MODEL_TYPE if self.hf_incompatibilities() else "gpt2"
+        out.update(model_type=model_type, architectures=["GPT2LMHeadModel"], activation_function=self.activation_function)
         return out
 
     def to_json_file(self, path: str | os.PathLike) -> None:
@@ -234,9 +348,13 @@ class GPT2Config:
             f.write("\n")
 
     def to_hf(self, **overrides: Any):
+        """transformers.GPT2Config of this model; a variant transformers' GPT-2 cannot run raises ValueError naming
+        the field(s) (hf_incompatibilities), rather than exporting a config that would build another model."""
         import transformers
 
-        d = {k: v for k, v in self.to_dict().items() if k not in ("model_type", "architectures")}
+        if reasons := self.hf_incompatibilities():
+            raise ValueError("transformers' GPT-2 cannot represent this config: " + "; ".join(reasons))
+        d = {k: v for k, v in self.to_dict().items() if k not in ("model_type", "architectures", *VARIANT_FIELDS)}
         d.update(overrides)
         return transformers.GPT2Config(**d)
 

@@ -10,6 +10,11 @@
     # two processes sharing each batch (DDP; gloo on CPU, nccl on GPUs): the same weights as one process
     torchrun --standalone --nproc_per_node=2 run_pretrain.py --data ../shared/data/tinyshakespeare/input.txt \\
         --output_dir out/shakespeare-char-ddp
+    # a modern variant: nanochat's GPT at depth 4 (RMSNorm, RoPE, ReLU^2, q/k norm, no biases, untied soft-capped
+    # head), or GPT-2 with some of its parts swapped
+    python run_pretrain.py --data ../shared/data/tinyshakespeare/input.txt --output_dir out/nanochat-d4 --depth 4
+    python run_pretrain.py --data ../shared/data/tinyshakespeare/input.txt --output_dir out/rope-gqa \
+        --position_embedding rope --n_kv_head 1 --norm rmsnorm --activation relu2 --no-bias
     # the bigram baseline of the same corpus (a next-token table; the lecture trains it with lr 1e-2)
     python run_pretrain.py --arch bigram --lr 1e-2 --min_lr 1e-3 \\
         --data ../shared/data/tinyshakespeare/input.txt --output_dir out/shakespeare-bigram
@@ -28,7 +33,7 @@ import sys
 
 import torch
 
-from config import ACTIVATIONS, PRESETS
+from config import ACTIVATIONS, NORMS, POSITION_EMBEDDINGS, PRESETS
 from tasks.training import add_device_args, add_precision_args, resolve_dtype
 
 
@@ -61,16 +66,38 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--arch", choices=("gpt2", "bigram"), default="gpt2",
                    help="gpt2, or bigram: a table of next-token logits (the floor of 'Let's build GPT'; no sizes)")
     g.add_argument("--preset", choices=sorted(PRESETS), help="start from a GPT-2 size (n_positions 1024)")
+    g.add_argument("--depth", type=_positive(int),
+                   help="start from nanochat's GPT of this many layers (preset nanochat-d{depth}: width 64 * depth "
+                        "rounded up to heads of 128, n_positions 2048, RMSNorm without scale, RoPE theta 1e5, ReLU^2, "
+                        "q/k norm, no biases, untied head, logits capped at 15); the flags below override it")
     g.add_argument("--n_layer", type=_positive(int), help="transformer blocks (default 4, or the preset's)")
     g.add_argument("--n_head", type=_positive(int), help="attention heads (default 4, or the preset's)")
     g.add_argument("--n_embd", type=_positive(int), help="model width (default 128, or the preset's)")
     g.add_argument("--block_size", type=_positive(int), default=64, help="tokens per training window")
     g.add_argument("--n_positions", type=_positive(int), help="model context (default: --block_size; 1024 with a preset)")
     g.add_argument("--dropout", type=float, default=0.0, help="residual, embedding and attention dropout")
-    g.add_argument("--activation", choices=ACTIVATIONS, default="gelu_new",
-                   help="MLP activation: GPT-2's tanh GELU, or exact 'gelu' as nanoGPT")
+    g.add_argument("--activation", choices=ACTIVATIONS,
+                   help="MLP activation (default: GPT-2's tanh GELU gelu_new, or --depth's relu2): exact 'gelu' as "
+                        "nanoGPT, 'relu2' (ReLU squared) as nanochat")
     g.add_argument("--gradient_checkpointing", action="store_true",
                    help="recompute activations in backward: less memory for big models or long blocks, more time")
+    g = p.add_argument_group("architecture variants (left out: GPT-2's choice, or the --depth preset's)")
+    g.add_argument("--norm", choices=NORMS, help="the norm of every block and the final one: layernorm (GPT-2) or "
+                   "rmsnorm (nanochat, Llama)")
+    g.add_argument("--norm_scale", action=argparse.BooleanOptionalAction,
+                   help="a learnable scale in the norms (GPT-2: on; --no-norm_scale: nanochat's parameter-free norm)")
+    g.add_argument("--position_embedding", choices=POSITION_EMBEDDINGS,
+                   help="learned: GPT-2's table added to the embeddings; rope: rotary q and k (needs an even head size)")
+    g.add_argument("--rope_theta", type=_positive(float), help="RoPE base (default 10000; --depth: 100000)")
+    g.add_argument("--n_kv_head", type=_positive(int), help="key/value heads, each shared by n_head / n_kv_head query "
+                   "heads (grouped-query attention; 1: multi-query; default n_head)")
+    g.add_argument("--qk_norm", action=argparse.BooleanOptionalAction, help="RMSNorm of every head's q and k")
+    g.add_argument("--bias", action=argparse.BooleanOptionalAction,
+                   help="biases in the Linear layers and LayerNorms (GPT-2: on; --no-bias: none, as nanoGPT's option)")
+    g.add_argument("--tie_word_embeddings", action=argparse.BooleanOptionalAction,
+                   help="the LM head is the token embedding (GPT-2: on; --no-tie_word_embeddings: a head of its own)")
+    g.add_argument("--logit_softcap", type=_positive(float),
+                   help="soft-cap the logits to (-c, c) as c * tanh(logits / c) (nanochat: 15; default off)")
     g = p.add_argument_group("optimization")
     g.add_argument("--max_iters", type=_non_negative_int, default=2000, help="optimizer steps")
     g.add_argument("--batch_size", type=_positive(int), default=12, help="windows per micro-batch")
@@ -135,8 +162,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(f"--dropout must be in [0, 1), got {args.dropout}")
     if args.top_p is not None and not 0 < args.top_p <= 1:
         parser.error(f"--top_p must be in (0, 1], got {args.top_p}")
+    if args.preset and args.depth:
+        parser.error("--preset (a GPT-2 size) and --depth (nanochat's GPT) both choose the model: pass one of them")
     if args.arch == "bigram":
-        given = [f"--{k}" for k in ("preset", "n_layer", "n_head", "n_embd") if getattr(args, k)]
+        given = [f"--{k}" for k in ("preset", "depth", "n_layer", "n_head", "n_embd") if getattr(args, k)]
+        from tasks.pretrain import VARIANT_FLAGS
+
+        given += [f"--{k}" for k in VARIANT_FLAGS if getattr(args, k) is not None]
         given += ["--dropout"] * bool(args.dropout) + ["--gradient_checkpointing"] * args.gradient_checkpointing
         if given:
             parser.error(f"--arch bigram is a (vocab x vocab) table: {', '.join(given)} do(es) not apply to it")

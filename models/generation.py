@@ -88,14 +88,14 @@ DECODE_HEAD_COPY_MIN_TOKENS = 8  # a transposed copy (V * C values) pays for its
 
 def decode_lm_head(body, batch_size: int, new_tokens: int):
     """hidden (B, C) -> logits (B, V) for the decode loop, in the layout that streams the weights fastest."""
-    weight = body.word_embedding.weight
+    weight, softcap = body.lm_head_weight, body.logit_softcap  # softcap: nn.Identity unless the config caps logits
     if weight.device.type != "cpu":
         return body.hidden_state_to_token
     if batch_size > 1:
-        return lambda hidden: weight_first(hidden, weight)  # (V, C) @ (C, B) -> (B, V)
+        return lambda hidden: softcap(weight_first(hidden, weight))  # (V, C) @ (C, B) -> (B, V)
     if new_tokens >= DECODE_HEAD_COPY_MIN_TOKENS:
         transposed = weight.detach().t().contiguous()  # (C, V), built per call: never stale, freed after it
-        return lambda hidden: hidden @ transposed
+        return lambda hidden: softcap(hidden @ transposed)
     return body.hidden_state_to_token
 
 

@@ -1,5 +1,8 @@
 """GPT-2: token + position embeddings, a stack of pre-LN blocks, a final LayerNorm, and an LM head tied to the
 token embedding. Reads top to bottom; weight conversion lives in models/loading.py, decoding in models/generation.py.
+
+The variants of GPT2Config (nanochat's GPT: RMSNorm, RoPE, grouped-query attention, q/k norm, ReLU^2, no biases, an
+untied and soft-capped LM head) are chosen when the modules are built; the forward pass is the same for all of them.
 """
 from __future__ import annotations
 
@@ -18,9 +21,25 @@ from modules import manual_backward
 from modules.attention import KVCache
 from modules.gpt2_layer import GPT2Layer
 from modules.masks import build_attention_mask, position_ids_from_mask  # noqa: F401 (re-exported)
+from modules.norms import RMSNorm, make_norm
+from modules.positions import NoPositionEmbedding, NoRotary, RotaryEmbedding
 
 # Token ids may come in any of these (e.g. uint8 from a small vocabulary); the embedding reads them as int64.
 INTEGER_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+
+
+class LogitSoftCap(nn.Module):
+    """logits -> cap * tanh(logits / cap): smooth, bounded to (-cap, cap), near the identity for small logits."""
+
+    def __init__(self, cap: float):
+        super().__init__()
+        self.cap = cap
+
+    def forward(self, logits: torch.Tensor) -> torch.Tensor:
+        return self.cap * torch.tanh(logits / self.cap)
+
+    def extra_repr(self) -> str:
+        return f"cap={self.cap}"
 
 
 class GPT2Model(nn.Module):
@@ -30,13 +49,19 @@ class GPT2Model(nn.Module):
         super().__init__()
         self.config = config
         self.word_embedding = nn.Embedding(config.vocab_size, config.n_embd)
-        self.pos_embedding = nn.Embedding(config.n_positions, config.n_embd)
+        # Positions: GPT-2 adds a learned table to the token embeddings; RoPE models have none and rotate q and k in
+        # every attention layer by angles `rotary` computes once per forward.
+        rope = config.position_embedding == "rope"
+        self.pos_embedding = NoPositionEmbedding() if rope else nn.Embedding(config.n_positions, config.n_embd)
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta) if rope else NoRotary()
         self.embed_dropout = nn.Dropout(config.embd_pdrop)
         self.register_buffer("position_ids", torch.arange(config.n_positions).unsqueeze(0), persistent=False)
         self.gpt_layers = nn.ModuleList([GPT2Layer(config, i) for i in range(config.n_layer)])
+        self.final_layer_norm = make_norm(config)
+        # LM head: the token embedding (tied, GPT-2) or a matrix of its own; logits soft-capped where asked (nanochat)
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.logit_softcap = LogitSoftCap(config.logit_softcap) if config.logit_softcap else nn.Identity()
         manual = config.backward == "manual"  # hand-derived backward passes (modules/manual_backward.py)
-        LayerNorm = manual_backward.ManualLayerNorm if manual else nn.LayerNorm
-        self.final_layer_norm = LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
         self.lm_linear = manual_backward.linear if manual else F.linear
         self.gradient_checkpointing = False  # recompute each block in backward to save activation memory
         self.apply(self._init_weights)
@@ -48,28 +73,35 @@ class GPT2Model(nn.Module):
     def _init_weights(self, module: nn.Module) -> None:
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, std=self.config.initializer_range)
-        if isinstance(module, nn.Linear):
+        if isinstance(module, (nn.Linear, nn.LayerNorm)) and module.bias is not None:
             nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.LayerNorm):
+        if isinstance(module, (nn.LayerNorm, RMSNorm)) and module.weight is not None:
             nn.init.ones_(module.weight)
-            nn.init.zeros_(module.bias)
 
     def embed(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Token + position embeddings, then dropout: (B, T) -> (B, T, C)."""
+        """Token + position embeddings (RoPE models: token embeddings alone), then dropout: (B, T) -> (B, T, C)."""
         if position_ids is None:
             position_ids = self.position_ids[:, : input_ids.shape[1]]
         return self.embed_dropout(self.word_embedding(input_ids) + self.pos_embedding(position_ids))
 
     def encode(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
-               kv_cache: KVCache | None = None) -> torch.Tensor:
-        """Run the blocks (no final LayerNorm). attention_mask: (B, cached + T) with 1 for real tokens."""
+               kv_cache: KVCache | None = None, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Run the blocks (no final LayerNorm). attention_mask: (B, cached + T) with 1 for real tokens.
+        position_ids (B, T) place the tokens for RoPE (default: counted from the mask, as forward does)."""
+        B, T = hidden_states.shape[:2]
         num_cached = kv_cache.length if kv_cache is not None else 0
-        mask = build_attention_mask(attention_mask, hidden_states.shape[1], num_cached)
+        if position_ids is None:
+            full = attention_mask if attention_mask is not None else torch.ones(B, num_cached + T, dtype=torch.long,
+                                                                                 device=hidden_states.device)
+            position_ids = position_ids_from_mask(full)[:, -T:]
+        mask = build_attention_mask(attention_mask, T, num_cached)
+        rope = self.rotary(position_ids)  # (cos, sin) of every token's angles for RoPE; None for learned positions
         for layer in self.gpt_layers:
             if self.gradient_checkpointing and self.training and kv_cache is None:
-                hidden_states = torch.utils.checkpoint.checkpoint(layer, hidden_states, mask, use_reentrant=False)
+                hidden_states = torch.utils.checkpoint.checkpoint(layer, hidden_states, mask, None, rope,
+                                                                  use_reentrant=False)
             else:
-                hidden_states = layer(hidden_states, mask, kv_cache)
+                hidden_states = layer(hidden_states, mask, kv_cache, rope)
         if kv_cache is not None:
             kv_cache.advance(hidden_states.shape[1])
         return hidden_states
@@ -96,7 +128,7 @@ class GPT2Model(nn.Module):
             past_key_values = self.new_cache(B, T)
 
         hidden_states = self.embed(input_ids, position_ids)  # (B, T, C)
-        hidden_states = self.encode(hidden_states, attention_mask, past_key_values)
+        hidden_states = self.encode(hidden_states, attention_mask, past_key_values, position_ids)
         hidden_states = self.final_layer_norm(hidden_states)
 
         # Last real token: the first index where the running count of real tokens reaches its total.
@@ -113,19 +145,27 @@ class GPT2Model(nn.Module):
         request once): input_ids, position_ids (B, 1); key_mask bool (B, 1, 1, cached + 1), True for real tokens,
         or None without padding. Returns the final hidden states (B, C)."""
         hidden_states = self.embed(input_ids, position_ids)  # (B, 1, C)
+        rope = self.rotary(position_ids)
         for layer in self.gpt_layers:
-            hidden_states = layer(hidden_states, key_mask, kv_cache)
+            hidden_states = layer(hidden_states, key_mask, kv_cache, rope)
         kv_cache.advance(1)
         return self.final_layer_norm(hidden_states[:, -1])
 
     def hidden_state_to_token(self, hidden_state: torch.Tensor) -> torch.Tensor:
-        """(..., C) -> (..., vocab) logits with the weights tied to the token embedding."""
-        return self.lm_linear(hidden_state, self.word_embedding.weight)
+        """(..., C) -> (..., vocab) logits with the weights tied to the token embedding (or the untied lm_head),
+        soft-capped when config.logit_softcap is set."""
+        return self.logit_softcap(self.lm_linear(hidden_state, self.lm_head_weight))
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        """The LM head's (V, C) matrix: the token embedding itself (tied, GPT-2) or lm_head's."""
+        return self.word_embedding.weight if self.lm_head is None else self.lm_head.weight
 
     def new_cache(self, batch_size: int, capacity: int, dtype: torch.dtype | None = None) -> KVCache:
+        """A cache of the key/value heads (config.kv_heads: fewer than n_head under grouped-query attention)."""
         c = self.config
         dtype = dtype or self.word_embedding.weight.dtype
-        return KVCache(c.n_layer, batch_size, c.n_head, c.head_dim, capacity, dtype, self.word_embedding.weight.device)
+        return KVCache(c.n_layer, batch_size, c.kv_heads, c.head_dim, capacity, dtype, self.word_embedding.weight.device)
 
     def _check_inputs(self, input_ids, attention_mask, past_key_values) -> None:
         if input_ids.dim() != 2 or input_ids.shape[1] == 0:

@@ -7,6 +7,12 @@ reads them safely, and writes our models back out in HF format.
 HF quirks handled here: Conv1D stores weights as [in, out] (we transpose into nn.Linear's [out, in]); q, k and v are
 one fused `c_attn` (we split it in three); checkpoints may carry the `transformer.` prefix, a tied `lm_head.weight`,
 and the constant `attn.bias` / `attn.masked_bias` mask buffers of old releases (ignored).
+
+Variants (config.py) keep this layout and drop or add tensors: no `wpe` with RoPE, no biases with bias=False, norms
+without weights with norm_scale=False (and without `.bias` as RMSNorms), `attn.q_norm` / `attn.k_norm` with
+qk_norm, a top-level `lm_head.weight` when untied (as transformers saves an untied GPT-2); under grouped-query
+attention `c_attn` fuses q (C) with the smaller k and v (n_kv_head * head_dim each). transformers' GPT-2 loads the
+folders of the variants it can run (untied head, ReLU^2); GPT2Config.to_hf names what it cannot.
 """
 from __future__ import annotations
 
@@ -38,6 +44,9 @@ OURS_TO_HF: dict[str, str] = {
     "gpt_layers.{}.interm_dense.bias": "h.{}.mlp.c_fc.bias",
     "gpt_layers.{}.out_dense.weight": "h.{}.mlp.c_proj.weight",
     "gpt_layers.{}.out_dense.bias": "h.{}.mlp.c_proj.bias",
+    "gpt_layers.{}.self_attention.q_norm.weight": "h.{}.attn.q_norm.weight",  # qk_norm with norm_scale
+    "gpt_layers.{}.self_attention.k_norm.weight": "h.{}.attn.k_norm.weight",
+    "lm_head.weight": "lm_head.weight",  # untied LM head (top level in HF files: no `transformer.` prefix)
 }
 # HF's fused attention input projection, split into our three projections in this order.
 QKV_HF = "h.{}.attn.c_attn.{}"  # layer, weight|bias
@@ -48,7 +57,7 @@ CONV1D_HF = re.compile(r"h\.\d+\.(attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_pro
 # Constant causal-mask buffers saved by old transformers versions: not weights.
 IGNORED_HF = re.compile(r"h\.\d+\.attn\.(bias|masked_bias)$")
 HF_PREFIX = "transformer."
-TIED_HF = "lm_head.weight"
+LM_HEAD_HF = "lm_head.weight"
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 
@@ -57,10 +66,31 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be loaded into the model: wrong keys, shapes, or an unreadable file."""
 
 
-def _layer_keys(n_layer: int) -> Iterable[tuple[str, str]]:
+def _present(ours: str, config: GPT2Config) -> bool:
+    """Whether a model of `config` has the tensor `ours` (a key of OURS_TO_HF or QKV_OURS): GPT-2 has all but the
+    q/k norms and the untied head; variants drop some and add those."""
+    if ours.startswith("pos_embedding."):
+        return config.position_embedding == "learned"
+    if ours.startswith("lm_head."):
+        return not config.tie_word_embeddings
+    if ".q_norm." in ours or ".k_norm." in ours:
+        return config.qk_norm and config.norm_scale
+    if "layer_norm." in ours:
+        return config.norm_scale and (ours.endswith(".weight") or config.norm == "layernorm" and config.bias)
+    return ours.endswith(".weight") or config.bias  # Linear layers
+
+
+def _as_config(config: GPT2Config | int) -> GPT2Config:
+    """An int is the layer count of a plain GPT-2 (the only other field the key map reads is none of its sizes)."""
+    return GPT2Config(n_layer=config) if isinstance(config, int) else config
+
+
+def _layer_keys(config: GPT2Config) -> Iterable[tuple[str, str]]:
     for ours, hf in OURS_TO_HF.items():
+        if not _present(ours, config):
+            continue
         if "{}" in ours:
-            for i in range(n_layer):
+            for i in range(config.n_layer):
                 yield ours.format(i), hf.format(i)
         else:
             yield ours, hf
@@ -72,46 +102,60 @@ def _describe(keys: Iterable[str], limit: int = 10) -> str:
     return ", ".join(keys[:limit]) + more
 
 
-def strip_hf_state_dict(hf_sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Drop the `transformer.` prefix, ignored buffers and the tied LM head (checking it really is tied)."""
+def strip_hf_state_dict(hf_sd: dict[str, torch.Tensor], tied: bool = True) -> dict[str, torch.Tensor]:
+    """Drop the `transformer.` prefix and ignored buffers; with a tied head, drop `lm_head.weight` too (checking it
+    really is tied). An untied head's `lm_head.weight` stays, under that name."""
     out = {}
     for key, value in hf_sd.items():
         key = key[len(HF_PREFIX):] if key.startswith(HF_PREFIX) else key
         if not IGNORED_HF.match(key):
             out[key] = value
-    lm_head = out.pop(TIED_HF, None)
+    if not tied:
+        return out
+    lm_head = out.pop(LM_HEAD_HF, None)
     wte = out.get("wte.weight")
     if lm_head is not None and wte is not None and lm_head.device.type != "meta" and not torch.equal(lm_head, wte):
-        raise CheckpointError("checkpoint has an lm_head.weight that differs from wte.weight; only the tied LM head "
-                              "of GPT-2 is supported")
+        raise CheckpointError("checkpoint has an lm_head.weight that differs from wte.weight, but the config ties the "
+                              "LM head to the token embedding (an untied head needs tie_word_embeddings=False)")
     return out
 
 
-def hf_to_ours(hf_sd: dict[str, torch.Tensor], n_layer: int) -> dict[str, torch.Tensor]:
-    """HF GPT-2 state dict (with or without `transformer.`) -> our GPT2Model state dict. Fails naming bad keys."""
-    hf_sd = strip_hf_state_dict(hf_sd)
+def hf_to_ours(hf_sd: dict[str, torch.Tensor], config: GPT2Config | int) -> dict[str, torch.Tensor]:
+    """HF GPT-2 state dict (with or without `transformer.`) -> our GPT2Model state dict, for a model of `config`
+    (an int: a GPT-2 of that many layers). Fails naming missing and unexpected keys."""
+    config = _as_config(config)
+    hf_sd = strip_hf_state_dict(hf_sd, tied=config.tie_word_embeddings)
     out: dict[str, torch.Tensor] = {}
     used: set[str] = set()
     missing: list[str] = []
-    for ours, hf in _layer_keys(n_layer):
+    for ours, hf in _layer_keys(config):
         if hf not in hf_sd:
             missing.append(hf)
             continue
         value = hf_sd[hf]
         out[ours] = value.t().contiguous() if CONV1D_HF.match(hf) else value
         used.add(hf)
-    for i in range(n_layer):
+    for i in range(config.n_layer):
+        sizes = None  # q, k, v output sizes, read from the fused weight: (C, kv, kv) with kv = C except under GQA
         for kind in ("weight", "bias"):
+            if not _present(QKV_OURS[0].format(i, kind), config):
+                continue
             hf = QKV_HF.format(i, kind)
             if hf not in hf_sd:
                 missing.append(hf)
                 continue
-            fused = hf_sd[hf].t() if kind == "weight" else hf_sd[hf]  # weight -> (3C, C); bias (3C,)
-            if fused.shape[0] % 3:
-                raise CheckpointError(f"{hf} has shape {tuple(hf_sd[hf].shape)}; its q/k/v dimension is not divisible by 3")
-            for name, part in zip(QKV_OURS, fused.chunk(3, dim=0)):
-                out[name.format(i, kind)] = part.contiguous()
             used.add(hf)
+            fused = hf_sd[hf].t() if kind == "weight" else hf_sd[hf]  # weight -> (C + 2 kv, C); bias (C + 2 kv,)
+            if kind == "weight":
+                kv, odd = divmod(fused.shape[0] - fused.shape[-1], 2)  # kv = C, or less under grouped-query attention
+                sizes = (fused.shape[-1], kv, kv) if fused.dim() == 2 and kv > 0 and not odd else None
+            elif sizes is None:  # the weight is missing or malformed, and reported so
+                continue
+            if sizes is None or fused.shape[0] != sum(sizes):
+                raise CheckpointError(f"{hf} has shape {tuple(hf_sd[hf].shape)}, which does not split into q (C) and "
+                                      f"equal k and v parts")
+            for name, part in zip(QKV_OURS, fused.split(sizes, dim=0)):
+                out[name.format(i, kind)] = part.contiguous()
     unexpected = set(hf_sd) - used
     if missing or unexpected:
         problems = []
@@ -119,20 +163,27 @@ def hf_to_ours(hf_sd: dict[str, torch.Tensor], n_layer: int) -> dict[str, torch.
             problems.append(f"missing keys: {_describe(missing)}")
         if unexpected:
             problems.append(f"unexpected keys: {_describe(unexpected)}")
-        raise CheckpointError(f"checkpoint does not match a {n_layer}-layer GPT-2: " + "; ".join(problems))
+        raise CheckpointError(f"checkpoint does not match a {config.n_layer}-layer {_kind(config)}: " + "; ".join(problems))
     return out
 
 
-def ours_to_hf(our_sd: dict[str, torch.Tensor], n_layer: int) -> dict[str, torch.Tensor]:
-    """Our GPT2Model state dict -> HF GPT2Model state dict (no prefix, no lm_head)."""
+def _kind(config: GPT2Config) -> str:
+    variants = config.variant_fields()
+    return "GPT-2" if not variants else f"GPT-2 variant ({', '.join(f'{v}={getattr(config, v)!r}' for v in variants)})"
+
+
+def ours_to_hf(our_sd: dict[str, torch.Tensor], config: GPT2Config | int) -> dict[str, torch.Tensor]:
+    """Our GPT2Model state dict -> HF GPT2Model state dict (no prefix; `lm_head.weight` only when untied)."""
+    config = _as_config(config)
     out = {}
-    for ours, hf in _layer_keys(n_layer):
+    for ours, hf in _layer_keys(config):
         value = our_sd[ours]
         out[hf] = value.t().contiguous() if CONV1D_HF.match(hf) else value
-    for i in range(n_layer):
+    for i in range(config.n_layer):
         for kind in ("weight", "bias"):
-            fused = torch.cat([our_sd[name.format(i, kind)] for name in QKV_OURS], dim=0)
-            out[QKV_HF.format(i, kind)] = fused.t().contiguous() if kind == "weight" else fused
+            if _present(QKV_OURS[0].format(i, kind), config):
+                fused = torch.cat([our_sd[name.format(i, kind)] for name in QKV_OURS], dim=0)
+                out[QKV_HF.format(i, kind)] = fused.t().contiguous() if kind == "weight" else fused
     return out
 
 
@@ -262,7 +313,7 @@ def load_pretrained(cls, model: str | os.PathLike, config: GPT2Config | None = N
     for name, value in (expect or {}).items():
         if value is not None and getattr(config, name) != value:
             raise CheckpointError(f"{model} has {name}={getattr(config, name)}, but {value} was asked for")
-    our_sd = hf_to_ours(hf_sd, config.n_layer)
+    our_sd = hf_to_ours(hf_sd, config)
     del hf_sd
 
     with torch.device("meta"):  # no random init of weights that are about to be replaced
@@ -300,8 +351,8 @@ def save_pretrained(body: torch.nn.Module, save_directory: str | os.PathLike) ->
                               "the adapter alone")
     directory = Path(save_directory)
     directory.mkdir(parents=True, exist_ok=True)
-    hf_sd = ours_to_hf({k: v.detach() for k, v in body.state_dict().items()}, body.config.n_layer)
-    hf_sd = {HF_PREFIX + k: v.contiguous().cpu() for k, v in hf_sd.items()}
+    hf_sd = ours_to_hf({k: v.detach() for k, v in body.state_dict().items()}, body.config)
+    hf_sd = {(k if k == LM_HEAD_HF else HF_PREFIX + k): v.contiguous().cpu() for k, v in hf_sd.items()}
 
     def write(name: str, writer) -> None:
         fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=directory)

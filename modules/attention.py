@@ -1,4 +1,9 @@
-"""Causal multi-head self-attention with a padding mask and a preallocated key/value cache."""
+"""Causal multi-head self-attention with a padding mask and a preallocated key/value cache.
+
+Variants, chosen when the layer is built: grouped-query attention (fewer key/value heads than query heads, each
+shared by a group of query heads; the cache holds the key/value heads only), an RMSNorm of every head's q and k, and
+rotary positions (modules/positions.py).
+"""
 from __future__ import annotations
 
 import math
@@ -10,6 +15,8 @@ from torch import nn
 
 from modules.linear import Linear as DecodeLinear
 from modules.manual_backward import ManualAttention, ManualLinear
+from modules.norms import RMSNorm
+from modules.positions import Rope, apply_rotary, no_rotary
 
 
 class KVCache:
@@ -21,6 +28,7 @@ class KVCache:
 
     def __init__(self, n_layer: int, batch_size: int, n_head: int, head_dim: int, capacity: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+        """n_head: the key/value heads (fewer than the query heads under grouped-query attention)."""
         shape = (n_layer, batch_size, n_head, capacity, head_dim)
         self.keys = torch.empty(shape, dtype=dtype, device=device)
         self.values = torch.empty(shape, dtype=dtype, device=device)
@@ -31,7 +39,7 @@ class KVCache:
         return self.keys.shape[3]
 
     def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k, v (B, nh, T, hs) after the cached tokens; return all keys and values so far (B, nh, L+T, hs)."""
+        """Store k, v (B, n_kv, T, hs) after the cached tokens; return all keys and values so far (B, n_kv, L+T, hs)."""
         end = self.length + k.shape[2]
         if end > self.capacity:
             self._grow(end)
@@ -56,17 +64,30 @@ class KVCache:
         self.values = F.pad(self.values, (0, 0, 0, pad))
 
 
+def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """(B, n_kv, S, hs) -> (B, n_kv * groups, S, hs): each key/value head once per query head of its group."""
+    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, config, layer_idx: int = 0):
         super().__init__()
         self.num_attention_heads = config.n_head
+        self.num_key_value_heads = config.kv_heads  # n_head for GPT-2; fewer for grouped-query attention
+        self.kv_groups = self.num_attention_heads // self.num_key_value_heads  # query heads per key/value head
         self.attention_head_size = config.n_embd // config.n_head
         self.all_head_size = config.n_embd
+        kv_size = self.num_key_value_heads * self.attention_head_size
         self.layer_idx = layer_idx
         Linear = ManualLinear if config.backward == "manual" else DecodeLinear
-        self.query = Linear(config.n_embd, self.all_head_size)
-        self.key = Linear(config.n_embd, self.all_head_size)
-        self.value = Linear(config.n_embd, self.all_head_size)
+        self.query = Linear(config.n_embd, self.all_head_size, bias=config.bias)
+        self.key = Linear(config.n_embd, kv_size, bias=config.bias)
+        self.value = Linear(config.n_embd, kv_size, bias=config.bias)
+        # q/k norm (nanochat, OLMo, Qwen3): every head's q and k scaled to unit RMS before the positions rotate them
+        hs, eps = self.attention_head_size, config.layer_norm_epsilon
+        self.q_norm = RMSNorm(hs, eps, config.norm_scale) if config.qk_norm else nn.Identity()
+        self.k_norm = RMSNorm(hs, eps, config.norm_scale) if config.qk_norm else nn.Identity()
+        self.rotate = apply_rotary if config.position_embedding == "rope" else no_rotary
         self.dropout = nn.Dropout(config.attn_pdrop)
         self.scale = 1.0 / math.sqrt(self.attention_head_size) if config.scale_attn_weights else 1.0
         if config.scale_attn_by_inverse_layer_idx:
@@ -76,12 +97,13 @@ class CausalSelfAttention(nn.Module):
         self.manual = ManualAttention(self.scale, config.attn_pdrop) if config.backward == "manual" else None
 
     def transform(self, x: torch.Tensor, linear_layer: nn.Linear) -> torch.Tensor:
-        """Project (B, T, C) and split heads -> (B, nh, T, hs)."""
-        return rearrange(linear_layer(x), "b t (h d) -> b h t d", h=self.num_attention_heads)
+        """Project (B, T, C) and split heads -> (B, nh, T, hs) (n_kv heads for the key and value projections)."""
+        return rearrange(linear_layer(x), "b t (h d) -> b h t d", d=self.attention_head_size)
 
     def attention(self, key: torch.Tensor, query: torch.Tensor, value: torch.Tensor,
                   attention_mask: torch.Tensor | None) -> torch.Tensor:
         """The explicit path, as the course teaches: scores, mask, softmax, dropout, weighted sum -> (B, T, C)."""
+        key, value = repeat_kv(key, self.kv_groups), repeat_kv(value, self.kv_groups)  # (B, nh, S, hs)
         scores = torch.matmul(query, key.transpose(-1, -2)) * self.scale  # (B, nh, T, S)
         if attention_mask is None:  # plain causal
             T, S = scores.shape[-2:]
@@ -92,18 +114,20 @@ class CausalSelfAttention(nn.Module):
         return rearrange(out, "b h t d -> b t (h d)")
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                kv_cache: KVCache | None = None) -> torch.Tensor:
+                kv_cache: KVCache | None = None, rope: Rope | None = None) -> torch.Tensor:
         """hidden_states (B, T, C) -> (B, T, C).
 
         attention_mask: bool (B, 1, T, S), True where a query may attend a key, causality included
         (S = cached + new tokens); None means causal attention without padding and without cached tokens
         (or a single new token, which may see everything cached).
+        rope: the new tokens' (cos, sin) from the model's RotaryEmbedding (RoPE models), None for learned positions.
         """
-        query = self.transform(hidden_states, self.query)  # (B, nh, T, hs)
-        key = self.transform(hidden_states, self.key)
+        query = self.q_norm(self.transform(hidden_states, self.query))  # (B, nh, T, hs)
+        key = self.k_norm(self.transform(hidden_states, self.key))  # (B, n_kv, T, hs)
         value = self.transform(hidden_states, self.value)
+        query, key = self.rotate(query, key, rope)
         if kv_cache is not None:
-            key, value = kv_cache.update(self.layer_idx, key, value)  # (B, nh, S, hs)
+            key, value = kv_cache.update(self.layer_idx, key, value)  # (B, n_kv, S, hs)
             query = query.to(key.dtype)
         T, S = query.shape[2], key.shape[2]
         if attention_mask is None and 1 < T < S:  # several new tokens after cached ones: causal is bottom-right
@@ -115,6 +139,6 @@ class CausalSelfAttention(nn.Module):
         is_causal = attention_mask is None and T > 1
         out = F.scaled_dot_product_attention(
             query, key, value, attn_mask=attention_mask, is_causal=is_causal,
-            dropout_p=self.dropout.p if self.training else 0.0, scale=self.scale,
+            dropout_p=self.dropout.p if self.training else 0.0, scale=self.scale, enable_gqa=self.kv_groups > 1,
         )  # (B, nh, T, hs)
         return rearrange(out, "b h t d -> b t (h d)")

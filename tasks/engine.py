@@ -331,7 +331,9 @@ def set_gradient_checkpointing(model: nn.Module, enabled: bool) -> None:
 
 # ---- checkpoints of a model, its head and its adapters ------------------------------------------------------------
 
-ARCHITECTURE = ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head", "n_inner", "activation_function")
+ARCHITECTURE = ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head", "n_inner", "activation_function", "norm",
+                "norm_scale", "position_embedding", "rope_theta", "kv_heads", "qk_norm", "bias", "tie_word_embeddings",
+                "logit_softcap")  # kv_heads: n_kv_head with None read as n_head
 
 
 def check_architecture(saved, model_config, source) -> None:

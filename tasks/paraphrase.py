@@ -59,7 +59,8 @@ class ParaphraseGPT(nn.Module):
 
     yes_id / no_id are the tokenizer's ids of "yes" and "no" (8505 / 3919 for GPT-2). fine_tune_mode
     'last-linear-layer' trains only the output layer (tied to the token embedding, so the input embedding moves
-    with it) and freezes the rest; 'full-model' (the course's setting) trains everything.
+    with it; an untied body's lm_head alone) and freezes the rest; 'full-model' (the course's setting) trains
+    everything.
     """
 
     def __init__(self, gpt: nn.Module, yes_id: int = YES_ID, no_id: int = NO_ID, fine_tune_mode: str = "full-model"):
@@ -68,8 +69,9 @@ class ParaphraseGPT(nn.Module):
             raise ValueError(f"fine_tune_mode must be one of {MODES}, got {fine_tune_mode!r}")
         self.gpt = gpt
         self.yes_id, self.no_id = yes_id, no_id
+        head = "lm_head.weight" if getattr(gpt, "lm_head", None) is not None else "word_embedding.weight"
         for name, p in self.gpt.named_parameters():
-            p.requires_grad = fine_tune_mode == "full-model" or name == "word_embedding.weight"
+            p.requires_grad = fine_tune_mode == "full-model" or name == head
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         last_token = self.gpt(input_ids, attention_mask)["last_token"]  # (B, C)

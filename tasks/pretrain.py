@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from config import GPT2Config
+from config import GPT2Config, nanochat_preset
 from models.bigram import BigramConfig, BigramLM, load_lm
 from models.generation import process_logits
 from models.gpt2 import GPT2LMHeadModel
@@ -286,16 +286,33 @@ def full_loss(model, tokens: np.ndarray, block_size: int, batch_size: int = 64) 
 
 # ---- model -----------------------------------------------------------------------------------------------------
 
-def build_config(args, tokenizer) -> GPT2Config:
-    """A preset (--preset gpt2) or explicit sizes; explicit sizes override the preset. The context n_positions
-    defaults to --block_size (1024 with a preset)."""
+# run_pretrain.py's architecture flags -> the GPT2Config field each sets. None (the default) leaves the field to the
+# preset (--preset, --depth) or to GPT-2's choice.
+VARIANT_FLAGS = {"activation": "activation_function", "norm": "norm", "norm_scale": "norm_scale",
+                 "position_embedding": "position_embedding", "rope_theta": "rope_theta", "n_kv_head": "n_kv_head",
+                 "qk_norm": "qk_norm", "bias": "bias", "tie_word_embeddings": "tie_word_embeddings",
+                 "logit_softcap": "logit_softcap"}
+
+
+def architecture_flags(args) -> dict[str, Any]:
+    """The config fields the flags set explicitly: sizes, and the variant flags that were given."""
     sizes = {k: getattr(args, k) for k in ("n_layer", "n_head", "n_embd", "n_positions") if getattr(args, k)}
-    base = GPT2Config.from_preset(args.preset) if args.preset else GPT2Config(n_layer=4, n_head=4, n_embd=128,
-                                                                               n_positions=args.block_size)
+    return {**sizes, **{field: getattr(args, flag) for flag, field in VARIANT_FLAGS.items()
+                        if getattr(args, flag) is not None}}
+
+
+def build_config(args, tokenizer) -> GPT2Config:
+    """A preset (--preset gpt2, or --depth N: nanochat's GPT) or explicit sizes; explicit sizes and variant flags
+    override the preset. The context n_positions defaults to --block_size (1024 with --preset, 2048 with --depth)."""
+    if args.depth:
+        base = GPT2Config.from_preset(f"nanochat-d{args.depth}")
+    elif args.preset:
+        base = GPT2Config.from_preset(args.preset)
+    else:
+        base = GPT2Config(n_layer=4, n_head=4, n_embd=128, n_positions=args.block_size)
     eos = None if isinstance(tokenizer, CharTokenizer) else tokenizer.eos_token_id
     config = base.replace(vocab_size=len(tokenizer), resid_pdrop=args.dropout, embd_pdrop=args.dropout,
-                          attn_pdrop=args.dropout, activation_function=args.activation, bos_token_id=eos,
-                          eos_token_id=eos, **sizes)
+                          attn_pdrop=args.dropout, bos_token_id=eos, eos_token_id=eos, **architecture_flags(args))
     check_block_size(args.block_size, config)
     return config
 
@@ -318,14 +335,24 @@ class PretrainConfig:
     data_dir: str | None = None
     arch: str = "gpt2"  # gpt2, or bigram: a table of next-token logits
     preset: str | None = None
+    depth: int | None = None  # nanochat-d{depth}
     n_layer: int | None = None
     n_head: int | None = None
     n_embd: int | None = None
     block_size: int = 64
     n_positions: int | None = None
     dropout: float = 0.0
-    activation: str = "gelu_new"
+    activation: str | None = None  # None: gelu_new, or the --depth preset's relu2 (so for every variant flag below)
     gradient_checkpointing: bool = False
+    norm: str | None = None
+    norm_scale: bool | None = None
+    position_embedding: str | None = None
+    rope_theta: float | None = None
+    n_kv_head: int | None = None
+    qk_norm: bool | None = None
+    bias: bool | None = None
+    tie_word_embeddings: bool | None = None
+    logit_softcap: float | None = None
     max_iters: int = 2000
     batch_size: int = 12
     grad_accum: int = 1
@@ -365,8 +392,9 @@ class PretrainConfig:
 
 # Settings that shape the saved state (optimizer moments, schedule, batches, model): --resume refuses a change to any of
 # them. --max_iters may grow (the cosine then stretches to the new end unless --lr_decay_iters pins it); the
-# architecture flags are checked against the checkpoint's config, and the tokenizer is the checkpoint's own.
-RESUME_FIXED = ("val_fraction", "block_size", "dropout", "activation", "batch_size", "grad_accum", "lr", "min_lr",
+# architecture flags (sizes, --depth, --activation and the variants) are checked against the checkpoint's config
+# where given (tasks.engine.ARCHITECTURE), and the tokenizer is the checkpoint's own.
+RESUME_FIXED = ("val_fraction", "block_size", "dropout", "batch_size", "grad_accum", "lr", "min_lr",
                 "warmup_iters", "lr_decay_iters", "weight_decay", "decay_embeddings", "beta1", "beta2", "adam_eps",
                 "max_grad_norm", "dtype", "seed")
 
@@ -449,7 +477,10 @@ def setup(cfg: PretrainConfig, engine_cfg: TrainConfig):
         if ck.state["run"].get("corpus") != corpus.meta["sha256"]:
             raise ValueError(f"--resume: {cfg.data} is not the corpus the checkpoint {ck.path} was trained on")
         model = load_lm(ck.path)  # its kind (--arch) was checked against the saved run's above
-        asked = {k: getattr(cfg, k) for k in ("n_layer", "n_head", "n_embd", "n_positions") if getattr(cfg, k)}
+        asked = architecture_flags(cfg)
+        if cfg.depth:  # nanochat's sizes for that depth, unless a size flag says otherwise
+            asked = {**{k: v for k, v in nanochat_preset(cfg.depth).items() if k in ("n_layer", "n_embd", "n_head")},
+                     **asked}
         check_architecture(model.config, model.config.replace(**asked), ck.path)  # flags vs checkpoint
         check_block_size(cfg.block_size, model.config)
     else:

@@ -125,7 +125,6 @@ def test_config_json_is_read_by_transformers_and_back(tmp_path):
 
 @pytest.mark.parametrize("field, value, message", [
     ("add_cross_attention", True, "cross_attention"),
-    ("tie_word_embeddings", False, "tie_word_embeddings"),
     ("model_type", "llama", "not a GPT-2 config"),
 ])
 def test_unsupported_hf_configs_are_refused(tmp_path, field, value, message):

@@ -117,6 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("evaluation and checkpoints")
     g.add_argument("--eval_interval", type=_positive(int), default=250, help="estimate train/val loss every N steps")
     g.add_argument("--eval_iters", type=_positive(int), default=20, help="random batches per split per estimate")
+    g.add_argument("--eval_full", action="store_true", help="val loss over the whole val split at each evaluation "
+                   "(consecutive windows, every token once) instead of --eval_iters random batches")
     g.add_argument("--log_interval", type=_positive(int), default=50, help="print the training loss every N steps")
     g.add_argument("--output_dir", "--out_dir", dest="output_dir", default="out/pretrain",
                    help="checkpoints best/ and last/, metrics.jsonl, curves.png and the id cache")

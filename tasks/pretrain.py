@@ -278,7 +278,8 @@ def full_loss(model, tokens: np.ndarray, block_size: int, batch_size: int = 64) 
         rows = range(i, min(n, i + batch_size))
         x = torch.stack([windows[r * block_size: (r + 1) * block_size] for r in rows])
         y = torch.stack([windows[r * block_size + 1: (r + 1) * block_size + 1] for r in rows])
-        total += next_token_loss(model, x, y, reduction="sum").item()
+        device = next(model.parameters()).device
+        total += next_token_loss(model, x.to(device), y.to(device), reduction="sum").item()
         count += y.numel()
     model.train(was_training)
     return total / count
@@ -369,6 +370,7 @@ class PretrainConfig:
     dtype: str = "float32"
     eval_interval: int = 250
     eval_iters: int = 20
+    eval_full: bool = False
     log_interval: int = 50
     output_dir: str = "out/pretrain"
     resume: bool = False
@@ -526,8 +528,11 @@ def train(cfg: PretrainConfig) -> dict[str, Any]:
     splits = {"train": corpus.train, "val": corpus.val}
 
     def evaluate(m) -> dict:
-        losses = estimate_loss(m, splits, cfg.eval_iters, cfg.batch_size, cfg.block_size, batches.eval_generator,
-                               cfg.dtype)
+        losses = estimate_loss(m, splits if not cfg.eval_full else {"train": corpus.train}, cfg.eval_iters,
+                               cfg.batch_size, cfg.block_size, batches.eval_generator, cfg.dtype)
+        if cfg.eval_full:  # every val token once, in consecutive windows: no sampling noise
+            with autocast(cfg.device, cfg.dtype == "bfloat16", cfg.dtype == "float16"):
+                losses["val"] = full_loss(m, corpus.val, cfg.block_size)
         return {"val_loss": losses["val"], "train_loss_estimate": losses["train"]}
 
     print(f"corpus {cfg.data}: {corpus.meta['num_tokens']:,} tokens ({len(corpus.train):,} train, "

@@ -105,40 +105,47 @@ class AdamW(torch.optim.Optimizer):
                 loss = closure()
 
         for group in self.param_groups:
-            params, grads, exp_avgs, exp_avg_sqs, steps = self._gather(group)
-            if not params:
-                continue
-            beta1, beta2 = group["betas"]
-            hyper = dict(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
-                         weight_decay=group["weight_decay"], correct_bias=group["correct_bias"])
-            # Steps are CPU scalars (as in torch), so bump them one by one and hand the kernels plain Python ints.
-            for step in steps:
-                step.add_(1)
-            update = _adamw_foreach if group["foreach"] else _adamw_loop
-            update(params, grads, exp_avgs, exp_avg_sqs, [int(s.item()) for s in steps], **hyper)
+            _adamw_group_step(group, self.state)
         return loss
 
-    def _gather(self, group: dict):
-        """Collect the tensors of one group that have gradients, creating their state on first sight."""
-        params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            if p.grad.is_sparse:
-                raise RuntimeError("AdamW does not support sparse gradients (use torch.optim.SparseAdam)")
-            if torch.is_complex(p):
-                raise RuntimeError("AdamW does not support complex parameters")
-            state = self.state[p]
-            if not state:
-                state["step"] = torch.tensor(0.0)
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            params.append(p)
-            grads.append(p.grad)
-            exp_avgs.append(state["exp_avg"])
-            exp_avg_sqs.append(state["exp_avg_sq"])
-            steps.append(state["step"])
-        return params, grads, exp_avgs, exp_avg_sqs, steps
+
+def _adamw_group_step(group: dict, state: dict) -> None:
+    """One AdamW step of the parameters of `group` that have gradients (`state`: the optimizer's, by parameter).
+    A function rather than a method so that MuonWithAdamW runs the same code on its AdamW groups."""
+    params, grads, exp_avgs, exp_avg_sqs, steps = _adamw_gather(group, state)
+    if not params:
+        return
+    beta1, beta2 = group["betas"]
+    hyper = dict(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                 weight_decay=group["weight_decay"], correct_bias=group["correct_bias"])
+    # Steps are CPU scalars (as in torch), so bump them one by one and hand the kernels plain Python ints.
+    for step in steps:
+        step.add_(1)
+    update = _adamw_foreach if group["foreach"] else _adamw_loop
+    update(params, grads, exp_avgs, exp_avg_sqs, [int(s.item()) for s in steps], **hyper)
+
+
+def _adamw_gather(group: dict, state: dict):
+    """Collect the tensors of one group that have gradients, creating their state on first sight."""
+    params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
+    for p in group["params"]:
+        if p.grad is None:
+            continue
+        if p.grad.is_sparse:
+            raise RuntimeError("AdamW does not support sparse gradients (use torch.optim.SparseAdam)")
+        if torch.is_complex(p):
+            raise RuntimeError("AdamW does not support complex parameters")
+        s = state[p]
+        if not s:
+            s["step"] = torch.tensor(0.0)
+            s["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            s["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        params.append(p)
+        grads.append(p.grad)
+        exp_avgs.append(s["exp_avg"])
+        exp_avg_sqs.append(s["exp_avg_sq"])
+        steps.append(s["step"])
+    return params, grads, exp_avgs, exp_avg_sqs, steps
 
 
 def _check_hyperparameters(group: dict) -> None:

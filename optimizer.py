@@ -303,8 +303,8 @@ def orthogonalize(update: Tensor, ns_coefficients: tuple[float, float, float] = 
     singular value s and leaves U and V alone. Dividing by the Frobenius norm first puts every s in [0, 1]. The
     coefficients are tuned for speed, not convergence: five steps push every s of a well-conditioned matrix into
     about [0.7, 1.15] (bf16 rounding widens that a little) rather than to 1, which trains as well as the exact
-    U V^T (Jordan's post). Returns a matrix of `dtype` (the iteration
-    runs in it: bf16 in torch.optim.Muon, which is fast on GPUs but 20x slower than fp32 on CPUs without bf16 units).
+    U V^T (Jordan's post). Returns a matrix of `dtype`, the dtype the iteration runs in: bf16 in torch.optim.Muon,
+    fast on GPUs but 20x slower than fp32 on CPUs without bf16 units.
     """
     a, b, c = ns_coefficients
     x = update.to(dtype)
@@ -481,8 +481,9 @@ class MuonWithAdamW(torch.optim.Optimizer):
         params: groups, each with ``'params'`` and ``'use_muon'`` (muon_param_groups makes them).
         lr, betas, eps, correct_bias, foreach: AdamW groups' defaults (see ``AdamW``).
         weight_decay: both kinds' default decay coefficient (decoupled, times each group's current lr).
-        muon_lr: Muon groups' default lr (Jordan's 0.02: with the "original" adjustment an orthogonalised update is
-            about 50x smaller in RMS than an AdamW update of the same lr).
+        muon_lr: Muon groups' default lr (Jordan's 0.02). It is larger than AdamW's because under the "original"
+            adjustment an update's entries have an RMS of about muon_lr / sqrt(fan_in) (muon_lr / 11 at width 128),
+            where AdamW's are a sizeable fraction of its lr.
         momentum, nesterov, ns_coefficients, ns_eps, ns_steps, adjust_lr_fn, ns_dtype: Muon groups' defaults (see
             ``Muon``; ``ns_eps`` is its ``eps``).
     """

@@ -1,4 +1,4 @@
-"""Hand-written AdamW, the weight-decay grouping rule and learning-rate schedules.
+"""Hand-written AdamW and Muon, the rules that group a model's parameters for them, and learning-rate schedules.
 
 A training loop puts the pieces together like this:
 
@@ -12,6 +12,11 @@ A training loop puts the pieces together like this:
         torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)
         optimizer.step()
         scheduler.step()
+
+Muon for the transformer blocks' matrices and AdamW for the rest, as one optimizer the same loop drives:
+
+    groups = muon_param_groups(model, weight_decay=0.1)
+    optimizer = MuonWithAdamW(groups, lr=3e-4, muon_lr=0.02)
 """
 
 import functools
@@ -23,6 +28,10 @@ from torch import Tensor, nn
 
 __all__ = [
     "AdamW",
+    "Muon",
+    "MuonWithAdamW",
+    "muon_param_groups",
+    "orthogonalize",
     "param_groups_for_weight_decay",
     "warmup_cosine",
     "warmup_linear",
@@ -105,40 +114,47 @@ class AdamW(torch.optim.Optimizer):
                 loss = closure()
 
         for group in self.param_groups:
-            params, grads, exp_avgs, exp_avg_sqs, steps = self._gather(group)
-            if not params:
-                continue
-            beta1, beta2 = group["betas"]
-            hyper = dict(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
-                         weight_decay=group["weight_decay"], correct_bias=group["correct_bias"])
-            # Steps are CPU scalars (as in torch), so bump them one by one and hand the kernels plain Python ints.
-            for step in steps:
-                step.add_(1)
-            update = _adamw_foreach if group["foreach"] else _adamw_loop
-            update(params, grads, exp_avgs, exp_avg_sqs, [int(s.item()) for s in steps], **hyper)
+            _adamw_group_step(group, self.state)
         return loss
 
-    def _gather(self, group: dict):
-        """Collect the tensors of one group that have gradients, creating their state on first sight."""
-        params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            if p.grad.is_sparse:
-                raise RuntimeError("AdamW does not support sparse gradients (use torch.optim.SparseAdam)")
-            if torch.is_complex(p):
-                raise RuntimeError("AdamW does not support complex parameters")
-            state = self.state[p]
-            if not state:
-                state["step"] = torch.tensor(0.0)
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            params.append(p)
-            grads.append(p.grad)
-            exp_avgs.append(state["exp_avg"])
-            exp_avg_sqs.append(state["exp_avg_sq"])
-            steps.append(state["step"])
-        return params, grads, exp_avgs, exp_avg_sqs, steps
+
+def _adamw_group_step(group: dict, state: dict) -> None:
+    """One AdamW step of the parameters of `group` that have gradients (`state`: the optimizer's, by parameter).
+    A function rather than a method so that MuonWithAdamW runs the same code on its AdamW groups."""
+    params, grads, exp_avgs, exp_avg_sqs, steps = _adamw_gather(group, state)
+    if not params:
+        return
+    beta1, beta2 = group["betas"]
+    hyper = dict(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                 weight_decay=group["weight_decay"], correct_bias=group["correct_bias"])
+    # Steps are CPU scalars (as in torch), so bump them one by one and hand the kernels plain Python ints.
+    for step in steps:
+        step.add_(1)
+    update = _adamw_foreach if group["foreach"] else _adamw_loop
+    update(params, grads, exp_avgs, exp_avg_sqs, [int(s.item()) for s in steps], **hyper)
+
+
+def _adamw_gather(group: dict, state: dict):
+    """Collect the tensors of one group that have gradients, creating their state on first sight."""
+    params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
+    for p in group["params"]:
+        if p.grad is None:
+            continue
+        if p.grad.is_sparse:
+            raise RuntimeError("AdamW does not support sparse gradients (use torch.optim.SparseAdam)")
+        if torch.is_complex(p):
+            raise RuntimeError("AdamW does not support complex parameters")
+        s = state[p]
+        if not s:
+            s["step"] = torch.tensor(0.0)
+            s["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            s["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        params.append(p)
+        grads.append(p.grad)
+        exp_avgs.append(s["exp_avg"])
+        exp_avg_sqs.append(s["exp_avg_sq"])
+        steps.append(s["step"])
+    return params, grads, exp_avgs, exp_avg_sqs, steps
 
 
 def _check_hyperparameters(group: dict) -> None:
@@ -266,6 +282,299 @@ def param_groups_for_weight_decay(model: nn.Module, weight_decay: float, decay_e
         group["params"].append(p)
         group["param_names"].append(name)
     return [decay, no_decay]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Muon: orthogonalised momentum for the hidden matrices; AdamW for everything else
+
+
+# torch.optim.Muon's defaults, from Keller Jordan's Muon (https://kellerjordan.github.io/posts/muon/).
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # a, b, c of the quintic a*x + b*x^3 + c*x^5 applied to singular values
+NS_EPS = 1e-7  # floor of the Frobenius norm the update is divided by (a zero update stays zero, not NaN)
+NS_STEPS = 5
+ADJUST_LR_FNS = ("original", "match_rms_adamw")
+
+
+def orthogonalize(update: Tensor, ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
+                  ns_steps: int = NS_STEPS, eps: float = NS_EPS, dtype: torch.dtype = torch.bfloat16) -> Tensor:
+    """Newton-Schulz iteration towards U V^T, where U S V^T = update (the nearest semi-orthogonal matrix).
+
+    Each step maps X -> a X + b (X X^T) X + c (X X^T)^2 X, which applies p(s) = a s + b s^3 + c s^5 to every
+    singular value s and leaves U and V alone. Dividing by the Frobenius norm first puts every s in [0, 1]. The
+    coefficients are tuned for speed, not convergence: five steps push every s of a well-conditioned matrix into
+    about [0.7, 1.15] (bf16 rounding widens that a little) rather than to 1, which trains as well as the exact
+    U V^T (Jordan's post). Returns a matrix of `dtype`, the dtype the iteration runs in: bf16 in torch.optim.Muon,
+    fast on GPUs but 20x slower than fp32 on CPUs without bf16 units.
+    """
+    a, b, c = ns_coefficients
+    x = update.to(dtype)
+    tall = update.size(0) > update.size(1)
+    if tall:
+        x = x.T  # iterate on the wide orientation: the Gram matrix X X^T is then the smaller square
+    # Out of place: `update.to(dtype)` returns `update` itself when the dtypes agree, and that may be the momentum
+    # buffer (nesterov=False), which an in-place division would corrupt.
+    x = x / x.norm().clamp(min=eps)
+    for _ in range(ns_steps):
+        gram = x @ x.T  # (m, m), m = the shorter side
+        poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)  # b A + c A^2
+        x = torch.addmm(x, poly, x, beta=a)  # a X + (b A + c A^2) X
+    return x.T if tall else x
+
+
+def adjusted_lr(lr: float, adjust_lr_fn: str | None, shape: torch.Size) -> float:
+    """Muon's step size for a (rows, cols) matrix. The orthogonalised update has singular values near 1, so the RMS
+    of its entries is about 1 / sqrt(max(rows, cols)), whatever the gradient's scale; the adjustment sets it:
+
+    - "original" (or None, Jordan's): lr * sqrt(max(1, rows / cols)), an RMS of about 1 / sqrt(cols) for an
+      nn.Linear weight (out, in): the same for every matrix of a given fan-in, tall or wide.
+    - "match_rms_adamw" (Moonshot, "Muon is Scalable for LLM Training"): lr * 0.2 * sqrt(max(rows, cols)), an RMS
+      of 0.2 * lr, about that of an AdamW update, so learning rate and weight decay tuned for AdamW carry over.
+    """
+    rows, cols = shape[:2]
+    if adjust_lr_fn is None or adjust_lr_fn == "original":
+        return lr * math.sqrt(max(1, rows / cols))
+    if adjust_lr_fn == "match_rms_adamw":
+        return lr * (0.2 * math.sqrt(max(rows, cols)))
+    raise ValueError(f"Invalid adjust_lr_fn: {adjust_lr_fn!r} (choose from None, {', '.join(map(repr, ADJUST_LR_FNS))})")
+
+
+class Muon(torch.optim.Optimizer):
+    """Muon (MomentUm Orthogonalized by Newton-Schulz; Jordan et al. 2024) for 2-D parameters.
+
+    For each matrix theta (rows, cols) with gradient g_t::
+
+        B_t     = momentum * B_{t-1} + (1 - momentum) * g_t          # state 'momentum_buffer', starts at 0
+        U_t     = (1 - momentum) * g_t + momentum * B_t               # Nesterov; without it U_t = B_t
+        O_t     = orthogonalize(U_t)                                  # Newton-Schulz, ~ the nearest U V^T
+        theta  <- theta * (1 - lr * weight_decay)                     # decoupled decay, with the unadjusted lr
+        theta  <- theta - adjusted_lr(lr, adjust_lr_fn, shape) * O_t
+
+    torch's docstring writes the momentum as a sum (B_t = momentum * B_{t-1} + g_t, U_t = g_t + momentum * B_t);
+    its code, and this class, keep the average above, which is the same up to the factor 1 - momentum that the
+    orthogonalisation divides away (except within eps of zero). These are the operations of ``torch.optim.Muon`` in
+    the same order and dtypes, so the two agree to the last bit on torch 2.13 (the tests ask for 1e-6), and state
+    dicts load into each other.
+
+    Muon is for the hidden layers' matrices: embeddings, the output head, gains and biases belong to AdamW
+    (``muon_param_groups`` splits a model so, ``MuonWithAdamW`` runs both as one optimizer). A parameter that is not
+    2-D is refused when it is added.
+
+    Args (names and defaults of torch.optim.Muon):
+        params: 2-D parameters, named parameters, or parameter groups (dicts with a ``'params'`` key and overrides).
+        lr: learning rate (>= 0); the adjusted step size is ``adjusted_lr(lr, adjust_lr_fn, shape)``.
+        weight_decay: decoupled decay coefficient (>= 0), multiplied by the current (unadjusted) lr.
+        momentum: the momentum average's decay, in [0, 1).
+        nesterov: orthogonalise the Nesterov look-ahead mix of gradient and momentum rather than the momentum.
+        ns_coefficients: (a, b, c) of the Newton-Schulz polynomial.
+        eps: floor of the norm the update is divided by before the iteration (> 0).
+        ns_steps: Newton-Schulz iterations, in [0, 100).
+        adjust_lr_fn: None or "original" (Jordan's), or "match_rms_adamw" (Moonshot's); see ``adjusted_lr``.
+        ns_dtype: (ours, keyword only) the dtype the iteration runs in; torch's is bf16. Use float32 on CPUs without
+            bf16 matrix units, where bf16 matmuls are about 20x slower (more precise, not bit-equal to torch).
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict] | Iterable[tuple[str, Tensor]],
+        lr: float = 1e-3,
+        weight_decay: float = 0.1,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
+        eps: float = NS_EPS,
+        ns_steps: int = NS_STEPS,
+        adjust_lr_fn: str | None = None,
+        *,
+        ns_dtype: torch.dtype = torch.bfloat16,
+    ):
+        defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
+                        ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn,
+                        ns_dtype=ns_dtype)
+        super().__init__(params, defaults)  # calls add_param_group, which validates each group
+
+    def __setstate__(self, state: dict) -> None:
+        # Also reached by load_state_dict: groups saved by torch.optim.Muon lack ns_dtype.
+        super().__setstate__(state)
+        for group in self.param_groups:
+            for key, value in self.defaults.items():
+                group.setdefault(key, value)
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        _check_muon_group(self.param_groups[-1])
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Tensor] | None = None) -> Tensor | None:
+        """Update every parameter that has a gradient; parameters whose ``.grad`` is None are skipped."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            _muon_group_step(group, self.state)
+        return loss
+
+
+def _check_muon_group(group: dict) -> None:
+    lr, weight_decay, momentum, eps = group["lr"], group["weight_decay"], group["momentum"], group["eps"]
+    if not lr >= 0.0:  # `not >=` also rejects NaN
+        raise ValueError(f"Invalid learning rate: {lr} (must be >= 0)")
+    if not weight_decay >= 0.0:
+        raise ValueError(f"Invalid weight_decay value: {weight_decay} (must be >= 0)")
+    if not 0.0 <= momentum < 1.0:
+        raise ValueError(f"Invalid momentum value: {momentum} (must be in [0, 1))")
+    if not eps > 0.0:
+        raise ValueError(f"Invalid eps value: {eps} (must be > 0: it keeps a zero update from dividing by zero)")
+    if len(group["ns_coefficients"]) != 3:
+        raise ValueError(f"Invalid ns_coefficients: {group['ns_coefficients']} (need three values a, b, c)")
+    ns_steps = group["ns_steps"]
+    if not isinstance(ns_steps, int) or not 0 <= ns_steps < 100:
+        raise ValueError(f"Invalid ns_steps: {ns_steps} (must be an integer in [0, 100))")
+    if group["adjust_lr_fn"] not in (None, *ADJUST_LR_FNS):
+        raise ValueError(f"Invalid adjust_lr_fn: {group['adjust_lr_fn']!r} (choose from None, "
+                         f"{', '.join(map(repr, ADJUST_LR_FNS))})")
+    if not (isinstance(group["ns_dtype"], torch.dtype) and group["ns_dtype"].is_floating_point):
+        raise ValueError(f"Invalid ns_dtype: {group['ns_dtype']} (need a floating torch.dtype)")
+    names = group.get("param_names") or [f"#{i} of its group" for i in range(len(group["params"]))]
+    for name, p in zip(names, group["params"]):
+        if p.ndim != 2:
+            raise ValueError(f"Muon updates 2-D matrices only, but parameter {name} has shape {tuple(p.shape)}: give "
+                             f"it to AdamW instead (muon_param_groups(model, ...) splits a model that way)")
+
+
+def _muon_group_step(group: dict, state: dict) -> None:
+    """One Muon step of the parameters of `group` that have gradients (the class docstring's equations)."""
+    lr, weight_decay, momentum = group["lr"], group["weight_decay"], group["momentum"]
+    for p in group["params"]:
+        if p.grad is None:
+            continue
+        if p.grad.is_sparse:
+            raise RuntimeError("Muon does not support sparse gradients")
+        if torch.is_complex(p):
+            raise RuntimeError("Muon does not support complex parameters")
+        g = p.grad
+        s = state[p]
+        if not s:
+            s["momentum_buffer"] = torch.zeros_like(g, memory_format=torch.preserve_format)
+        buf = s["momentum_buffer"]
+        buf.lerp_(g, 1 - momentum)  # B = momentum * B + (1 - momentum) * g
+        update = g.lerp(buf, momentum) if group["nesterov"] else buf  # (1 - momentum) * g + momentum * B
+        update = orthogonalize(update, group["ns_coefficients"], group["ns_steps"], group["eps"], group["ns_dtype"])
+        p.mul_(1 - lr * weight_decay)
+        p.add_(update, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], p.shape))
+
+
+class MuonWithAdamW(torch.optim.Optimizer):
+    """Muon for the parameter groups marked ``'use_muon': True``, AdamW for those marked False, as one optimizer.
+
+    One torch Optimizer (not two side by side) so that everything that drives an optimizer drives this one:
+    ``LambdaLR`` multiplies every group's lr by the same schedule (Muon's and AdamW's peaks keep their ratio),
+    ``GradScaler.unscale_`` / ``step`` see all the gradients, and ``state_dict`` / ``load_state_dict`` hold both
+    kinds (per-parameter state as in ``Muon`` and ``AdamW``). Each group carries its own kind's hyperparameters,
+    with the defaults below; ``eps`` means AdamW's denominator epsilon in AdamW groups and Newton-Schulz's norm
+    floor (``ns_eps``) in Muon groups, as in the two classes.
+
+        groups = muon_param_groups(model, weight_decay=0.1)
+        optimizer = MuonWithAdamW(groups, lr=1e-3, betas=(0.9, 0.99), eps=1e-8, muon_lr=0.02)
+
+    Args:
+        params: groups, each with ``'params'`` and ``'use_muon'`` (muon_param_groups makes them).
+        lr, betas, eps, correct_bias, foreach: AdamW groups' defaults (see ``AdamW``).
+        weight_decay: both kinds' default decay coefficient (decoupled, times each group's current lr).
+        muon_lr: Muon groups' default lr (Jordan's 0.02). It is larger than AdamW's because under the "original"
+            adjustment an update's entries have an RMS of about muon_lr / sqrt(fan_in) (muon_lr / 11 at width 128),
+            where AdamW's are a sizeable fraction of its lr.
+        momentum, nesterov, ns_coefficients, ns_eps, ns_steps, adjust_lr_fn, ns_dtype: Muon groups' defaults (see
+            ``Muon``; ``ns_eps`` is its ``eps``).
+    """
+
+    def __init__(
+        self,
+        params: Iterable[dict],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-6,
+        weight_decay: float = 0.0,
+        correct_bias: bool = True,
+        *,
+        muon_lr: float = 0.02,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
+        ns_eps: float = NS_EPS,
+        ns_steps: int = NS_STEPS,
+        adjust_lr_fn: str | None = None,
+        ns_dtype: torch.dtype = torch.bfloat16,
+        foreach: bool = True,
+    ):
+        self.kind_defaults = {
+            True: dict(lr=muon_lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov, ns_coefficients=ns_coefficients, eps=ns_eps,
+                       ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn, ns_dtype=ns_dtype),
+            False: dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, correct_bias=correct_bias,
+                        foreach=foreach),
+        }
+        super().__init__(params, {})  # no shared defaults: add_param_group fills in each group's kind's
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        for group in self.param_groups:
+            for key, value in self.kind_defaults[group["use_muon"]].items():
+                group.setdefault(key, value)
+
+    def add_param_group(self, param_group: dict) -> None:
+        if not isinstance(param_group, dict) or param_group.get("use_muon") not in (True, False):
+            raise ValueError("MuonWithAdamW takes parameter groups (dicts) that each say 'use_muon': True (hidden 2-D "
+                             "matrices) or False (AdamW: embeddings, heads, gains, biases); "
+                             "muon_param_groups(model, weight_decay) makes them")
+        for key, value in self.kind_defaults[param_group["use_muon"]].items():
+            param_group.setdefault(key, value)
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        if group["use_muon"]:
+            _check_muon_group(group)
+        else:
+            _check_hyperparameters(group)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Tensor] | None = None) -> Tensor | None:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            (_muon_group_step if group["use_muon"] else _adamw_group_step)(group, self.state)
+        return loss
+
+
+def muon_param_groups(model: nn.Module, weight_decay: float, *, blocks: str = "gpt_layers",
+                      decay_embeddings: bool = False) -> list[dict]:
+    """Split a model's trainable parameters between AdamW and Muon (for ``MuonWithAdamW``).
+
+    Muon takes the hidden matrices: the 2-D parameters inside the module(s) named ``blocks`` (GPT-2's
+    ``gpt_layers``: each block's q/k/v, attention output and MLP weights), which are not embeddings. AdamW takes
+    the rest, grouped as ``param_groups_for_weight_decay`` does: the embeddings (and so GPT-2's LM head, tied to
+    the word embedding: once), an untied or task head (decayed), LayerNorm gains and biases (not decayed).
+    Parameters with ``requires_grad=False`` are left out. Muon's matrices decay by ``weight_decay`` too.
+
+    Returns ``[AdamW decay, AdamW no-decay, Muon]``, each ``{'params', 'param_names', 'weight_decay', 'use_muon'}``
+    (possibly empty), in the model's parameter order. AdamW's groups come first so that the first group's lr, which
+    the engine records as "lr", is --lr's schedule with either optimizer.
+    """
+    embedded = {id(p) for m in model.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag))
+                for p in m.parameters(recurse=False)}
+    containers = [m for name, m in model.named_modules() if name.rsplit(".", 1)[-1] == blocks]
+    hidden = {id(p) for m in containers for p in m.parameters() if p.ndim == 2 and id(p) not in embedded}
+    if not hidden:
+        raise ValueError(f"{type(model).__name__} has no 2-D parameters inside a module named {blocks!r}: Muon needs "
+                         f"the hidden matrices (pass blocks= the name of the transformer blocks' ModuleList)")
+    decay, no_decay = param_groups_for_weight_decay(model, weight_decay, decay_embeddings)
+    muon = {"params": [], "param_names": [], "weight_decay": weight_decay, "use_muon": True}
+    rest = {"params": [], "param_names": [], "weight_decay": weight_decay, "use_muon": False}
+    for name, p in zip(decay["param_names"], decay["params"]):  # every hidden matrix is a decaying 2-D parameter
+        group = muon if id(p) in hidden else rest
+        group["params"].append(p)
+        group["param_names"].append(name)
+    return [rest, {**no_decay, "use_muon": False}, muon]
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -4,6 +4,8 @@
     python run_pretrain.py --data ../shared/data/tinyshakespeare/input.txt --output_dir out/shakespeare-char
     # continue an interrupted run exactly where its last checkpoint left off
     python run_pretrain.py --data ../shared/data/tinyshakespeare/input.txt --output_dir out/shakespeare-char --resume
+    # Muon for the blocks' matrices (lr 0.02), AdamW for embeddings, LM head, LayerNorms and biases (lr 1e-3)
+    python run_pretrain.py --data ../shared/data/tinyshakespeare/input.txt --output_dir out/char-muon --optimizer muon
     # GPT-2 BPE tokens, a preset size with a shorter context, gradient accumulation
     python run_pretrain.py --data corpus.txt --tokenizer gpt2 --preset gpt2 --n_positions 256 --block_size 256 \\
         --batch_size 8 --grad_accum 4 --output_dir out/corpus-bpe
@@ -102,11 +104,18 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max_iters", type=_non_negative_int, default=2000, help="optimizer steps")
     g.add_argument("--batch_size", type=_positive(int), default=12, help="windows per micro-batch")
     g.add_argument("--grad_accum", type=_positive(int), default=1, help="micro-batches per optimizer step")
-    g.add_argument("--lr", "--learning_rate", dest="lr", type=_positive(float), default=1e-3, help="peak learning rate")
+    g.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw",
+                   help="adamw, or muon: Muon (orthogonalised momentum) for the blocks' weight matrices and AdamW "
+                        "(--lr) for the embeddings, LM head, LayerNorms and biases")
+    g.add_argument("--lr", "--learning_rate", dest="lr", type=_positive(float), default=1e-3,
+                   help="peak learning rate (of AdamW's parameters under --optimizer muon)")
+    g.add_argument("--muon_lr", type=_positive(float), default=0.02,
+                   help="Muon's peak learning rate (--optimizer muon); the schedule scales it by the same factor as "
+                        "--lr, down to --muon_lr * --min_lr / --lr")
     g.add_argument("--min_lr", type=float, default=1e-4, help="floor the cosine decays to")
     g.add_argument("--warmup_iters", type=_non_negative_int, default=100, help="linear warmup steps")
     g.add_argument("--lr_decay_iters", type=_positive(int), help="step where the cosine reaches --min_lr (default --max_iters)")
-    g.add_argument("--weight_decay", type=float, default=0.1, help="AdamW decoupled weight decay of matrices")
+    g.add_argument("--weight_decay", type=float, default=0.1, help="decoupled weight decay of matrices (AdamW's, and Muon's with --optimizer muon)")
     g.add_argument("--decay_embeddings", action="store_true", help="decay the embeddings too (nanoGPT does)")
     g.add_argument("--beta1", type=float, default=0.9, help="AdamW beta1")
     g.add_argument("--beta2", type=float, default=0.99, help="AdamW beta2")
@@ -172,6 +181,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
         given += [f"--{k}" for k in VARIANT_FLAGS if getattr(args, k) is not None]
         given += ["--dropout"] * bool(args.dropout) + ["--gradient_checkpointing"] * args.gradient_checkpointing
+        given += ["--optimizer muon"] * (args.optimizer == "muon")
         if given:
             parser.error(f"--arch bigram is a (vocab x vocab) table: {', '.join(given)} do(es) not apply to it")
     try:

@@ -5,8 +5,9 @@
 A task supplies the model, a source of batches (`EpochBatches` below for a set of examples; pretraining's random
 windows), a loss and an evaluation. The engine owns the rest:
 - the step: the micro-batches of one optimizer step under autocast, DDP's no_sync until the last, fp16 loss scaling,
-  unscaling, clipping, one read-back for the non-finite guard, AdamW and the schedule; with `split_batch` each
-  micro-batch is cut row-wise across the CPU threads (one core each, gradients added in a fixed order);
+  unscaling, clipping, one read-back for the non-finite guard, the optimizer (AdamW, or Muon for the blocks'
+  matrices with AdamW for the rest) and the schedule; with `split_batch` each micro-batch is cut row-wise across
+  the CPU threads (one core each, gradients added in a fixed order);
 - the cadence: a metrics record every `log_interval` steps, an evaluation where the batch source ends an epoch or
   every `eval_interval` steps, and at the end;
 - checkpoints (tasks/checkpoint.py): OUT/last, everything an exact resume needs, at every evaluation and every
@@ -34,7 +35,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from optimizer import AdamW, make_lr_scheduler, param_groups_for_weight_decay
+from optimizer import AdamW, MuonWithAdamW, make_lr_scheduler, muon_param_groups, param_groups_for_weight_decay
 from tasks import distributed as dist
 from tasks import lora
 from tasks.checkpoint import (
@@ -72,6 +73,8 @@ class TrainConfig:
     decay_embeddings: bool = False
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-6  # AdamW epsilon (the course's default)
+    optimizer: str = "adamw"  # adamw, or muon: Muon for the blocks' matrices, AdamW (lr) for the rest
+    muon_lr: float = 0.02  # Muon's peak lr; the schedule scales it as it scales lr
     max_grad_norm: float = 0.0  # 0 = no clipping (the course does not clip)
     dtype: str = "float32"  # autocast: float32 (none), bfloat16, or float16 with a gradient scaler
     seed: int = 11711
@@ -312,6 +315,27 @@ def split_workers(cfg: TrainConfig, model: nn.Module) -> int:
     return threads
 
 
+def build_optimizer(model: nn.Module, cfg: TrainConfig, groups: list | None = None) -> torch.optim.Optimizer:
+    """cfg.optimizer's optimizer over `groups` (default: the model's parameters split by the optimizer's rule)."""
+    if cfg.optimizer == "adamw":
+        groups = groups or param_groups_for_weight_decay(model, cfg.weight_decay, cfg.decay_embeddings)
+        return AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
+    if cfg.optimizer == "muon":
+        groups = groups or muon_param_groups(model, cfg.weight_decay, decay_embeddings=cfg.decay_embeddings)
+        # torch.optim.Muon's Newton-Schulz runs in bf16, which is 20x slower than fp32 on CPUs without bf16 units
+        ns_dtype = torch.bfloat16 if bf16_matmul_is_fast(cfg.device) else torch.float32
+        optimizer = MuonWithAdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, muon_lr=cfg.muon_lr,
+                                  ns_dtype=ns_dtype)
+        muon = [p for g in optimizer.param_groups if g["use_muon"] for p in g["params"]]
+        rest = [p for g in optimizer.param_groups if not g["use_muon"] for p in g["params"]]
+        if dist.is_main():
+            print(f"optimizer: Muon (lr {cfg.muon_lr:g}, Newton-Schulz in {str(ns_dtype).removeprefix('torch.')}) "
+                  f"for {len(muon)} matrices ({sum(p.numel() for p in muon):,} weights), AdamW (lr {cfg.lr:g}) "
+                  f"for {len(rest)} other tensors ({sum(p.numel() for p in rest):,})")
+        return optimizer
+    raise ValueError(f"unknown optimizer {cfg.optimizer!r}: choose adamw or muon")
+
+
 def grad_norm(params: list[torch.nn.Parameter], max_norm: float = 0.0) -> torch.Tensor:
     """Total gradient norm as a tensor (inf or nan if any gradient is); clips to max_norm when it is > 0."""
     grads = [p.grad for p in params if p.grad is not None]
@@ -509,8 +533,7 @@ def fit(model: nn.Module, batches: BatchSource, loss_fn: Callable, evaluate_fn: 
     total = batches.total_steps or cfg.max_iters
     decay_to = cfg.decay_steps or total
     warmup = cfg.warmup_steps if cfg.warmup_steps is not None else round(cfg.warmup_ratio * total)
-    groups = optimizer_groups or param_groups_for_weight_decay(model, cfg.weight_decay, cfg.decay_embeddings)
-    optimizer = AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
+    optimizer = build_optimizer(model, cfg, optimizer_groups)
     scheduler = make_lr_scheduler(optimizer, warmup, decay_to,
                                   min_ratio=1.0 if cfg.schedule == "constant" else cfg.min_lr / cfg.lr,
                                   schedule="linear" if cfg.schedule == "constant" else cfg.schedule)

@@ -1,6 +1,6 @@
 """Train a GPT-2 from scratch on a text file ("Let's build GPT"): text -> token ids on disk -> random windows ->
-the training engine (tasks/engine.py: AdamW with warmup and cosine decay, periodic loss estimates, checkpoints,
-metrics) -> samples.
+the training engine (tasks/engine.py: AdamW, or Muon with AdamW, with warmup and cosine decay, periodic loss
+estimates, checkpoints, metrics) -> samples.
 
     tokenizer = tokenizer_for("gpt2" | folder)                     # "char" tokenizers are built from the corpus
     corpus = prepare_corpus("input.txt", "char", cache_dir)          # ids memory-mapped from cache_dir, 90/10 split
@@ -366,6 +366,8 @@ class PretrainConfig:
     beta1: float = 0.9
     beta2: float = 0.99
     adam_eps: float = 1e-8
+    optimizer: str = "adamw"
+    muon_lr: float = 0.02
     max_grad_norm: float = 1.0
     dtype: str = "float32"
     eval_interval: int = 250
@@ -396,9 +398,9 @@ class PretrainConfig:
 # them. --max_iters may grow (the cosine then stretches to the new end unless --lr_decay_iters pins it); the
 # architecture flags (sizes, --depth, --activation and the variants) are checked against the checkpoint's config
 # where given (tasks.engine.ARCHITECTURE), and the tokenizer is the checkpoint's own.
-RESUME_FIXED = ("val_fraction", "block_size", "dropout", "batch_size", "grad_accum", "lr", "min_lr",
-                "warmup_iters", "lr_decay_iters", "weight_decay", "decay_embeddings", "beta1", "beta2", "adam_eps",
-                "max_grad_norm", "dtype", "seed")
+RESUME_FIXED = ("val_fraction", "block_size", "dropout", "batch_size", "grad_accum", "optimizer", "lr", "muon_lr",
+                "min_lr", "warmup_iters", "lr_decay_iters", "weight_decay", "decay_embeddings", "beta1", "beta2",
+                "adam_eps", "max_grad_norm", "dtype", "seed")
 
 
 def train_config(cfg: PretrainConfig) -> TrainConfig:
@@ -408,7 +410,8 @@ def train_config(cfg: PretrainConfig) -> TrainConfig:
                        grad_accum=cfg.grad_accum, lr=cfg.lr, min_lr=cfg.min_lr, schedule="cosine",
                        warmup_steps=cfg.warmup_iters, decay_steps=cfg.lr_decay_iters or 0,
                        weight_decay=cfg.weight_decay, decay_embeddings=cfg.decay_embeddings,
-                       betas=(cfg.beta1, cfg.beta2), eps=cfg.adam_eps, max_grad_norm=cfg.max_grad_norm,
+                       betas=(cfg.beta1, cfg.beta2), eps=cfg.adam_eps, optimizer=cfg.optimizer,
+                       muon_lr=cfg.muon_lr, max_grad_norm=cfg.max_grad_norm,
                        dtype=cfg.dtype, seed=cfg.seed, device=str(cfg.device), resume=cfg.resume,
                        overwrite=cfg.overwrite, eval_interval=cfg.eval_interval, eval_at_start=True,
                        log_interval=cfg.log_interval, print_logs=True, select_metric="val_loss", select_max=False,

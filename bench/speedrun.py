@@ -38,9 +38,12 @@ CONTENDERS: dict[str, tuple[str, list[str]]] = {
     "rope": ("rotary positions, QK-norm", ["--position_embedding", "rope", "--qk_norm"]),
     "muon": ("Muon for the hidden matrices (AdamW for the rest)", ["--optimizer", "muon"]),
     "lr3e-3": ("AdamW at lr 3e-3 (-> 3e-4)", ["--lr", "3e-3", "--min_lr", "3e-4"]),
-    "best": ("ReLU^2, RMSNorm, no bias, RoPE + QK-norm, Muon, 1000 steps",
+    "best": ("ReLU^2, RMSNorm, no bias, RoPE + QK-norm, Muon; a 500-step schedule",
              ["--activation", "relu2", "--norm", "rmsnorm", "--no-bias", "--position_embedding", "rope",
-              "--qk_norm", "--optimizer", "muon", "--max_iters", "1000"]),
+              "--qk_norm", "--optimizer", "muon", "--max_iters", "500"]),
+    "best-adamw": ("ReLU^2, RMSNorm, no bias, RoPE + QK-norm, AdamW lr 3e-3; an 800-step schedule",
+                   ["--activation", "relu2", "--norm", "rmsnorm", "--no-bias", "--position_embedding", "rope",
+                    "--qk_norm", "--lr", "3e-3", "--min_lr", "3e-4", "--max_iters", "800"]),
 }
 
 

@@ -192,3 +192,52 @@ def test_sampling_follows_temperature():
         # within 4 binomial standard deviations per token: tight enough to tell T from T**2 or sqrt(T)
         bound = 4 * (p * (1 - p) / len(out)).sqrt() + 1e-3
         assert ((freq - p).abs() <= bound).all(), (temperature, freq[:3], p[:3])
+
+
+@torch.no_grad()
+def reference_sampling(lm, ids, mask, n, generator, temperature=1.0, top_k=None, top_p=None):
+    """Sampling spelled out: each step runs the whole sequence again (no cache), filters the last position's
+    logits token by token in float64 (top-k, then top-p: the most likely tokens, in order, until the mass before
+    a token reaches p), and draws the batch's next tokens with one torch.multinomial call on the generator."""
+    seq, m = ids, mask
+    for _ in range(n):
+        logits = lm(seq, m)["logits"][:, -1].float()
+        if temperature != 1.0:
+            logits = logits / temperature
+        keep = torch.ones_like(logits, dtype=torch.bool)
+        for row in range(len(logits)):
+            order = logits[row].double().argsort(descending=True).tolist()
+            if top_k:
+                kth = logits[row, order[top_k - 1]]
+                keep[row] &= logits[row] >= kth
+            probs = logits[row].masked_fill(~keep[row], float("-inf")).double().softmax(-1).tolist()
+            if top_p is not None and top_p < 1.0:
+                mass, allowed = 0.0, torch.zeros_like(keep[row])
+                for token in order:
+                    if mass >= top_p:  # p > 0: the most likely token always stays
+                        break
+                    allowed[token] = True
+                    mass += probs[token]
+                keep[row] &= allowed
+        probs = logits.masked_fill(~keep, float("-inf")).softmax(-1)
+        next_ids = torch.multinomial(probs, 1, generator=generator)
+        seq, m = torch.cat([seq, next_ids], 1), torch.cat([m, torch.ones_like(next_ids)], 1)
+    return seq
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("settings", [dict(temperature=0.8, top_p=0.9), dict(top_k=20, top_p=0.7),
+                                      dict(temperature=1.3), dict(temperature=0.6, top_k=7)])
+def test_sampling_draws_the_same_tokens_as_a_spelled_out_reference(settings, batch):
+    """Pins the sampled tokens for a seed: the decoder's fast paths (KV cache, decode-time LM head layouts, the
+    way top-p finds its cut) must draw exactly what the plain computation draws from the same generator."""
+    config = tiny_config("h4-wide")
+    _, ours = load_pair(config, seed=4)
+    with torch.no_grad():  # sharper distributions: top-p 0.9 keeps about 100-240 of the 1000 tokens, 0.7 4-75
+        ours.gpt.final_layer_norm.weight.mul_(10.0)
+        ours.gpt.final_layer_norm.bias.mul_(10.0)
+    ids, mask = padded_batch([6, 3, 5][:batch], 6, config.vocab_size, "left", seed=9)
+    got = ours.generate(ids, mask, max_new_tokens=12, do_sample=True, generator=torch.Generator().manual_seed(3),
+                        **settings)
+    expected = reference_sampling(ours, ids, mask, 12, torch.Generator().manual_seed(3), **settings)
+    assert torch.equal(got, expected)

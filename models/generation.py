@@ -33,23 +33,39 @@ def top_p_filter(logits: torch.Tensor, p: float | None, fast_sort: bool = True) 
     """Nucleus filter: keep the smallest set of most likely tokens whose probability mass reaches p (at least one)."""
     if p is None or p >= 1.0:
         return logits
-    fast_sort = fast_sort and logits.is_cpu and logits.dtype in (torch.float32, torch.float64)
-    if fast_sort:  # numpy's SIMD sort: 1.7 ms for gpt2's 50257 logits on a 2-core Zen 3, torch.sort 4-20 ms
-        order = torch.from_numpy(np.argsort(-logits.detach().numpy(), axis=-1))
-        sorted_logits = logits.gather(-1, order)
-    else:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-    probs = sorted_logits.softmax(dim=-1)
-    mass_before = probs.cumsum(dim=-1) - probs  # mass of the tokens ranked above each one
-    remove_sorted = mass_before >= p
-    remove_sorted[..., 0] = False
-    # Two sorts give the same values and differ only in the order of equal logits, so the tokens removed are the
-    # same unless the cut falls inside a run of equal logits: then torch.sort's order decides, as it always has.
-    if fast_sort and bool(((sorted_logits[..., 1:] == sorted_logits[..., :-1])
-                           & (remove_sorted[..., 1:] != remove_sorted[..., :-1])).any()):
-        return top_p_filter(logits, p, fast_sort=False)
+    if fast_sort and logits.is_cpu and logits.dtype in (torch.float32, torch.float64):
+        return _top_p_by_threshold(logits, p)
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+    remove_sorted = _beyond_nucleus(sorted_logits, p)
     remove = torch.zeros_like(remove_sorted).scatter(-1, order, remove_sorted)
     return logits.masked_fill(remove, float("-inf"))
+
+
+def _beyond_nucleus(sorted_logits: torch.Tensor, p: float) -> torch.Tensor:
+    """For logits sorted best first: True where the mass of the tokens ranked above reaches p (never the first)."""
+    probs = sorted_logits.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    remove_sorted = mass_before >= p
+    remove_sorted[..., 0] = False
+    return remove_sorted
+
+
+def _top_p_by_threshold(logits: torch.Tensor, p: float) -> torch.Tensor:
+    """top_p_filter on the CPU from the sorted values alone (numpy's SIMD sort, no indices: 0.3 ms for gpt2's 50257
+    logits against torch.sort's 4.7 ms). The values are those torch.sort gives, so the same positions are cut; the
+    kept tokens are then those at or above the smallest kept logit. Where that is not exact (equal logits on both
+    sides of the cut, whose order torch.sort decides, or a cut that is not one run because of rounding), it falls
+    back to torch.sort."""
+    sorted_logits = torch.from_numpy(-np.sort(-logits.detach().numpy(), axis=-1))  # best first
+    remove_sorted = _beyond_nucleus(sorted_logits, p)
+    V = logits.shape[-1]
+    n_keep = V - remove_sorted.sum(-1, keepdim=True)  # (..., 1), >= 1
+    smallest_kept = sorted_logits.gather(-1, n_keep - 1)
+    first_cut = sorted_logits.gather(-1, n_keep.clamp(max=V - 1))
+    one_run = torch.equal(remove_sorted, torch.arange(V) >= n_keep)
+    if not one_run or bool(((n_keep < V) & (first_cut == smallest_kept)).any()):
+        return top_p_filter(logits, p, fast_sort=False)
+    return logits.masked_fill(logits < smallest_kept, float("-inf"))
 
 
 def process_logits(logits: torch.Tensor, seen: torch.Tensor | None = None, temperature: float = 1.0,

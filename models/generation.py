@@ -44,7 +44,7 @@ def top_p_filter(logits: torch.Tensor, p: float | None, fast_sort: bool = True) 
 def _beyond_nucleus(sorted_logits: torch.Tensor, p: float) -> torch.Tensor:
     """For logits sorted best first: True where the mass of the tokens ranked above reaches p (never the first)."""
     probs = sorted_logits.softmax(dim=-1)
-    mass_before = probs.cumsum(dim=-1) - probs
+    mass_before = probs.cumsum(dim=-1) - probs  # mass of the tokens ranked above each one
     remove_sorted = mass_before >= p
     remove_sorted[..., 0] = False
     return remove_sorted

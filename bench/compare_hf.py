@@ -9,7 +9,11 @@ Sections (`--only`, several allowed; default all):
   train          training step (forward, backward, AdamW step), batch 4 x 128, fp32 and bf16 autocast (fp32
                  master weights); plus the loss after --loss-steps steps of fp32 vs bf16 from the same start
   forward        inference forward (logits at every position), batch 8 x 128, fp32 and bf16 weights
-  generate       greedy, 16-token prompts + 64 new tokens, batch 1 and batch 8 (left-padded), fp32 and bf16 weights
+  generate       greedy, 16-token prompts + 64 new tokens, batch 1 and batch 8 (left-padded), fp32 and bf16 weights;
+                 greedy b1 also as % of the memory-bandwidth limit (weight bytes per step / measured read bandwidth);
+                 fp32 only: sampling b1 (top-p 0.9, temperature 0.8; and ours' sampling / ours' greedy speed), beam
+                 search b1 (4 beams, no EOS: both do 64 steps; tokens compared), time to first token of a 512-token
+                 prompt (prefill + first token, batch 1)
   memory         peak RSS of each of the above, each in a fresh subprocess (VmHWM, reset after the model is built)
   xl             gpt2-xl (1.5B) at random init in bf16: greedy tokens/s and peak RSS, in a subprocess
   checkpointing  gpt2-medium training step with and without gradient checkpointing: step time and peak RSS
@@ -49,7 +53,10 @@ from models.loading import hf_to_ours  # noqa: E402
 SECTIONS = ("train", "forward", "generate", "memory", "xl", "checkpointing")
 # (case, dtype) -> minimum of ours / best transformers fp32 (issue 7).
 TARGETS = {("train", "fp32"): 1.1, ("train", "bf16"): 3.0, ("forward", "fp32"): 1.0, ("forward", "bf16"): 3.0,
-           ("generate b1", "fp32"): 1.5, ("generate b1", "bf16"): 2.5, ("generate b8", "fp32"): 2.0}
+           ("generate b1", "fp32"): 1.5, ("generate b1", "bf16"): 2.5, ("generate b8", "fp32"): 2.0,
+           ("beam4 b1", "fp32"): 1.5, ("ttft p512", "fp32"): 1.0}  # (issue 15)
+SAMPLING = dict(temperature=0.8, top_p=0.9)  # the sampling row's settings (transformers' default top_k=50 is off)
+SAMPLING_VS_GREEDY = 0.9  # target: ours' sampling at least this fraction of ours' greedy speed
 PROMPT_LENGTHS_B8 = [16, 13, 10, 16, 7, 12, 15, 9]  # the batch-8 prompts, left-padded to 16
 SHARED = shared_dir()
 DEVICE = torch.device("cpu")  # --device; the inputs and every contender live there
@@ -157,13 +164,20 @@ def make_forward(model, ids: torch.Tensor):
     return forward
 
 
-def make_generate(model, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int):
+def make_generate(model, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int, mode: str = "greedy", seed: int = 0):
+    """mode 'greedy', 'sample' (SAMPLING settings; ours from a generator seeded per call) or 'beam4' (4 beams,
+    transformers' defaults for length_penalty and early_stopping, which ours shares)."""
     model.eval()
+    kwargs = {"greedy": dict(do_sample=False), "sample": dict(do_sample=True, **SAMPLING),
+              "beam4": dict(do_sample=False, num_beams=4, length_penalty=1.0, early_stopping=False)}[mode]
 
     def generate():
         if _is_ours(model):
-            return model.generate(ids, mask, max_new_tokens=new_tokens)
-        return model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False)
+            if mode == "sample":
+                kwargs["generator"] = torch.Generator(ids.device).manual_seed(seed)
+            return model.generate(ids, mask, max_new_tokens=new_tokens, **kwargs)
+        extra = dict(top_k=0) if mode == "sample" else {}  # transformers' generation config adds top_k=50
+        return model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, **kwargs, **extra)
 
     return generate
 
@@ -217,7 +231,7 @@ class Report:
 
     @staticmethod
     def print_row(row: dict) -> None:
-        rates = "  ".join(f"{k} {v:8.1f}" for k, v in row["rates"].items())
+        rates = "  ".join(f"{k} {v:8.1f}" if v >= 10 else f"{k} {v:8.3f}" for k, v in row["rates"].items())
         extra = ""
         if "vs_same_dtype" in row:
             extra += f"  ours/best-HF {row['vs_same_dtype']:.2f}x"
@@ -277,13 +291,58 @@ def section_generate(args, state: dict, report: Report) -> None:
             ids, mask = prompts(batch, args.seed)
             fns = {k: make_generate(m, ids, mask, args.new_tokens) for k, m in models.items()}
             outs = {k: fn() for k, fn in fns.items()}
-            ref = next((k for k in outs if k.startswith("hf")), None)
             sec = time_contenders(fns, args.repeats, warmup=0)
-            report.add(f"generate b{batch}", _name(dtype), {k: batch * args.new_tokens / v for k, v in sec.items()},
-                       "new tokens/s")
-            if ref:
-                same = (outs["ours"] == outs[ref]).all(1).float().mean().item()
-                print(f"{'':<12} {'':<5} greedy rows identical to {ref}: {100 * same:.0f}%", flush=True)
+            rates = {k: batch * args.new_tokens / v for k, v in sec.items()}
+            report.add(f"generate b{batch}", _name(dtype), rates, "new tokens/s")
+            _print_match(outs, "greedy")
+            if batch == 1:
+                _print_bandwidth_share(models["ours"], rates)
+        if dtype == torch.float32:
+            _generate_fp32_extras(args, models, report)
+
+
+def _generate_fp32_extras(args, models: dict, report: Report) -> None:
+    """Sampling and beam search at batch 1, and the time to the first token of a long prompt (issue 15)."""
+    n, (ids, mask) = args.new_tokens, prompts(1, args.seed)
+    fns = {k: make_generate(m, ids, mask, n, "sample", args.seed) for k, m in models.items()}
+    fns["ours-greedy"] = make_generate(models["ours"], ids, mask, n)  # in the same rounds: the ratio below
+    sec = time_contenders(fns, args.repeats)
+    report.add("sample b1", "fp32", {k: n / v for k, v in sec.items()}, "new tokens/s")
+    vs_greedy = sec["ours-greedy"] / sec["ours"]
+    print(f"{'':<12} {'':<5} ours sampling / ours greedy speed {vs_greedy:.2f} (target >= {SAMPLING_VS_GREEDY}: "
+          f"{'met' if vs_greedy >= SAMPLING_VS_GREEDY else 'NOT met'}); top-p {SAMPLING['top_p']}, temperature "
+          f"{SAMPLING['temperature']}", flush=True)
+
+    fns = {k: make_generate(m, ids, mask, n, "beam4") for k, m in models.items()}
+    outs = {k: fn() for k, fn in fns.items()}
+    sec = time_contenders(fns, args.repeats, warmup=0)
+    report.add("beam4 b1", "fp32", {k: n / v for k, v in sec.items()}, "new tokens/s")
+    _print_match(outs, "beam-search")
+
+    long_ids = torch.randint(0, 50257, (1, 512), generator=torch.Generator().manual_seed(args.seed)).to(DEVICE)
+    fns = {k: make_generate(m, long_ids, torch.ones_like(long_ids), 1) for k, m in models.items()}
+    outs = {k: fn() for k, fn in fns.items()}
+    sec = time_contenders(fns, 3 * args.repeats)  # short calls: more rounds
+    report.add("ttft p512", "fp32", {k: 1 / v for k, v in sec.items()}, "1/s")
+    print(f"{'':<12} {'':<5} time to first token: " + "  ".join(f"{k} {v:.3f} s" for k, v in sec.items()), flush=True)
+    _print_match(outs, "first-token")
+
+
+def _print_match(outs: dict, what: str) -> None:
+    ref = next((k for k in outs if k.startswith("hf")), None)
+    if ref:
+        same = (outs["ours"] == outs[ref]).all(1).float().mean().item()
+        print(f"{'':<12} {'':<5} {what} rows identical to {ref}: {100 * same:.0f}%", flush=True)
+
+
+def _print_bandwidth_share(ours, rates: dict) -> None:
+    """Greedy b1 reads every weight once per token (the position embedding: one row; the token embedding: once, as
+    the LM head): tokens/s x those bytes, as a share of the read bandwidth measured here."""
+    step_bytes = sum(p.numel() * p.element_size() for name, p in ours.named_parameters() if "pos_embedding" not in name)
+    limit = read_bandwidth() * 1e9 / step_bytes
+    shares = "  ".join(f"{k} {100 * v / limit:.0f}%" for k, v in rates.items())
+    print(f"{'':<12} {'':<5} of the bandwidth limit ({step_bytes / 1e6:.0f} MB of weights per token at "
+          f"{read_bandwidth():.1f} GB/s: {limit:.1f} tokens/s): {shares}", flush=True)
 
 
 def _dtypes(args) -> list[torch.dtype]:
@@ -390,6 +449,21 @@ def gemm_gflops(dtype: torch.dtype, seconds: float = 1.0) -> float:
     return n * 2 * 1024 * 768 * 3072 / (time.perf_counter() - start) / 1e9
 
 
+_READ_BANDWIDTH: list[float] = []
+
+
+def read_bandwidth() -> float:
+    """Memory read bandwidth in GB/s (measured once): the best of several sums of a 512 MB fp32 tensor."""
+    if not _READ_BANDWIDTH:
+        x, best = torch.ones(128 * 2**20, device=DEVICE), float("inf")
+        for _ in range(7):
+            start = time.perf_counter()
+            x.sum().item()
+            best = min(best, time.perf_counter() - start)
+        _READ_BANDWIDTH.append(x.numel() * x.element_size() / best / 1e9)
+    return _READ_BANDWIDTH[0]
+
+
 def describe_machine() -> None:
     if DEVICE.type == "cuda":
         props = torch.cuda.get_device_properties(DEVICE)
@@ -405,7 +479,8 @@ def describe_machine() -> None:
           f"{'yes' if native_bf16 else 'no'}), transformers {transformers.__version__}, {torch.get_num_threads()} "
           f"threads, load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
     print(f"matmul 1024x768x3072: fp32 {gemm_gflops(torch.float32):.0f} GFLOP/s, "
-          f"bf16 {gemm_gflops(torch.bfloat16):.0f} GFLOP/s", flush=True)
+          f"bf16 {gemm_gflops(torch.bfloat16):.0f} GFLOP/s; memory reads (sum of 512 MB) {read_bandwidth():.1f} GB/s",
+          flush=True)
 
 
 def main() -> None:

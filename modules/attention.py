@@ -33,6 +33,7 @@ class KVCache:
         self.keys = torch.empty(shape, dtype=dtype, device=device)
         self.values = torch.empty(shape, dtype=dtype, device=device)
         self.length = 0  # tokens already stored (same for every layer between forward passes)
+        self._spare: tuple[torch.Tensor, torch.Tensor] | None = None  # reorder's target, swapped with the live pair
 
     @property
     def capacity(self) -> int:
@@ -53,9 +54,24 @@ class KVCache:
         self.length += num_tokens
 
     def reorder(self, index: torch.Tensor) -> None:
-        """Select batch rows (beam search keeps the cache of the surviving beams)."""
-        self.keys = self.keys.index_select(1, index)
-        self.values = self.values.index_select(1, index)
+        """Select batch rows: row i continues row index[i] (beam search keeps the cache of the surviving beams).
+
+        With the batch size unchanged, only the filled positions are copied, into a spare pair of buffers that then
+        becomes the live one (gpt2, 4 beams: about half the time of copying whole buffers); an identity index
+        (every beam continued its own row) copies nothing.
+        """
+        if index.shape[0] != self.keys.shape[1]:  # e.g. prompt rows -> beam rows
+            self.keys, self.values = self.keys.index_select(1, index), self.values.index_select(1, index)
+            self._spare = None
+            return
+        if bool((index == torch.arange(len(index), device=index.device)).all()):
+            return
+        if self._spare is None or self._spare[0].shape != self.keys.shape:
+            self._spare = (torch.empty_like(self.keys), torch.empty_like(self.values))
+        n = self.length
+        for live, spare in zip((self.keys, self.values), self._spare):
+            torch.index_select(live[:, :, :, :n], 1, index, out=spare[:, :, :, :n])
+        self._spare, (self.keys, self.values) = (self.keys, self.values), self._spare
 
     def _grow(self, needed: int) -> None:
         new_capacity = max(needed, 2 * self.capacity)

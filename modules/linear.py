@@ -22,5 +22,7 @@ def weight_first(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 3 and x.shape[1] == 1 and x.shape[0] > 1 and x.is_cpu and not torch.is_grad_enabled():
-            return weight_first(x[:, 0], self.weight, self.bias)[:, None]  # (B, 1, out)
+            # Row-major like F.linear's output: a transposed view sends the next weight-first GEMM (out_dense after
+            # the GELU) down MKL's slow path and the query to SDPA's math kernel.
+            return weight_first(x[:, 0], self.weight, self.bias).contiguous()[:, None]  # (B, 1, out)
         return F.linear(x, self.weight, self.bias)

@@ -144,6 +144,21 @@ def test_filters_match_transformers_warpers(k, p):
     torch.testing.assert_close(top_p_filter(logits, p), TopPLogitsWarper(p)(None, logits.clone()))
 
 
+@pytest.mark.parametrize("scale", [0.5, 3.0])
+def test_top_p_with_the_fast_sort_removes_what_torch_sort_removes_even_among_ties(scale):
+    """The CPU path sorts with numpy, which orders equal logits differently; rounded logits (many ties, so cuts
+    inside runs of equal values) and -inf from top-k must still remove exactly the tokens torch.sort's order does."""
+    g = torch.Generator().manual_seed(0)
+    for trial in range(40):
+        logits = torch.randn(3, 1000, generator=g) * scale
+        if trial % 2:
+            logits = (logits * 4).round() / 4
+        if trial % 3 == 0:
+            logits = top_k_filter(logits, 50)
+        for p in (0.05, 0.5, 0.9, 0.999):
+            assert torch.equal(top_p_filter(logits, p), top_p_filter(logits, p, fast_sort=False)), (trial, p)
+
+
 def test_repetition_penalty_matches_transformers_and_temperature_scales():
     logits = torch.randn(2, 30, generator=torch.Generator().manual_seed(0))
     history = torch.tensor([[1, 5, 5, 7], [0, 2, 29, 3]])
@@ -192,3 +207,52 @@ def test_sampling_follows_temperature():
         # within 4 binomial standard deviations per token: tight enough to tell T from T**2 or sqrt(T)
         bound = 4 * (p * (1 - p) / len(out)).sqrt() + 1e-3
         assert ((freq - p).abs() <= bound).all(), (temperature, freq[:3], p[:3])
+
+
+@torch.no_grad()
+def reference_sampling(lm, ids, mask, n, generator, temperature=1.0, top_k=None, top_p=None):
+    """Sampling spelled out: each step runs the whole sequence again (no cache), filters the last position's
+    logits token by token in float64 (top-k, then top-p: the most likely tokens, in order, until the mass before
+    a token reaches p), and draws the batch's next tokens with one torch.multinomial call on the generator."""
+    seq, m = ids, mask
+    for _ in range(n):
+        logits = lm(seq, m)["logits"][:, -1].float()
+        if temperature != 1.0:
+            logits = logits / temperature
+        keep = torch.ones_like(logits, dtype=torch.bool)
+        for row in range(len(logits)):
+            order = logits[row].double().argsort(descending=True).tolist()
+            if top_k:
+                kth = logits[row, order[top_k - 1]]
+                keep[row] &= logits[row] >= kth
+            probs = logits[row].masked_fill(~keep[row], float("-inf")).double().softmax(-1).tolist()
+            if top_p is not None and top_p < 1.0:
+                mass, allowed = 0.0, torch.zeros_like(keep[row])
+                for token in order:
+                    if mass >= top_p:  # p > 0: the most likely token always stays
+                        break
+                    allowed[token] = True
+                    mass += probs[token]
+                keep[row] &= allowed
+        probs = logits.masked_fill(~keep, float("-inf")).softmax(-1)
+        next_ids = torch.multinomial(probs, 1, generator=generator)
+        seq, m = torch.cat([seq, next_ids], 1), torch.cat([m, torch.ones_like(next_ids)], 1)
+    return seq
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("settings", [dict(temperature=0.8, top_p=0.9), dict(top_k=20, top_p=0.7),
+                                      dict(temperature=1.3), dict(temperature=0.6, top_k=7)])
+def test_sampling_draws_the_same_tokens_as_a_spelled_out_reference(settings, batch):
+    """Pins the sampled tokens for a seed: the decoder's fast paths (KV cache, decode-time LM head layouts, the
+    way top-p finds its cut) must draw exactly what the plain computation draws from the same generator."""
+    config = tiny_config("h4-wide")
+    _, ours = load_pair(config, seed=4)
+    with torch.no_grad():  # sharper distributions: top-p 0.9 keeps about 100-240 of the 1000 tokens, 0.7 4-75
+        ours.gpt.final_layer_norm.weight.mul_(10.0)
+        ours.gpt.final_layer_norm.bias.mul_(10.0)
+    ids, mask = padded_batch([6, 3, 5][:batch], 6, config.vocab_size, "left", seed=9)
+    got = ours.generate(ids, mask, max_new_tokens=12, do_sample=True, generator=torch.Generator().manual_seed(3),
+                        **settings)
+    expected = reference_sampling(ours, ids, mask, 12, torch.Generator().manual_seed(3), **settings)
+    assert torch.equal(got, expected)

@@ -114,8 +114,15 @@ def main() -> None:
         for name in names:
             r = run(name, CONTENDERS[name][1], args.data, args.eval_interval, args.threads)
             runs[name].append(r)
+            target = runs["baseline"][0]["final_val"]
+            hit = time_to(r, target)
             print(f"[{repeat + 1}/{args.repeats}] {name:10s} load {r['load']:.2f}: final val {r['final_val']:.4f} "
-                  f"after {r['steps']} steps, {r['train_s']:.1f} s training ({r['wall_s']:.1f} s wall)", flush=True)
+                  f"after {r['steps']} steps, {r['train_s']:.1f} s training ({r['wall_s']:.1f} s wall); first "
+                  f"baseline's {target:.4f} " + (f"at step {hit[0]}, {hit[1]:.1f} s" if hit else "not reached"),
+                  flush=True)
+            if args.json:  # as it goes, so that an interrupted race keeps its runs
+                args.json.parent.mkdir(parents=True, exist_ok=True)
+                args.json.write_text(json.dumps({"runs": runs}, indent=1))
     target = statistics.median(r["final_val"] for r in runs["baseline"])
     base_s = statistics.median(r["train_s"] for r in runs["baseline"])
     print(f"\ntarget: {target:.4f} (the baseline's final val loss over the whole split); baseline training time "

@@ -20,6 +20,7 @@ Sections (`--only`, several allowed; default all):
 
     python bench/compare_hf.py                                  # everything, torch's default thread count
     python bench/compare_hf.py --only forward generate --repeats 7
+    python bench/compare_hf.py --only generate --dtypes fp32 --generate-rows sample beam4 ttft
     python bench/compare_hf.py --only train --loss-steps 20 --threads 2
     python bench/compare_hf.py --only memory checkpointing
     python bench/compare_hf.py --skip-xl --compile              # also time torch.compile'd ours (forward, train)
@@ -55,6 +56,7 @@ SECTIONS = ("train", "forward", "generate", "memory", "xl", "checkpointing")
 TARGETS = {("train", "fp32"): 1.1, ("train", "bf16"): 3.0, ("forward", "fp32"): 1.0, ("forward", "bf16"): 3.0,
            ("generate b1", "fp32"): 1.5, ("generate b1", "bf16"): 2.5, ("generate b8", "fp32"): 2.0,
            ("beam4 b1", "fp32"): 1.5, ("ttft p512", "fp32"): 1.0}  # (issue 15)
+GENERATE_ROWS = ("b1", "b8", "sample", "beam4", "ttft")  # greedy b1 and b8, and the fp32-only rows below
 SAMPLING = dict(temperature=0.8, top_p=0.9)  # the sampling row's settings (transformers' default top_k=50 is off)
 SAMPLING_VS_GREEDY = 0.9  # target: ours' sampling at least this fraction of ours' greedy speed
 PROMPT_LENGTHS_B8 = [16, 13, 10, 16, 7, 12, 15, 9]  # the batch-8 prompts, left-padded to 16
@@ -239,7 +241,8 @@ class Report:
             extra += f"  ours/best-HF-fp32 {row['vs_hf_fp32']:.2f}x"
         if "target" in row:
             extra += f"  (target {row['target']})"
-        print(f"{row['case']:<12} {row['dtype']:<5} {row['unit']:<12} {rates}{extra}", flush=True)
+        load = os.getloadavg()[0]
+        print(f"{row['case']:<12} {row['dtype']:<5} {row['unit']:<12} {rates}{extra}  [load {load:.1f}]", flush=True)
 
 
 def contenders(args, state: dict, dtype: torch.dtype, bf16_row: bool, compile_ours: bool = False) -> dict:
@@ -285,9 +288,10 @@ def section_forward(args, state: dict, report: Report) -> None:
 
 
 def section_generate(args, state: dict, report: Report) -> None:
+    rows = args.generate_rows
     for dtype in _dtypes(args):
         models = contenders(args, state, dtype, dtype == torch.bfloat16)
-        for batch in (1, 8):
+        for batch in [b for b in (1, 8) if f"b{b}" in rows]:
             ids, mask = prompts(batch, args.seed)
             fns = {k: make_generate(m, ids, mask, args.new_tokens) for k, m in models.items()}
             outs = {k: fn() for k, fn in fns.items()}
@@ -298,34 +302,36 @@ def section_generate(args, state: dict, report: Report) -> None:
             if batch == 1:
                 _print_bandwidth_share(models["ours"], rates)
         if dtype == torch.float32:
-            _generate_fp32_extras(args, models, report)
+            _generate_fp32_extras(args, models, report, rows)
 
 
-def _generate_fp32_extras(args, models: dict, report: Report) -> None:
+def _generate_fp32_extras(args, models: dict, report: Report, rows: list[str]) -> None:
     """Sampling and beam search at batch 1, and the time to the first token of a long prompt (issue 15)."""
     n, (ids, mask) = args.new_tokens, prompts(1, args.seed)
-    fns = {k: make_generate(m, ids, mask, n, "sample", args.seed) for k, m in models.items()}
-    fns["ours-greedy"] = make_generate(models["ours"], ids, mask, n)  # in the same rounds: the ratio below
-    sec = time_contenders(fns, args.repeats)
-    report.add("sample b1", "fp32", {k: n / v for k, v in sec.items()}, "new tokens/s")
-    vs_greedy = sec["ours-greedy"] / sec["ours"]
-    print(f"{'':<12} {'':<5} ours sampling / ours greedy speed {vs_greedy:.2f} (target >= {SAMPLING_VS_GREEDY}: "
-          f"{'met' if vs_greedy >= SAMPLING_VS_GREEDY else 'NOT met'}); top-p {SAMPLING['top_p']}, temperature "
-          f"{SAMPLING['temperature']}", flush=True)
-
-    fns = {k: make_generate(m, ids, mask, n, "beam4") for k, m in models.items()}
-    outs = {k: fn() for k, fn in fns.items()}
-    sec = time_contenders(fns, args.repeats, warmup=0)
-    report.add("beam4 b1", "fp32", {k: n / v for k, v in sec.items()}, "new tokens/s")
-    _print_match(outs, "beam-search")
-
-    long_ids = torch.randint(0, 50257, (1, 512), generator=torch.Generator().manual_seed(args.seed)).to(DEVICE)
-    fns = {k: make_generate(m, long_ids, torch.ones_like(long_ids), 1) for k, m in models.items()}
-    outs = {k: fn() for k, fn in fns.items()}
-    sec = time_contenders(fns, 3 * args.repeats)  # short calls: more rounds
-    report.add("ttft p512", "fp32", {k: 1 / v for k, v in sec.items()}, "1/s")
-    print(f"{'':<12} {'':<5} time to first token: " + "  ".join(f"{k} {v:.3f} s" for k, v in sec.items()), flush=True)
-    _print_match(outs, "first-token")
+    if "sample" in rows:
+        fns = {k: make_generate(m, ids, mask, n, "sample", args.seed) for k, m in models.items()}
+        fns["ours-greedy"] = make_generate(models["ours"], ids, mask, n)  # in the same rounds: the ratio below
+        sec = time_contenders(fns, args.repeats)
+        report.add("sample b1", "fp32", {k: n / v for k, v in sec.items()}, "new tokens/s")
+        vs_greedy = sec["ours-greedy"] / sec["ours"]
+        print(f"{'':<12} {'':<5} ours sampling / ours greedy speed {vs_greedy:.2f} (target >= {SAMPLING_VS_GREEDY}: "
+              f"{'met' if vs_greedy >= SAMPLING_VS_GREEDY else 'NOT met'}); top-p {SAMPLING['top_p']}, temperature "
+              f"{SAMPLING['temperature']}", flush=True)
+    if "beam4" in rows:
+        fns = {k: make_generate(m, ids, mask, n, "beam4") for k, m in models.items()}
+        outs = {k: fn() for k, fn in fns.items()}
+        sec = time_contenders(fns, args.repeats, warmup=0)
+        report.add("beam4 b1", "fp32", {k: n / v for k, v in sec.items()}, "new tokens/s")
+        _print_match(outs, "beam-search")
+    if "ttft" in rows:
+        long_ids = torch.randint(0, 50257, (1, 512), generator=torch.Generator().manual_seed(args.seed)).to(DEVICE)
+        fns = {k: make_generate(m, long_ids, torch.ones_like(long_ids), 1) for k, m in models.items()}
+        outs = {k: fn() for k, fn in fns.items()}
+        sec = time_contenders(fns, 3 * args.repeats)  # short calls: more rounds
+        report.add("ttft p512", "fp32", {k: 1 / v for k, v in sec.items()}, "1/s")
+        print(f"{'':<12} {'':<5} time to first token: " + "  ".join(f"{k} {v:.3f} s" for k, v in sec.items()),
+              flush=True)
+        _print_match(outs, "first-token")
 
 
 def _print_match(outs: dict, what: str) -> None:
@@ -506,6 +512,8 @@ def main() -> None:
     g.add_argument("--device", default="cpu", help="cpu or cuda (on cuda the RSS sections memory, xl and "
                    "checkpointing are skipped; timings synchronise the GPU)")
     g.add_argument("--new-tokens", type=int, default=64, help="new tokens per greedy generation")
+    g.add_argument("--generate-rows", nargs="+", choices=GENERATE_ROWS, default=list(GENERATE_ROWS),
+                   help="rows of the generate section (a long section on a shared machine: run the rows apart)")
     g.add_argument("--loss-steps", type=int, default=20, help="steps of the fp32 vs bf16 loss check (0: skip)")
     g.add_argument("--xl-new-tokens", type=int, default=32, help="new tokens per gpt2-xl generation")
     g.add_argument("--child", default=None, help=argparse.SUPPRESS)  # internal: one memory measurement

@@ -90,7 +90,7 @@ def beam_search(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | N
         hidden = body(input_ids, mask[:, :T], positions[:, :T], cache, use_cache=True)["last_hidden_state"][:, -1]
         cache.reorder(rows)
         hidden = hidden[rows]  # (B*N, C)
-        lm_head = decode_lm_head(body, hidden.shape[0], max_new_tokens)  # B*N > 1 rows: no copy is made
+        lm_head = decode_lm_head(body, hidden.shape[0])
         for step in range(max_new_tokens):
             new_len, last = step + 1, step == max_new_tokens - 1
             logp = F.log_softmax(lm_head(hidden).float(), dim=-1)  # (B*N, V)

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from modules.linear import weight_first
+from modules.linear import blocked_product, row_blocks, weight_first
 from modules.masks import position_ids_from_mask
 
 
@@ -107,23 +107,21 @@ def _check_sampling(temperature, top_k, top_p) -> None:
 
 
 # The decode step's LM head reads the whole (V, C) embedding for a few rows of hidden states: a GEMV whose speed
-# on CPUs depends on the layout (measured on a 2-core Zen 3, gpt2's 50257 x 768, bench numbers in GB/s of weights
-# read): F.linear(h, W) streams 12 GB/s for one row and 3.3 for 8 rows; h @ W.T-copy 19.7 for one row; (W @ h.T).T
-# 9.1 for 8 rows. Same products, other kernels (outputs agree to fp32 rounding).
-DECODE_HEAD_COPY_MIN_TOKENS = 8  # a transposed copy (V * C values) pays for itself over this many decode steps
+# on CPUs depends on the kernel (measured on a 2-core Zen 3, gpt2's 50257 x 768, cold caches, GB/s of weights read):
+# one row: F.linear 14-15, h @ W.T from a transposed copy 22-25 (plus 2.2 ms per token of 64 to build the copy),
+# blocked_linear 24-25 with no copy; eight rows: F.linear 5.3, (W @ h.T).T 10.8-11.0, blocked_linear 7.7-8.4.
+# Same products, other kernels (outputs agree to fp32 rounding).
 
 
-def decode_lm_head(body, batch_size: int, new_tokens: int):
+def decode_lm_head(body, batch_size: int):
     """hidden (B, C) -> logits (B, V) for the decode loop, in the layout that streams the weights fastest."""
     weight, softcap = body.lm_head_weight, body.logit_softcap  # softcap: nn.Identity unless the config caps logits
     if weight.device.type != "cpu":
         return body.hidden_state_to_token
     if batch_size > 1:
         return lambda hidden: softcap(weight_first(hidden, weight))  # (V, C) @ (C, B) -> (B, V)
-    if new_tokens >= DECODE_HEAD_COPY_MIN_TOKENS:
-        transposed = weight.detach().t().contiguous()  # (C, V), built per call: never stale, freed after it
-        return lambda hidden: softcap(hidden @ transposed)
-    return body.hidden_state_to_token
+    views = row_blocks(weight.detach(), None, torch.get_num_threads())  # one block of V's rows per thread
+    return body.hidden_state_to_token if views is None else lambda hidden: softcap(blocked_product(hidden, views))
 
 
 @torch.no_grad()
@@ -163,7 +161,7 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     # Keys each step may attend (new tokens are always real); None without padding lets SDPA skip masking.
     key_mask = None if bool(attention_mask.bool().all()) else mask.bool()[:, None, None, :]  # (B, 1, 1, T + new)
 
-    lm_head = body.hidden_state_to_token
+    lm_head = decode_lm_head(body, B)
     was_training = model.training
     model.eval()
     try:
@@ -171,8 +169,6 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
         hidden = body(input_ids, mask[:, :T], positions[:, :T], cache, use_cache=True)["last_hidden_state"][:, -1]
         for step in range(max_new_tokens):
             # bf16 models give bf16 logits: filters and sampling work in fp32.
-            if step == 1:  # after the first token, so the time to it is unchanged
-                lm_head = decode_lm_head(body, B, max_new_tokens)
             logits = process_logits(lm_head(hidden).float(), seen, temperature if do_sample else 1.0,
                                     top_k if do_sample else None, top_p if do_sample else None, repetition_penalty)
             if do_sample:

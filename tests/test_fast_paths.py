@@ -48,8 +48,8 @@ def test_decode_step_equals_the_checked_forward_with_a_cache():
 
 
 def test_generate_sees_weights_changed_behind_autograds_back():
-    """Generation reads the weights as they are now: `p.data` edits (which bump no version counter) are seen. A guard
-    for any decode-time weight layout built from the weights (none today): it must not go stale."""
+    """Generation reads the weights as they are now: `p.data` edits (which bump no version counter) are seen. The
+    decode-time views of the weights (modules/linear.py) must never go stale."""
     m = model()
     ids = torch.randint(0, m.config.vocab_size, (1, 4), generator=torch.Generator().manual_seed(2))
     before = m.generate(ids, max_new_tokens=8)
@@ -157,18 +157,61 @@ def test_autocast_decoding_writes_bf16_projections_into_an_fp32_cache(monkeypatc
 
 
 @pytest.mark.parametrize("bias", [True, False])
-def test_decode_linear_kernel_equals_f_linear(bias):
-    """modules.linear.Linear: a batch of single tokens in inference takes (W @ x.T).T; the values are F.linear's."""
+@pytest.mark.parametrize("batch", [1, 3, 8])
+@pytest.mark.parametrize("out_features", [80, 81])  # 81: rows left over for every block count > 1
+def test_decode_linear_kernel_equals_f_linear(bias, batch, out_features):
+    """modules.linear.Linear: single tokens in inference take the row-blocked batched product (one row) or
+    (W @ x.T).T (several); the values are F.linear's to fp32 rounding, for every block count (torch's thread count)
+    and with rows left over."""
+    from modules.linear import Linear, blocked_linear
+
+    torch.manual_seed(0)
+    layer = Linear(48, out_features, bias=bias)
+    x = torch.randn(batch, 1, 48)
+    want = F.linear(x, layer.weight, layer.bias)
+    with torch.no_grad():
+        got = layer(x)
+        for blocks in (1, 2, 3, 4, 7, out_features, out_features + 1):
+            torch.testing.assert_close(blocked_linear(x[:, 0], layer.weight, layer.bias, blocks), want[:, 0],
+                                       atol=1e-5, rtol=1e-5)
+    assert got.shape == (batch, 1, out_features) and got.is_contiguous()
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(layer(x), want)  # with autograd on (training), F.linear itself
+    with torch.no_grad():  # other shapes (a prompt): F.linear itself
+        assert torch.equal(layer(torch.ones(1, 2, 48)), F.linear(torch.ones(1, 2, 48), layer.weight, layer.bias))
+
+
+def test_decode_linear_views_follow_the_weights():
+    """The decode views are built once per layer and must never go stale: in-place steps, `.data` edits,
+    load_state_dict (copying or assigning), a replaced parameter and a changed thread count are all seen."""
     from modules.linear import Linear
 
     torch.manual_seed(0)
-    layer = Linear(48, 80, bias=bias)
-    x = torch.randn(8, 1, 48)
-    with torch.no_grad():
-        got = layer(x)
-    want = F.linear(x, layer.weight, layer.bias)
-    assert got.shape == (8, 1, 80)
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    assert torch.equal(layer(x), want)  # with autograd on (training), F.linear itself
-    with torch.no_grad():  # other shapes: F.linear itself
-        assert torch.equal(layer(torch.ones(1, 1, 48)), F.linear(torch.ones(1, 1, 48), layer.weight, layer.bias))
+    layer = Linear(16, 24)
+    x = torch.randn(1, 1, 16)
+
+    def check():
+        with torch.no_grad():
+            torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
+
+    check()
+    layer.weight.grad = torch.ones_like(layer.weight)
+    torch.optim.SGD(layer.parameters(), lr=0.5).step()  # in place
+    check()
+    layer.weight.data.mul_(-2.0)  # behind autograd's back
+    check()
+    layer.load_state_dict({"weight": torch.randn(24, 16), "bias": torch.randn(24)})
+    check()
+    layer.load_state_dict({"weight": torch.randn(24, 16), "bias": torch.randn(24)}, assign=True)
+    check()
+    layer.weight = torch.nn.Parameter(torch.randn(24, 16))
+    check()
+    layer.bias.data = torch.randn(24)
+    check()
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 3):
+            torch.set_num_threads(n)
+            check()
+    finally:
+        torch.set_num_threads(threads)

@@ -39,7 +39,43 @@ __all__ = [
 ]
 
 
-class AdamW(torch.optim.Optimizer):
+class _GroupwiseOptimizer(torch.optim.Optimizer):
+    """What AdamW, Muon and MuonWithAdamW share: each parameter group is checked when it is added, takes the
+    defaults it lacks when a state dict is loaded (groups saved by torch.optim.AdamW or torch.optim.Muon lack our
+    keys, such as ``foreach`` or ``ns_dtype``), and steps with its own kind's update."""
+
+    def group_defaults(self, group: dict) -> dict:
+        return self.defaults
+
+    def check_group(self, group: dict) -> None:
+        raise NotImplementedError
+
+    def group_step(self, group: dict) -> None:
+        raise NotImplementedError
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)  # also reached by load_state_dict
+        for group in self.param_groups:
+            for key, value in self.group_defaults(group).items():
+                group.setdefault(key, value)
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        self.check_group(self.param_groups[-1])
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Tensor] | None = None) -> Tensor | None:
+        """Update every parameter that has a gradient; parameters whose ``.grad`` is None are skipped."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            self.group_step(group)
+        return loss
+
+
+class AdamW(_GroupwiseOptimizer):
     """Adam with decoupled weight decay (Loshchilov & Hutter, "Decoupled Weight Decay Regularization", 2019).
 
     For each parameter theta with gradient g_t at its t-th step (t = 1, 2, ...)::
@@ -94,28 +130,11 @@ class AdamW(torch.optim.Optimizer):
                         foreach=foreach)
         super().__init__(params, defaults)  # calls add_param_group, which validates each group
 
-    def __setstate__(self, state: dict) -> None:
-        # Also reached by load_state_dict: groups saved by another optimizer (torch.optim.AdamW) lack our keys.
-        super().__setstate__(state)
-        for group in self.param_groups:
-            for key, value in self.defaults.items():
-                group.setdefault(key, value)
+    def check_group(self, group: dict) -> None:
+        _check_hyperparameters(group)
 
-    def add_param_group(self, param_group: dict) -> None:
-        super().add_param_group(param_group)
-        _check_hyperparameters(self.param_groups[-1])
-
-    @torch.no_grad()
-    def step(self, closure: Callable[[], Tensor] | None = None) -> Tensor | None:
-        """Update every parameter that has a gradient; parameters whose ``.grad`` is None are skipped."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-
-        for group in self.param_groups:
-            _adamw_group_step(group, self.state)
-        return loss
+    def group_step(self, group: dict) -> None:
+        _adamw_group_step(group, self.state)
 
 
 def _adamw_group_step(group: dict, state: dict) -> None:
@@ -338,7 +357,7 @@ def adjusted_lr(lr: float, adjust_lr_fn: str | None, shape: torch.Size) -> float
     raise ValueError(f"Invalid adjust_lr_fn: {adjust_lr_fn!r} (choose from None, {', '.join(map(repr, ADJUST_LR_FNS))})")
 
 
-class Muon(torch.optim.Optimizer):
+class Muon(_GroupwiseOptimizer):
     """Muon (MomentUm Orthogonalized by Newton-Schulz; Jordan et al. 2024) for 2-D parameters.
 
     For each matrix theta (rows, cols) with gradient g_t::
@@ -392,27 +411,11 @@ class Muon(torch.optim.Optimizer):
                         ns_dtype=ns_dtype)
         super().__init__(params, defaults)  # calls add_param_group, which validates each group
 
-    def __setstate__(self, state: dict) -> None:
-        # Also reached by load_state_dict: groups saved by torch.optim.Muon lack ns_dtype.
-        super().__setstate__(state)
-        for group in self.param_groups:
-            for key, value in self.defaults.items():
-                group.setdefault(key, value)
+    def check_group(self, group: dict) -> None:
+        _check_muon_group(group)
 
-    def add_param_group(self, param_group: dict) -> None:
-        super().add_param_group(param_group)
-        _check_muon_group(self.param_groups[-1])
-
-    @torch.no_grad()
-    def step(self, closure: Callable[[], Tensor] | None = None) -> Tensor | None:
-        """Update every parameter that has a gradient; parameters whose ``.grad`` is None are skipped."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            _muon_group_step(group, self.state)
-        return loss
+    def group_step(self, group: dict) -> None:
+        _muon_group_step(group, self.state)
 
 
 def _check_muon_group(group: dict) -> None:
@@ -464,7 +467,7 @@ def _muon_group_step(group: dict, state: dict) -> None:
         p.add_(update, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], p.shape))
 
 
-class MuonWithAdamW(torch.optim.Optimizer):
+class MuonWithAdamW(_GroupwiseOptimizer):
     """Muon for the parameter groups marked ``'use_muon': True``, AdamW for those marked False, as one optimizer.
 
     One torch Optimizer (not two side by side) so that everything that drives an optimizer drives this one:
@@ -515,35 +518,23 @@ class MuonWithAdamW(torch.optim.Optimizer):
         }
         super().__init__(params, {})  # no shared defaults: add_param_group fills in each group's kind's
 
-    def __setstate__(self, state: dict) -> None:
-        super().__setstate__(state)
-        for group in self.param_groups:
-            for key, value in self.kind_defaults[group["use_muon"]].items():
-                group.setdefault(key, value)
+    def group_defaults(self, group: dict) -> dict:
+        return self.kind_defaults[group["use_muon"]]
 
     def add_param_group(self, param_group: dict) -> None:
         if not isinstance(param_group, dict) or param_group.get("use_muon") not in (True, False):
             raise ValueError("MuonWithAdamW takes parameter groups (dicts) that each say 'use_muon': True (hidden 2-D "
                              "matrices) or False (AdamW: embeddings, heads, gains, biases); "
                              "muon_param_groups(model, weight_decay) makes them")
-        for key, value in self.kind_defaults[param_group["use_muon"]].items():
+        for key, value in self.group_defaults(param_group).items():
             param_group.setdefault(key, value)
-        super().add_param_group(param_group)
-        group = self.param_groups[-1]
-        if group["use_muon"]:
-            _check_muon_group(group)
-        else:
-            _check_hyperparameters(group)
+        super().add_param_group(param_group)  # checks the group as its kind
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], Tensor] | None = None) -> Tensor | None:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            (_muon_group_step if group["use_muon"] else _adamw_group_step)(group, self.state)
-        return loss
+    def check_group(self, group: dict) -> None:
+        (_check_muon_group if group["use_muon"] else _check_hyperparameters)(group)
+
+    def group_step(self, group: dict) -> None:
+        (_muon_group_step if group["use_muon"] else _adamw_group_step)(group, self.state)
 
 
 def muon_param_groups(model: nn.Module, weight_decay: float, *, blocks: str = "gpt_layers",

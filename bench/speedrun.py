@@ -3,8 +3,8 @@ its time.
 
 The baseline is run_pretrain.py's defaults, nanoGPT's CPU shakespeare-char configuration (4 layers, 4 heads, n_embd
 128, block 64, batch 12, 2000 steps of AdamW, lr 1e-3 -> 1e-4 cosine). The target is nanoGPT's final validation loss
-when --nanogpt runs it (below), else the baseline's, over the whole val split (every token once, in consecutive windows: the 20-batch estimate moves by +-0.02 from seed to
-seed). Each contender runs in a fresh process with `--eval_full`, evaluating every --eval_interval steps; its time
+when --nanogpt runs it (below), else the baseline's, over the whole val split (every token once, in consecutive
+windows: the 20-batch estimate moves by +-0.02 from seed to seed). Each contender runs in a fresh process with `--eval_full`, evaluating every --eval_interval steps; its time
 to target is the training time (the steps, not the evaluations) up to the first evaluation at or below the target,
 read from the run's metrics.jsonl. The data split and the loss definition are the same for every contender;
 architecture, optimizer, schedule, batch and length are each contender's own.
@@ -84,6 +84,8 @@ def run(name: str, flags: list[str], data: Path, eval_interval: int, threads: in
 NANOGPT_FLAGS = ["--device=cpu", "--compile=False", "--dtype=float32", "--eval_iters=20", "--log_interval=1",
                  "--block_size=64", "--batch_size=12", "--n_layer=4", "--n_head=4", "--n_embd=128", "--max_iters=2000",
                  "--lr_decay_iters=2000", "--dropout=0.0", "--always_save_checkpoint=True"]  # README's CPU command
+NANOGPT_FILES = ("train.py", "model.py", "configurator.py", "config/train_shakespeare_char.py",
+                 "data/shakespeare_char/prepare.py")  # what a run needs from a nanoGPT checkout
 
 
 def run_nanogpt(repo: Path, data: Path, threads: int) -> dict:
@@ -91,15 +93,13 @@ def run_nanogpt(repo: Path, data: Path, threads: int) -> dict:
     import re
     import shutil
 
-    missing = [f for f in ("train.py", "model.py", "configurator.py", "config/train_shakespeare_char.py",
-                           "data/shakespeare_char/prepare.py") if not (repo / f).is_file()]
+    missing = [f for f in NANOGPT_FILES if not (repo / f).is_file()]
     if missing:
         raise SystemExit(f"--nanogpt {repo}: not a nanoGPT checkout (missing {', '.join(missing)}); "
                          "git clone https://github.com/karpathy/nanoGPT")
     with tempfile.TemporaryDirectory(prefix="speedrun-nanogpt-") as tmp:
         work = Path(tmp)
-        for f in ("train.py", "model.py", "configurator.py", "config/train_shakespeare_char.py",
-                  "data/shakespeare_char/prepare.py"):
+        for f in NANOGPT_FILES:
             (work / f).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy(repo / f, work / f)
         shutil.copy(data, work / "data/shakespeare_char/input.txt")  # prepare.py downloads only when it is absent
@@ -136,14 +136,13 @@ def nanogpt_whole_split_loss(work: Path, data: Path) -> float:
 
     ckpt = torch.load(work / "out" / "ckpt.pt", map_location="cpu", weights_only=False)
     args = ckpt["model_args"]
+    state = {k.removeprefix("_orig_mod."): v for k, v in ckpt["model"].items()}  # saved under torch.compile or not
     config = GPT2Config(n_layer=args["n_layer"], n_head=args["n_head"], n_embd=args["n_embd"],
                         n_positions=args["block_size"], vocab_size=args["vocab_size"], bias=args["bias"],
                         activation_function="gelu", embd_pdrop=0.0, attn_pdrop=0.0, resid_pdrop=0.0)  # nn.GELU()
     conv1d = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
-    hf = {}  # nanoGPT's names are GPT-2's; its nn.Linear weights are the transposes of GPT-2's Conv1D ones
-    for key, value in ckpt["model"].items():
-        key = key.removeprefix("_orig_mod.")
-        hf[key] = value.t() if key.endswith(conv1d) else value
+    # nanoGPT's names are GPT-2's; its nn.Linear weights are the transposes of GPT-2's Conv1D ones
+    hf = {key: value.t() if key.endswith(conv1d) else value for key, value in state.items()}
     ours = GPT2LMHeadModel(config).eval()
     ours.gpt.load_state_dict(hf_to_ours(hf, config))
 
@@ -153,7 +152,7 @@ def nanogpt_whole_split_loss(work: Path, data: Path) -> float:
     finally:
         sys.path.remove(str(work))
     theirs = GPT(GPTConfig(**args)).eval()
-    theirs.load_state_dict({k.removeprefix("_orig_mod."): v for k, v in ckpt["model"].items()})
+    theirs.load_state_dict(state)
     x = torch.randint(0, args["vocab_size"], (4, args["block_size"]), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         diff = (theirs(x, x)[0] - ours(x)["logits"]).abs().max().item()  # with targets: logits at every position

@@ -24,6 +24,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from bench.machine import print_machine_header  # noqa: E402
 from config import GPT2Config  # noqa: E402
 from models.gpt2 import GPT2LMHeadModel  # noqa: E402
 from optimizer import AdamW, param_groups_for_weight_decay  # noqa: E402
@@ -86,6 +87,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2, help="torch threads (the batch is split across them)")
     p.add_argument("--no-split", action="store_true", help="torch's intra-op threads instead of the split")
     args = p.parse_args()
+    print_machine_header()
     torch.set_num_threads(args.threads)
     workers = 1 if args.no_split else args.threads
     if workers > 1:

@@ -29,6 +29,8 @@ import torch.nn.functional as F
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+
+from bench.machine import print_machine_header  # noqa: E402
 from config import GPT2Config  # noqa: E402
 from models.gpt2 import GPT2Model  # noqa: E402
 from models.lora import apply_lora  # noqa: E402
@@ -134,6 +136,7 @@ def main() -> None:
     if args.child:
         return child(*args.child, args.steps)
 
+    print_machine_header()
     print(f"{BATCH} x {SEQ} tokens, fp32, {args.threads} threads, torch {torch.__version__}; load before: {load()}")
     rows = []
     for size in args.sizes:

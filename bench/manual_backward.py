@@ -28,6 +28,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from bench.machine import print_machine_header  # noqa: E402
 from config import GPT2Config  # noqa: E402
 from models.gpt2 import GPT2LMHeadModel  # noqa: E402
 from optimizer import AdamW  # noqa: E402
@@ -97,6 +98,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     if args.rss_child:
         return rss_child(args.rss_child[0], int(args.rss_child[1]), int(args.rss_child[2]))
+    print_machine_header()
     print(f"uptime: {os.popen('uptime').read().strip()}; torch {torch.__version__}, {args.threads} thread(s)")
     for block in args.blocks:
         runs = {name: build(name, block, args.batch) for name in CONTENDERS}

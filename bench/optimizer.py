@@ -18,6 +18,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.machine import print_machine_header  # noqa: E402
 from optimizer import AdamW  # noqa: E402
 
 
@@ -53,6 +55,7 @@ def main() -> None:
     group.add_argument("--weight-decay", type=float, default=0.01, help="decoupled weight decay for all tensors")
     group.add_argument("--no-correct-bias", action="store_true", help="ours without bias correction (torch unchanged)")
     args = parser.parse_args()
+    print_machine_header()
 
     if args.threads:
         torch.set_num_threads(args.threads)

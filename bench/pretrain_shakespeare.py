@@ -29,6 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.machine import print_machine_header  # noqa: E402
 from models.hub import shared_dir  # noqa: E402
 
 SHARED = shared_dir()
@@ -81,6 +82,7 @@ def main() -> None:
     g.add_argument("--show_log", action="store_true", help="print each run's full training log")
     g.add_argument("extra", nargs="*", help="after --: more run_pretrain.py flags, e.g. -- --threads 1")
     args = p.parse_args()
+    print_machine_header()
     data = Path(args.data)
     if not data.is_file():
         raise SystemExit(f"corpus not found: {data} (set GPT2_SHARED_DIR to the shared folder)")

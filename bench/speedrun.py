@@ -37,6 +37,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.machine import print_machine_header  # noqa: E402
 from models.hub import shared_dir  # noqa: E402
 
 # name -> (what it changes, run_pretrain.py flags on top of the defaults)
@@ -203,6 +204,7 @@ def main() -> None:
                    "two fastest contenders")
     p.add_argument("--json", type=Path, help="write every run's curve and timings here")
     args = p.parse_args()
+    print_machine_header()
     names = ["baseline"] + [n for n in (args.only or CONTENDERS) if n != "baseline"]
     names = (["nanogpt"] if args.nanogpt else []) + names
     runs: dict[str, list[dict]] = {n: [] for n in names}

@@ -32,7 +32,6 @@ import contextlib
 import copy
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -46,6 +45,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
+from bench.machine import print_machine_header  # noqa: E402
 from config import GPT2Config  # noqa: E402
 from models.gpt2 import GPT2LMHeadModel  # noqa: E402
 from models.hub import shared_dir  # noqa: E402
@@ -471,19 +471,17 @@ def read_bandwidth() -> float:
 
 
 def describe_machine() -> None:
+    print_machine_header()  # the host CPU, its flags, the date and the load; on cuda the GPU follows
     if DEVICE.type == "cuda":
         props = torch.cuda.get_device_properties(DEVICE)
         print(f"device: {props.name} ({props.total_memory / 2**30:.0f} GiB), CUDA {torch.version.cuda}, torch "
               f"{torch.__version__}, transformers {transformers.__version__}; TF32 matmul "
               f"{'on' if torch.backends.cuda.matmul.allow_tf32 else 'off'}", flush=True)
         return
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
     caps = torch.backends.cpu.get_cpu_capability()
     native_bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    print(f"machine: {cpu}, {os.cpu_count()} cores, torch {torch.__version__} ({caps}, native bf16 GEMM: "
-          f"{'yes' if native_bf16 else 'no'}), transformers {transformers.__version__}, {torch.get_num_threads()} "
-          f"threads, load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
+    print(f"torch's CPU capability {caps}, native bf16 GEMM: {'yes' if native_bf16 else 'no'}; transformers "
+          f"{transformers.__version__}", flush=True)
     print(f"matmul 1024x768x3072: fp32 {gemm_gflops(torch.float32):.0f} GFLOP/s, "
           f"bf16 {gemm_gflops(torch.bfloat16):.0f} GFLOP/s; memory reads (sum of 512 MB) {read_bandwidth():.1f} GB/s",
           flush=True)

@@ -297,3 +297,32 @@ def test_readme_is_short_and_links_every_page():
     for page in sorted((ROOT / "docs").glob("*.md")):
         if page.name != "README.md":
             assert f"docs/{page.name}" in readme, f"README.md does not link docs/{page.name}"
+
+
+def test_docs_index_links_every_page():
+    index = (ROOT / "docs" / "README.md").read_text(encoding="utf-8")
+    for page in sorted((ROOT / "docs").glob("*.md")):
+        if page.name != "README.md":
+            assert f"]({page.name})" in index, f"docs/README.md does not link {page.name}"
+
+
+# ---- the machine header every benchmark prints (so a pasted table carries its machine) ----------------------------
+
+def test_machine_header_names_the_cpu_its_flags_and_the_date():
+    sys.path.insert(0, str(ROOT))
+    from bench.machine import machine_header
+
+    zen3 = "processor\t: 0\nmodel name\t: AMD EPYC 7B13\nflags\t\t: fpu sse avx avx2 fma\n\nprocessor\t: 1\n"
+    header = machine_header(zen3)
+    assert header.startswith("machine: AMD EPYC 7B13, ")
+    assert "avx2, no avx512f avx512_bf16 avx512_vnni amx_bf16 amx_tile" in header
+    assert re.search(r"\d{4}-\d\d-\d\d \d\d:\d\d UTC", header) and "load average" in header
+    zen4 = "model name : AMD EPYC 9B14\nflags : avx2 avx512f avx512_bf16 avx512_vnni\n"
+    assert "avx2 avx512f avx512_bf16 avx512_vnni, no amx_bf16 amx_tile" in machine_header(zen4)
+    assert "flags unknown" in machine_header("")
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in (ROOT / "bench").glob("*.py") if p.name != "machine.py"))
+def test_every_bench_script_prints_the_machine_header(script):
+    assert "print_machine_header()" in (ROOT / "bench" / script).read_text(encoding="utf-8"), (
+        f"bench/{script} does not print the machine header (bench/machine.py) before its figures")

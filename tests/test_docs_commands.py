@@ -11,8 +11,8 @@ runs, once per entry point (cached), so the ~15 entry points cost one import eac
 
 Marker: a command whose last line ends with `# quick` is also run for real (its project commands, not its `pip`
 part), from a scratch folder that mirrors the project with symlinks and has `../shared` beside it, so outputs land
-there, never in the checkout. Mark only commands that take seconds on 2 cores. Where a `../shared/...` path it names
-is absent the run is skipped, saying so.
+there, never in the checkout. Mark only commands that take seconds on 2 cores. Where the shared folder (or a
+`../shared/...` path the command names) is absent the run is skipped, saying so.
 
 Links: every `[text](target)` outside code blocks in those files whose target is not a URL must name an existing
 file or folder, relative to the page; a `#anchor` must match one of the target page's headings (GitHub's slugs).
@@ -232,6 +232,8 @@ def scratch_project(tmp_path_factory):
 
 @pytest.mark.parametrize("page,line,command", QUICK_COMMANDS, ids=[f"{p}:{n}" for p, n, _ in QUICK_COMMANDS])
 def test_quick_command_runs(page, line, command, scratch_project):
+    if not (scratch_project.parent / "shared").exists():  # the quick commands read the course data or the corpus
+        pytest.skip(f"needs the shared folder ({_shared_dir()}), which is absent")
     missing = [w for w in re.findall(r"\.\./shared/\S+", command) if not (scratch_project / w).exists()]
     if missing:
         pytest.skip(f"needs the shared data: {', '.join(missing)} absent")

@@ -139,7 +139,7 @@ def test_ladder_runs_end_to_end(tmp_path, text, capsys):
         assert r["val_full"] < r["curve"][0][2] + 0.05, rung  # 6 steps do not make it worse than the start
     assert (tmp_path / "ladder" / "ladder.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     out = capsys.readouterr().out
-    assert "| residual | + residual connections (with projections) |" in out
+    assert "| residual | + residual connections (2 blocks, projections) | " in out
 
 
 def test_ladder_runs_a_subset_in_ladder_order_and_refuses_bad_input(tmp_path, capsys):

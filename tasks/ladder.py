@@ -56,9 +56,9 @@ PRESETS = {
                     style="lecture", rungs=["bigram", "one_head", "multi_head", "feed_forward", "blocks", "residual",
                                             "layernorm"]),
 }
-# gpt.py's last model, the lecture's 1.48: the dropout rung at these sizes (a GPU job: see --device)
-SCALED = dict(batch_size=64, block_size=256, n_embd=384, n_head=6, n_layer=6, dropout=0.2, lr=3e-4, min_lr=3e-4,
-              max_iters=5000)
+# gpt.py's last model, the lecture's 1.48: the dropout rung at these sizes (a GPU job: see --device); a flag given
+# explicitly wins (--max_iters 10 times a few steps of it on a CPU)
+SCALED = dict(batch_size=64, block_size=256, n_embd=384, n_head=6, n_layer=6, dropout=0.2, lr=3e-4, max_iters=5000)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -116,6 +116,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     if chosen in PRESETS:
         parser.set_defaults(**PRESETS[chosen])  # explicit flags still win
     args = parser.parse_args(argv)
+    args.explicit = _explicit(argv)
+    if chosen in PRESETS and "lr" in args.explicit and "min_lr" not in args.explicit:  # keep the preset's schedule
+        args.min_lr = args.lr * PRESETS[chosen]["min_lr"] / PRESETS[chosen]["lr"]
     for name in ("n_layer", "n_head", "n_embd", "block_size", "max_iters", "batch_size", "eval_interval",
                  "eval_iters"):
         if getattr(args, name) <= 0:
@@ -142,6 +145,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def _explicit(argv) -> list[str]:
+    """The flags given on the command line (not filled in by a default or the preset)."""
+    quiet = build_parser()
+    for action in quiet._actions:
+        action.default = argparse.SUPPRESS
+    return sorted(vars(quiet.parse_args(argv)))
+
+
 def _preset_of(argv) -> str | None:
     # The preset decides the other flags' defaults, so it is read before the real parse.
     first = argparse.ArgumentParser(add_help=False)
@@ -153,11 +164,11 @@ def rung_settings(args, rung: str) -> argparse.Namespace:
     """The settings one rung trains with: the flags, the bigram's own lr and steps, the scaled rung's sizes."""
     s = argparse.Namespace(**vars(args))
     if rung == "bigram":
-        s.lr, s.min_lr = args.bigram_lr, args.bigram_lr * args.min_lr / args.lr  # the same decay ratio
-        s.max_iters = args.bigram_iters or args.max_iters
-        s.warmup_iters = min(args.warmup_iters, s.max_iters)
+        s.lr, s.max_iters = args.bigram_lr, args.bigram_iters or args.max_iters
     if rung == "scaled":
-        vars(s).update(SCALED)
+        vars(s).update({k: v for k, v in SCALED.items() if k not in args.explicit})
+    s.min_lr = s.lr * args.min_lr / args.lr  # every rung decays by the same ratio
+    s.warmup_iters = min(args.warmup_iters, s.max_iters)
     return s
 
 

@@ -221,11 +221,16 @@ def test_lecture_preset_sets_the_lectures_settings_and_flags_override_it(tmp_pat
     scaled = ladder.rung_settings(args, "scaled")
     assert (scaled.batch_size, scaled.block_size, scaled.n_embd, scaled.n_head, scaled.n_layer, scaled.lr) == \
         (64, 256, 384, 6, 6, 3e-4)
+    scaled = ladder.rung_settings(ladder.parse_args(["--preset", "lecture", "--data", str(data), "--rungs", "scaled",
+                                                     "--max_iters", "10", "--lr", "1e-4"]), "scaled")
+    assert (scaled.max_iters, scaled.lr, scaled.n_embd) == (10, 1e-4, 384)  # flags win
+    assert scaled.min_lr == pytest.approx(1e-4)  # still a constant learning rate
     model = ladder.build("scaled", 65, scaled)
     assert model.rung == "dropout" and model.num_parameters() == 10_788_929  # gpt.py: "10.788929 M parameters"
     args = ladder.parse_args(["--preset", "lecture", "--data", str(data), "--init", "gpt2", "--lr", "2e-3",
-                              "--min_lr", "2e-3", "--rungs", "multi_head"])
+                              "--rungs", "multi_head"])
     assert (args.init, args.lr, args.rungs, args.n_embd) == ("gpt2", 2e-3, ["multi_head"], 32)
+    assert args.min_lr == pytest.approx(2e-3)
     assert ladder.parse_args(["--data", str(data)]).style == "gpt2"  # no preset: the same-budget ladder
     with pytest.raises(SystemExit):
         ladder.parse_args(["--data", str(data), "--rungs", "scaled"])

@@ -294,21 +294,22 @@ def plot(results: dict, path: Path) -> None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.8))
     est = [results["rungs"][r]["curve"][-1][2] for r in rungs]
     full = [results["rungs"][r]["val_full"] for r in rungs]
-    x = torch.arange(len(rungs)).tolist()
-    width = 0.27 if lecture else 0.4
-    bars = [left.bar([i - width / 2 for i in x], est, width, label=f"ours, {n} random batches", color="tab:blue"),
-            left.bar([i + width / 2 for i in x], full, width, label="ours, whole val split", color="tab:cyan")]
+    x = list(range(len(rungs)))
+    width = 0.27 if lecture else 0.38
+    at = [-width, 0.0] if lecture else [-width / 2, width / 2]  # each group of bars centred on its tick
+    bars = [left.bar([i + at[0] for i in x], est, width, label=f"ours, {n} random batches", color="tab:blue"),
+            left.bar([i + at[1] for i in x], full, width, label="ours, whole val split", color="tab:cyan")]
+    shown = []
     if lecture:
-        refs = [LECTURE_LOSS.get(r) for r in rungs]
-        shown = [(i, v) for i, v in zip(x, refs) if v is not None]
-        bars.append(left.bar([i + 1.5 * width for i, _ in shown], [v for _, v in shown], width,
-                             label="the lecture", color="tab:orange"))
+        shown = [(i, LECTURE_LOSS[r]) for i, r in zip(x, rungs) if r in LECTURE_LOSS]
+        bars.append(left.bar([i + width for i, _ in shown], [v for _, v in shown], width, label="the lecture",
+                             color="tab:orange"))
     for b in bars:
-        left.bar_label(b, fmt="%.2f", fontsize=7)
-    every = est + full + ([v for _, v in shown] if lecture else [])
+        left.bar_label(b, fmt="%.3f", fontsize=7, rotation=90, padding=2)
+    every = est + full + [v for _, v in shown]
     left.set_xticks(x, rungs, rotation=30, ha="right")
     left.set_ylabel("val loss (nats per character)")
-    left.set_ylim(min(every) - 0.3, max(every) + 0.15)
+    left.set_ylim(min(every) - 0.3, max(every) + 0.2)
     left.set_title("validation loss per rung")
     left.legend(fontsize=8, loc="upper right")
     for rung in rungs:

@@ -228,8 +228,7 @@ def run(args) -> dict:
         check_split_sizes(corpus, rung_settings(args, rung).block_size)
     vocab = len(corpus.tokenizer)
     print(f"corpus {args.data}: {corpus.meta['num_tokens']:,} characters ({len(corpus.train):,} train, "
-          f"{len(corpus.val):,} val), vocab {vocab}; {args.max_iters} steps x {args.batch_size} x {args.block_size} "
-          f"tokens per rung; {torch.get_num_threads()} threads; {args.device}")
+          f"{len(corpus.val):,} val), vocab {vocab}; {torch.get_num_threads()} threads; {args.device}")
     settings = {k: v for k, v in vars(args).items() if k not in ("rungs", "no_plot")}
     results = {"settings": settings, "corpus": {k: corpus.meta[k] for k in ("num_tokens", "sha256")} |
                {"train": len(corpus.train), "val": len(corpus.val), "vocab": vocab}, "rungs": {}}

@@ -5,8 +5,9 @@ import pytest
 import torch
 from conftest import tiny_config
 
-from models.gpt2 import GPT2LMHeadModel
+from models.gpt2 import GPT2LMHeadModel, GPT2Model
 from modules.norms import RMSNorm
+from tasks import classifier, paraphrase
 from tasks.pretrain import next_token_loss
 
 
@@ -46,6 +47,15 @@ def test_float64_model_loss_is_float64():
     assert RMSNorm(8).double()(x).dtype == torch.float64
     torch.testing.assert_close(RMSNorm(8).double()(x), x * x.pow(2).mean(-1, keepdim=True).add(1e-5).rsqrt(),
                                atol=1e-15, rtol=0)  # not a float32 result cast back
+
+
+def test_task_losses_of_a_float64_model_are_float64():
+    ids, mask = padded_batch(tiny_config().vocab_size)
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": torch.tensor([0, 1, 1])}
+    model = classifier.GPT2SentimentClassifier(GPT2Model(tiny_config()), 3, 0.0).double()
+    assert classifier.loss_fn(model, batch)[0].dtype == torch.float64
+    model = paraphrase.ParaphraseGPT(GPT2Model(tiny_config()), yes_id=5, no_id=7).double()
+    assert paraphrase.loss_fn(model, batch)[0].dtype == torch.float64
 
 
 def test_backward_paths_agree_to_1e_12_on_a_padded_float64_model():

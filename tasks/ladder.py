@@ -268,7 +268,7 @@ def table(results: dict) -> str:
     head += "lecture | difference | " if lecture else ""
     head += "val loss, whole split | train ({n} batches) | ms/step |"
     n = results["settings"]["eval_iters"]
-    rows = [head.format(n=n), "|" + "---|" * head.count(" | ")]
+    rows = [head.format(n=n), "|" + "---|" * (head.count("|") - 1)]
     for rung, r in results["rungs"].items():
         _, train, val = r["curve"][-1]
         s = argparse.Namespace(**(results["settings"] | r["settings"]))

@@ -248,6 +248,8 @@ def test_lecture_preset_runs_end_to_end_with_the_lectures_column(tmp_path, capsy
     out = capsys.readouterr().out
     assert re.search(r"\| multi_head \| 4 heads of size 8 \| [\d,]+ \| 6 x 32 x 8 \|", out)
     assert "| 2.28 | " in out and "| blocks | 3 blocks |" in out and "| - | - |" in out  # no lecture number
+    lines = [line for line in out.splitlines() if line.startswith("|")]
+    assert len({line.count("|") for line in lines}) == 1  # header, separator and rows: one column count
     assert (tmp_path / "l" / "ladder.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -17,8 +17,8 @@ four lines for every rung (what differs is which modules the blocks were built f
 Two styles. style="gpt2" (the default): GPT-2's choices, tanh GELU, q/k/v with biases, N(0, 0.02) init.
 style="lecture": the lecture's, ReLU, q/k/v without biases, scores scaled by 1/sqrt(n_embd) (its Head uses
 the input's width C, not the head size), and PyTorch's default init (N(0, 1) embeddings, Kaiming-uniform Linear).
-The init is the difference that matters: with N(0, 0.02) the lecture's small rungs (n_embd 32, 5000 steps at lr 1e-3)
-end 0.17 nats worse (docs/learning-path.md has the measurements).
+The init is the difference that matters: with N(0, 0.02) the lecture's rungs without LayerNorm (n_embd 32, 5000
+steps at lr 1e-3) end 0.09-0.24 nats worse; with LayerNorm the small init does slightly better (docs/learning-path.md).
 """
 from __future__ import annotations
 

@@ -78,7 +78,8 @@ class BigramLM(nn.Module):
             raise ValueError("a bigram model needs no padding: pass prompts of one length without a mask")
         ids = input_ids
         for _ in range(max_new_tokens):
-            logits = self.token_embedding_table(ids[:, -1]).float()  # (B, V)
+            logits = self.token_embedding_table(ids[:, -1])  # (B, V)
+            logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # half precision up, float64 kept
             if do_sample:
                 probs = F.softmax(process_logits(logits, None, temperature, top_k, top_p), dim=-1)
                 nxt = torch.multinomial(probs, 1, generator=generator)

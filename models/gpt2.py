@@ -272,7 +272,8 @@ class GPT2LMHeadModel(nn.Module):
 
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor | None, num_new: int,
             cross_entropy=F.cross_entropy) -> torch.Tensor:
-    """Shifted next-token cross-entropy (fp32), ignoring -100 labels and pairs that touch padding."""
+    """Shifted next-token cross-entropy (at least fp32: half precision upcast, float64 kept), ignoring -100 labels and
+    pairs that touch padding."""
     if labels.shape != logits.shape[:2]:
         raise ValueError(f"labels must have shape {tuple(logits.shape[:2])}, got {tuple(labels.shape)}")
     # Shift the labels, not the logits: slicing (B, T, V) logits would copy them; the last position predicts nothing.
@@ -280,4 +281,5 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Te
     if attention_mask is not None:  # a target counts only if it and the position predicting it are real tokens
         real = attention_mask[:, -num_new:].bool()
         targets = targets.masked_fill(~(F.pad(real[:, 1:], (0, 1)) & real), -100)
-    return cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # .float() would round float64 down
+    return cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)

@@ -18,10 +18,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim)) if scale else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Computed in float32 (as Llama's RMSNorm; a no-op cast for float32 inputs), returned in x's dtype: under
-        bf16 autocast or in a bf16 model the statistics keep full precision and input and weight dtypes agree."""
-        weight = None if self.weight is None else self.weight.float()
-        return F.rms_norm(x.float(), self.normalized_shape, weight, self.eps).to(x.dtype)
+        """Computed in float32 or wider (as Llama's RMSNorm; a no-op cast for float32 and float64 inputs), returned in
+        x's dtype: under bf16 autocast or in a bf16 model the statistics keep full precision and the dtypes agree."""
+        wide = torch.promote_types(x.dtype, torch.float32)
+        weight = None if self.weight is None else self.weight.to(wide)
+        return F.rms_norm(x.to(wide), self.normalized_shape, weight, self.eps).to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"{self.normalized_shape[0]}, eps={self.eps}, scale={self.weight is not None}"

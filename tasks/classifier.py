@@ -60,7 +60,8 @@ class GPT2SentimentClassifier(nn.Module):
 
 
 def loss_fn(model: GPT2SentimentClassifier, batch: dict):
-    logits = model(batch["input_ids"], batch["attention_mask"]).float()
+    logits = model(batch["input_ids"], batch["attention_mask"])
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # half precision up, float64 kept
     loss = F.cross_entropy(logits, batch["labels"])
     return loss, {"correct": int((logits.argmax(-1) == batch["labels"]).sum()), "count": len(batch["labels"])}
 

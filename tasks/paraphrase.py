@@ -85,7 +85,8 @@ class ParaphraseGPT(nn.Module):
 
 def loss_fn(model: ParaphraseGPT, batch: dict):
     """Cross-entropy over the whole vocabulary against the answer token (yes_id for 1, no_id for 0)."""
-    logits = model(batch["input_ids"], batch["attention_mask"]).float()
+    logits = model(batch["input_ids"], batch["attention_mask"])
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # half precision up, float64 kept
     targets = torch.where(batch["labels"] == 1, model.yes_id, model.no_id)
     picked = torch.where(logits[:, model.yes_id] > logits[:, model.no_id], model.yes_id, model.no_id)
     return F.cross_entropy(logits, targets), {"correct": int((picked == targets).sum()), "count": len(targets)}

@@ -242,7 +242,8 @@ def get_batch(tokens: np.ndarray, batch_size: int, block_size: int, generator: t
 def next_token_loss(model: GPT2LMHeadModel, x: torch.Tensor, y: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
     """Cross-entropy of every position's prediction against its target (all T positions, as nanoGPT counts)."""
     logits = model(x)["logits"]  # (B, T, V)
-    return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), reduction=reduction)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # half precision up, float64 kept
+    return F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction=reduction)
 
 
 def estimate_loss(model, splits: dict[str, np.ndarray], eval_iters: int, batch_size: int, block_size: int,

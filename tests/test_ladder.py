@@ -2,6 +2,7 @@
 "Let's build GPT" (models/ladder.py, python -m tasks.ladder)."""
 import json
 import math
+import re
 
 import numpy as np
 import pytest
@@ -95,13 +96,14 @@ def test_run_pretrain_arch_bigram_trains_checkpoints_samples_and_resumes(tmp_pat
     assert "--n_layer do(es) not apply" in capsys.readouterr().err
 
 
-def test_each_rung_is_causal_and_built_from_its_parts():
+@pytest.mark.parametrize("style", ["gpt2", "lecture"])
+def test_each_rung_is_causal_and_built_from_its_parts(style):
     torch.manual_seed(0)
     ids = torch.randint(11, (2, 8))
     later = ids.clone()
     later[:, 5:] = (later[:, 5:] + 1) % 11
     for rung in RUNGS:
-        model = build_rung(rung, 11, 8, n_layer=2, n_head=2, n_embd=8, dropout=0.2).eval()
+        model = build_rung(rung, 11, 8, n_layer=2, n_head=2, n_embd=8, dropout=0.2, style=style).eval()
         with torch.no_grad():  # weights large enough that every token visibly moves the logits it may reach
             for p in model.parameters():
                 p.normal_(std=0.5)
@@ -117,6 +119,9 @@ def test_each_rung_is_causal_and_built_from_its_parts():
         assert len(model.blocks) == (2 if RUNGS.index(rung) >= RUNGS.index("blocks") else 1)
         heads = model.blocks[0][0].branch[1] if Residual in kinds else model.blocks[0][0]
         assert heads.num_attention_heads == (1 if rung == "one_head" else 2)
+        activation = torch.nn.ReLU if style == "lecture" else torch.nn.GELU
+        assert (activation in kinds) == (RUNGS.index(rung) >= RUNGS.index("feed_forward")), rung
+        assert (heads.query.bias is None) == (style == "lecture")
     with pytest.raises(ValueError, match="unknown rung"):
         LadderLM("bigram", build_rung("one_head", 11, 8).config)
 
@@ -134,7 +139,7 @@ def test_ladder_runs_end_to_end(tmp_path, text, capsys):
         assert r["val_full"] < r["curve"][0][2] + 0.05, rung  # 6 steps do not make it worse than the start
     assert (tmp_path / "ladder" / "ladder.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     out = capsys.readouterr().out
-    assert "| residual | + residual connections (with projections) |" in out
+    assert "| residual | + residual connections (2 blocks, projections) | " in out
 
 
 def test_ladder_runs_a_subset_in_ladder_order_and_refuses_bad_input(tmp_path, capsys):
@@ -175,3 +180,83 @@ def test_bigram_floor_of_the_ladder_matches_a_direct_count(tmp_path):
     floor = F.cross_entropy(logits, torch.from_numpy(val[1: n + 1])).item()
     assert results["rungs"]["bigram"]["val_full"] == pytest.approx(floor, abs=0.05)
     assert floor < math.log(V) - 1  # far from what an untrained table scores
+
+
+def test_lecture_style_is_the_lectures_model():
+    """The lecture's gpt.py at n_embd 32, 4 heads, 3 blocks, block 8, vocab 65: 42,369 parameters, counted by hand;
+    its Head scales scores by C**-0.5 with C = n_embd; PyTorch's default init (embeddings N(0, 1))."""
+    C, V, T, L = 32, 65, 8, 3
+    block = 3 * C * C + (C * C + C) + (C * 4 * C + 4 * C) + (4 * C * C + C) + 2 * 2 * C  # q/k/v, proj, MLP, two LNs
+    torch.manual_seed(0)
+    model = build_rung("layernorm", V, T, n_layer=L, n_head=4, n_embd=C, style="lecture")
+    assert model.num_parameters() == V * C + T * C + L * block + 2 * C + (C * V + V) == 42_369
+    assert 0.9 < model.token_embedding.weight.std().item() < 1.1  # nn.Embedding's N(0, 1), not GPT-2's 0.02
+    assert build_rung("bigram", V, T, style="lecture").token_embedding_table.weight.std().item() > 0.9
+    attention = model.blocks[0][0].branch[1]
+    x = torch.randn(2, T, C)
+    q, k, v = (layer(x).view(2, T, 4, 8).transpose(1, 2) for layer in (attention.query, attention.key, attention.value))
+    scores = (q @ k.transpose(-1, -2) * C ** -0.5).masked_fill(torch.ones(T, T).tril() == 0, float("-inf"))
+    expected = (scores.softmax(-1) @ v).transpose(1, 2).reshape(2, T, C)  # the lecture's heads, concatenated
+    torch.testing.assert_close(attention(x), expected)
+    # one override against the style: GPT-2's init and GELU, everything else the lecture's
+    mixed = build_rung("feed_forward", V, T, n_embd=C, style={"base": "lecture", "init": "gpt2"})
+    assert mixed.token_embedding.weight.std().item() < 0.03 and mixed.blocks[0][0].query.bias is None
+    with pytest.raises(ValueError, match="unknown style"):
+        build_rung("one_head", V, T, style="nanogpt")
+    with pytest.raises(ValueError, match="style init='xavier'"):
+        build_rung("one_head", V, T, style={"base": "lecture", "init": "xavier"})
+
+
+def test_lecture_preset_sets_the_lectures_settings_and_flags_override_it(tmp_path, capsys):
+    data = tmp_path / "corpus.txt"
+    data.write_text(ENGLISH, encoding="utf-8")
+    args = ladder.parse_args(["--preset", "lecture", "--data", str(data)])
+    assert (args.n_embd, args.block_size, args.batch_size, args.max_iters, args.lr, args.min_lr) == \
+        (32, 8, 32, 5000, 1e-3, 1e-3)
+    assert (args.weight_decay, args.decay, args.beta2, args.max_grad_norm, args.eval_iters, args.style) == \
+        (0.01, "all", 0.999, 0.0, 200, "lecture")
+    assert args.rungs == ["bigram", "one_head", "multi_head", "feed_forward", "blocks", "residual", "layernorm"]
+    bigram = ladder.rung_settings(args, "bigram")
+    assert (bigram.max_iters, bigram.lr, bigram.min_lr) == (3000, 1e-2, 1e-2)  # bigram.py: constant lr 1e-2
+    scaled = ladder.rung_settings(args, "scaled")
+    assert (scaled.batch_size, scaled.block_size, scaled.n_embd, scaled.n_head, scaled.n_layer, scaled.lr) == \
+        (64, 256, 384, 6, 6, 3e-4)
+    scaled = ladder.rung_settings(ladder.parse_args(["--preset", "lecture", "--data", str(data), "--rungs", "scaled",
+                                                     "--max_iters", "10", "--lr", "1e-4"]), "scaled")
+    assert (scaled.max_iters, scaled.lr, scaled.n_embd) == (10, 1e-4, 384)  # flags win
+    assert scaled.min_lr == pytest.approx(1e-4)  # still a constant learning rate
+    model = ladder.build("scaled", 65, scaled)
+    assert model.rung == "dropout" and model.num_parameters() == 10_788_929  # gpt.py: "10.788929 M parameters"
+    args = ladder.parse_args(["--preset", "lecture", "--data", str(data), "--init", "gpt2", "--lr", "2e-3",
+                              "--rungs", "multi_head"])
+    assert (args.init, args.lr, args.rungs, args.n_embd) == ("gpt2", 2e-3, ["multi_head"], 32)
+    assert args.min_lr == pytest.approx(2e-3)
+    assert ladder.parse_args(["--data", str(data)]).style == "gpt2"  # no preset: the same-budget ladder
+    with pytest.raises(SystemExit):
+        ladder.parse_args(["--data", str(data), "--rungs", "scaled"])
+    assert "--rungs scaled is the lecture's scaled-up model" in capsys.readouterr().err
+
+
+def test_lecture_preset_runs_end_to_end_with_the_lectures_column(tmp_path, capsys):
+    data = tmp_path / "corpus.txt"
+    data.write_text(ENGLISH, encoding="utf-8")
+    results = ladder.main(["--preset", "lecture", "--data", str(data), "--out_dir", str(tmp_path / "l"),
+                           "--rungs", "bigram", "multi_head", "blocks", "--max_iters", "6", "--bigram_iters", "4",
+                           "--eval_interval", "3", "--eval_iters", "2", "--threads", "1"])
+    assert [s for s, _, _ in results["rungs"]["bigram"]["curve"]] == [0, 3, 4]
+    assert results["rungs"]["multi_head"]["settings"]["batch_size"] == 32
+    out = capsys.readouterr().out
+    assert re.search(r"\| multi_head \| 4 heads of size 8 \| [\d,]+ \| 6 x 32 x 8 \|", out)
+    assert "| 2.28 | " in out and "| blocks | 3 blocks |" in out and "| - | - |" in out  # no lecture number
+    lines = [line for line in out.splitlines() if line.startswith("|")]
+    assert len({line.count("|") for line in lines}) == 1  # header, separator and rows: one column count
+    assert (tmp_path / "l" / "ladder.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_ladder_trains_on_cuda(tmp_path):
+    data = tmp_path / "corpus.txt"
+    data.write_text(ENGLISH, encoding="utf-8")
+    results = ladder.main(["--data", str(data), "--out_dir", str(tmp_path / "c"), "--no_plot", "--device", "cuda",
+                           "--rungs", "bigram", "layernorm", *FAST])
+    assert all(math.isfinite(r["val_full"]) for r in results["rungs"].values())

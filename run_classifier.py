@@ -41,7 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(g)
     g.add_argument("--head_dropout", type=float, default=0.3,
                    help="dropout before the linear head (the course's classifier.py called this --hidden_dropout_prob)")
-    g.add_argument("--tokenizer", default="gpt2", help="AutoTokenizer name or folder (offline: ../shared/gpt2-tokenizer)")
+    g.add_argument("--tokenizer", default=None, help="AutoTokenizer name or folder (default: the --model folder's own "
+                   "tokenizer when it holds one, else gpt2: the HF cache, the hub, or offline ../shared/gpt2-tokenizer)")
     g.add_argument("--max_length", type=int, default=None, help="truncate inputs to this many tokens "
                                                                 "(default and maximum: the model's n_positions)")
     d = parser.add_argument_group("data")

@@ -33,7 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--fine-tune-mode", dest="fine_tune_mode", choices=MODES, default="full-model",
                    help="full-model (course): everything learns; last-linear-layer: only the tied output layer")
     add_model_args(g)
-    g.add_argument("--tokenizer", default="gpt2", help="AutoTokenizer name or folder (offline: ../shared/gpt2-tokenizer)")
+    g.add_argument("--tokenizer", default=None, help="AutoTokenizer name or folder (default: the --model folder's own "
+                   "tokenizer when it holds one, else gpt2: the HF cache, the hub, or offline ../shared/gpt2-tokenizer)")
     g.add_argument("--max_length", type=int, default=None, help="truncate prompts to this many tokens "
                                                                 "(default and maximum: the model's n_positions)")
     d = parser.add_argument_group("data")

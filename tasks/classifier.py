@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.hub import shared_dir
+from models.hub import shared_dir, tokenizer_for
 from tasks import distributed as dist
 from tasks import lora
 from tasks.data import NUM_LABELS, check_vocab, collate, encode, load_sentiment, load_task_tokenizer
@@ -74,7 +74,7 @@ class ClassifierConfig(FineTuneConfig):
     """run_classifier.py's flags (see FineTuneConfig for the shared ones)."""
     fine_tune_mode: str | None = None  # last-linear-layer, or full-model (the default with lora_rank)
     head_dropout: float = 0.3
-    tokenizer: str = "gpt2"
+    tokenizer: str | None = None  # None: the --model folder's own tokenizer, else gpt2
     max_length: int | None = None
     task: str | None = None  # sst, cfimdb or both (default: both, or the one named by train)
     data_dir: str | None = None
@@ -138,7 +138,8 @@ def run_dataset(args, task: str, train_path: str, dev_path: str, test_path: str 
     body = build_body(args.model, expect=args.expect, **body_overrides(args))
     model = GPT2SentimentClassifier(body, num_labels, args.head_dropout, args.fine_tune_mode)
     lora.apply_from_args(model, args)
-    tokenizer = load_task_tokenizer(args.tokenizer)
+    tokenizer_name = tokenizer_for(args.tokenizer, args.model)  # the model folder's own, else gpt2
+    tokenizer = load_task_tokenizer(tokenizer_name)
     check_vocab(tokenizer, body.config.vocab_size)
     max_length = min(args.max_length or body.config.n_positions, body.config.n_positions)
     enc = {name: encode(ex, tokenizer, max_length, prompt=lambda e: e.text, what=name)
@@ -152,7 +153,7 @@ def run_dataset(args, task: str, train_path: str, dev_path: str, test_path: str 
 
     lr = args.lr if args.lr is not None else (1e-3 if args.fine_tune_mode == "last-linear-layer" else 1e-5)
     cfg = train_config(args, output_dir, lr, device)
-    run_info = {"task": task, "model": args.model, "tokenizer": args.tokenizer, "train": str(train_path),
+    run_info = {"task": task, "model": args.model, "tokenizer": tokenizer_name, "train": str(train_path),
                 "dev": str(dev_path), "num_labels": num_labels, "fine_tune_mode": args.fine_tune_mode,
                 "hidden_dropout_prob": args.hidden_dropout_prob, "head_dropout": args.head_dropout, "max_length": max_length, "lr": lr,
                 **{k: getattr(cfg, k) for k in ("epochs", "batch_size", "grad_accum", "weight_decay", "schedule",

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.hub import tokenizer_for
 from tasks import distributed as dist
 from tasks import lora
 from tasks.data import (
@@ -100,7 +101,7 @@ def to_course_codes(preds: list[int], model: ParaphraseGPT) -> list[int]:
 class ParaphraseConfig(FineTuneConfig):
     """run_paraphrase.py's flags (see FineTuneConfig for the shared ones)."""
     fine_tune_mode: str = "full-model"
-    tokenizer: str = "gpt2"
+    tokenizer: str | None = None  # None: the --model folder's own tokenizer, else gpt2
     max_length: int | None = None
     train: str = "data/quora-train.csv"
     dev: str | None = None
@@ -135,7 +136,8 @@ def run_on(args, device: torch.device) -> dict:
 
     seed_everything(args.seed)
     body = build_body(args.model, expect=args.expect, **body_overrides(args))
-    tokenizer = load_task_tokenizer(args.tokenizer)
+    tokenizer_name = tokenizer_for(args.tokenizer, args.model)  # the model folder's own, else gpt2
+    tokenizer = load_task_tokenizer(tokenizer_name)
     check_vocab(tokenizer, body.config.vocab_size)
     model = ParaphraseGPT(body, single_token_id(tokenizer, "yes"), single_token_id(tokenizer, "no"),
                           args.fine_tune_mode)
@@ -159,7 +161,7 @@ def run_on(args, device: torch.device) -> dict:
 
     lr = args.lr if args.lr is not None else 1e-5
     cfg = train_config(args, args.output_dir, lr, device)
-    run_info = {"task": "para", "model": args.model, "tokenizer": args.tokenizer, "train": str(args.train),
+    run_info = {"task": "para", "model": args.model, "tokenizer": tokenizer_name, "train": str(args.train),
                 "dev": str(args.dev), "split_dev": args.split_dev, "fine_tune_mode": args.fine_tune_mode,
                 "hidden_dropout_prob": args.hidden_dropout_prob, "max_length": max_length, "lr": lr,
                 **{k: getattr(cfg, k) for k in ("epochs", "batch_size", "grad_accum", "weight_decay", "schedule",

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from models.gpt2 import GPT2LMHeadModel
-from models.hub import shared_dir
+from models.hub import shared_dir, tokenizer_for
 from tasks import distributed as dist
 from tasks import lora
 from tasks.data import Encoded, check_vocab, collate, load_task_tokenizer
@@ -308,7 +308,7 @@ def course_file(name: str) -> str:
 @dataclass
 class SonnetConfig(FineTuneConfig):
     """run_sonnet.py's flags (see FineTuneConfig for the shared ones)."""
-    tokenizer: str = "gpt2"
+    tokenizer: str | None = None  # None: the --model folder's own tokenizer, else gpt2
     max_length: int | None = None
     sonnet_path: str = field(default_factory=lambda: course_file("sonnets.txt"))
     held_out_sonnet_path: str = field(default_factory=lambda: course_file("sonnets_held_out.txt"))
@@ -353,7 +353,8 @@ def run_on(args, device: torch.device) -> dict:
     seed_everything(args.seed)
     model = SonnetGPT(build_body(args.model, cls=GPT2LMHeadModel, expect=args.expect, **body_overrides(args)))
     lora.apply_from_args(model, args)
-    tokenizer = load_task_tokenizer(args.tokenizer)
+    tokenizer_name = tokenizer_for(args.tokenizer, args.model)  # the model folder's own, else gpt2
+    tokenizer = load_task_tokenizer(tokenizer_name)
     check_vocab(tokenizer, model.config.vocab_size)
     model.to(device)
     max_length = min(args.max_length or model.config.n_positions, model.config.n_positions)
@@ -376,7 +377,7 @@ def run_on(args, device: torch.device) -> dict:
         lr = args.lr if args.lr is not None else 1e-5
         cfg = train_config(args, args.output_dir, lr, device)
         cfg.select_metric = "chrf"
-        run_info = {"task": "sonnet", "model": args.model, "tokenizer": args.tokenizer, "train": str(args.sonnet_path),
+        run_info = {"task": "sonnet", "model": args.model, "tokenizer": tokenizer_name, "train": str(args.sonnet_path),
                     "dev": str(args.dev_sonnet_path), "max_length": max_length, "lr": lr,
                     "hidden_dropout_prob": args.hidden_dropout_prob, "decoding": asdict(decoding),
                     **{k: getattr(cfg, k) for k in ("epochs", "batch_size", "grad_accum", "weight_decay", "schedule",

@@ -25,11 +25,15 @@ import os
 import sys
 from pathlib import Path
 
+from models.hub import with_offline_help
 from tasks.classifier import MODES, ClassifierConfig, run
 from tasks.lora import add_lora_args, check_lora_args
 from tasks.training import add_model_args, add_training_args, run_cli
 
 ROOT = Path(__file__).resolve().parent
+
+NO_HUB_RECIPE = ("python run_classifier.py --model random:n_layer=2,n_head=2,n_embd=128 --fine-tune-mode full-model "
+                 "--lr 1e-3 --epochs 1 --batch_size 32 --max_length 64   # SST then CFIMDB, one epoch each")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -72,7 +76,7 @@ def get_args(argv=None) -> ClassifierConfig:
 
 def main(argv=None) -> int:
     cfg = get_args(argv)
-    return run_cli(lambda: run(cfg))
+    return run_cli(lambda: with_offline_help(lambda: run(cfg), NO_HUB_RECIPE))
 
 
 if __name__ == "__main__":

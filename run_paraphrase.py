@@ -22,9 +22,14 @@ import argparse
 import os
 import sys
 
+from models.hub import shared_dir, with_offline_help
 from tasks.lora import add_lora_args, check_lora_args
 from tasks.paraphrase import MODES, ParaphraseConfig, run
 from tasks.training import add_model_args, add_training_args, run_cli
+
+NO_HUB_RECIPE = (f"python run_paraphrase.py --train {shared_dir() / 'data' / 'quora' / 'quora-dev-minbert.csv'} "
+                 "--split_dev 16000 --skip_bad_rows --model random:n_layer=2,n_head=2,n_embd=128 --lr 1e-3 "
+                 "--epochs 1 --batch_size 32 --max_length 64")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,7 +70,7 @@ def get_args(argv=None) -> ParaphraseConfig:
 
 def main(argv=None) -> int:
     cfg = get_args(argv)
-    return run_cli(lambda: run(cfg))
+    return run_cli(lambda: with_offline_help(lambda: run(cfg), NO_HUB_RECIPE))
 
 
 if __name__ == "__main__":

@@ -25,11 +25,15 @@ import os
 import sys
 from pathlib import Path
 
+from models.hub import with_offline_help
 from tasks.lora import add_lora_args, check_lora_args
 from tasks.sonnet import SonnetConfig, course_file, run
 from tasks.training import add_model_args, add_training_args, run_cli
 
 ROOT = Path(__file__).resolve().parent
+
+NO_HUB_RECIPE = ("python run_sonnet.py --model random:n_layer=2,n_head=2,n_embd=128 --lr 1e-3 --epochs 3 "
+                 "--max_new_tokens 64")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -85,7 +89,7 @@ def get_args(argv=None) -> SonnetConfig:
 
 def main(argv=None) -> int:
     cfg = get_args(argv)
-    return run_cli(lambda: run(cfg))
+    return run_cli(lambda: with_offline_help(lambda: run(cfg), NO_HUB_RECIPE))
 
 
 if __name__ == "__main__":

@@ -10,8 +10,10 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+from typing import Callable, TypeVar
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
+T = TypeVar("T")
 GPT2_IDS = ("gpt2", "openai-community/gpt2")  # the names the shared tokenizer may stand in for
 
 
@@ -35,7 +37,12 @@ _hub_answered: bool | None = None  # the probe's answer, kept for the rest of th
 
 
 class HubUnavailableError(FileNotFoundError):
-    """A hub id that is neither in the local cache nor reachable on the hub; the message says what to pass instead."""
+    """A hub id that is neither in the local cache nor reachable on the hub; the message says what to pass instead.
+    `what` is the first part alone, for a caller that says more precisely what to do (with_offline_help)."""
+
+    def __init__(self, what: str, hint: str = ""):
+        super().__init__(f"{what}. {hint}" if hint else what)
+        self.what = what
 
 
 def hub_reachable() -> bool:
@@ -69,6 +76,27 @@ def go_offline(reason: str) -> None:
         sys.modules["datasets"].config.HF_HUB_OFFLINE = True
     print(f"the Hugging Face hub does not answer ({reason}): offline from here on, local files only "
           f"(set HF_HUB_OFFLINE=1 to skip this check)")
+
+
+def offline_help(recipe: str) -> str:
+    """What a task CLI prints when its --model is a hub id that cannot be had: the local choices, and `recipe`, a
+    command of a few minutes that needs no hub."""
+    return ("Without the hub, give --model a local model:\n"
+            "  --model checkpoints/random-gpt2               the random-init gpt2 (124M) that `python -m models.parity` "
+            "saves there (run it first, from the same folder)\n"
+            "  --model random:n_layer=4,n_head=4,n_embd=256  a small model from random init (any GPT2Config fields; "
+            "no files needed)\n"
+            "  --model DIR                                   any folder made with save_pretrained (a run's best/, a "
+            "model pretrained with run_pretrain.py)\n"
+            f"A run of a few minutes without the hub:\n  {recipe}")
+
+
+def with_offline_help(job: Callable[[], T], recipe: str) -> T:
+    """job(), with offline_help(recipe) added to the message of a HubUnavailableError it raises."""
+    try:
+        return job()
+    except HubUnavailableError as e:
+        raise HubUnavailableError(f"{e.what}.\n{offline_help(recipe)}") from None
 
 
 def model_tokenizer(model: str | os.PathLike | None) -> Path | None:

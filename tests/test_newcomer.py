@@ -103,3 +103,75 @@ def test_a_model_folder_brings_its_own_tokenizer_and_needs_no_hub(tmp_path, monk
     out = capsys.readouterr()
     assert code == 0, out.err
     assert dead_hub == [] and "hub" not in out.out
+
+
+# ---- offline errors say what to do ------------------------------------------------------------------------------
+
+def test_the_course_command_without_the_hub_names_the_local_choices_and_a_short_recipe(tmp_path, monkeypatch,
+                                                                                         capsys):
+    """`run_classifier.py --fine-tune-mode last-linear-layer --lr 1e-3` with no hub (the tests' HF_HUB_OFFLINE=1)."""
+    import shlex
+
+    from test_task_data import write_sentiment
+
+    import run_classifier
+    from models import parity
+
+    write_sentiment(tmp_path, "sst", 8)
+    monkeypatch.chdir(tmp_path)
+    assert run_classifier.main(["--fine-tune-mode", "last-linear-layer", "--lr", "1e-3", "--task", "sst",
+                                "--data_dir", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "cannot get 'gpt2' from the Hugging Face hub" in err
+    assert "--model checkpoints/random-gpt2" in err and "python -m models.parity" in err
+    assert "--model random:n_layer=4,n_head=4,n_embd=256" in err
+    recipe = re.search(r"A run of a few minutes without the hub:\n +(python run_classifier\.py .*)", err).group(1)
+    cfg = run_classifier.get_args(shlex.split(recipe.split("#")[0])[2:])  # the recipe's flags parse
+    assert cfg.model.startswith("random:") and cfg.fine_tune_mode == "full-model"
+
+    saved = []  # where `python -m models.parity` puts its random-init gpt2 when the hub is unreachable
+
+    def stop(preset, directory, seed=0):
+        saved.append(directory)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(parity, "make_random_reference", stop)
+    with pytest.raises(SystemExit):
+        parity.main(["gpt2"])
+    assert [str(d) for d in saved] == ["checkpoints/random-gpt2"]
+
+
+# ---- LoRA on a random base --------------------------------------------------------------------------------------
+
+def test_a_lora_run_on_a_random_base_saves_the_base_so_peft_loads_best(tmp_path, capsys):
+    import peft
+    import torch
+    from safetensors.torch import load_file
+    from test_task_data import make_tokenizer, write_quora
+
+    import run_paraphrase
+    from models.gpt2 import GPT2LMHeadModel
+    from models.lora import load_adapter
+    from tasks.training import build_body
+
+    spec = "random:n_layer=2,n_head=2,n_embd=16,n_positions=64,vocab_size=64"
+    args = ["--tokenizer", make_tokenizer(tmp_path / "tok"), "--model", spec, "--epochs", "1", "--threads", "1",
+            "--para_train", str(write_quora(tmp_path / "q.csv", 24)), "--split_dev", "16", "--lr", "1e-2",
+            "--output_dir", str(tmp_path / "run"), "--para_dev_out", str(tmp_path / "p.csv"), "--lora_rank", "2"]
+    assert run_paraphrase.main(args) == 0, capsys.readouterr().err
+    best = tmp_path / "run" / "best"
+    config = json.loads((best / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str((tmp_path / "run" / "base").resolve())
+
+    torch.manual_seed(11711)  # the run's seed: its random init, which the saved base must be
+    init = build_body(spec).state_dict()
+    ours = GPT2LMHeadModel.from_pretrained(tmp_path / "run" / "base")
+    for name, tensor in init.items():
+        torch.testing.assert_close(ours.gpt.state_dict()[name], tensor, atol=0, rtol=0, msg=name)
+    assert any(v.abs().sum() > 0 for k, v in load_file(best / "adapter_model.safetensors").items() if "lora_B" in k)
+
+    loaded = peft.AutoPeftModelForCausalLM.from_pretrained(str(best)).eval()  # PEFT alone, from best/ as it is
+    load_adapter(ours, best)
+    ids = torch.randint(0, 64, (2, 10), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=ids).logits, ours.eval()(ids)["logits"], atol=1e-5, rtol=0)

@@ -1,6 +1,7 @@
 """Fine-tune GPT-2 for Quora paraphrase detection as a cloze ("yes" / "no" after a prompt), as the CS224N
-paraphrase_detection.py does, and write predictions/para-{dev,test}-output.csv (`id \\t Predicted_Is_Paraphrase`,
-labels 8505 = yes, 3919 = no).
+paraphrase_detection.py does, and write para-{dev,test}-output.csv (`id \\t Predicted_Is_Paraphrase`, labels
+8505 = yes, 3919 = no) into the run's folder (OUTPUT_DIR/predictions; `--predictions_dir predictions` for the
+course's layout; an existing file is replaced only with --overwrite or --resume).
 
     # the course's run (official gpt2 weights; the course's Quora files)
     python run_paraphrase.py --para_train data/quora-train.csv --para_dev data/quora-dev.csv \\
@@ -16,7 +17,8 @@ labels 8505 = yes, 3919 = no).
 
 The train/dev prompt and the test prompt are the course's (they differ; --test_prompt train uses the train prompt
 for the test file too). Prompts longer than --max_length lose tokens on the left, so the question's end is kept.
-Grade with `python -m tasks.evaluate --task para --pred predictions/para-dev-output.csv --gold <dev file>`.
+Grade with `python -m tasks.evaluate --task para --pred checkpoints/paraphrase/predictions/para-dev-output.csv
+--gold <dev file>`.
 """
 import argparse
 import os
@@ -49,10 +51,14 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--test", "--para_test", dest="test", default=None, help="test pairs without labels (optional)")
     d.add_argument("--split_dev", type=int, metavar="N", default=0,
                    help="no dev file: the first N examples of --train train, the rest are dev (deterministic)")
-    d.add_argument("--dev_out", "--para_dev_out", dest="dev_out", default="predictions/para-dev-output.csv",
-                   help="dev prediction file")
-    d.add_argument("--test_out", "--para_test_out", dest="test_out", default="predictions/para-test-output.csv",
-                   help="test prediction file")
+    d.add_argument("--predictions_dir", default=None,
+                   help="folder of the prediction files, under the course's names (default: OUTPUT_DIR/predictions, "
+                        "inside the run's folder; `--predictions_dir predictions` is the course's layout, what a "
+                        "submission holds). An existing file is replaced only with --overwrite or --resume")
+    d.add_argument("--dev_out", "--para_dev_out", dest="dev_out", default=None,
+                   help="dev prediction file (default PREDICTIONS_DIR/para-dev-output.csv)")
+    d.add_argument("--test_out", "--para_test_out", dest="test_out", default=None,
+                   help="test prediction file (default PREDICTIONS_DIR/para-test-output.csv)")
     d.add_argument("--test_prompt", choices=("test", "train"), default="test",
                    help="prompt for the test file: the course's test prompt, or the train/dev one")
     d.add_argument("--skip_bad_rows", action="store_true", help="skip malformed rows (listed) instead of stopping")

@@ -1,13 +1,17 @@
 """Fine-tune GPT-2 on Shakespeare's sonnets and complete held-out sonnets from their first 3 lines, as the CS224N
-sonnet_generation.py does; write predictions/generated_sonnets.txt in the course's format and grade the dev
-completions with chrF (sacrebleu CHRF() defaults, prompt lines included) after every epoch and at the end.
+sonnet_generation.py does; write generated_sonnets.txt (and generated_sonnets_dev.txt) in the course's format into
+the run's folder (OUTPUT_DIR/predictions; `--predictions_dir predictions` for the course's layout; an existing file is
+replaced only with --overwrite or --resume) and grade the dev completions with chrF (sacrebleu CHRF() defaults,
+prompt lines included) after every epoch and at the end. Runs that do not train default to their own folders:
+checkpoints/sonnet-generate-{greedy,sample,beamN} and checkpoints/sonnet-baseline-{prompts,random_sonnet-seedS}.
 
     # the course's run: official gpt2 weights, 10 epochs, batch 8, lr 1e-5, sampling at temperature 1.2, top-p 0.9
     python run_sonnet.py --use_gpu
     # a model pretrained here by run_pretrain.py (a folder with its tokenizer), fp32 on a busy CPU
     python run_sonnet.py --model checkpoints/shakespeare-bpe-4x256/best --tokenizer ../shared/gpt2-tokenizer \\
         --lr 3e-4 --epochs 10 --threads 1 --output_dir checkpoints/sonnet-4x256
-    # decode the fine-tuned model again, greedily or with beam search (no training)
+    # decode the fine-tuned model again, greedily or with beam search (no training; best/ holds its tokenizer;
+    # files in checkpoints/sonnet-generate-greedy/predictions and checkpoints/sonnet-generate-beam4/predictions)
     python run_sonnet.py --generate_only --model checkpoints/sonnet-4x256/best --greedy --repetition_penalty 1.2
     python run_sonnet.py --generate_only --model checkpoints/sonnet-4x256/best --num_beams 4
     # baselines graded the same way: the prompts alone; prompts + lines 4-14 of a random training sonnet
@@ -48,11 +52,17 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--sonnet_path", default=course_file("sonnets.txt"), help="training sonnets")
     d.add_argument("--held_out_sonnet_path", default=course_file("sonnets_held_out.txt"),
                    help="prompts (first 3 lines) to complete into --sonnet_out")
-    d.add_argument("--sonnet_out", default="predictions/generated_sonnets.txt", help="completions of the held-out prompts")
+    d.add_argument("--predictions_dir", default=None,
+                   help="folder of the prediction files, under the course's names (default: OUTPUT_DIR/predictions, "
+                        "inside the run's folder; `--predictions_dir predictions` is the course's layout, what a "
+                        "submission holds). An existing file is replaced only with --overwrite or --resume")
+    d.add_argument("--sonnet_out", default=None,
+                   help="completions of the held-out prompts (default PREDICTIONS_DIR/generated_sonnets.txt)")
     d.add_argument("--dev_sonnet_path", default=course_file("sonnets_held_out_dev.txt"), help="dev prompts")
     d.add_argument("--dev_gold_path", default=course_file("TRUE_sonnets_held_out_dev.txt"),
                    help="the dev sonnets in full, for chrF")
-    d.add_argument("--dev_out", default="predictions/generated_sonnets_dev.txt", help="completions of the dev prompts")
+    d.add_argument("--dev_out", default=None,
+                   help="completions of the dev prompts (default PREDICTIONS_DIR/generated_sonnets_dev.txt)")
     dec = parser.add_argument_group("decoding")
     dec.add_argument("--temperature", type=float, default=1.2, help="softmax temperature of sampling (course: 1.2)")
     dec.add_argument("--top_p", type=float, default=0.9, help="nucleus sampling mass in (0, 1] (course: 0.9)")

@@ -19,7 +19,7 @@ from tasks import distributed as dist
 from tasks import lora
 from tasks.data import NUM_LABELS, check_vocab, collate, encode, load_sentiment, load_task_tokenizer
 from tasks.engine import load_weights
-from tasks.evaluate import classification_metrics, write_predictions
+from tasks.evaluate import claim_outputs, classification_metrics, write_predictions
 from tasks.training import (
     FineTuneConfig,
     body_overrides,
@@ -82,6 +82,7 @@ class ClassifierConfig(FineTuneConfig):
     dev: str | None = None
     test: str | None = None
     num_labels: int | None = None
+    predictions_dir: str | None = None  # None: OUTPUT_DIR/predictions
     dev_out: str | None = None
     test_out: str | None = None
     skip_bad_rows: bool = False
@@ -115,14 +116,19 @@ def run(cfg: ClassifierConfig) -> list[dict | None]:
     todo = jobs(cfg)
     if len(todo) > 1 and (cfg.dev_out or cfg.test_out):
         raise ValueError("--dev_out / --test_out name one file: use them with a single --task")
-    results = []
+    plan = []
     for task, train_path, dev_path, test_path, num_labels in todo:
         out = Path(cfg.output_dir) / task if cfg.output_dir and len(todo) > 1 else cfg.output_dir
-        results.append(run_dataset(cfg, task, train_path, dev_path, test_path, num_labels,
-                                   dev_out=cfg.dev_out or f"predictions/{mode}-{task}-dev-out.csv",
-                                   test_out=cfg.test_out or f"predictions/{mode}-{task}-test-out.csv",
-                                   output_dir=str(out or f"checkpoints/{mode}-{task}"), device=device))
-    return results
+        out = str(out or f"checkpoints/{mode}-{task}")
+        folder = Path(cfg.predictions_dir or Path(out) / "predictions")  # the course's names, in the run's folder
+        outputs = (cfg.dev_out or str(folder / f"{mode}-{task}-dev-out.csv"),
+                   cfg.test_out or str(folder / f"{mode}-{task}-test-out.csv"))
+        if not cfg.max_steps:  # a benchmark writes no predictions
+            claim_outputs((outputs[0], outputs[1] if test_path else None), cfg.overwrite, cfg.resume)
+        plan.append((task, train_path, dev_path, test_path, num_labels, out, outputs))
+    return [run_dataset(cfg, task, train_path, dev_path, test_path, num_labels, dev_out=dev_out, test_out=test_out,
+                        output_dir=out, device=device)
+            for task, train_path, dev_path, test_path, num_labels, out, (dev_out, test_out) in plan]
 
 
 def run_dataset(args, task: str, train_path: str, dev_path: str, test_path: str | None, num_labels: int,

@@ -28,7 +28,7 @@ from tasks.data import (
     split_head,
 )
 from tasks.engine import load_weights
-from tasks.evaluate import NO_ID, YES_ID, classification_metrics, write_predictions
+from tasks.evaluate import NO_ID, YES_ID, claim_outputs, classification_metrics, write_predictions
 from tasks.training import (
     FineTuneConfig,
     body_overrides,
@@ -107,8 +107,9 @@ class ParaphraseConfig(FineTuneConfig):
     dev: str | None = None
     test: str | None = None
     split_dev: int = 0
-    dev_out: str = "predictions/para-dev-output.csv"
-    test_out: str = "predictions/para-test-output.csv"
+    predictions_dir: str | None = None  # None: OUTPUT_DIR/predictions
+    dev_out: str | None = None  # None: PREDICTIONS_DIR/para-dev-output.csv
+    test_out: str | None = None  # None: PREDICTIONS_DIR/para-test-output.csv
     test_prompt: str = "test"
     skip_bad_rows: bool = False
 
@@ -116,6 +117,11 @@ class ParaphraseConfig(FineTuneConfig):
 def run(args: ParaphraseConfig) -> dict:
     """The whole of run_paraphrase.py (the Python API: `run(ParaphraseConfig(train=..., split_dev=16000, ...))`)."""
     device = start(args, "checkpoints/paraphrase-lora" if args.lora_rank else "checkpoints/paraphrase")
+    folder = Path(args.predictions_dir or Path(args.output_dir) / "predictions")  # the course's names, in the run's
+    args.dev_out = args.dev_out or str(folder / "para-dev-output.csv")
+    args.test_out = args.test_out or str(folder / "para-test-output.csv")
+    if not args.max_steps:  # a benchmark writes no predictions
+        claim_outputs((args.dev_out, args.test_out if args.test else None), args.overwrite, args.resume)
     return run_on(args, device)
 
 

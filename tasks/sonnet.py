@@ -26,6 +26,7 @@ from tasks import distributed as dist
 from tasks import lora
 from tasks.data import Encoded, check_vocab, collate, load_task_tokenizer
 from tasks.engine import autocast, load_weights
+from tasks.evaluate import claim_outputs
 from tasks.training import (
     FineTuneConfig,
     body_overrides,
@@ -312,10 +313,11 @@ class SonnetConfig(FineTuneConfig):
     max_length: int | None = None
     sonnet_path: str = field(default_factory=lambda: course_file("sonnets.txt"))
     held_out_sonnet_path: str = field(default_factory=lambda: course_file("sonnets_held_out.txt"))
-    sonnet_out: str = "predictions/generated_sonnets.txt"
+    predictions_dir: str | None = None  # None: OUTPUT_DIR/predictions
+    sonnet_out: str | None = None  # None: PREDICTIONS_DIR/generated_sonnets.txt
     dev_sonnet_path: str = field(default_factory=lambda: course_file("sonnets_held_out_dev.txt"))
     dev_gold_path: str = field(default_factory=lambda: course_file("TRUE_sonnets_held_out_dev.txt"))
-    dev_out: str = "predictions/generated_sonnets_dev.txt"
+    dev_out: str | None = None  # None: PREDICTIONS_DIR/generated_sonnets_dev.txt
     temperature: float = 1.2
     top_p: float = 0.9
     top_k: int = 0
@@ -330,8 +332,26 @@ class SonnetConfig(FineTuneConfig):
 
 def run(args: SonnetConfig) -> dict:
     """The whole of run_sonnet.py (the Python API: `run(SonnetConfig(model=..., epochs=1, ...))`)."""
-    device = start(args, "checkpoints/sonnet-lora" if args.lora_rank else "checkpoints/sonnet")
+    device = start(args, default_output_dir(args))
+    folder = Path(args.predictions_dir or Path(args.output_dir) / "predictions")  # the course's names, in the run's
+    args.dev_out = args.dev_out or str(folder / "generated_sonnets_dev.txt")
+    args.sonnet_out = args.sonnet_out or str(folder / "generated_sonnets.txt")
+    if not args.max_steps:  # a benchmark writes no predictions
+        claim_outputs((args.dev_out, args.sonnet_out), args.overwrite, args.resume)
     return run_on(args, device)
+
+
+def default_output_dir(args) -> str:
+    """The run's folder when --output_dir is not given. Runs that do not train are named by what they write, so a
+    decoding or a baseline does not land in (nor is refused by) a fine-tuning run's folder."""
+    if args.baseline:
+        return f"checkpoints/sonnet-baseline-{args.baseline}" + (f"-seed{args.seed}" if args.baseline == "random_sonnet"
+                                                                 else "")
+    if args.generate_only:
+        d = decoding_from_args(args)
+        how = f"beam{d.num_beams}" if d.num_beams > 1 else "sample" if d.do_sample else "greedy"
+        return f"checkpoints/sonnet-generate-{how}"
+    return "checkpoints/sonnet-lora" if args.lora_rank else "checkpoints/sonnet"
 
 
 def run_on(args, device: torch.device) -> dict:

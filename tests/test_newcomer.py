@@ -175,3 +175,89 @@ def test_a_lora_run_on_a_random_base_saves_the_base_so_peft_loads_best(tmp_path,
     ids = torch.randint(0, 64, (2, 10), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(loaded(input_ids=ids).logits, ours.eval()(ids)["logits"], atol=1e-5, rtol=0)
+
+
+# ---- prediction files: in the run's folder, never silently replaced -----------------------------------------------
+
+def test_predictions_go_to_the_runs_folder_and_the_course_layout_is_one_flag(tmp_path, monkeypatch, capsys):
+    from test_task_data import make_tokenizer, write_sentiment
+
+    import run_classifier
+    from grading.predictions import FILES
+
+    paths = write_sentiment(tmp_path, "sst", 16)
+    monkeypatch.chdir(tmp_path)
+    common = ["--tokenizer", make_tokenizer(tmp_path / "tok"), "--model",
+              "random:n_layer=1,n_head=1,n_embd=8,n_positions=64,vocab_size=64", "--epochs", "1", "--threads", "1",
+              "--fine-tune-mode", "full-model", "--task", "sst", "--train", str(paths["train"]), "--dev",
+              str(paths["dev"]), "--test", str(paths["test-student"])]
+    assert run_classifier.main(common + ["--output_dir", "runs/a"]) == 0, capsys.readouterr().err
+    assert sorted(p.name for p in (tmp_path / "runs" / "a" / "predictions").iterdir()) == [
+        "full-model-sst-dev-out.csv", "full-model-sst-test-out.csv"]
+    assert not (tmp_path / "predictions").exists()
+
+    # the course's layout, which a submission (and grading/predictions.py) reads
+    assert run_classifier.main(common + ["--output_dir", "runs/b", "--predictions_dir", "predictions"]) == 0
+    assert "full-model-sst-dev-out.csv" in FILES[0][2] and (tmp_path / "predictions" / FILES[0][2][0]).is_file()
+    before = (tmp_path / "predictions" / "full-model-sst-dev-out.csv").read_bytes()
+    capsys.readouterr()
+
+    # another run may not take them over silently: refused before it trains, files untouched
+    assert run_classifier.main(common + ["--output_dir", "runs/c", "--predictions_dir", "predictions",
+                                         "--seed", "2"]) == 1
+    err = capsys.readouterr().err
+    assert "predictions/full-model-sst-dev-out.csv, predictions/full-model-sst-test-out.csv already exist" in err
+    assert "pass --overwrite" in err and not (tmp_path / "runs" / "c").exists()
+    assert (tmp_path / "predictions" / "full-model-sst-dev-out.csv").read_bytes() == before
+    assert run_classifier.main(common + ["--output_dir", "runs/c", "--predictions_dir", "predictions",
+                                         "--seed", "2", "--overwrite"]) == 0
+
+
+def test_a_generate_only_run_leaves_the_fine_tuned_sonnets_alone(tmp_path, monkeypatch, capsys):
+    import random
+
+    from test_sonnet import course_file, make_bpe_tokenizer, make_sonnet
+
+    import run_sonnet
+
+    rng = random.Random(5)
+    train, dev = [make_sonnet(rng, 14) for _ in range(6)], [make_sonnet(rng, 14) for _ in range(2)]
+    prompts = course_file(["\n".join(s.splitlines()[:3]) for s in dev])
+    for name, text in (("train", course_file(train)), ("gold", course_file(dev)), ("dev", prompts)):
+        (tmp_path / f"{name}.txt").write_text(text)
+    tok = make_bpe_tokenizer(tmp_path / "tok", train)
+    monkeypatch.chdir(tmp_path)
+    common = ["--sonnet_path", "train.txt", "--dev_sonnet_path", "dev.txt", "--dev_gold_path", "gold.txt",
+              "--held_out_sonnet_path", "dev.txt", "--max_new_tokens", "8", "--threads", "1"]
+    assert run_sonnet.main(common + ["--tokenizer", str(tmp_path / "tok"), "--epochs", "1", "--lr", "1e-2",
+                                     "--model", f"random:n_layer=1,n_head=1,n_embd=16,n_positions=64,"
+                                                f"vocab_size={len(tok)}"]) == 0, capsys.readouterr().err
+    tuned = tmp_path / "checkpoints" / "sonnet" / "predictions" / "generated_sonnets.txt"
+    before = tuned.read_bytes()
+    # the best/ folder holds its tokenizer: no --tokenizer needed
+    for decoding in (["--greedy"], ["--num_beams", "2"]):
+        assert run_sonnet.main(common + ["--generate_only", "--model", "checkpoints/sonnet/best", *decoding]) == 0
+    assert tuned.read_bytes() == before
+    written = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.glob("checkpoints/*/predictions/*_dev.txt"))
+    assert written == [f"checkpoints/{d}/predictions/generated_sonnets_dev.txt"
+                       for d in ("sonnet-generate-beam2", "sonnet-generate-greedy", "sonnet")]
+    assert run_sonnet.main(common + ["--generate_only", "--model", "checkpoints/sonnet/best", "--greedy",
+                                     "--output_dir", "checkpoints/sonnet"]) == 1
+    assert "generated_sonnets_dev.txt" in capsys.readouterr().err and tuned.read_bytes() == before
+
+
+# ---- the main job's last lines ------------------------------------------------------------------------------------
+
+def test_the_main_job_ends_by_naming_its_checkpoint_metrics_and_curves(tmp_path, capsys):
+    from test_pretrain import TEXT, TINY
+
+    import run_pretrain
+
+    (tmp_path / "corpus.txt").write_text(TEXT)
+    out = tmp_path / "run"
+    run_pretrain.main(["--data", str(tmp_path / "corpus.txt"), "--output_dir", str(out), *TINY, "--max_iters", "4",
+                       "--eval_interval", "2", "--num_samples", "1", "--max_new_tokens", "5"])
+    last = capsys.readouterr().out.rstrip().splitlines()[-1]
+    assert last.startswith("files: ") and f"checkpoint {out / 'best'}" in last
+    assert f"metrics {out / 'metrics.jsonl'}" in last and f"curves {out / 'curves.png'}" in last
+    assert (out / "metrics.jsonl").is_file() and (out / "curves.png").is_file()

@@ -7,9 +7,9 @@ folder (OUTPUT_DIR/predictions; `--predictions_dir predictions` for the course's
     python run_classifier.py --fine-tune-mode full-model --lr 1e-5
     # the same, writing predictions/ as the course's layout (what a submission holds)
     python run_classifier.py --fine-tune-mode full-model --lr 1e-5 --predictions_dir predictions
-    # no hub: a small model from random init, SST then CFIMDB, one epoch each (about 2 minutes on 2 cores)
+    # no hub: a small model from random init, SST then CFIMDB, one epoch each (a few minutes on a busy CPU)
     python run_classifier.py --model random:n_layer=2,n_head=2,n_embd=128 --fine-tune-mode full-model --lr 1e-3 \\
-        --epochs 1 --batch_size 32 --max_length 64
+        --epochs 1 --batch_size 32 --max_length 64 --threads 1
     # one dataset, a small model trained from random init, bf16 on CPU
     python run_classifier.py --task sst --model random:n_layer=4,n_head=4,n_embd=256 --fine-tune-mode full-model \\
         --lr 3e-4 --epochs 3 --batch_size 32 --max_length 128 --bf16
@@ -41,7 +41,7 @@ from tasks.training import add_model_args, add_training_args, run_cli
 ROOT = Path(__file__).resolve().parent
 
 NO_HUB_RECIPE = ("python run_classifier.py --model random:n_layer=2,n_head=2,n_embd=128 --fine-tune-mode full-model "
-                 "--lr 1e-3 --epochs 1 --batch_size 32 --max_length 64   # SST then CFIMDB, one epoch each")
+                 "--lr 1e-3 --epochs 1 --batch_size 32 --max_length 64 --threads 1   # SST then CFIMDB, 1 epoch each")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,8 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(g)
     g.add_argument("--head_dropout", type=float, default=0.3,
                    help="dropout before the linear head (the course's classifier.py called this --hidden_dropout_prob)")
-    g.add_argument("--tokenizer", default=None, help="AutoTokenizer name or folder (default: the --model folder's own "
-                   "tokenizer when it holds one, else gpt2: the HF cache, the hub, or offline ../shared/gpt2-tokenizer)")
+    g.add_argument("--tokenizer", default=None,
+                   help="AutoTokenizer name or folder (default: the --model folder's own tokenizer when it holds one, "
+                        "else gpt2: the HF cache, the hub, or offline ../shared/gpt2-tokenizer)")
     g.add_argument("--max_length", type=int, default=None, help="truncate inputs to this many tokens "
                                                                 "(default and maximum: the model's n_positions)")
     d = parser.add_argument_group("data")

@@ -31,7 +31,7 @@ from tasks.training import add_model_args, add_training_args, run_cli
 
 NO_HUB_RECIPE = (f"python run_paraphrase.py --train {shared_dir() / 'data' / 'quora' / 'quora-dev-minbert.csv'} "
                  "--split_dev 16000 --skip_bad_rows --model random:n_layer=2,n_head=2,n_embd=128 --lr 1e-3 "
-                 "--epochs 1 --batch_size 32 --max_length 64")
+                 "--epochs 1 --batch_size 32 --max_length 64 --threads 1")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,8 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--fine-tune-mode", dest="fine_tune_mode", choices=MODES, default="full-model",
                    help="full-model (course): everything learns; last-linear-layer: only the tied output layer")
     add_model_args(g)
-    g.add_argument("--tokenizer", default=None, help="AutoTokenizer name or folder (default: the --model folder's own "
-                   "tokenizer when it holds one, else gpt2: the HF cache, the hub, or offline ../shared/gpt2-tokenizer)")
+    g.add_argument("--tokenizer", default=None,
+                   help="AutoTokenizer name or folder (default: the --model folder's own tokenizer when it holds one, "
+                        "else gpt2: the HF cache, the hub, or offline ../shared/gpt2-tokenizer)")
     g.add_argument("--max_length", type=int, default=None, help="truncate prompts to this many tokens "
                                                                 "(default and maximum: the model's n_positions)")
     d = parser.add_argument_group("data")

@@ -37,15 +37,16 @@ from tasks.training import add_model_args, add_training_args, run_cli
 ROOT = Path(__file__).resolve().parent
 
 NO_HUB_RECIPE = ("python run_sonnet.py --model random:n_layer=2,n_head=2,n_embd=128 --lr 1e-3 --epochs 3 "
-                 "--max_new_tokens 64")
+                 "--max_new_tokens 64 --threads 1")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = parser.add_argument_group("model")
     add_model_args(g, "hub id, HF folder (e.g. a run_pretrain.py checkpoint), weights file, or random:key=value,...")
-    g.add_argument("--tokenizer", default=None, help="AutoTokenizer name or folder (default: the --model folder's own "
-                   "tokenizer when it holds one, else gpt2: the HF cache, the hub, or offline ../shared/gpt2-tokenizer)")
+    g.add_argument("--tokenizer", default=None,
+                   help="AutoTokenizer name or folder (default: the --model folder's own tokenizer when it holds one, "
+                        "else gpt2: the HF cache, the hub, or offline ../shared/gpt2-tokenizer)")
     g.add_argument("--max_length", type=int, default=None,
                    help="cut training sonnets to this many tokens (default and maximum: the model's n_positions)")
     d = parser.add_argument_group("data")

@@ -82,8 +82,8 @@ def offline_help(recipe: str) -> str:
     """What a task CLI prints when its --model is a hub id that cannot be had: the local choices, and `recipe`, a
     command of a few minutes that needs no hub."""
     return ("Without the hub, give --model a local model:\n"
-            "  --model checkpoints/random-gpt2               the random-init gpt2 (124M) that `python -m models.parity` "
-            "saves there (run it first, from the same folder)\n"
+            "  --model checkpoints/random-gpt2               the random-init gpt2 (124M) that "
+            "`python -m models.parity` saves there (run it first, from the same folder)\n"
             "  --model random:n_layer=4,n_head=4,n_embd=256  a small model from random init (any GPT2Config fields; "
             "no files needed)\n"
             "  --model DIR                                   any folder made with save_pretrained (a run's best/, a "

@@ -19,7 +19,8 @@ from tasks import distributed as dist
 from tasks import lora
 from tasks.data import NUM_LABELS, check_vocab, collate, encode, load_sentiment, load_task_tokenizer
 from tasks.engine import load_weights
-from tasks.evaluate import claim_outputs, classification_metrics, write_predictions
+from tasks.evaluate import classification_metrics, write_predictions
+from tasks.outputs import claim_outputs, predictions_folder
 from tasks.training import (
     FineTuneConfig,
     body_overrides,
@@ -120,7 +121,7 @@ def run(cfg: ClassifierConfig) -> list[dict | None]:
     for task, train_path, dev_path, test_path, num_labels in todo:
         out = Path(cfg.output_dir) / task if cfg.output_dir and len(todo) > 1 else cfg.output_dir
         out = str(out or f"checkpoints/{mode}-{task}")
-        folder = Path(cfg.predictions_dir or Path(out) / "predictions")  # the course's names, in the run's folder
+        folder = predictions_folder(cfg.predictions_dir, out)  # the course's names, in the run's folder
         outputs = (cfg.dev_out or str(folder / f"{mode}-{task}-dev-out.csv"),
                    cfg.test_out or str(folder / f"{mode}-{task}-test-out.csv"))
         if not cfg.max_steps:  # a benchmark writes no predictions

@@ -44,16 +44,6 @@ def write_predictions(path: str | Path, ids: list[str], labels: list[int], kind:
             f.write(f"{i}, {int(label)} \n")
 
 
-def claim_outputs(paths, overwrite: bool = False, resume: bool = False) -> None:
-    """Refuse, before anything trains, to replace prediction files that another run wrote: an existing file is
-    replaced only with --overwrite, or with --resume (the run that wrote it, continued with the same flags)."""
-    taken = [str(p) for p in map(Path, filter(None, paths)) if p.exists()]
-    if taken and not (overwrite or resume):
-        raise FileExistsError(f"{', '.join(taken)} already exist{'s' if len(taken) == 1 else ''} (another run's "
-                              f"predictions?): pass --overwrite to replace {'it' if len(taken) == 1 else 'them'}, or "
-                              f"--predictions_dir DIR (or --output_dir) to write elsewhere")
-
-
 def read_predictions(path: str | Path, allowed: set[int] | None = None) -> dict[str, int]:
     """Read a prediction file into {id: label} (file order), refusing malformed rows, duplicates, unknown labels."""
     path = Path(path)

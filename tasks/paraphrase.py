@@ -28,7 +28,8 @@ from tasks.data import (
     split_head,
 )
 from tasks.engine import load_weights
-from tasks.evaluate import NO_ID, YES_ID, claim_outputs, classification_metrics, write_predictions
+from tasks.evaluate import NO_ID, YES_ID, classification_metrics, write_predictions
+from tasks.outputs import claim_outputs, predictions_folder
 from tasks.training import (
     FineTuneConfig,
     body_overrides,
@@ -117,7 +118,7 @@ class ParaphraseConfig(FineTuneConfig):
 def run(args: ParaphraseConfig) -> dict:
     """The whole of run_paraphrase.py (the Python API: `run(ParaphraseConfig(train=..., split_dev=16000, ...))`)."""
     device = start(args, "checkpoints/paraphrase-lora" if args.lora_rank else "checkpoints/paraphrase")
-    folder = Path(args.predictions_dir or Path(args.output_dir) / "predictions")  # the course's names, in the run's
+    folder = predictions_folder(args.predictions_dir, args.output_dir)  # the course's names, in the run's folder
     args.dev_out = args.dev_out or str(folder / "para-dev-output.csv")
     args.test_out = args.test_out or str(folder / "para-test-output.csv")
     if not args.max_steps:  # a benchmark writes no predictions

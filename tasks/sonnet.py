@@ -26,7 +26,7 @@ from tasks import distributed as dist
 from tasks import lora
 from tasks.data import Encoded, check_vocab, collate, load_task_tokenizer
 from tasks.engine import autocast, load_weights
-from tasks.evaluate import claim_outputs
+from tasks.outputs import claim_outputs, predictions_folder
 from tasks.training import (
     FineTuneConfig,
     body_overrides,
@@ -333,7 +333,7 @@ class SonnetConfig(FineTuneConfig):
 def run(args: SonnetConfig) -> dict:
     """The whole of run_sonnet.py (the Python API: `run(SonnetConfig(model=..., epochs=1, ...))`)."""
     device = start(args, default_output_dir(args))
-    folder = Path(args.predictions_dir or Path(args.output_dir) / "predictions")  # the course's names, in the run's
+    folder = predictions_folder(args.predictions_dir, args.output_dir)  # the course's names, in the run's folder
     args.dev_out = args.dev_out or str(folder / "generated_sonnets_dev.txt")
     args.sonnet_out = args.sonnet_out or str(folder / "generated_sonnets.txt")
     if not args.max_steps:  # a benchmark writes no predictions

@@ -21,6 +21,7 @@ def claim_outputs(paths, overwrite: bool = False, resume: bool = False) -> None:
     replaced only with --overwrite, or with --resume (the run that wrote it, continued with the same flags)."""
     taken = [str(p) for p in map(Path, filter(None, paths)) if p.exists()]
     if taken and not (overwrite or resume):
-        raise FileExistsError(f"{', '.join(taken)} already exist{'s' if len(taken) == 1 else ''} (another run's "
-                              f"predictions?): pass --overwrite to replace {'it' if len(taken) == 1 else 'them'}, or "
+        raise FileExistsError(f"{', '.join(taken)} already exist{'s' if len(taken) == 1 else ''} (an earlier run's "
+                              f"predictions): pass --overwrite to replace {'it' if len(taken) == 1 else 'them'}, "
+                              f"--resume to continue the run that wrote {'it' if len(taken) == 1 else 'them'}, or "
                               f"--predictions_dir DIR (or --output_dir) to write elsewhere")

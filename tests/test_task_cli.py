@@ -71,7 +71,7 @@ def test_cli_errors_name_the_problem(setup, capsys):
     assert "no checkpoint" in capsys.readouterr().err
     assert run_classifier.main(args + ["--train", str(paths["train"])]) == 0
     assert run_classifier.main(args + ["--train", str(paths["train"])]) == 1  # its predictions are there
-    assert "d.csv already exists (another run's predictions?): pass --overwrite" in capsys.readouterr().err
+    assert "d.csv already exists (an earlier run's predictions): pass --overwrite" in capsys.readouterr().err
     assert run_classifier.main(args + ["--train", str(paths["train"]), "--dev_out", str(tmp / "d2.csv")]) == 1
     assert "pass --resume to continue it or --overwrite" in capsys.readouterr().err
     assert run_paraphrase.main(common + ["--train", str(write_quora(tmp / "q.csv", 10))]) == 1

@@ -1,6 +1,7 @@
 """Fine-tune GPT-2 for Quora paraphrase detection as a cloze ("yes" / "no" after a prompt), as the CS224N
-paraphrase_detection.py does, and write predictions/para-{dev,test}-output.csv (`id \\t Predicted_Is_Paraphrase`,
-labels 8505 = yes, 3919 = no).
+paraphrase_detection.py does, and write para-{dev,test}-output.csv (`id \\t Predicted_Is_Paraphrase`, labels
+8505 = yes, 3919 = no) into the run's folder (OUTPUT_DIR/predictions; `--predictions_dir predictions` for the
+course's layout; an existing file is replaced only with --overwrite or --resume).
 
     # the course's run (official gpt2 weights; the course's Quora files)
     python run_paraphrase.py --para_train data/quora-train.csv --para_dev data/quora-dev.csv \\
@@ -16,15 +17,21 @@ labels 8505 = yes, 3919 = no).
 
 The train/dev prompt and the test prompt are the course's (they differ; --test_prompt train uses the train prompt
 for the test file too). Prompts longer than --max_length lose tokens on the left, so the question's end is kept.
-Grade with `python -m tasks.evaluate --task para --pred predictions/para-dev-output.csv --gold <dev file>`.
+Grade with `python -m tasks.evaluate --task para --pred checkpoints/paraphrase/predictions/para-dev-output.csv
+--gold <dev file>`.
 """
 import argparse
 import os
 import sys
 
+from models.hub import shared_dir, with_offline_help
 from tasks.lora import add_lora_args, check_lora_args
 from tasks.paraphrase import MODES, ParaphraseConfig, run
 from tasks.training import add_model_args, add_training_args, run_cli
+
+NO_HUB_RECIPE = (f"python run_paraphrase.py --train {shared_dir() / 'data' / 'quora' / 'quora-dev-minbert.csv'} "
+                 "--split_dev 16000 --skip_bad_rows --model random:n_layer=2,n_head=2,n_embd=128 --lr 1e-3 "
+                 "--epochs 1 --batch_size 32 --max_length 64 --threads 1")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -33,7 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--fine-tune-mode", dest="fine_tune_mode", choices=MODES, default="full-model",
                    help="full-model (course): everything learns; last-linear-layer: only the tied output layer")
     add_model_args(g)
-    g.add_argument("--tokenizer", default="gpt2", help="AutoTokenizer name or folder (offline: ../shared/gpt2-tokenizer)")
+    g.add_argument("--tokenizer", default=None,
+                   help="AutoTokenizer name or folder (default: the --model folder's own tokenizer when it holds one, "
+                        "else gpt2: the HF cache, the hub, or offline ../shared/gpt2-tokenizer)")
     g.add_argument("--max_length", type=int, default=None, help="truncate prompts to this many tokens "
                                                                 "(default and maximum: the model's n_positions)")
     d = parser.add_argument_group("data")
@@ -43,10 +52,14 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--test", "--para_test", dest="test", default=None, help="test pairs without labels (optional)")
     d.add_argument("--split_dev", type=int, metavar="N", default=0,
                    help="no dev file: the first N examples of --train train, the rest are dev (deterministic)")
-    d.add_argument("--dev_out", "--para_dev_out", dest="dev_out", default="predictions/para-dev-output.csv",
-                   help="dev prediction file")
-    d.add_argument("--test_out", "--para_test_out", dest="test_out", default="predictions/para-test-output.csv",
-                   help="test prediction file")
+    d.add_argument("--predictions_dir", default=None,
+                   help="folder of the prediction files, under the course's names (default: OUTPUT_DIR/predictions, "
+                        "inside the run's folder; `--predictions_dir predictions` is the course's layout, what a "
+                        "submission holds). An existing file is replaced only with --overwrite or --resume")
+    d.add_argument("--dev_out", "--para_dev_out", dest="dev_out", default=None,
+                   help="dev prediction file (default PREDICTIONS_DIR/para-dev-output.csv)")
+    d.add_argument("--test_out", "--para_test_out", dest="test_out", default=None,
+                   help="test prediction file (default PREDICTIONS_DIR/para-test-output.csv)")
     d.add_argument("--test_prompt", choices=("test", "train"), default="test",
                    help="prompt for the test file: the course's test prompt, or the train/dev one")
     d.add_argument("--skip_bad_rows", action="store_true", help="skip malformed rows (listed) instead of stopping")
@@ -64,7 +77,7 @@ def get_args(argv=None) -> ParaphraseConfig:
 
 def main(argv=None) -> int:
     cfg = get_args(argv)
-    return run_cli(lambda: run(cfg))
+    return run_cli(lambda: with_offline_help(lambda: run(cfg), NO_HUB_RECIPE))
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 import torch
 
@@ -227,7 +228,21 @@ def main(argv=None) -> dict:
                   f"{summary['ms_per_step']:.1f} ms/step | checkpoint {summary['checkpoint']}")
     for i, text in enumerate(summary.get("samples", [])):
         print(f"---------- sample {i + 1} ----------\n{text}")
+    if not args.sample:  # the last lines say where everything went
+        print(files_line(args.output_dir, summary.get("checkpoint")))
     return summary
+
+
+def files_line(output_dir, checkpoint: str | None) -> str:
+    """The run's files: the best checkpoint (and how to sample from it), the metrics log and the curves."""
+    from tasks.metrics import FILENAME
+
+    out = Path(output_dir)
+    parts = [f"checkpoint {checkpoint} (sample: python run_pretrain.py --sample --model {checkpoint})"] \
+        if checkpoint else []
+    parts += [f"{what} {out / name}" for what, name in (("metrics", FILENAME), ("curves", "curves.png"))
+              if (out / name).is_file()]
+    return "files: " + "; ".join(parts)
 
 
 if __name__ == "__main__":

@@ -1,13 +1,17 @@
 """Fine-tune GPT-2 on Shakespeare's sonnets and complete held-out sonnets from their first 3 lines, as the CS224N
-sonnet_generation.py does; write predictions/generated_sonnets.txt in the course's format and grade the dev
-completions with chrF (sacrebleu CHRF() defaults, prompt lines included) after every epoch and at the end.
+sonnet_generation.py does; write generated_sonnets.txt (and generated_sonnets_dev.txt) in the course's format into
+the run's folder (OUTPUT_DIR/predictions; `--predictions_dir predictions` for the course's layout; an existing file is
+replaced only with --overwrite or --resume) and grade the dev completions with chrF (sacrebleu CHRF() defaults,
+prompt lines included) after every epoch and at the end. Runs that do not train default to their own folders:
+checkpoints/sonnet-generate-{greedy,sample,beamN} and checkpoints/sonnet-baseline-{prompts,random_sonnet-seedS}.
 
     # the course's run: official gpt2 weights, 10 epochs, batch 8, lr 1e-5, sampling at temperature 1.2, top-p 0.9
     python run_sonnet.py --use_gpu
     # a model pretrained here by run_pretrain.py (a folder with its tokenizer), fp32 on a busy CPU
     python run_sonnet.py --model checkpoints/shakespeare-bpe-4x256/best --tokenizer ../shared/gpt2-tokenizer \\
         --lr 3e-4 --epochs 10 --threads 1 --output_dir checkpoints/sonnet-4x256
-    # decode the fine-tuned model again, greedily or with beam search (no training)
+    # decode the fine-tuned model again, greedily or with beam search (no training; best/ holds its tokenizer;
+    # files in checkpoints/sonnet-generate-greedy/predictions and checkpoints/sonnet-generate-beam4/predictions)
     python run_sonnet.py --generate_only --model checkpoints/sonnet-4x256/best --greedy --repetition_penalty 1.2
     python run_sonnet.py --generate_only --model checkpoints/sonnet-4x256/best --num_beams 4
     # baselines graded the same way: the prompts alone; prompts + lines 4-14 of a random training sonnet
@@ -25,29 +29,41 @@ import os
 import sys
 from pathlib import Path
 
+from models.hub import with_offline_help
 from tasks.lora import add_lora_args, check_lora_args
 from tasks.sonnet import SonnetConfig, course_file, run
 from tasks.training import add_model_args, add_training_args, run_cli
 
 ROOT = Path(__file__).resolve().parent
 
+NO_HUB_RECIPE = ("python run_sonnet.py --model random:n_layer=2,n_head=2,n_embd=128 --lr 1e-3 --epochs 3 "
+                 "--max_new_tokens 64 --threads 1")
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = parser.add_argument_group("model")
     add_model_args(g, "hub id, HF folder (e.g. a run_pretrain.py checkpoint), weights file, or random:key=value,...")
-    g.add_argument("--tokenizer", default="gpt2", help="AutoTokenizer name or folder (offline: ../shared/gpt2-tokenizer)")
+    g.add_argument("--tokenizer", default=None,
+                   help="AutoTokenizer name or folder (default: the --model folder's own tokenizer when it holds one, "
+                        "else gpt2: the HF cache, the hub, or offline ../shared/gpt2-tokenizer)")
     g.add_argument("--max_length", type=int, default=None,
                    help="cut training sonnets to this many tokens (default and maximum: the model's n_positions)")
     d = parser.add_argument_group("data")
     d.add_argument("--sonnet_path", default=course_file("sonnets.txt"), help="training sonnets")
     d.add_argument("--held_out_sonnet_path", default=course_file("sonnets_held_out.txt"),
                    help="prompts (first 3 lines) to complete into --sonnet_out")
-    d.add_argument("--sonnet_out", default="predictions/generated_sonnets.txt", help="completions of the held-out prompts")
+    d.add_argument("--predictions_dir", default=None,
+                   help="folder of the prediction files, under the course's names (default: OUTPUT_DIR/predictions, "
+                        "inside the run's folder; `--predictions_dir predictions` is the course's layout, what a "
+                        "submission holds). An existing file is replaced only with --overwrite or --resume")
+    d.add_argument("--sonnet_out", default=None,
+                   help="completions of the held-out prompts (default PREDICTIONS_DIR/generated_sonnets.txt)")
     d.add_argument("--dev_sonnet_path", default=course_file("sonnets_held_out_dev.txt"), help="dev prompts")
     d.add_argument("--dev_gold_path", default=course_file("TRUE_sonnets_held_out_dev.txt"),
                    help="the dev sonnets in full, for chrF")
-    d.add_argument("--dev_out", default="predictions/generated_sonnets_dev.txt", help="completions of the dev prompts")
+    d.add_argument("--dev_out", default=None,
+                   help="completions of the dev prompts (default PREDICTIONS_DIR/generated_sonnets_dev.txt)")
     dec = parser.add_argument_group("decoding")
     dec.add_argument("--temperature", type=float, default=1.2, help="softmax temperature of sampling (course: 1.2)")
     dec.add_argument("--top_p", type=float, default=0.9, help="nucleus sampling mass in (0, 1] (course: 0.9)")
@@ -84,7 +100,7 @@ def get_args(argv=None) -> SonnetConfig:
 
 def main(argv=None) -> int:
     cfg = get_args(argv)
-    return run_cli(lambda: run(cfg))
+    return run_cli(lambda: with_offline_help(lambda: run(cfg), NO_HUB_RECIPE))
 
 
 if __name__ == "__main__":

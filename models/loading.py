@@ -26,7 +26,7 @@ from typing import Iterable
 import torch
 
 from config import PRESETS, GPT2Config
-from models.hub import expand
+from models.hub import HubUnavailableError, expand, hub_reachable
 
 # Our GPT2Model key -> HF GPT2Model key. "{}" is the layer index.
 OURS_TO_HF: dict[str, str] = {
@@ -242,16 +242,21 @@ def _download_from_hub(repo_id: str) -> tuple[Path, Path]:
         config_path = Path(hf_hub_download(repo_id, "config.json", local_files_only=True))
     except (LocalEntryNotFoundError, OSError):
         config_path = None
+    what = (f"cannot get {repo_id!r} from the Hugging Face hub: it does not answer (offline?) and the local cache "
+            f"does not hold it")
+    hint = ("Load a local model instead: a folder made with save_pretrained, such as checkpoints/random-gpt2, the "
+            "random-init gpt2 that `python -m models.parity` saves there")
     try:
         if config_path is None:
+            if not hub_reachable():  # one probe per process instead of five retries per file
+                raise HubUnavailableError(what, hint)
             config_path = Path(hf_hub_download(repo_id, "config.json"))
     except RepositoryNotFoundError:
         raise FileNotFoundError(f"{repo_id!r} is neither a local path nor a model on the Hugging Face hub") from None
+    except HubUnavailableError:
+        raise
     except (LocalEntryNotFoundError, OSError) as e:
-        raise FileNotFoundError(
-            f"cannot get {repo_id!r} from the Hugging Face hub and it is not in the local cache "
-            f"(offline?): {type(e).__name__}. Pass a local folder made with save_pretrained instead."
-        ) from None
+        raise HubUnavailableError(f"{what} ({type(e).__name__})", hint) from None
     for name in WEIGHT_FILES[:3]:
         try:
             weights = Path(hf_hub_download(repo_id, name, local_files_only=True))

@@ -276,6 +276,21 @@ def save_adapter(model: nn.Module, directory: str | os.PathLike, base_model: str
     return directory
 
 
+def save_base(model: nn.Module, directory: str | os.PathLike) -> Path:
+    """Write the frozen base under the adapters (the adapters left out) as a whole HF checkpoint, for a base that
+    nothing else can rebuild, such as a random init: PEFT loads an adapter only onto its base
+    (base_model_name_or_path). Unmerged adapters only: a merged model's weights are no longer the base's."""
+    body = body_of(model)
+    if any(m.merged for m in lora_modules(body).values()):
+        raise ValueError("the adapters are merged into the weights: unmerge_lora(model) before saving the base")
+    keep = {k: v for k, v in body.state_dict().items() if ".lora_" not in k}
+    with torch.device("meta"):  # the base's tensors are shared with the model, not copied
+        base = GPT2Model(body.config)
+    base.load_state_dict(keep, strict=True, assign=True)
+    base.save_pretrained(directory)
+    return Path(directory)
+
+
 def read_adapter(directory: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict]:
     directory = Path(directory)
     config_path = directory / CONFIG_FILE

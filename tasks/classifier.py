@@ -14,12 +14,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.hub import shared_dir
+from models.hub import shared_dir, tokenizer_for
 from tasks import distributed as dist
 from tasks import lora
 from tasks.data import NUM_LABELS, check_vocab, collate, encode, load_sentiment, load_task_tokenizer
 from tasks.engine import load_weights
 from tasks.evaluate import classification_metrics, write_predictions
+from tasks.outputs import claim_outputs, predictions_folder
 from tasks.training import (
     FineTuneConfig,
     body_overrides,
@@ -75,7 +76,7 @@ class ClassifierConfig(FineTuneConfig):
     """run_classifier.py's flags (see FineTuneConfig for the shared ones)."""
     fine_tune_mode: str | None = None  # last-linear-layer, or full-model (the default with lora_rank)
     head_dropout: float = 0.3
-    tokenizer: str = "gpt2"
+    tokenizer: str | None = None  # None: the --model folder's own tokenizer, else gpt2
     max_length: int | None = None
     task: str | None = None  # sst, cfimdb or both (default: both, or the one named by train)
     data_dir: str | None = None
@@ -83,6 +84,7 @@ class ClassifierConfig(FineTuneConfig):
     dev: str | None = None
     test: str | None = None
     num_labels: int | None = None
+    predictions_dir: str | None = None  # None: OUTPUT_DIR/predictions
     dev_out: str | None = None
     test_out: str | None = None
     skip_bad_rows: bool = False
@@ -116,14 +118,19 @@ def run(cfg: ClassifierConfig) -> list[dict | None]:
     todo = jobs(cfg)
     if len(todo) > 1 and (cfg.dev_out or cfg.test_out):
         raise ValueError("--dev_out / --test_out name one file: use them with a single --task")
-    results = []
+    plan = []
     for task, train_path, dev_path, test_path, num_labels in todo:
         out = Path(cfg.output_dir) / task if cfg.output_dir and len(todo) > 1 else cfg.output_dir
-        results.append(run_dataset(cfg, task, train_path, dev_path, test_path, num_labels,
-                                   dev_out=cfg.dev_out or f"predictions/{mode}-{task}-dev-out.csv",
-                                   test_out=cfg.test_out or f"predictions/{mode}-{task}-test-out.csv",
-                                   output_dir=str(out or f"checkpoints/{mode}-{task}"), device=device))
-    return results
+        out = str(out or f"checkpoints/{mode}-{task}")
+        folder = predictions_folder(cfg.predictions_dir, out)  # the course's names, in the run's folder
+        outputs = (cfg.dev_out or str(folder / f"{mode}-{task}-dev-out.csv"),
+                   cfg.test_out or str(folder / f"{mode}-{task}-test-out.csv"))
+        if not cfg.max_steps:  # a benchmark writes no predictions
+            claim_outputs((outputs[0], outputs[1] if test_path else None), cfg.overwrite, cfg.resume)
+        plan.append((task, train_path, dev_path, test_path, num_labels, out, outputs))
+    return [run_dataset(cfg, task, train_path, dev_path, test_path, num_labels, dev_out=dev_out, test_out=test_out,
+                        output_dir=out, device=device)
+            for task, train_path, dev_path, test_path, num_labels, out, (dev_out, test_out) in plan]
 
 
 def run_dataset(args, task: str, train_path: str, dev_path: str, test_path: str | None, num_labels: int,
@@ -139,7 +146,8 @@ def run_dataset(args, task: str, train_path: str, dev_path: str, test_path: str 
     body = build_body(args.model, expect=args.expect, **body_overrides(args))
     model = GPT2SentimentClassifier(body, num_labels, args.head_dropout, args.fine_tune_mode)
     lora.apply_from_args(model, args)
-    tokenizer = load_task_tokenizer(args.tokenizer)
+    tokenizer_name = tokenizer_for(args.tokenizer, args.model)  # the model folder's own, else gpt2
+    tokenizer = load_task_tokenizer(tokenizer_name)
     check_vocab(tokenizer, body.config.vocab_size)
     max_length = min(args.max_length or body.config.n_positions, body.config.n_positions)
     enc = {name: encode(ex, tokenizer, max_length, prompt=lambda e: e.text, what=name)
@@ -153,7 +161,7 @@ def run_dataset(args, task: str, train_path: str, dev_path: str, test_path: str 
 
     lr = args.lr if args.lr is not None else (1e-3 if args.fine_tune_mode == "last-linear-layer" else 1e-5)
     cfg = train_config(args, output_dir, lr, device)
-    run_info = {"task": task, "model": args.model, "tokenizer": args.tokenizer, "train": str(train_path),
+    run_info = {"task": task, "model": args.model, "tokenizer": tokenizer_name, "train": str(train_path),
                 "dev": str(dev_path), "num_labels": num_labels, "fine_tune_mode": args.fine_tune_mode,
                 "hidden_dropout_prob": args.hidden_dropout_prob, "head_dropout": args.head_dropout, "max_length": max_length, "lr": lr,
                 **{k: getattr(cfg, k) for k in ("epochs", "batch_size", "grad_accum", "weight_decay", "schedule",

@@ -26,6 +26,7 @@ from typing import Callable
 from tasks.data import NUM_LABELS, load_paraphrase, load_sentiment, split_head
 
 YES_ID, NO_ID = 8505, 3919  # GPT-2 token ids of "yes" / "no": the course's paraphrase label codes
+PARA_NAMES = {NO_ID: "no 3919", YES_ID: "yes 8505"}
 HEADERS = {"sentiment": "Predicted_Sentiment", "paraphrase": "Predicted_Is_Paraphrase"}
 
 
@@ -85,6 +86,15 @@ def classification_metrics(y_true: list[int], y_pred: list[int], labels: list[in
         "labels": labels,
         "confusion_matrix": confusion_matrix(y_true, y_pred, labels=labels).tolist(),  # rows: gold, columns: predicted
     }
+
+
+def format_confusion(matrix: list[list[int]], names: list[str]) -> str:
+    """The confusion matrix as a text table: one row per gold label, one column per predicted label."""
+    width = max(6, *(len(n) for n in names), *(len(str(c)) for row in matrix for c in row))
+    corner = "gold \\ pred"
+    lines = [f"{corner:>11} " + " ".join(f"{n:>{width}}" for n in names)]
+    lines += [f"{name:>11} " + " ".join(f"{c:>{width}}" for c in row) for name, row in zip(names, matrix)]
+    return "\n".join(lines)
 
 
 def align(pred: dict[str, int], gold: dict[str, int], pred_path, gold_path) -> tuple[list[int], list[int]]:
@@ -170,8 +180,14 @@ def main(argv: list[str] | None = None) -> int:
     for r in results:
         metrics = "  ".join(f"{c} {r[c]:.4f}" for c in SCORERS[r["task"]].columns)
         print(f"{r['task']:<8} {r['n']:>6}  {metrics}  ({r['pred']})")
+    for r in results:
+        if "confusion_matrix" in r:
+            names = [PARA_NAMES.get(label, str(label)) if r["task"] == "para" else str(label) for label in r["labels"]]
+            print(f"\n{r['task']} confusion matrix ({r['pred']}):\n{format_confusion(r['confusion_matrix'], names)}")
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
+        path = Path(args.json)
+        path.parent.mkdir(parents=True, exist_ok=True)  # runs/eval.json on a fresh clone: runs/ does not exist yet
+        path.write_text(json.dumps(results, indent=1) + "\n")
         print(f"wrote {args.json}")
     return 0
 

@@ -21,6 +21,7 @@ from models.lora import (
     merge_lora,
     resolve_targets,
     save_adapter,
+    save_base,
 )
 from tasks.checkpoint import save_checkpoint
 
@@ -91,14 +92,28 @@ def run_info(args) -> dict:
                      "targets": list(resolve_targets(args.lora_targets))}}
 
 
+BASE_DIR = "base"  # OUTPUT_DIR/base: the frozen base of a LoRA run on a random init, which --model cannot rebuild
+
+
 class _AdapterWriter:
-    """What save_checkpoint writes for a LoRA model: its adapter, in PEFT's format, in place of the whole model."""
+    """What save_checkpoint writes for a LoRA model: its adapter, in PEFT's format, in place of the whole model.
+    On a `random:` base the adapter's base_model_name_or_path names OUTPUT_DIR/base, where the base weights are
+    written (once per process, so a run restarted with --overwrite writes its own), so PEFT can load the adapter."""
 
     def __init__(self, model: nn.Module):
         self.model = model
 
     def save_pretrained(self, directory) -> None:
-        save_adapter(self.model, directory)
+        body = body_of(self.model)
+        spec = str(getattr(body, "lora_base_model", None) or "")
+        if not spec.startswith("random:"):
+            save_adapter(self.model, directory)
+            return
+        base = (Path(directory).parent / BASE_DIR).resolve()  # directory is a temporary sibling of last/ and best/
+        if getattr(body, "lora_base_saved", None) != base:
+            save_base(self.model, base)
+            body.lora_base_saved = base
+        save_adapter(self.model, directory, base_model=str(base))
 
 
 def checkpoint_part(model: nn.Module) -> _AdapterWriter | None:

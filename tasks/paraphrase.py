@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.hub import tokenizer_for
 from tasks import distributed as dist
 from tasks import lora
 from tasks.data import (
@@ -28,6 +29,7 @@ from tasks.data import (
 )
 from tasks.engine import load_weights
 from tasks.evaluate import NO_ID, YES_ID, classification_metrics, write_predictions
+from tasks.outputs import claim_outputs, predictions_folder
 from tasks.training import (
     FineTuneConfig,
     body_overrides,
@@ -101,14 +103,15 @@ def to_course_codes(preds: list[int], model: ParaphraseGPT) -> list[int]:
 class ParaphraseConfig(FineTuneConfig):
     """run_paraphrase.py's flags (see FineTuneConfig for the shared ones)."""
     fine_tune_mode: str = "full-model"
-    tokenizer: str = "gpt2"
+    tokenizer: str | None = None  # None: the --model folder's own tokenizer, else gpt2
     max_length: int | None = None
     train: str = "data/quora-train.csv"
     dev: str | None = None
     test: str | None = None
     split_dev: int = 0
-    dev_out: str = "predictions/para-dev-output.csv"
-    test_out: str = "predictions/para-test-output.csv"
+    predictions_dir: str | None = None  # None: OUTPUT_DIR/predictions
+    dev_out: str | None = None  # None: PREDICTIONS_DIR/para-dev-output.csv
+    test_out: str | None = None  # None: PREDICTIONS_DIR/para-test-output.csv
     test_prompt: str = "test"
     skip_bad_rows: bool = False
 
@@ -116,6 +119,11 @@ class ParaphraseConfig(FineTuneConfig):
 def run(args: ParaphraseConfig) -> dict:
     """The whole of run_paraphrase.py (the Python API: `run(ParaphraseConfig(train=..., split_dev=16000, ...))`)."""
     device = start(args, "checkpoints/paraphrase-lora" if args.lora_rank else "checkpoints/paraphrase")
+    folder = predictions_folder(args.predictions_dir, args.output_dir)  # the course's names, in the run's folder
+    args.dev_out = args.dev_out or str(folder / "para-dev-output.csv")
+    args.test_out = args.test_out or str(folder / "para-test-output.csv")
+    if not args.max_steps:  # a benchmark writes no predictions
+        claim_outputs((args.dev_out, args.test_out if args.test else None), args.overwrite, args.resume)
     return run_on(args, device)
 
 
@@ -136,7 +144,8 @@ def run_on(args, device: torch.device) -> dict:
 
     seed_everything(args.seed)
     body = build_body(args.model, expect=args.expect, **body_overrides(args))
-    tokenizer = load_task_tokenizer(args.tokenizer)
+    tokenizer_name = tokenizer_for(args.tokenizer, args.model)  # the model folder's own, else gpt2
+    tokenizer = load_task_tokenizer(tokenizer_name)
     check_vocab(tokenizer, body.config.vocab_size)
     model = ParaphraseGPT(body, single_token_id(tokenizer, "yes"), single_token_id(tokenizer, "no"),
                           args.fine_tune_mode)
@@ -160,7 +169,7 @@ def run_on(args, device: torch.device) -> dict:
 
     lr = args.lr if args.lr is not None else 1e-5
     cfg = train_config(args, args.output_dir, lr, device)
-    run_info = {"task": "para", "model": args.model, "tokenizer": args.tokenizer, "train": str(args.train),
+    run_info = {"task": "para", "model": args.model, "tokenizer": tokenizer_name, "train": str(args.train),
                 "dev": str(args.dev), "split_dev": args.split_dev, "fine_tune_mode": args.fine_tune_mode,
                 "hidden_dropout_prob": args.hidden_dropout_prob, "max_length": max_length, "lr": lr,
                 **{k: getattr(cfg, k) for k in ("epochs", "batch_size", "grad_accum", "weight_decay", "schedule",

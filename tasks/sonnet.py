@@ -21,11 +21,12 @@ import torch
 from torch import nn
 
 from models.gpt2 import GPT2LMHeadModel
-from models.hub import shared_dir
+from models.hub import shared_dir, tokenizer_for
 from tasks import distributed as dist
 from tasks import lora
 from tasks.data import Encoded, check_vocab, collate, load_task_tokenizer
 from tasks.engine import autocast, load_weights
+from tasks.outputs import claim_outputs, predictions_folder
 from tasks.training import (
     FineTuneConfig,
     body_overrides,
@@ -308,14 +309,15 @@ def course_file(name: str) -> str:
 @dataclass
 class SonnetConfig(FineTuneConfig):
     """run_sonnet.py's flags (see FineTuneConfig for the shared ones)."""
-    tokenizer: str = "gpt2"
+    tokenizer: str | None = None  # None: the --model folder's own tokenizer, else gpt2
     max_length: int | None = None
     sonnet_path: str = field(default_factory=lambda: course_file("sonnets.txt"))
     held_out_sonnet_path: str = field(default_factory=lambda: course_file("sonnets_held_out.txt"))
-    sonnet_out: str = "predictions/generated_sonnets.txt"
+    predictions_dir: str | None = None  # None: OUTPUT_DIR/predictions
+    sonnet_out: str | None = None  # None: PREDICTIONS_DIR/generated_sonnets.txt
     dev_sonnet_path: str = field(default_factory=lambda: course_file("sonnets_held_out_dev.txt"))
     dev_gold_path: str = field(default_factory=lambda: course_file("TRUE_sonnets_held_out_dev.txt"))
-    dev_out: str = "predictions/generated_sonnets_dev.txt"
+    dev_out: str | None = None  # None: PREDICTIONS_DIR/generated_sonnets_dev.txt
     temperature: float = 1.2
     top_p: float = 0.9
     top_k: int = 0
@@ -330,8 +332,26 @@ class SonnetConfig(FineTuneConfig):
 
 def run(args: SonnetConfig) -> dict:
     """The whole of run_sonnet.py (the Python API: `run(SonnetConfig(model=..., epochs=1, ...))`)."""
-    device = start(args, "checkpoints/sonnet-lora" if args.lora_rank else "checkpoints/sonnet")
+    device = start(args, default_output_dir(args))
+    folder = predictions_folder(args.predictions_dir, args.output_dir)  # the course's names, in the run's folder
+    args.dev_out = args.dev_out or str(folder / "generated_sonnets_dev.txt")
+    args.sonnet_out = args.sonnet_out or str(folder / "generated_sonnets.txt")
+    if not args.max_steps:  # a benchmark writes no predictions
+        claim_outputs((args.dev_out, args.sonnet_out), args.overwrite, args.resume)
     return run_on(args, device)
+
+
+def default_output_dir(args) -> str:
+    """The run's folder when --output_dir is not given. Runs that do not train are named by what they write, so a
+    decoding or a baseline does not land in (nor is refused by) a fine-tuning run's folder."""
+    if args.baseline:
+        return f"checkpoints/sonnet-baseline-{args.baseline}" + (f"-seed{args.seed}" if args.baseline == "random_sonnet"
+                                                                 else "")
+    if args.generate_only:
+        d = decoding_from_args(args)
+        how = f"beam{d.num_beams}" if d.num_beams > 1 else "sample" if d.do_sample else "greedy"
+        return f"checkpoints/sonnet-generate-{how}"
+    return "checkpoints/sonnet-lora" if args.lora_rank else "checkpoints/sonnet"
 
 
 def run_on(args, device: torch.device) -> dict:
@@ -353,7 +373,8 @@ def run_on(args, device: torch.device) -> dict:
     seed_everything(args.seed)
     model = SonnetGPT(build_body(args.model, cls=GPT2LMHeadModel, expect=args.expect, **body_overrides(args)))
     lora.apply_from_args(model, args)
-    tokenizer = load_task_tokenizer(args.tokenizer)
+    tokenizer_name = tokenizer_for(args.tokenizer, args.model)  # the model folder's own, else gpt2
+    tokenizer = load_task_tokenizer(tokenizer_name)
     check_vocab(tokenizer, model.config.vocab_size)
     model.to(device)
     max_length = min(args.max_length or model.config.n_positions, model.config.n_positions)
@@ -376,7 +397,7 @@ def run_on(args, device: torch.device) -> dict:
         lr = args.lr if args.lr is not None else 1e-5
         cfg = train_config(args, args.output_dir, lr, device)
         cfg.select_metric = "chrf"
-        run_info = {"task": "sonnet", "model": args.model, "tokenizer": args.tokenizer, "train": str(args.sonnet_path),
+        run_info = {"task": "sonnet", "model": args.model, "tokenizer": tokenizer_name, "train": str(args.sonnet_path),
                     "dev": str(args.dev_sonnet_path), "max_length": max_length, "lr": lr,
                     "hidden_dropout_prob": args.hidden_dropout_prob, "decoding": asdict(decoding),
                     **{k: getattr(cfg, k) for k in ("epochs", "batch_size", "grad_accum", "weight_decay", "schedule",

@@ -276,7 +276,7 @@ def test_paraphrase_and_sonnet_clis_train_adapters_and_refuse_contradictions(tmp
     assert run_sonnet.main(files + ["--model", model, "--epochs", "1", "--batch_size", "4", "--lora_rank", "2",
                                     "--output_dir", str(tmp_path / "s"), "--merge_lora"]) == 0
     assert "the adapter merged into the base" in capsys.readouterr().out
-    assert run_sonnet.main(files + ["--generate_only", "--model", str(tmp_path / "s" / "merged")]) == 0
+    assert run_sonnet.main(files + ["--generate_only", "--model", str(tmp_path / "s" / "merged"), "--overwrite"]) == 0
     with pytest.raises(SystemExit):
         run_sonnet.main(files + ["--generate_only", "--model", model, "--lora_rank", "2"])
     assert "--generate_only and --baseline do not train" in capsys.readouterr().err

@@ -253,10 +253,11 @@ def test_run_sonnet_end_to_end(tmp_path, tokenizer, capsys):
     assert len(S.read_sonnets(tmp_path / "out.txt")) == 2
 
     ck = str(tmp_path / "ck" / "best")
-    assert run_sonnet.main(common + ["--generate_only", "--model", ck, "--num_beams", "2"]) == 0
+    assert run_sonnet.main(common + ["--generate_only", "--model", ck, "--num_beams", "2", "--overwrite"]) == 0
     assert "beam search, 2 beams" in capsys.readouterr().out
-    assert run_sonnet.main(common + ["--baseline", "prompts"]) == 0
+    assert run_sonnet.main(common + ["--baseline", "prompts", "--overwrite"]) == 0
     prompts_only = S.chrf(S.read_sonnets(tmp_path / "dev.txt"), dev)
     assert f"dev chrF {prompts_only:.2f} over 3 sonnets (baseline prompts)" in capsys.readouterr().out
-    assert run_sonnet.main(common + ["--baseline", "prompts", "--dev_gold_path", str(tmp_path / "test.txt")]) == 1
+    assert run_sonnet.main(common + ["--baseline", "prompts", "--dev_gold_path", str(tmp_path / "test.txt"),
+                                     "--overwrite"]) == 1
     assert "dev.txt holds 3 prompts but" in capsys.readouterr().err

@@ -70,7 +70,9 @@ def test_cli_errors_name_the_problem(setup, capsys):
     assert run_classifier.main(args + ["--train", str(paths["train"]), "--resume"]) == 1
     assert "no checkpoint" in capsys.readouterr().err
     assert run_classifier.main(args + ["--train", str(paths["train"])]) == 0
-    assert run_classifier.main(args + ["--train", str(paths["train"])]) == 1
+    assert run_classifier.main(args + ["--train", str(paths["train"])]) == 1  # its predictions are there
+    assert "d.csv already exists (an earlier run's predictions): pass --overwrite" in capsys.readouterr().err
+    assert run_classifier.main(args + ["--train", str(paths["train"]), "--dev_out", str(tmp / "d2.csv")]) == 1
     assert "pass --resume to continue it or --overwrite" in capsys.readouterr().err
     assert run_paraphrase.main(common + ["--train", str(write_quora(tmp / "q.csv", 10))]) == 1
     assert "no dev data" in capsys.readouterr().err
@@ -104,7 +106,6 @@ def test_gradient_checkpointing_flag_trains_to_the_same_weights(setup, capsys, m
         out_dir = tmp / ("ck" + "".join(flag))
         code = run_classifier.main(common + ["--fine-tune-mode", "full-model", "--train", str(paths["train"]),
                                              "--dev", str(paths["dev"]), "--test", str(paths["test-student"]),
-                                             "--dev_out", str(tmp / "d.csv"), "--test_out", str(tmp / "t.csv"),
                                              "--output_dir", str(out_dir), "--lr", "1e-3", *flag])
         assert code == 0, capsys.readouterr().out
         weights[bool(flag)] = load_file(out_dir / "last" / "model.safetensors")

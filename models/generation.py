@@ -118,9 +118,9 @@ def _check_sampling(temperature, top_k, top_p) -> None:
 
 def decode_lm_head(body, batch_size: int, quantize: str | None = None):
     """hidden (B, C) -> logits (B, V) for the decode loop, in the layout that streams the weights fastest
-    (quantize="int8": from an int8 copy of the head, kept on the body; the embedding itself stays as it is)."""
+    (quantize="int8" at batch 1: from an int8 copy of the head, kept on the body; the embedding stays as it is)."""
     weight, softcap = body.lm_head_weight, body.logit_softcap  # softcap: nn.Identity unless the config caps logits
-    if quantize == "int8":
+    if quantize == "int8" and batch_size == 1:
         return lambda hidden: softcap(int8_linear(hidden, cached_int8(body, weight, "_int8_head")))
     if weight.device.type != "cpu":
         return body.hidden_state_to_token
@@ -141,9 +141,9 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     is finished: later positions hold pad_token_id (default: eos_token_id). Decoding stops early once every row is
     finished. Sampling draws from `generator` when given, so a seeded generator repeats the same text.
     Beam search is models.beam_search.beam_search; GPT2LMHeadModel.generate(num_beams=N) chooses between the two.
-    quantize="int8" decodes with weight-only int8 copies of every linear layer and of the LM head (per-row scales,
-    modules/quant.py; kept on the model for later calls): about 3x faster at batch 1 on a CPU with AVX2/AVX512,
-    the outputs close to the model's own but not identical.
+    quantize="int8": batch-1 decoding steps read weight-only int8 copies of every linear layer and of the LM head
+    (per-row scales, modules/quant.py; kept on the model for later calls, a quarter of the fp32 weights); the
+    prompt and batches keep the model's weights. Outputs are close to the model's own, not identical.
     """
     check_request(model, input_ids, attention_mask, max_new_tokens, repetition_penalty)
     if quantize is not None and quantize not in QUANTIZE_MODES:

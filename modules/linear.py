@@ -11,7 +11,8 @@ of weights read):
   blocked_linear 11.9-12.2; but whole decodes ran faster with weight_first (beam search, 4 rows: 1.45 vs 1.72 s;
   batch 8: 1.91 vs 2.04 s, same process, interleaved), so B > 1 keeps it.
 Same values up to float rounding (other summation kernels); training and every other shape take F.linear.
-Within `int8_weights(model)` the layers compute with int8 copies of their weights instead (modules/quant.py).
+Within `int8_weights(model)` one-row products (batch-1 decoding) take int8 copies of the weights (modules/quant.py);
+the prompt and batches keep the layer's own weights (dequantizing per call would cost more than int8 saves).
 """
 from __future__ import annotations
 
@@ -72,10 +73,10 @@ def blocked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 class Linear(nn.Linear):
     _blocks: tuple | None = None  # (key, Blocks | None): the decode views, rebuilt when the weights or threads change
-    int8: Int8Weight | None = None  # set within int8_weights(): used for every input while no gradient is taken
+    int8: Int8Weight | None = None  # set within int8_weights(): one-row products take it (no gradient taken)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.int8 is not None and not torch.is_grad_enabled():
+        if self.int8 is not None and x.shape[:-1].numel() == 1 and not torch.is_grad_enabled():
             return int8_linear(x, self.int8, self.bias)
         if x.dim() == 3 and x.shape[1] == 1 and x.is_cpu and not torch.is_grad_enabled():
             if x.shape[0] > 1:  # row-major like F.linear's output: a transposed view sends the next product and
@@ -98,8 +99,8 @@ class Linear(nn.Linear):
 
 @contextlib.contextmanager
 def int8_weights(model: nn.Module):
-    """Within the block, every Linear of `model` (LoRA layers excepted) computes with an int8 copy of its weight
-    (per-row scales) whenever no gradient is taken. The copies stay on the layers for the next block (a quarter of
+    """Within the block, every Linear of `model` (LoRA layers excepted) computes one-row inputs with an int8 copy
+    of its weight (per-row scales) whenever no gradient is taken; other inputs keep the layer's own weight. The copies stay on the layers for the next block (a quarter of
     the fp32 weights' memory) and are made again only for weights that changed. Yields the layers."""
     layers = [m for m in model.modules() if type(m) is Linear]
     for layer in layers:

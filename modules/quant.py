@@ -6,8 +6,10 @@ torch's own int8 kernels do not pay on the CPU at one row (measured on a 2-core 
 read in GB/s, one thread: fp32 F.linear 13.2, torch._weight_int8pack_mm 1.2, torch._int_mm 1.2, fbgemm's
 dynamic quantized Linear 0.4); a product that inductor compiles into one loop (load int8, convert, multiply-add,
 scale once per row) reads 11.5 GB/s of int8, 3.5x the weights per second of fp32. So one-row products take
-that compiled kernel where the CPU has SIMD (torch's capability AVX2 or better) and a C++ compiler works; every
-other shape (the prompt, batches) multiplies the weight dequantized to the activation's dtype.
+that compiled kernel where the CPU has SIMD (torch's capability AVX2 or better) and a C++ compiler works (the
+first call per weight shape compiles: seconds to a minute); elsewhere, and for several rows, the weight is
+dequantized to the activation's dtype (correct, slower than the float weights: modules.linear keeps int8 to
+one-row products).
 """
 from __future__ import annotations
 

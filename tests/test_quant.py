@@ -3,6 +3,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import models.generation as generation_module
+import modules.linear as linear_module
 import modules.quant as quant
 from config import GPT2Config
 from models.gpt2 import GPT2LMHeadModel
@@ -61,30 +63,40 @@ def test_compiled_one_row_kernel_matches_eager():
 
 
 @torch.no_grad()
-def test_generate_int8_is_greedy_decoding_with_dequantized_weights(eager_int8):
-    """Cached decoding with int8 layers and head = a cache-free greedy loop over the weights int8 stands for
-    (left padding included); the layers are back to their own weights afterwards."""
-    model = tiny_model()
-    ids = torch.randint(0, 97, (2, 6), generator=torch.Generator().manual_seed(1))
-    mask = torch.ones_like(ids)
-    mask[1, :2] = 0
-    out = model.generate(ids, mask, max_new_tokens=12, quantize="int8")
+def test_generate_int8_decodes_with_int8_steps_after_a_float_prompt(eager_int8, monkeypatch):
+    """Batch 1: the prompt through the float weights, then every step's linear layers and the head from the int8
+    weights (= their dequantized values); the layers are back to their own weights afterwards."""
+    model, n = tiny_model(), 12
+    ids = torch.randint(0, 97, (1, 6), generator=torch.Generator().manual_seed(1))
+    calls = []  # int8 products, counted: equal tokens alone cannot tell int8 from fp32 on a tiny model
+    counted = lambda *a, **k: calls.append(a[1].q.shape) or int8_linear(*a, **k)  # noqa: E731
+    monkeypatch.setattr(linear_module, "int8_linear", counted)
+    monkeypatch.setattr(generation_module, "int8_linear", counted)
+    out = model.generate(ids, max_new_tokens=n, quantize="int8")
+    assert len(calls) == n + (n - 1) * 2 * 6  # the head every step, 6 linears per layer in each step after the first
 
     ref = tiny_model()
     for m in ref.modules():
         if type(m) is Linear:
-            m.weight.copy_(quantize_int8(m.weight).dequantize())
-    head = quantize_int8(ref.gpt.word_embedding.weight).dequantize()  # the embedding lookup keeps fp32
-    seq, seq_mask = ids, mask
-    for _ in range(12):
-        hidden = ref.gpt(seq, seq_mask)["last_hidden_state"][:, -1]
-        nxt = F.linear(hidden, head).argmax(-1, keepdim=True)
-        seq, seq_mask = torch.cat([seq, nxt], 1), torch.cat([seq_mask, torch.ones_like(nxt)], 1)
-    assert torch.equal(out, seq)
+            deq = quantize_int8(m.weight).dequantize()  # one-row inputs (the steps) take it, the prompt does not
+            m.register_forward_hook(lambda mod, inp, y, w=deq: F.linear(inp[0], w, mod.bias)
+                                    if inp[0].shape[:-1].numel() == 1 else None)
+    head = quantize_int8(ref.gpt.lm_head_weight).dequantize()
+    cache = ref.gpt.new_cache(1, 6 + n)
+    hidden = ref.gpt(ids, None, None, cache, use_cache=True)["last_hidden_state"][:, -1]
+    tokens = [ids]
+    for step in range(n):
+        tokens.append(F.linear(hidden, head).argmax(-1, keepdim=True))
+        hidden = ref.gpt.decode_step(tokens[-1], torch.tensor([[6 + step]]), None, cache)
+    assert torch.equal(out, torch.cat(tokens, 1))
     assert all(m.int8 is None for m in model.modules() if type(m) is Linear)
-    x = torch.randn(1, 6)
-    torch.testing.assert_close(model.generate(x.long().abs() % 97, max_new_tokens=3),
-                               tiny_model().generate(x.long().abs() % 97, max_new_tokens=3))
+    assert torch.equal(model.generate(ids, max_new_tokens=n), tiny_model().generate(ids, max_new_tokens=n))
+
+
+def test_int8_leaves_batches_and_prompts_to_the_float_weights(eager_int8):
+    model = tiny_model()
+    ids = torch.randint(0, 97, (3, 5), generator=torch.Generator().manual_seed(2))
+    assert torch.equal(model.generate(ids, max_new_tokens=6, quantize="int8"), model.generate(ids, max_new_tokens=6))
 
 
 @torch.no_grad()
@@ -106,8 +118,8 @@ def test_int8_weights_leave_training_alone():
     layer = next(m for m in model.modules() if type(m) is Linear)
     x = torch.randn(2, 3, layer.in_features)
     with int8_weights(model):
-        y = layer(x)  # grad enabled: the fp32 weight, so gradients reach it
-    assert torch.equal(y, F.linear(x, layer.weight, layer.bias))
+        y = layer(x[:1, :1])  # one row, but grad enabled: the fp32 weight, so gradients reach it
+    assert torch.equal(y, F.linear(x[:1, :1], layer.weight, layer.bias))
     y.sum().backward()
     assert layer.weight.grad is not None
 

@@ -2,10 +2,11 @@
 scale = max|row| / 127), activations untouched (fp32 or bf16).
 
 Decoding one token streams every weight once per token, so 1 byte per weight instead of 4 (fp32) reads 4x less.
-torch's own int8 kernels do not pay on the CPU at one row (measured on a 2-core Zen 4 with AVX512-VNNI, weights
-read in GB/s, one thread: fp32 F.linear 13.2, torch._weight_int8pack_mm 1.2, torch._int_mm 1.2, fbgemm's
-dynamic quantized Linear 0.4); a product that inductor compiles into one loop (load int8, convert, multiply-add,
-scale once per row) reads 11.5 GB/s of int8, 3.5x the weights per second of fp32. So one-row products take
+torch's own int8 kernels do not pay on the CPU at one row (2-core Zen 4 with AVX512-VNNI, 3072 x 768 weights,
+GB/s of weights read, one thread, same process: fp32 F.linear 13.2, torch._weight_int8pack_mm 1.2; torch._int_mm
+and fbgemm's dynamic quantized Linear were slower still, 1.2 and 0.4 at two threads on a loaded machine); a
+product that inductor compiles into one loop (load int8, convert, multiply-add, scale once per row) reads 11.5 GB/s
+of int8 there, 3.5x the weights per second of fp32. So one-row products take
 that compiled kernel where the CPU has SIMD (torch's capability AVX2 or better) and a C++ compiler works (the
 first call per weight shape compiles: seconds to a minute); elsewhere, and for several rows, the weight is
 dequantized to the activation's dtype (correct, slower than the float weights: modules.linear keeps int8 to

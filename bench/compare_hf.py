@@ -56,7 +56,8 @@ SECTIONS = ("train", "forward", "generate", "memory", "xl", "checkpointing")
 TARGETS = {("train", "fp32"): 1.1, ("train", "bf16"): 3.0, ("forward", "fp32"): 1.0, ("forward", "bf16"): 3.0,
            ("generate b1", "fp32"): 1.5, ("generate b1", "bf16"): 2.5, ("generate b8", "fp32"): 2.0,
            ("beam4 b1", "fp32"): 1.5, ("ttft p512", "fp32"): 1.0}  # (issue 15)
-GENERATE_ROWS = ("b1", "b8", "sample", "beam4", "ttft")  # greedy b1 and b8, and the fp32-only rows below
+INT8_TARGET = 2.5  # greedy b1 with quantize="int8" against the best transformers fp32 (issue 25)
+GENERATE_ROWS = ("b1", "b8", "sample", "beam4", "ttft", "int8")  # greedy b1 and b8, and the fp32-only rows below
 SAMPLING = dict(temperature=0.8, top_p=0.9)  # the sampling row's settings (transformers' default top_k=50 is off)
 SAMPLING_VS_GREEDY = 0.9  # target: ours' sampling at least this fraction of ours' greedy speed
 PROMPT_LENGTHS_B8 = [16, 13, 10, 16, 7, 12, 15, 9]  # the batch-8 prompts, left-padded to 16
@@ -167,10 +168,12 @@ def make_forward(model, ids: torch.Tensor):
 
 
 def make_generate(model, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int, mode: str = "greedy", seed: int = 0):
-    """mode 'greedy', 'sample' (SAMPLING settings; ours from a generator seeded per call) or 'beam4' (4 beams,
-    transformers' defaults for length_penalty and early_stopping, which ours shares)."""
+    """mode 'greedy', 'sample' (SAMPLING settings; ours from a generator seeded per call), 'beam4' (4 beams,
+    transformers' defaults for length_penalty and early_stopping, which ours shares) or 'int8' (ours' greedy with
+    quantize="int8")."""
     model.eval()
-    kwargs = {"greedy": dict(do_sample=False), "sample": dict(do_sample=True, **SAMPLING),
+    kwargs = {"greedy": dict(do_sample=False), "int8": dict(do_sample=False, quantize="int8"),
+              "sample": dict(do_sample=True, **SAMPLING),
               "beam4": dict(do_sample=False, num_beams=4, length_penalty=1.0, early_stopping=False)}[mode]
 
     def generate():
@@ -294,6 +297,9 @@ def section_generate(args, state: dict, report: Report) -> None:
         for batch in [b for b in (1, 8) if f"b{b}" in rows]:
             ids, mask = prompts(batch, args.seed)
             fns = {k: make_generate(m, ids, mask, args.new_tokens) for k, m in models.items()}
+            int8 = batch == 1 and dtype == torch.float32 and "int8" in rows
+            if int8:  # timed in the same rounds as the fp32 contenders; its first call compiles the kernels
+                fns["ours-int8"] = make_generate(models["ours"], ids, mask, args.new_tokens, "int8")
             outs = {k: fn() for k, fn in fns.items()}
             sec = time_contenders(fns, args.repeats, warmup=0)
             rates = {k: batch * args.new_tokens / v for k, v in sec.items()}
@@ -301,6 +307,8 @@ def section_generate(args, state: dict, report: Report) -> None:
             _print_match(outs, "greedy")
             if batch == 1:
                 _print_bandwidth_share(models["ours"], rates)
+            if int8:
+                _print_int8(models["ours"], rates, outs)
         if dtype == torch.float32:
             _generate_fp32_extras(args, models, report, rows)
 
@@ -349,6 +357,27 @@ def _print_bandwidth_share(ours, rates: dict) -> None:
     shares = "  ".join(f"{k} {100 * v / limit:.0f}%" for k, v in rates.items())
     print(f"{'':<12} {'':<5} of the bandwidth limit ({step_bytes / 1e6:.0f} MB of weights per token at "
           f"{read_bandwidth():.1f} GB/s: {limit:.1f} tokens/s): {shares}", flush=True)
+
+
+def _print_int8(ours, rates: dict, outs: dict) -> None:
+    """The int8 row: speed against the best transformers fp32, its share of the bandwidth limit for int8 weights,
+    the greedy tokens against ours' fp32, and the memory of the int8 copies kept on the model."""
+    from modules.linear import Linear
+
+    best_hf = max((v for k, v in rates.items() if k.startswith("hf")), default=None)
+    copies = [m.__dict__["_int8_cache"][1] for m in ours.modules() if isinstance(m, Linear) and "_int8_cache" in m.__dict__]
+    head = ours.gpt.__dict__["_int8_head"][1]
+    int8_bytes = sum(w.nbytes for w in copies + [head])
+    other = sum(p.numel() * p.element_size() for m in ours.modules() if not isinstance(m, Linear)
+                for name, p in m.named_parameters(recurse=False) if "embedding" not in name)
+    limit = read_bandwidth() * 1e9 / (int8_bytes + other)
+    same = (outs["ours-int8"] == outs["ours"]).all(1).float().mean().item()
+    ratio = f"ours-int8/best-HF-fp32 {rates['ours-int8'] / best_hf:.2f}x (target >= {INT8_TARGET}x: " \
+        f"{'met' if rates['ours-int8'] / best_hf >= INT8_TARGET else 'NOT met'})  " if best_hf else ""
+    print(f"{'':<12} {'int8':<5} {ratio}ours-int8/ours-fp32 {rates['ours-int8'] / rates['ours']:.2f}x; "
+          f"{100 * rates['ours-int8'] / limit:.0f}% of the int8 bandwidth limit ({limit:.1f} tokens/s); greedy "
+          f"tokens equal to ours fp32: {100 * same:.0f}% of rows; int8 copies kept: {int8_bytes / 1e6:.0f} MB "
+          f"[load {os.getloadavg()[0]:.1f}]", flush=True)
 
 
 def _dtypes(args) -> list[torch.dtype]:

@@ -4,12 +4,15 @@ Logit processing follows the usual order: repetition penalty, temperature, top-k
 """
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from modules.linear import blocked_product, row_blocks, weight_first
+from modules.linear import blocked_product, int8_weights, row_blocks, weight_first
 from modules.masks import position_ids_from_mask
+from modules.quant import QUANTIZE_MODES, cached_int8, int8_linear
 
 
 def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
@@ -113,9 +116,12 @@ def _check_sampling(temperature, top_k, top_p) -> None:
 # Same products, other kernels (outputs agree to fp32 rounding).
 
 
-def decode_lm_head(body, batch_size: int):
-    """hidden (B, C) -> logits (B, V) for the decode loop, in the layout that streams the weights fastest."""
+def decode_lm_head(body, batch_size: int, quantize: str | None = None):
+    """hidden (B, C) -> logits (B, V) for the decode loop, in the layout that streams the weights fastest
+    (quantize="int8" at batch 1: from an int8 copy of the head, kept on the body; the embedding stays as it is)."""
     weight, softcap = body.lm_head_weight, body.logit_softcap  # softcap: nn.Identity unless the config caps logits
+    if quantize == "int8" and batch_size == 1:
+        return lambda hidden: softcap(int8_linear(hidden, cached_int8(body, weight, "_int8_head")))
     if weight.device.type != "cpu":
         return body.hidden_state_to_token
     if batch_size > 1:
@@ -128,15 +134,20 @@ def decode_lm_head(body, batch_size: int):
 def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, max_new_tokens: int = 20,
              do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
              repetition_penalty: float = 1.0, eos_token_id: int | None = None, pad_token_id: int | None = None,
-             generator: torch.Generator | None = None) -> torch.Tensor:
+             generator: torch.Generator | None = None, quantize: str | None = None) -> torch.Tensor:
     """Continue each prompt by up to max_new_tokens tokens -> (B, prompt_len + new) LongTensor.
 
     Prompts of different lengths are left-padded (attention_mask 0 on the left). A row that emits eos_token_id
     is finished: later positions hold pad_token_id (default: eos_token_id). Decoding stops early once every row is
     finished. Sampling draws from `generator` when given, so a seeded generator repeats the same text.
     Beam search is models.beam_search.beam_search; GPT2LMHeadModel.generate(num_beams=N) chooses between the two.
+    quantize="int8": batch-1 decoding steps read weight-only int8 copies of every linear layer and of the LM head
+    (per-row scales, modules/quant.py; kept on the model for later calls, a quarter of the fp32 weights); the
+    prompt and batches keep the model's weights. Outputs are close to the model's own, not identical.
     """
     check_request(model, input_ids, attention_mask, max_new_tokens, repetition_penalty)
+    if quantize is not None and quantize not in QUANTIZE_MODES:
+        raise ValueError(f"quantize must be None or one of {QUANTIZE_MODES}, got {quantize!r}")
     _check_sampling(temperature, top_k, top_p)
     if max_new_tokens == 0:  # nothing to decode: no forward pass for the prompt
         return input_ids.clone()
@@ -161,9 +172,12 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     # Keys each step may attend (new tokens are always real); None without padding lets SDPA skip masking.
     key_mask = None if bool(attention_mask.bool().all()) else mask.bool()[:, None, None, :]  # (B, 1, 1, T + new)
 
-    lm_head = decode_lm_head(body, B)
+    lm_head = decode_lm_head(body, B, quantize)
     was_training = model.training
     model.eval()
+    quantized = contextlib.ExitStack()  # int8 layers for this call only
+    if quantize == "int8":
+        quantized.enter_context(int8_weights(model))
     try:
         # The prompt goes through the checked forward; each step then takes the lean path (inputs made here).
         hidden = body(input_ids, mask[:, :T], positions[:, :T], cache, use_cache=True)["last_hidden_state"][:, -1]
@@ -188,4 +202,5 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
             hidden = body.decode_step(next_ids[:, None], positions[:, pos: pos + 1], step_mask, cache)
         return out
     finally:
+        quantized.close()
         model.train(was_training)

@@ -248,6 +248,8 @@ class GPT2LMHeadModel(nn.Module):
             for ignored in ("length_penalty", "early_stopping"):  # beam options mean nothing to one sequence
                 kwargs.pop(ignored, None)
             return generate(self, input_ids, attention_mask, max_new_tokens=max_new_tokens, **kwargs)
+        if kwargs.pop("quantize", None) is not None:
+            raise ValueError("quantize applies to greedy and sampled decoding, not to beam search (num_beams > 1)")
         if kwargs.pop("do_sample", False):
             raise ValueError("beam search is deterministic here: pass do_sample=False with num_beams > 1")
         for ignored in ("temperature", "top_k", "top_p", "generator"):  # sampling options mean nothing to beams

@@ -11,14 +11,19 @@ of weights read):
   blocked_linear 11.9-12.2; but whole decodes ran faster with weight_first (beam search, 4 rows: 1.45 vs 1.72 s;
   batch 8: 1.91 vs 2.04 s, same process, interleaved), so B > 1 keeps it.
 Same values up to float rounding (other summation kernels); training and every other shape take F.linear.
+Within `int8_weights(model)` one-row products (batch-1 decoding) take int8 copies of the weights (modules/quant.py);
+the prompt and batches keep the layer's own weights (dequantizing per call would cost more than int8 saves).
 """
 from __future__ import annotations
 
+import contextlib
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from modules.quant import Int8Weight, cached_int8, int8_linear
 
 
 def weight_first(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -68,8 +73,11 @@ def blocked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 class Linear(nn.Linear):
     _blocks: tuple | None = None  # (key, Blocks | None): the decode views, rebuilt when the weights or threads change
+    int8: Int8Weight | None = None  # set within int8_weights(): one-row products take it (no gradient taken)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.int8 is not None and x.shape[:-1].numel() == 1 and not torch.is_grad_enabled():
+            return int8_linear(x, self.int8, self.bias)
         if x.dim() == 3 and x.shape[1] == 1 and x.is_cpu and not torch.is_grad_enabled():
             if x.shape[0] > 1:  # row-major like F.linear's output: a transposed view sends the next product and
                 return weight_first(x[:, 0], self.weight, self.bias).contiguous()[:, None]  # SDPA down slow paths
@@ -87,3 +95,18 @@ class Linear(nn.Linear):
             self._blocks = (key, row_blocks(self.weight.detach(), None if self.bias is None else self.bias.detach(),
                                             key[3]))
         return self._blocks[1]
+
+
+@contextlib.contextmanager
+def int8_weights(model: nn.Module):
+    """Within the block, every Linear of `model` (LoRA layers excepted) computes one-row inputs with an int8 copy
+    of its weight (per-row scales) whenever no gradient is taken; other inputs keep the layer's own weight. The copies stay on the layers for the next block (a quarter of
+    the fp32 weights' memory) and are made again only for weights that changed. Yields the layers."""
+    layers = [m for m in model.modules() if type(m) is Linear]
+    for layer in layers:
+        layer.int8 = cached_int8(layer, layer.weight)
+    try:
+        yield layers
+    finally:
+        for layer in layers:
+            layer.int8 = None

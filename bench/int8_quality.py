@@ -1,0 +1,91 @@
+"""What weight-only int8 costs in quality: validation perplexity of a trained model with fp32 weights and with int8
+weights (every linear layer and the LM head, per-row scales), and how many greedy continuations keep their first
+tokens.
+
+    # a small BPE model pretrained on tiny shakespeare, then its int8 quality
+    python run_pretrain.py --data ../shared/data/tinyshakespeare/input.txt --tokenizer ../shared/gpt2-tokenizer \
+        --n_layer 2 --n_head 4 --n_embd 128 --n_positions 128 --block_size 64 --output_dir out/bpe-tiny
+    python bench/int8_quality.py --model out/bpe-tiny/best --prompts 20 --new-tokens 32
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import math
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+import transformers  # noqa: E402
+
+from models.gpt2 import GPT2LMHeadModel  # noqa: E402
+from modules.linear import Linear  # noqa: E402
+from modules.quant import int8_linear, quantize_int8  # noqa: E402
+
+
+@torch.no_grad()
+def perplexity(model, ids: torch.Tensor, block: int, int8: bool) -> float:
+    """exp(mean next-token loss) over consecutive blocks of `ids`; int8: every linear layer and the LM head from
+    their int8 weights (dequantized: the values the one-row kernel multiplies by), the embedding lookup as is."""
+    if int8:
+        model = copy.deepcopy(model)
+        for m in model.modules():
+            if type(m) is Linear:
+                m.weight.copy_(quantize_int8(m.weight).dequantize(m.weight.dtype))
+    body, total, count = model.gpt, 0.0, 0
+    head = quantize_int8(body.lm_head_weight) if int8 else None
+    for start in range(0, ids.numel() - block - 1, block):
+        x = ids[start: start + block + 1][None]
+        if int8:
+            hidden = body(x[:, :-1])["last_hidden_state"]
+            logits = body.logit_softcap(int8_linear(hidden, head))  # several rows: the dequantized head
+        else:
+            logits = model(x[:, :-1])["logits"]
+        total += F.cross_entropy(logits[0].float(), x[0, 1:], reduction="sum").item()
+        count += block
+    return math.exp(total / count)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True, help="a checkpoint folder (HF format) or a hub id")
+    parser.add_argument("--data", default=str(ROOT.parent / "shared/data/tinyshakespeare/input.txt"),
+                        help="text whose last --val-fraction is the validation split")
+    parser.add_argument("--tokenizer", default=str(ROOT.parent / "shared/gpt2-tokenizer"), help="tokenizer folder")
+    parser.add_argument("--val-fraction", type=float, default=0.1, help="tail of the text used for validation")
+    parser.add_argument("--prompts", type=int, default=20, help="greedy continuations compared")
+    parser.add_argument("--prompt-tokens", type=int, default=16, help="tokens per prompt")
+    parser.add_argument("--new-tokens", type=int, default=32, help="greedy tokens compared per prompt")
+    args = parser.parse_args()
+
+    model = GPT2LMHeadModel.from_pretrained(args.model).eval()
+    text = Path(args.data).read_text()
+    tok = transformers.AutoTokenizer.from_pretrained(args.tokenizer)
+    ids = torch.tensor(tok(text[int(len(text) * (1 - args.val_fraction)):])["input_ids"])
+    block = min(model.config.n_positions, 256)
+    print(f"model {args.model}: {model.num_parameters() / 1e6:.2f}M parameters; validation {ids.numel()} tokens; "
+          f"cpu capability {torch.backends.cpu.get_cpu_capability()}; load {os.getloadavg()[0]:.1f}", flush=True)
+    ppl = {name: perplexity(model, ids, block, name == "int8") for name in ("fp32", "int8")}
+    print(f"perplexity fp32 {ppl['fp32']:.3f}  int8 {ppl['int8']:.3f}  difference "
+          f"{100 * (ppl['int8'] / ppl['fp32'] - 1):+.2f}% (target within 1%)", flush=True)
+
+    step = max(1, (ids.numel() - args.prompt_tokens) // args.prompts)
+    same, first_diff = 0, []
+    for i in range(args.prompts):
+        prompt = ids[i * step: i * step + args.prompt_tokens][None]
+        a = model.generate(prompt, max_new_tokens=args.new_tokens)[0, args.prompt_tokens:]
+        b = model.generate(prompt, max_new_tokens=args.new_tokens, quantize="int8")[0, args.prompt_tokens:]
+        same += bool(torch.equal(a, b))
+        diff = (a != b).nonzero()
+        first_diff.append(int(diff[0]) if diff.numel() else args.new_tokens)
+    print(f"greedy: first {args.new_tokens} tokens identical on {same} of {args.prompts} prompts; tokens before "
+          f"the first difference: {first_diff}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,132 @@
+"""Weight-only int8 (modules/quant.py) and generate(quantize="int8")."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import models.generation as generation_module
+import modules.linear as linear_module
+import modules.quant as quant
+from config import GPT2Config
+from models.gpt2 import GPT2LMHeadModel
+from modules.linear import Linear, int8_weights
+from modules.quant import int8_linear, quantize_int8
+
+
+@pytest.fixture
+def eager_int8(monkeypatch):
+    """The eager int8 product everywhere: compiling gpt2's shapes takes minutes under load (one test compiles)."""
+    monkeypatch.setattr(quant, "_compiled_gemv", False)
+
+
+def tiny_model(seed=0):
+    torch.manual_seed(seed)
+    return GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=97, n_positions=64)).eval()
+
+
+def test_quantize_int8_rounds_each_row_to_half_a_step():
+    w = torch.randn(16, 24)
+    w[3] = 0.0  # an all-zero row must not divide by zero
+    w8 = quantize_int8(w)
+    assert w8.q.dtype == torch.int8 and w8.scale.shape == (16,)
+    assert int(w8.q.abs().max()) == 127  # each row's largest entry maps to +-127
+    err = (w8.dequantize() - w).abs()
+    assert bool((err <= w8.scale[:, None] / 2 + 1e-7).all())
+    assert torch.equal(w8.dequantize()[3], torch.zeros(24))
+    assert w8.dequantize(torch.bfloat16).dtype == torch.bfloat16
+
+
+def test_quantize_int8_rejects_bad_weights():
+    with pytest.raises(ValueError, match="2-d"):
+        quantize_int8(torch.randn(4))
+    with pytest.raises(ValueError, match="floating-point"):
+        quantize_int8(torch.ones(4, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match="features"):
+        int8_linear(torch.randn(1, 5), quantize_int8(torch.randn(3, 4)))
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_int8_linear_is_the_dequantized_product(rows, eager_int8):
+    w8, bias = quantize_int8(torch.randn(12, 20)), torch.randn(12)
+    x = torch.randn(2, rows, 20)
+    torch.testing.assert_close(int8_linear(x, w8, bias), F.linear(x, w8.dequantize(), bias))
+    y = int8_linear(x.bfloat16(), w8)  # bf16 activations stay bf16
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), F.linear(x, w8.dequantize()), atol=0.1, rtol=0.02)
+
+
+@pytest.mark.skipif(not quant.compiled_kernel_available(), reason="no SIMD capability for the compiled kernel")
+def test_compiled_one_row_kernel_matches_eager():
+    w8, x = quantize_int8(torch.randn(40, 32)), torch.randn(1, 32)
+    y = int8_linear(x, w8, compiled=True)
+    assert callable(quant._compiled_gemv)  # it ran: a failed compile would have set False and computed eagerly
+    torch.testing.assert_close(y, int8_linear(x, w8, compiled=False))
+
+
+@torch.no_grad()
+def test_generate_int8_decodes_with_int8_steps_after_a_float_prompt(eager_int8, monkeypatch):
+    """Batch 1: the prompt through the float weights, then every step's linear layers and the head from the int8
+    weights (= their dequantized values); the layers are back to their own weights afterwards."""
+    model, n = tiny_model(), 12
+    ids = torch.randint(0, 97, (1, 6), generator=torch.Generator().manual_seed(1))
+    calls = []  # int8 products, counted: equal tokens alone cannot tell int8 from fp32 on a tiny model
+    counted = lambda *a, **k: calls.append(a[1].q.shape) or int8_linear(*a, **k)  # noqa: E731
+    monkeypatch.setattr(linear_module, "int8_linear", counted)
+    monkeypatch.setattr(generation_module, "int8_linear", counted)
+    out = model.generate(ids, max_new_tokens=n, quantize="int8")
+    assert len(calls) == n + (n - 1) * 2 * 6  # the head every step, 6 linears per layer in each step after the first
+
+    ref = tiny_model()
+    for m in ref.modules():
+        if type(m) is Linear:
+            deq = quantize_int8(m.weight).dequantize()  # one-row inputs (the steps) take it, the prompt does not
+            m.register_forward_hook(lambda mod, inp, y, w=deq: F.linear(inp[0], w, mod.bias)
+                                    if inp[0].shape[:-1].numel() == 1 else None)
+    head = quantize_int8(ref.gpt.lm_head_weight).dequantize()
+    cache = ref.gpt.new_cache(1, 6 + n)
+    hidden = ref.gpt(ids, None, None, cache, use_cache=True)["last_hidden_state"][:, -1]
+    tokens = [ids]
+    for step in range(n):
+        tokens.append(F.linear(hidden, head).argmax(-1, keepdim=True))
+        hidden = ref.gpt.decode_step(tokens[-1], torch.tensor([[6 + step]]), None, cache)
+    assert torch.equal(out, torch.cat(tokens, 1))
+    assert all(m.int8 is None for m in model.modules() if type(m) is Linear)
+    assert torch.equal(model.generate(ids, max_new_tokens=n), tiny_model().generate(ids, max_new_tokens=n))
+
+
+def test_int8_leaves_batches_and_prompts_to_the_float_weights(eager_int8):
+    model = tiny_model()
+    ids = torch.randint(0, 97, (3, 5), generator=torch.Generator().manual_seed(2))
+    assert torch.equal(model.generate(ids, max_new_tokens=6, quantize="int8"), model.generate(ids, max_new_tokens=6))
+
+
+@torch.no_grad()
+def test_int8_copies_are_reused_and_remade_when_weights_change(eager_int8):
+    model = tiny_model()
+    layer = next(m for m in model.modules() if type(m) is Linear)
+    with int8_weights(model):
+        first = layer.int8
+    with int8_weights(model):
+        assert layer.int8 is first  # kept between calls
+    layer.weight.mul_(2.0)  # an in-place update (an optimizer step) must be seen
+    with int8_weights(model):
+        torch.testing.assert_close(layer.int8.dequantize(), quantize_int8(layer.weight).dequantize())
+    assert layer.int8 is None
+
+
+def test_int8_weights_leave_training_alone():
+    model = tiny_model()
+    layer = next(m for m in model.modules() if type(m) is Linear)
+    x = torch.randn(2, 3, layer.in_features)
+    with int8_weights(model):
+        y = layer(x[:1, :1])  # one row, but grad enabled: the fp32 weight, so gradients reach it
+    assert torch.equal(y, F.linear(x[:1, :1], layer.weight, layer.bias))
+    y.sum().backward()
+    assert layer.weight.grad is not None
+
+
+def test_quantize_argument_is_checked():
+    model, ids = tiny_model(), torch.zeros(1, 3, dtype=torch.long)
+    with pytest.raises(ValueError, match="quantize must be None or one of"):
+        model.generate(ids, max_new_tokens=2, quantize="int4")
+    with pytest.raises(ValueError, match="not to beam search"):
+        model.generate(ids, max_new_tokens=2, num_beams=2, quantize="int8")

@@ -38,7 +38,8 @@ class Limits:
     timeout: float = 60.0  # wall-clock seconds per check
     mem_mb: int = 3072  # address space beyond what the warm interpreter already maps
     max_file_mb: int = 16  # largest file (captured output included) a check may write
-    max_procs: int = 64  # processes + threads of the sandbox user (only enforced for a non-root uid)
+    max_procs: int = 64  # processes + threads: the check's cgroup, and RLIMIT_NPROC of a sandbox uid
+    disk_mb: int = 512  # what the check may write in its folders (a tmpfs under them, counted as memory too)
 
 
 @dataclass
@@ -95,6 +96,18 @@ def _chown_tree(root: Path, uid: int) -> None:
         os.lchown(dirpath, uid, uid)
         for name in dirnames + filenames:
             os.lchown(os.path.join(dirpath, name), uid, uid)
+
+
+def _close_folders(tmp: Path, private: tuple, uid: int | None) -> None:
+    """Nobody else enters a check's folder: its top is root's and only the check's group may pass through
+    (root), or ours alone (no root); the folders it works in are its own, 0700."""
+    if uid is not None:
+        os.chown(tmp, 0, uid)
+        os.chmod(tmp, 0o710)
+    else:
+        os.chmod(tmp, 0o700)
+    for folder in private:
+        os.chmod(folder, 0o700)
 
 
 class Sandbox:
@@ -154,7 +167,6 @@ class Sandbox:
         before = _snapshot(submission)
         tmp = Path(tempfile.mkdtemp(prefix="grading-check-"))
         try:
-            os.chmod(tmp, 0o755)
             work, result, home = tmp / "submission", tmp / "result", tmp / "home"
             left_out = _copy_submission(submission, work)
             result.mkdir()
@@ -173,10 +185,12 @@ class Sandbox:
             if self.uid is not None:
                 for folder in (work, result, home):
                     _chown_tree(folder, self.uid)
+            _close_folders(tmp, (work, home), self.uid)
             req = {"probe": probe, "workdir": str(work), "outdir": str(tmp), "resultdir": str(result), "env": env,
                    "timeout": timeout, "cpu_s": int(timeout) + 5, "mem_mb": self.limits.mem_mb,
                    "max_file_mb": self.limits.max_file_mb, "max_procs": self.limits.max_procs, "uid": self.uid,
-                   "isolate_network": self.isolate_network}
+                   "isolate_network": self.isolate_network, "disk_mb": self.limits.disk_mb,
+                   "writable": [str(work), str(home)]}
             run = self._ask(req, timeout)
             if left_out:
                 run.findings.append(f"files over {LARGE_FILE >> 20} MiB not copied into the sandbox: {', '.join(left_out[:5])}")
@@ -207,7 +221,12 @@ class Sandbox:
         run.wall = reply["wall"]
         if reply.get("strays"):
             run.findings.append(f"wrote outside its folder (removed after the check): {', '.join(reply['strays'][:5])}")
-        if reply["timed_out"]:
+        if reply.get("pids_limit_hits"):
+            run.findings.append(f"hit the limit of {self.limits.max_procs} processes and threads")
+        if reply.get("oom_kills"):
+            run.problem = (f"memory limit: the check's processes together used more than {self.limits.mem_mb} MiB "
+                           f"(files in its folders and shared memory included) and were killed")
+        elif reply["timed_out"]:
             run.problem = f"timed out after {timeout:.0f} s (wall clock); the check's processes were killed"
         elif "signal" in reply:
             sig = reply["signal"]

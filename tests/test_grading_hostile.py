@@ -1,0 +1,229 @@
+"""Attacks from issue 29 as hostile submissions, each with the outcome it must get: limits that hold for all of a
+check's processes together, nothing left behind, nothing of other checks or the host visible, and prediction files
+that cannot point at the gold file or leak what they point at."""
+from __future__ import annotations
+
+import ctypes
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from grading_submission import write_submission
+
+from grading.grader import Grader
+from grading.predictions import score_predictions
+from grading.sandbox import Limits, Sandbox
+
+ROOT = Path(__file__).resolve().parents[1]
+MEM_MB, DISK_MB = 512, 64  # small limits, so that each attack needs only a few hundred MB
+ROOT_ONLY = pytest.mark.skipif(os.geteuid() != 0, reason="a uid of its own per check needs a grader running as root")
+
+
+@pytest.fixture(scope="module")
+def grader():
+    with Grader(limits=Limits(timeout=12, mem_mb=MEM_MB, disk_mb=DISK_MB)) as g:
+        yield g
+
+
+def attack(tmp_path, code: str, name: str = "sub") -> Path:
+    """The correct submission, with `code` run when its attention module is imported."""
+    return write_submission(tmp_path / name, attention=[("import math\n", "import math\n" + code + "\n")])
+
+
+def grade_attention(grader, sub):
+    (check,) = grader.grade(sub, ("attention",)).checks
+    return check
+
+
+def test_memory_is_bounded_for_all_forked_processes_together(grader, tmp_path):
+    # Three processes of 300 MB each stay under the per-process address-space limit, not under the check's.
+    code = ("import os, time\npids = []\nfor _ in range(2):\n    pid = os.fork()\n    if pid == 0:\n"
+            "        x = b'1' * (300 << 20)\n        time.sleep(3)\n        os._exit(0)\n    pids.append(pid)\n"
+            "x = b'1' * (300 << 20)\nfor pid in pids:\n    os.waitpid(pid, 0)\nprint('HELD 900 MB')")
+    check = grade_attention(grader, attack(tmp_path, code))
+    sandbox = grader.grade(write_submission(tmp_path / "good"), ("adamw",)).sandbox
+    if sandbox.get("cgroup", "").startswith("none"):
+        pytest.skip(f"no cgroup for the checks here: {sandbox['cgroup']}")
+    assert check.score == 0 and check.verdict == "error", (check.messages, check.output)
+    assert "memory limit" in " ".join(check.messages) and f"{MEM_MB} MiB" in " ".join(check.messages)
+
+
+def test_writes_in_its_own_folder_stop_at_the_disk_quota(grader, tmp_path):
+    # 15 MiB files (under the per-file limit) until the disk refuses: at most the quota, not 1.9 GB.
+    code = ("written = 0\nfor i in range(40):\n    try:\n        with open(f'fill{i}.bin', 'wb') as f:\n"
+            "            f.write(b'0' * (15 << 20))\n        written += 15\n    except OSError as e:\n"
+            "        print('REFUSED', e.strerror)\n        break\nprint('WROTE', written, 'MiB')")
+    check = grade_attention(grader, attack(tmp_path, code))
+    written = int(check.output.split("WROTE ")[1].split()[0])
+    assert written <= DISK_MB and "REFUSED No space left on device" in check.output, check.output
+    assert check.score == check.max_score, check.messages  # a contained write costs nothing
+
+
+def test_shared_memory_and_run_lock_do_not_outlive_the_check(grader, tmp_path):
+    key = int(uuid.uuid4().int % 2**30) + 1
+    lock = Path("/run/lock") / f"left-by-a-submission-{key}"
+    code = (f"import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+            f"print('SHM', libc.shmget({key}, 1 << 20, 0o1000 | 0o666))\n"  # IPC_CREAT
+            f"try:\n    open({str(lock)!r}, 'w').write('x')\nexcept OSError as e:\n    print('LOCK', e)")
+    check = grade_attention(grader, attack(tmp_path, code))
+    libc = ctypes.CDLL(None, use_errno=True)
+    shmid = libc.shmget(key, 0, 0)
+    left = [what for what, there in (("shm", shmid >= 0), ("lock", lock.exists())) if there]
+    if shmid >= 0:
+        libc.shmctl(shmid, 0, None)  # IPC_RMID: leave the host as it was
+    lock.unlink(missing_ok=True)
+    assert "SHM -1" not in check.output, check.output  # the segment was made, in the check's own IPC namespace
+    assert left == [], f"{left} outlived the check"
+    assert check.score == check.max_score, check.messages
+
+
+def test_filesystem_and_abstract_unix_sockets_outside_cannot_be_reached(grader, tmp_path):
+    if not os.access("/run", os.W_OK):
+        pytest.skip("/run is not writable here (the socket must sit outside the check's private folders)")
+    folder = Path(tempfile.mkdtemp(dir="/run", prefix="grading-test-"))
+    os.chmod(folder, 0o755)
+    path, abstract = folder / "service.sock", f"grading-test-{uuid.uuid4().hex}"
+    servers = []
+    try:
+        for address in (str(path), "\0" + abstract):
+            server = socket.socket(socket.AF_UNIX)
+            server.bind(address)
+            server.listen()
+            server.settimeout(0.5)
+            servers.append(server)
+        os.chmod(path, 0o777)  # like a world-writable service socket: file permissions do not protect it
+        code = (f"import socket\nfor address in ({str(path)!r}, '\\0' + {abstract!r}):\n    try:\n"
+                f"        s = socket.socket(socket.AF_UNIX)\n        s.connect(address)\n        print('CONNECTED')\n"
+                f"    except OSError as e:\n        print('REFUSED', e)")
+        check = grade_attention(grader, attack(tmp_path, code))
+        assert "CONNECTED" not in check.output and check.output.count("REFUSED") == 2, check.output
+        for server in servers:
+            with pytest.raises(socket.timeout):
+                server.accept()
+        assert check.score == check.max_score, check.messages
+    finally:
+        for server in servers:
+            server.close()
+        path.unlink(missing_ok=True)
+        folder.rmdir()
+
+
+def test_other_processes_and_their_command_lines_are_invisible(grader, tmp_path):
+    marker = f"secret-token-{uuid.uuid4().hex}"
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", marker])
+    try:
+        code = (f"import os\nseen = []\nfor pid in os.listdir('/proc'):\n    try:\n"
+                f"        if pid.isdigit() and {marker!r}.encode() in open(f'/proc/{{pid}}/cmdline', 'rb').read():\n"
+                f"            seen.append(pid)\n    except OSError:\n        pass\n"
+                f"print('PROCESSES', len([p for p in os.listdir('/proc') if p.isdigit()]), 'SAW', len(seen))")
+        check = grade_attention(grader, attack(tmp_path, code))
+    finally:
+        other.kill()
+        other.wait()
+    assert "SAW 0" in check.output, check.output
+    assert check.score == check.max_score, check.messages
+
+
+@ROOT_ONLY
+def test_another_students_live_copy_cannot_be_read(grader, tmp_path):
+    """--batch: two checks at once, under two uids; the second knows where the first's copy lives."""
+    token = uuid.uuid4().hex
+    marker = f"VICTIM-{token}"  # never spelled out in the attacker's own file, which it can read
+    victim = write_submission(tmp_path / "victim", attention=[("import math\n", f"import math\nimport time\n"
+                                                                                f"# {marker}\ntime.sleep(8)\n")])
+    before = set(Path(tempfile.gettempdir()).glob("grading-check-*"))
+    other = Sandbox(Limits(timeout=10))
+    other.uid = grader.sandbox.uid + 1  # as a second batch worker would have
+    thread = threading.Thread(target=other.run, args=("attention", victim))
+    thread.start()
+    try:
+        copy = None
+        for _ in range(1000):  # until the victim's check has its copy (the zygote starts first)
+            new = set(Path(tempfile.gettempdir()).glob("grading-check-*")) - before
+            if new and (next(iter(new)) / "submission" / "modules" / "attention.py").exists():
+                copy = next(iter(new))
+                break
+            time.sleep(0.05)
+        assert copy is not None, "the victim's check never started"
+        target = copy / "submission" / "modules" / "attention.py"
+        code = (f"import glob\nfound = glob.glob('/tmp/grading-check-*/submission/modules/attention.py')\n"
+                f"for path in found + [{str(target)!r}]:\n    try:\n"
+                f"        print('STOLEN' if 'VICTIM-' + {token!r} in open(path).read() else 'other', path)\n"
+                f"    except OSError as e:\n        print('REFUSED', e.strerror)")
+        check = grade_attention(grader, attack(tmp_path, code))
+    finally:
+        thread.join()
+        other.close()
+    assert "STOLEN" not in check.output and "REFUSED" in check.output, check.output
+    assert check.score == check.max_score, check.messages
+
+
+# ---- prediction files (no sandbox) ---------------------------------------------------------------------------
+
+SONNETS = ("\n1\nShall I compare thee to a summer's day?\nThou art more lovely and more temperate\n\n"
+           "2\nWhen forty winters shall besiege thy brow,\nAnd dig deep trenches in thy beauty's field\n")
+
+
+@pytest.fixture
+def folders(tmp_path):
+    gold, pred = tmp_path / "gold", tmp_path / "pred"
+    gold.mkdir()
+    pred.mkdir(mode=0o755)
+    (gold / "TRUE_sonnets_held_out_dev.txt").write_text(SONNETS)
+    return gold, pred
+
+
+def sonnet_result(pred, gold):
+    board, messages = score_predictions(pred, gold)
+    return board, [m for m in messages if m.startswith("Sonnet")][0]
+
+
+def test_a_link_to_the_gold_sonnets_is_not_read(folders):
+    gold, pred = folders
+    (pred / "generated_sonnets_dev.txt").symlink_to(gold / "TRUE_sonnets_held_out_dev.txt")
+    board, message = sonnet_result(pred, gold)
+    assert board == [] and "generated_sonnets_dev.txt not read: it is a symbolic link" in message
+    (pred / "generated_sonnets_dev.txt").unlink()
+    os.link(gold / "TRUE_sonnets_held_out_dev.txt", pred / "generated_sonnets_dev.txt")  # a hard link too
+    board, message = sonnet_result(pred, gold)
+    assert board == [] and "has other hard links" in message
+    (pred / "generated_sonnets_dev.txt").unlink()
+    (pred / "generated_sonnets_dev.txt").write_text(SONNETS)  # the student's own file is scored
+    assert sonnet_result(pred, gold)[0] == [{"name": "Sonnet dev chrF", "value": 100.0}]
+
+
+def test_a_link_to_a_secret_file_is_not_read_and_never_echoed(folders, tmp_path):
+    gold, pred = folders
+    secret = tmp_path / "secret.txt"
+    secret.write_text("1\nTOP-SECRET-LINE\n")
+    secret.chmod(0o600)
+    (pred / "generated_sonnets_dev.txt").symlink_to(secret)
+    (pred / "para-dev-output.csv").write_text("id \t Predicted_Is_Paraphrase \nCONTENT-OF-THE-FILE\n")
+    (gold / "quora-dev.csv").write_text("id\tsentence1\tsentence2\tis_duplicate\n1 x-1\ta?\tb?\t1.0\n")
+    board, messages = score_predictions(pred, gold)
+    text = " ".join(messages)
+    assert board == [] and "TOP-SECRET" not in text and "CONTENT-OF-THE-FILE" not in text, text
+    assert "para-dev-output.csv could not be scored: line 2: expected `<id>, <label>`" in text
+    if os.geteuid() == 0:  # read as a uid of its own: a root-only file in the folder is unreadable
+        (pred / "generated_sonnets_dev.txt").unlink()
+        (pred / "generated_sonnets_dev.txt").write_text(SONNETS)
+        (pred / "generated_sonnets_dev.txt").chmod(0o600)
+        board, message = sonnet_result(pred, gold)
+        assert board == [] and "not read: it cannot be opened: Permission denied" in message
+
+
+def test_a_linked_folder_or_a_fifo_is_not_read(folders, tmp_path):
+    gold, pred = folders
+    os.mkfifo(pred / "generated_sonnets_dev.txt")
+    board, message = sonnet_result(pred, gold)  # returns at once: a FIFO is never opened for a blocking read
+    assert board == [] and "is not a regular file" in message
+    (tmp_path / "linked").symlink_to(pred)
+    board, messages = score_predictions(tmp_path / "linked", gold)
+    assert board == [] and "has a symbolic link (linked)" in messages[0]

@@ -289,7 +289,7 @@ def _private_mounts(req: dict, keep: list[str], info: dict) -> None:
         info["proc"] = f"host /proc: {e}"
 
 
-def expose_python(scratch: str) -> str:
+def expose_python(scratch: str, private_mounts: bool) -> str:
     """Let the sandbox user read the Python installation where it lives in a folder others cannot enter (e.g.
     /root/.pyenv): an empty tmpfs covers that folder (hiding the rest of it, a home directory's secrets included)
     and only the installation is bind-mounted back. Needs the private mount namespace."""
@@ -304,6 +304,8 @@ def expose_python(scratch: str) -> str:
                 break
     if blocked is None:
         return "readable"
+    if not private_mounts:
+        raise OSError(errno.EPERM, f"{blocked} is closed to other users and there is no private mount namespace")
     tops = sorted({os.path.join(blocked, os.path.relpath(p, blocked).split(os.sep)[0])
                    for p in paths if p.startswith(blocked + os.sep)})
     stages = []
@@ -391,11 +393,9 @@ def enter(req: dict, cgroup_dirs: dict | None) -> dict:
     uid = req.get("uid")
     if uid is not None:
         try:
-            if info["mount"] != "isolated":
-                raise OSError(errno.EPERM, "no private mount namespace")
             scratch = os.path.join(req["outdir"], ".python")
             os.mkdir(scratch, 0o700)
-            info["python"] = expose_python(scratch)
+            info["python"] = expose_python(scratch, info["mount"] == "isolated")
         except OSError as e:  # the sandbox user could not import anything new: keep the grader's uid
             info["python"] = f"not readable by a sandbox user ({e}); the check runs as the grader's user"
             uid = None

@@ -97,7 +97,7 @@ def remove_strays(uid: int) -> list[str]:
     import shutil
 
     found = []
-    for folder in ("/tmp", "/var/tmp", "/dev/shm"):
+    for folder in ("/tmp", "/var/tmp", "/dev/shm", "/run/lock"):
         try:
             entries = list(os.scandir(folder))
         except OSError:
@@ -113,6 +113,23 @@ def remove_strays(uid: int) -> list[str]:
                     os.unlink(entry.path)
             except OSError:
                 pass
+    return found
+
+
+def remove_ipc(uid: int) -> list[str]:
+    """SysV shared memory the sandbox user left (only possible without an IPC namespace): listed, then removed."""
+    found = []
+    try:
+        with open("/proc/sysvipc/shm") as f:
+            header = f.readline().split()
+            rows = [dict(zip(header, line.split())) for line in f]
+    except OSError:
+        return found
+    libc = ctypes.CDLL(None, use_errno=True)
+    for row in rows:
+        if int(row.get("uid", -1)) == uid or int(row.get("cuid", -1)) == uid:
+            found.append(f"SysV shared memory segment {row['shmid']} ({int(row['size']) >> 10} KiB)")
+            libc.shmctl(int(row["shmid"]), 0, None)  # IPC_RMID
     return found
 
 
@@ -148,7 +165,7 @@ def run(req: dict) -> dict:
     strays = []
     if req.get("uid") is not None:
         kill_all_of(req["uid"])
-        strays = remove_strays(req["uid"])
+        strays = remove_strays(req["uid"]) + remove_ipc(req["uid"])
     reap()
     reply = {"wall": wall, "timed_out": timed_out, "max_rss_mb": usage.ru_maxrss / 1024 if usage else None,
              "strays": strays, **limits_hit}

@@ -227,3 +227,68 @@ def test_a_linked_folder_or_a_fifo_is_not_read(folders, tmp_path):
     (tmp_path / "linked").symlink_to(pred)
     board, messages = score_predictions(tmp_path / "linked", gold)
     assert board == [] and "has a symbolic link (linked)" in messages[0]
+
+
+# ---- where the grader has less power: no root, or a container without CAP_SYS_ADMIN ------------------------------
+
+def closed_ancestor(path: str) -> str | None:
+    """The first folder above `path` that other users cannot enter (e.g. /root for a pyenv Python)."""
+    parts = Path(os.path.realpath(path)).parts
+    for i in range(2, len(parts)):
+        folder = os.path.join(*parts[:i])
+        if not os.stat(folder).st_mode & 0o001:
+            return folder
+    return None
+
+
+def run_grader_as(wrapper: list[str], tmp: Path, checks: str = "attention") -> dict:
+    import json
+
+    sub = write_submission(tmp / "sub")
+    subprocess.run(["chmod", "-R", "a+rwX", str(tmp)], check=True)
+    out = subprocess.run([*wrapper, sys.executable, "-m", "grading", str(sub), "--checks", checks, "--json",
+                          str(tmp / "report.json")], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "HOME": str(tmp), "HF_HUB_OFFLINE": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads((tmp / "report.json").read_text())
+
+
+@ROOT_ONLY
+def test_a_grader_without_root_isolates_the_check_in_a_user_namespace():
+    if not Path("/usr/bin/setpriv").exists() or not Path("/usr/bin/unshare").exists():
+        pytest.skip("needs setpriv and unshare (util-linux) to become an unprivileged user")
+    tmp = Path(tempfile.mkdtemp(prefix="grading-nonroot-"))
+    # An unprivileged user cannot run a Python installed under a closed folder: show it that folder alone.
+    closed = closed_ancestor(sys.prefix)
+    top = os.path.join(closed, Path(os.path.realpath(sys.prefix)).relative_to(closed).parts[0]) if closed else None
+    script = (f"set -e; mkdir {tmp}/stage; mount --bind {top} {tmp}/stage; "
+              f"mount -t tmpfs -o mode=0755,size=1m tmpfs {closed}; mkdir {top}; mount --bind {tmp}/stage {top}; "
+              if closed else "") + 'exec setpriv --reuid=65534 --regid=65534 --clear-groups --inh-caps=-all ' \
+        '--bounding-set=-all "$@"'
+    try:
+        report = run_grader_as(["unshare", "-m", "sh", "-c", script, "sh"], tmp)
+    finally:
+        subprocess.run(["rm", "-rf", str(tmp)])
+    sandbox = report["sandbox"]
+    assert report["score"] == 16 and sandbox["uid"] == 65534, report
+    if sandbox["user_namespace"] != "isolated":
+        pytest.skip(f"this kernel refuses unprivileged user namespaces: {sandbox['user_namespace']}")
+    assert [sandbox[k] for k in ("network", "ipc", "mount", "pid")] == ["isolated"] * 4, sandbox
+    assert sandbox["tmpfs"].startswith("private") and sandbox["disk"].startswith("quota"), sandbox
+    assert sandbox["proc"].startswith("private") and sandbox["unix_sockets"].startswith("seccomp"), sandbox
+
+
+@ROOT_ONLY
+def test_a_container_without_namespaces_grades_and_says_what_did_not_hold():
+    if not Path("/usr/bin/setpriv").exists():
+        pytest.skip("needs setpriv (util-linux) to drop CAP_SYS_ADMIN as Docker does")
+    tmp = Path(tempfile.mkdtemp(prefix="grading-nosysadmin-"))
+    try:
+        report = run_grader_as(["setpriv", "--bounding-set=-sys_admin", "--inh-caps=-sys_admin"], tmp)
+    finally:
+        subprocess.run(["rm", "-rf", str(tmp)])
+    sandbox = report["sandbox"]
+    assert report["score"] == 16, report
+    for layer in ("network", "ipc", "mount", "pid"):
+        assert sandbox[layer].startswith("not isolated: unshare(CLONE_NEW") and "not permitted" in sandbox[layer]
+    assert sandbox["tmpfs"] == sandbox["disk"] == "none: no private mount namespace", sandbox

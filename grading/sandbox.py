@@ -5,12 +5,14 @@
         run.info, run.tensors, run.output, run.problem
 
 Per check the sandbox makes a temporary folder holding a copy of the submission (the working directory and the
-first entry of the import path), a HOME/TMPDIR, and the result folder; a fork of the warm zygote (grading/zygote.py)
-then drops into it with: its own session (the whole process group is killed at the wall-clock deadline), a new
-network namespace (no interfaces but a downed loopback), RLIMIT_AS / RLIMIT_CPU / RLIMIT_FSIZE / RLIMIT_NPROC /
-no core files, and, when the grader runs as root, a uid of its own, so writes outside its folder are refused and
-every process it leaves behind is killed. Output goes to a file capped by RLIMIT_FSIZE and is read back truncated.
-Results come back as safetensors + JSON, never pickles. See README "Grading" for what is not isolated.
+first entry of the import path), a HOME/TMPDIR, and the result folder; the folder is closed to every other uid. A fork
+of the warm zygote (grading/zygote.py) then drops into it through grading/isolation.py: its own session and cgroup
+(memory of all its processes together, tmpfs included, and their number), network, IPC, PID and mount namespaces,
+private size-capped tmpfs on /tmp, /var/tmp, /dev/shm, /run/lock, a disk quota on its folders, its own /proc, a
+seccomp filter (no AF_UNIX sockets), rlimits, and, when the grader runs as root, a uid of its own (without root, a
+user namespace where the kernel allows one). Each layer that the kernel or container refuses is reported in the
+run's `sandbox` dict instead. Output goes to a file capped by RLIMIT_FSIZE and is read back truncated. Results come
+back as safetensors + JSON, never pickles. See docs/grading.md for what is isolated where.
 """
 from __future__ import annotations
 

@@ -94,9 +94,12 @@ class Cgroup:
         self.version, self.dirs, self.status = version, dirs, status  # dirs: {'memory': path, 'pids': path}
 
     @classmethod
-    def create(cls, name: str, mem_bytes: int, max_pids: int) -> "tuple[Cgroup | None, str]":
+    def create(cls, name: str, mem_bytes: int, max_pids: int, mounts=None, own=None) -> "tuple[Cgroup | None, str]":
+        """The check's group, under ours when it is delegated to us (v2) or the hierarchy's root; (None, why) when
+        neither can be made. `mounts` and `own` default to this process's (/proc/self/mountinfo, /proc/self/cgroup)."""
         errors = []
-        mounts, own = _mounts(), _own_paths()
+        mounts = _mounts() if mounts is None else mounts
+        own = _own_paths() if own is None else own
         for point, fstype, _ in mounts:  # v2: under our own group when delegated to us, else the hierarchy's root
             if fstype != "cgroup2":
                 continue
@@ -199,9 +202,12 @@ def _enter_user_namespace() -> str:
     uid, gid = os.getuid(), os.getgid()
     if libc.unshare(CLONE_NEWUSER) != 0:
         return f"not available: unshare(CLONE_NEWUSER) failed with {os.strerror(ctypes.get_errno())}"
-    _write("/proc/self/setgroups", "deny")
-    _write("/proc/self/uid_map", f"{uid} {uid} 1")
-    _write("/proc/self/gid_map", f"{gid} {gid} 1")
+    try:
+        _write("/proc/self/setgroups", "deny")
+        _write("/proc/self/uid_map", f"{uid} {uid} 1")
+        _write("/proc/self/gid_map", f"{gid} {gid} 1")
+    except OSError as e:
+        return f"failed: {e}"
     return "isolated"
 
 
@@ -403,8 +409,8 @@ def enter(req: dict, cgroup_dirs: dict | None) -> dict:
         os.setgroups([])
         os.setresgid(uid, uid, uid)
         os.setresuid(uid, uid, uid)
-    elif not root and info.get("user_namespace") == "isolated":
-        _drop_capabilities()
+    elif not root:
+        _drop_capabilities()  # those of the user namespace, if one was made
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # the waiter killed at the deadline takes us along
     info["uid"] = os.getuid()
     info["unix_sockets"] = _seccomp()

@@ -38,7 +38,7 @@ LARGE_FILE = 20 * 2**20  # checkpoints and data a submission carries: no check r
 @dataclass
 class Limits:
     timeout: float = 60.0  # wall-clock seconds per check
-    mem_mb: int = 3072  # address space beyond what the warm interpreter already maps
+    mem_mb: int = 3072  # per process: address space beyond the warm interpreter; all processes together: the cgroup
     max_file_mb: int = 16  # largest file (captured output included) a check may write
     max_procs: int = 64  # processes + threads: the check's cgroup, and RLIMIT_NPROC of a sandbox uid
     disk_mb: int = 512  # what the check may write in its folders (a tmpfs under them, counted as memory too)

@@ -292,3 +292,25 @@ def test_a_container_without_namespaces_grades_and_says_what_did_not_hold():
     for layer in ("network", "ipc", "mount", "pid"):
         assert sandbox[layer].startswith("not isolated: unshare(CLONE_NEW") and "not permitted" in sandbox[layer]
     assert sandbox["tmpfs"] == sandbox["disk"] == "none: no private mount namespace", sandbox
+
+
+def test_cgroup_v2_group_goes_under_a_delegated_group_else_the_hierarchy_root(tmp_path):
+    from grading.isolation import Cgroup
+
+    root = tmp_path / "cgroup"
+    own = root / "user.slice" / "grader"
+    own.mkdir(parents=True)
+    (root / "cgroup.subtree_control").write_text("cpu memory pids\n")
+    (own / "cgroup.subtree_control").mkdir()  # stands for a group not delegated to us: its controls are refused
+    mounts, paths = [(str(root), "cgroup2", {"rw"})], {"": "/user.slice/grader"}
+    group, why = Cgroup.create("check-1", 256 << 20, 32, mounts=mounts, own=paths)
+    assert group is not None and group.version == 2, why
+    assert group.dirs == {"memory": str(root / "check-1"), "pids": str(root / "check-1")}
+    assert (root / "check-1" / "memory.max").read_text() == str(256 << 20)
+    assert (root / "check-1" / "pids.max").read_text() == "32"
+    (own / "cgroup.subtree_control").rmdir()
+    (own / "cgroup.subtree_control").write_text("memory pids\n")  # delegated: the group goes under ours
+    group, why = Cgroup.create("check-2", 256 << 20, 32, mounts=mounts, own=paths)
+    assert group.dirs["memory"] == str(own / "check-2"), why
+    group, why = Cgroup.create("check-3", 1, 1, mounts=[], own={})
+    assert group is None and "no cgroup filesystem mounted" in why

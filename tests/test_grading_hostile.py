@@ -45,10 +45,10 @@ def grade_attention(grader, sub):
 def test_memory_is_bounded_for_all_forked_processes_together(grader, tmp_path):
     # Three processes of 300 MB each stay under the per-process address-space limit, not under the check's.
     code = ("import os, time\npids = []\nfor _ in range(2):\n    pid = os.fork()\n    if pid == 0:\n"
-            "        x = b'1' * (300 << 20)\n        time.sleep(3)\n        os._exit(0)\n    pids.append(pid)\n"
+            "        x = b'1' * (300 << 20)\n        time.sleep(2)\n        os._exit(0)\n    pids.append(pid)\n"
             "x = b'1' * (300 << 20)\nfor pid in pids:\n    os.waitpid(pid, 0)\nprint('HELD 900 MB')")
-    check = grade_attention(grader, attack(tmp_path, code))
-    sandbox = grader.grade(write_submission(tmp_path / "good"), ("adamw",)).sandbox
+    report = grader.grade(attack(tmp_path, code), ("attention",))
+    check, sandbox = report.checks[0], report.sandbox
     if sandbox.get("cgroup", "").startswith("none"):
         pytest.skip(f"no cgroup for the checks here: {sandbox['cgroup']}")
     assert check.score == 0 and check.verdict == "error", (check.messages, check.output)
@@ -137,9 +137,9 @@ def test_another_students_live_copy_cannot_be_read(grader, tmp_path):
     token = uuid.uuid4().hex
     marker = f"VICTIM-{token}"  # never spelled out in the attacker's own file, which it can read
     victim = write_submission(tmp_path / "victim", attention=[("import math\n", f"import math\nimport time\n"
-                                                                                f"# {marker}\ntime.sleep(8)\n")])
+                                                                                f"# {marker}\ntime.sleep(4)\n")])
     before = set(Path(tempfile.gettempdir()).glob("grading-check-*"))
-    other = Sandbox(Limits(timeout=10))
+    other = Sandbox(Limits(timeout=6))
     other.uid = grader.sandbox.uid + 1  # as a second batch worker would have
     thread = threading.Thread(target=other.run, args=("attention", victim))
     thread.start()

@@ -152,6 +152,9 @@ def test_another_students_live_copy_cannot_be_read(grader, tmp_path):
                 break
             time.sleep(0.05)
         assert copy is not None, "the victim's check never started"
+        # closed even where no private /tmp hides it: only the victim's group may pass, only its uid may read
+        assert (copy.stat().st_mode & 0o777, copy.stat().st_gid) == (0o710, other.uid)
+        assert (copy / "submission").stat().st_mode & 0o777 == 0o700
         target = copy / "submission" / "modules" / "attention.py"
         code = (f"import glob\nfound = glob.glob('/tmp/grading-check-*/submission/modules/attention.py')\n"
                 f"for path in found + [{str(target)!r}]:\n    try:\n"

@@ -117,20 +117,28 @@ def remove_strays(uid: int) -> list[str]:
 
 
 def remove_ipc(uid: int) -> list[str]:
-    """SysV shared memory the sandbox user left (only possible without an IPC namespace): listed, then removed."""
-    found = []
+    """SysV shared memory the sandbox user left (only possible without an IPC namespace): listed, then removed by a
+    process under that uid (its owner; root without CAP_SYS_ADMIN, as in a container, may not)."""
     try:
         with open("/proc/sysvipc/shm") as f:
             header = f.readline().split()
             rows = [dict(zip(header, line.split())) for line in f]
     except OSError:
-        return found
-    libc = ctypes.CDLL(None, use_errno=True)
-    for row in rows:
-        if int(row.get("uid", -1)) == uid or int(row.get("cuid", -1)) == uid:
-            found.append(f"SysV shared memory segment {row['shmid']} ({int(row['size']) >> 10} KiB)")
-            libc.shmctl(int(row["shmid"]), 0, None)  # IPC_RMID
-    return found
+        return []
+    rows = [r for r in rows if uid in (int(r.get("uid", -1)), int(r.get("cuid", -1)))]
+    if rows:
+        pid = os.fork()
+        if pid == 0:
+            try:
+                os.setresuid(uid, uid, uid)
+                libc = ctypes.CDLL(None, use_errno=True)
+                for row in rows:
+                    libc.shmctl(int(row["shmid"]), 0, None)  # IPC_RMID
+            except BaseException:  # noqa: BLE001
+                pass
+            os._exit(0)
+        os.waitpid(pid, 0)
+    return [f"SysV shared memory segment {r['shmid']} ({int(r['size']) >> 10} KiB)" for r in rows]
 
 
 def run(req: dict) -> dict:

@@ -244,16 +244,27 @@ def closed_ancestor(path: str) -> str | None:
     return None
 
 
-def run_grader_as(wrapper: list[str], tmp: Path, checks: str = "attention") -> dict:
+def run_grader_as(wrapper: list[str], tmp: Path, code: str = "") -> dict:
     import json
 
-    sub = write_submission(tmp / "sub")
+    sub = attack(tmp, code) if code else write_submission(tmp / "sub")
     subprocess.run(["chmod", "-R", "a+rwX", str(tmp)], check=True)
-    out = subprocess.run([*wrapper, sys.executable, "-m", "grading", str(sub), "--checks", checks, "--json",
+    out = subprocess.run([*wrapper, sys.executable, "-m", "grading", str(sub), "--checks", "attention", "--json",
                           str(tmp / "report.json")], cwd=ROOT, capture_output=True, text=True, timeout=300,
                          env={**os.environ, "HOME": str(tmp), "HF_HUB_OFFLINE": "1"})
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads((tmp / "report.json").read_text())
+
+
+def exposing_python(tmp: Path, then: str) -> list[str]:
+    """A command prefix: a private mount namespace where a Python under a folder closed to others (a pyenv in
+    /root) is the only thing visible there, then `then` (a setpriv line that takes the rest of the arguments)."""
+    closed = closed_ancestor(sys.prefix)
+    top = os.path.join(closed, Path(os.path.realpath(sys.prefix)).relative_to(closed).parts[0]) if closed else None
+    script = (f"set -e; mkdir {tmp}/stage; mount --bind {top} {tmp}/stage; "
+              f"mount -t tmpfs -o mode=0755,size=1m tmpfs {closed}; mkdir {top}; mount --bind {tmp}/stage {top}; "
+              if closed else "") + f'exec {then} "$@"'
+    return ["unshare", "-m", "sh", "-c", script, "sh"]
 
 
 @ROOT_ONLY
@@ -261,15 +272,9 @@ def test_a_grader_without_root_isolates_the_check_in_a_user_namespace():
     if not Path("/usr/bin/setpriv").exists() or not Path("/usr/bin/unshare").exists():
         pytest.skip("needs setpriv and unshare (util-linux) to become an unprivileged user")
     tmp = Path(tempfile.mkdtemp(prefix="grading-nonroot-"))
-    # An unprivileged user cannot run a Python installed under a closed folder: show it that folder alone.
-    closed = closed_ancestor(sys.prefix)
-    top = os.path.join(closed, Path(os.path.realpath(sys.prefix)).relative_to(closed).parts[0]) if closed else None
-    script = (f"set -e; mkdir {tmp}/stage; mount --bind {top} {tmp}/stage; "
-              f"mount -t tmpfs -o mode=0755,size=1m tmpfs {closed}; mkdir {top}; mount --bind {tmp}/stage {top}; "
-              if closed else "") + 'exec setpriv --reuid=65534 --regid=65534 --clear-groups --inh-caps=-all ' \
-        '--bounding-set=-all "$@"'
     try:
-        report = run_grader_as(["unshare", "-m", "sh", "-c", script, "sh"], tmp)
+        report = run_grader_as(exposing_python(tmp, "setpriv --reuid=65534 --regid=65534 --clear-groups "
+                                                    "--inh-caps=-all --bounding-set=-all"), tmp)
     finally:
         subprocess.run(["rm", "-rf", str(tmp)])
     sandbox = report["sandbox"]
@@ -282,19 +287,36 @@ def test_a_grader_without_root_isolates_the_check_in_a_user_namespace():
 
 
 @ROOT_ONLY
-def test_a_container_without_namespaces_grades_and_says_what_did_not_hold():
-    if not Path("/usr/bin/setpriv").exists():
-        pytest.skip("needs setpriv (util-linux) to drop CAP_SYS_ADMIN as Docker does")
+def test_a_container_without_namespaces_grades_says_what_did_not_hold_and_cleans_up():
+    """Docker without CAP_SYS_ADMIN: no namespace; the uid of its own still holds where Python is readable (here
+    made so), and what it leaves in the shared /run/lock and SysV shared memory is reported and removed."""
+    if not Path("/usr/bin/setpriv").exists() or not Path("/usr/bin/unshare").exists():
+        pytest.skip("needs setpriv and unshare (util-linux) to drop CAP_SYS_ADMIN as Docker does")
     tmp = Path(tempfile.mkdtemp(prefix="grading-nosysadmin-"))
+    key = int(uuid.uuid4().int % 2**30) + 1
+    lock = Path("/run/lock") / f"left-by-a-submission-{key}"
+    code = (f"import ctypes\nprint('SHM', ctypes.CDLL(None).shmget({key}, 1 << 20, 0o1000 | 0o666))\n"
+            f"open({str(lock)!r}, 'w').write('x')")
+    libc = ctypes.CDLL(None, use_errno=True)
     try:
-        report = run_grader_as(["setpriv", "--bounding-set=-sys_admin", "--inh-caps=-sys_admin"], tmp)
+        report = run_grader_as(exposing_python(tmp, "setpriv --bounding-set=-sys_admin --inh-caps=-sys_admin"),
+                               tmp, code)
     finally:
         subprocess.run(["rm", "-rf", str(tmp)])
-    sandbox = report["sandbox"]
+        shmid = libc.shmget(key, 0, 0)
+        left = [what for what, there in (("shm", shmid >= 0), ("lock", lock.exists())) if there]
+        if shmid >= 0:
+            libc.shmctl(shmid, 0, None)
+        lock.unlink(missing_ok=True)
+    sandbox, (check,) = report["sandbox"], report["checks"]
     assert report["score"] == 16, report
     for layer in ("network", "ipc", "mount", "pid"):
         assert sandbox[layer].startswith("not isolated: unshare(CLONE_NEW") and "not permitted" in sandbox[layer]
     assert sandbox["tmpfs"] == sandbox["disk"] == "none: no private mount namespace", sandbox
+    assert sandbox["uid"] >= 200000 and sandbox["unix_sockets"].startswith("seccomp"), sandbox
+    findings = " ".join(check["messages"])
+    assert lock.name in findings and "SysV shared memory segment" in findings, check["messages"]
+    assert left == [], f"{left} outlived the check"
 
 
 def test_cgroup_v2_group_goes_under_a_delegated_group_else_the_hierarchy_root(tmp_path):

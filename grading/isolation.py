@@ -87,6 +87,24 @@ def _read_keyed(path: str) -> dict:
         return {}
 
 
+def _sweep(parent: str) -> None:
+    """Remove the empty groups a killed zygote left (named grading-check-<its pid>-<n>)."""
+    try:
+        names = [n for n in os.listdir(parent) if n.startswith("grading-check-")]
+    except OSError:
+        return
+    for name in names:
+        try:
+            os.kill(int(name.split("-")[2]), 0)
+        except ProcessLookupError:
+            try:
+                os.rmdir(os.path.join(parent, name))
+            except OSError:
+                pass
+        except (ValueError, IndexError, PermissionError):
+            pass
+
+
 class Cgroup:
     """One check's cgroup: a v2 group, or a v1 memory group and a v1 pids group."""
 
@@ -109,6 +127,7 @@ class Cgroup:
                         enabled = set(f.read().split())
                     for c in {"memory", "pids"} - enabled:
                         _write(os.path.join(parent, "cgroup.subtree_control"), f"+{c}")
+                    _sweep(parent)
                     path = os.path.join(parent, name)
                     os.mkdir(path)
                 except OSError as e:
@@ -130,6 +149,7 @@ class Cgroup:
             dirs = {}
             try:
                 for c in ("memory", "pids"):
+                    _sweep(v1[c] + own.get(c, "/").rstrip("/"))
                     dirs[c] = os.path.join(v1[c] + own.get(c, "/").rstrip("/"), name)
                     os.mkdir(dirs[c])
                 _write(os.path.join(dirs["memory"], "memory.limit_in_bytes"), str(mem_bytes))

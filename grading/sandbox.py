@@ -5,12 +5,14 @@
         run.info, run.tensors, run.output, run.problem
 
 Per check the sandbox makes a temporary folder holding a copy of the submission (the working directory and the
-first entry of the import path), a HOME/TMPDIR, and the result folder; a fork of the warm zygote (grading/zygote.py)
-then drops into it with: its own session (the whole process group is killed at the wall-clock deadline), a new
-network namespace (no interfaces but a downed loopback), RLIMIT_AS / RLIMIT_CPU / RLIMIT_FSIZE / RLIMIT_NPROC /
-no core files, and, when the grader runs as root, a uid of its own, so writes outside its folder are refused and
-every process it leaves behind is killed. Output goes to a file capped by RLIMIT_FSIZE and is read back truncated.
-Results come back as safetensors + JSON, never pickles. See README "Grading" for what is not isolated.
+first entry of the import path), a HOME/TMPDIR, and the result folder; the folder is closed to every other uid. A fork
+of the warm zygote (grading/zygote.py) then drops into it through grading/isolation.py: its own session and cgroup
+(memory of all its processes together, tmpfs included, and their number), network, IPC, PID and mount namespaces,
+private size-capped tmpfs on /tmp, /var/tmp, /dev/shm, /run/lock, a disk quota on its folders, its own /proc, a
+seccomp filter (no AF_UNIX sockets), rlimits, and, when the grader runs as root, a uid of its own (without root, a
+user namespace where the kernel allows one). Each layer that the kernel or container refuses is reported in the
+run's `sandbox` dict instead. Output goes to a file capped by RLIMIT_FSIZE and is read back truncated. Results come
+back as safetensors + JSON, never pickles. See docs/grading.md for what is isolated where.
 """
 from __future__ import annotations
 
@@ -36,9 +38,10 @@ LARGE_FILE = 20 * 2**20  # checkpoints and data a submission carries: no check r
 @dataclass
 class Limits:
     timeout: float = 60.0  # wall-clock seconds per check
-    mem_mb: int = 3072  # address space beyond what the warm interpreter already maps
+    mem_mb: int = 3072  # per process: address space beyond the warm interpreter; all processes together: the cgroup
     max_file_mb: int = 16  # largest file (captured output included) a check may write
-    max_procs: int = 64  # processes + threads of the sandbox user (only enforced for a non-root uid)
+    max_procs: int = 64  # processes + threads: the check's cgroup, and RLIMIT_NPROC of a sandbox uid
+    disk_mb: int = 512  # what the check may write in its folders (a tmpfs under them, counted as memory too)
 
 
 @dataclass
@@ -95,6 +98,18 @@ def _chown_tree(root: Path, uid: int) -> None:
         os.lchown(dirpath, uid, uid)
         for name in dirnames + filenames:
             os.lchown(os.path.join(dirpath, name), uid, uid)
+
+
+def _close_folders(tmp: Path, private: tuple, uid: int | None) -> None:
+    """Nobody else enters a check's folder: its top is root's and only the check's group may pass through
+    (root), or ours alone (no root); the folders it works in are its own, 0700."""
+    if uid is not None:
+        os.chown(tmp, 0, uid)
+        os.chmod(tmp, 0o710)
+    else:
+        os.chmod(tmp, 0o700)
+    for folder in private:
+        os.chmod(folder, 0o700)
 
 
 class Sandbox:
@@ -154,7 +169,6 @@ class Sandbox:
         before = _snapshot(submission)
         tmp = Path(tempfile.mkdtemp(prefix="grading-check-"))
         try:
-            os.chmod(tmp, 0o755)
             work, result, home = tmp / "submission", tmp / "result", tmp / "home"
             left_out = _copy_submission(submission, work)
             result.mkdir()
@@ -173,10 +187,12 @@ class Sandbox:
             if self.uid is not None:
                 for folder in (work, result, home):
                     _chown_tree(folder, self.uid)
+            _close_folders(tmp, (work, home), self.uid)
             req = {"probe": probe, "workdir": str(work), "outdir": str(tmp), "resultdir": str(result), "env": env,
                    "timeout": timeout, "cpu_s": int(timeout) + 5, "mem_mb": self.limits.mem_mb,
                    "max_file_mb": self.limits.max_file_mb, "max_procs": self.limits.max_procs, "uid": self.uid,
-                   "isolate_network": self.isolate_network}
+                   "isolate_network": self.isolate_network, "disk_mb": self.limits.disk_mb,
+                   "writable": [str(work), str(home)]}
             run = self._ask(req, timeout)
             if left_out:
                 run.findings.append(f"files over {LARGE_FILE >> 20} MiB not copied into the sandbox: {', '.join(left_out[:5])}")
@@ -207,7 +223,12 @@ class Sandbox:
         run.wall = reply["wall"]
         if reply.get("strays"):
             run.findings.append(f"wrote outside its folder (removed after the check): {', '.join(reply['strays'][:5])}")
-        if reply["timed_out"]:
+        if reply.get("pids_limit_hits"):
+            run.findings.append(f"hit the limit of {self.limits.max_procs} processes and threads")
+        if reply.get("oom_kills"):
+            run.problem = (f"memory limit: the check's processes together used more than {self.limits.mem_mb} MiB "
+                           f"(files in its folders and shared memory included) and were killed")
+        elif reply["timed_out"]:
             run.problem = f"timed out after {timeout:.0f} s (wall clock); the check's processes were killed"
         elif "signal" in reply:
             sig = reply["signal"]

@@ -9,9 +9,9 @@ Nothing here imports this project (its module names collide with the submission'
 """
 import ctypes
 import importlib.util
+import itertools
 import json
 import os
-import resource
 import signal
 import sys
 import time
@@ -30,56 +30,13 @@ _spec = importlib.util.spec_from_file_location("_grading_probes", os.path.join(G
 probes = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(probes)
 
-CLONE_NEWNET, CLONE_NEWNS = 0x40000000, 0x00020000
-MS_BIND, MS_REC, MS_PRIVATE = 4096, 16384, 1 << 18
+_spec = importlib.util.spec_from_file_location("_grading_isolation", os.path.join(GRADING_DIR, "isolation.py"))
+isolation = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(isolation)
+
 # Names a submission defines at top level; a warm import of any of them would shadow the submission's.
 SUBMISSION_NAMES = ("config", "models", "modules", "optimizer", "utils")
-
-
-def isolate_network() -> str:
-    """A new, empty network namespace (loopback down, no routes): 'isolated', or why not."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.unshare(CLONE_NEWNET) == 0:
-        return "isolated"
-    return f"not isolated: unshare(CLONE_NEWNET) failed with {os.strerror(ctypes.get_errno())}"
-
-
-def _check(ret: int, what: str) -> None:
-    if ret != 0:
-        raise OSError(ctypes.get_errno(), f"{what}: {os.strerror(ctypes.get_errno())}")
-
-
-def expose_python(scratch: str) -> str:
-    """Let the sandbox user read the Python installation where it lives in a folder others cannot enter (e.g.
-    /root/.pyenv): in a private mount namespace, an empty tmpfs covers that folder (hiding the rest of it, a home
-    directory's secrets included) and only the installation is bind-mounted back."""
-    paths = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix, *sys.path) if p}
-    blocked = None
-    for p in sorted(paths):
-        parts = p.split(os.sep)
-        for i in range(2, len(parts)):
-            folder = os.sep.join(parts[:i])
-            if os.path.isdir(folder) and not os.stat(folder).st_mode & 0o001:
-                blocked = blocked or folder
-                break
-    if blocked is None:
-        return "readable"
-    tops = sorted({os.path.join(blocked, os.path.relpath(p, blocked).split(os.sep)[0])
-                   for p in paths if p.startswith(blocked + os.sep)})
-    libc = ctypes.CDLL(None, use_errno=True)
-    _check(libc.unshare(CLONE_NEWNS), "unshare(CLONE_NEWNS)")
-    _check(libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None), "mount --make-rprivate /")
-    stages = []
-    for i, top in enumerate(tops):
-        stage = os.path.join(scratch, f"stage{i}")
-        os.mkdir(stage)
-        _check(libc.mount(top.encode(), stage.encode(), None, MS_BIND | MS_REC, None), f"bind {top}")
-        stages.append(stage)
-    _check(libc.mount(b"tmpfs", blocked.encode(), b"tmpfs", 0, b"mode=0755,size=1m"), f"tmpfs on {blocked}")
-    for stage, top in zip(stages, tops):
-        os.makedirs(top, exist_ok=True)
-        _check(libc.mount(stage.encode(), top.encode(), None, MS_BIND | MS_REC, None), f"bind back {top}")
-    return f"{blocked} hidden except {', '.join(tops)}"
+COUNTER = itertools.count()
 
 
 def child(req: dict) -> None:
@@ -87,36 +44,13 @@ def child(req: dict) -> None:
     code = 70
     try:
         os.setsid()  # own process group: the zygote kills the whole group on timeout
-        info = {"network": isolate_network() if req.get("isolate_network", True) else "not isolated: disabled"}
         out = os.open(os.path.join(req["outdir"], "output.txt"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
         os.dup2(out, 1)
         os.dup2(out, 2)
         os.closerange(3, 65536)  # the zygote's pipes and anything else inherited
-        with open("/proc/self/statm") as f:
-            base = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")  # address space already mapped (torch)
-        limits = {
-            resource.RLIMIT_AS: base + req["mem_mb"] * 2**20,
-            resource.RLIMIT_CPU: req["cpu_s"],
-            resource.RLIMIT_FSIZE: req["max_file_mb"] * 2**20,
-            resource.RLIMIT_CORE: 0,
-            resource.RLIMIT_NPROC: req["max_procs"],
-        }
-        for which, value in limits.items():
-            resource.setrlimit(which, (value, value))
-        uid = req.get("uid")
-        if uid is not None:
-            try:
-                info["python"] = expose_python(req["outdir"])
-            except OSError as e:  # the sandbox user could not import anything new: keep the grader's uid
-                info["python"] = f"not readable by a sandbox user ({e}); the check runs as the grader's user"
-                uid = None
-        if uid is not None:  # root: become a throw-away user, so writes outside the sandbox are refused
-            os.setgroups([])
-            os.setresgid(uid, uid, uid)
-            os.setresuid(uid, uid, uid)
-        info["uid"] = os.getuid()
+        info = isolation.enter(req, req.get("cgroup_dirs"))  # namespaces, mounts, cgroup, limits, uid, seccomp
         with open(os.path.join(req["resultdir"], "sandbox.json"), "w") as f:
             json.dump(info, f)
         os.chdir(req["workdir"])
@@ -163,7 +97,7 @@ def remove_strays(uid: int) -> list[str]:
     import shutil
 
     found = []
-    for folder in ("/tmp", "/var/tmp", "/dev/shm"):
+    for folder in ("/tmp", "/var/tmp", "/dev/shm", "/run/lock"):
         try:
             entries = list(os.scandir(folder))
         except OSError:
@@ -182,8 +116,36 @@ def remove_strays(uid: int) -> list[str]:
     return found
 
 
+def remove_ipc(uid: int) -> list[str]:
+    """SysV shared memory the sandbox user left (only possible without an IPC namespace): listed, then removed by a
+    process under that uid (its owner; root without CAP_SYS_ADMIN, as in a container, may not)."""
+    try:
+        with open("/proc/sysvipc/shm") as f:
+            header = f.readline().split()
+            rows = [dict(zip(header, line.split())) for line in f]
+    except OSError:
+        return []
+    rows = [r for r in rows if uid in (int(r.get("uid", -1)), int(r.get("cuid", -1)))]
+    if rows:
+        pid = os.fork()
+        if pid == 0:
+            try:
+                os.setresuid(uid, uid, uid)
+                libc = ctypes.CDLL(None, use_errno=True)
+                for row in rows:
+                    libc.shmctl(int(row["shmid"]), 0, None)  # IPC_RMID
+            except BaseException:  # noqa: BLE001
+                pass
+            os._exit(0)
+        os.waitpid(pid, 0)
+    return [f"SysV shared memory segment {r['shmid']} ({int(r['size']) >> 10} KiB)" for r in rows]
+
+
 def run(req: dict) -> dict:
     start = time.monotonic()
+    name = f"grading-check-{os.getpid()}-{next(COUNTER)}"
+    cgroup, why = isolation.Cgroup.create(name, req["mem_mb"] * 2**20, req["max_procs"])
+    req["cgroup_dirs"], req["cgroup_status"] = (cgroup.dirs, cgroup.status) if cgroup else (None, why)
     pid = os.fork()
     if pid == 0:
         child(req)
@@ -207,13 +169,14 @@ def run(req: dict) -> dict:
         os.killpg(pid, signal.SIGKILL)  # leftovers in the child's group
     except (ProcessLookupError, PermissionError):
         pass
+    limits_hit = cgroup.finish() if cgroup else {}
     strays = []
     if req.get("uid") is not None:
         kill_all_of(req["uid"])
-        strays = remove_strays(req["uid"])
+        strays = remove_strays(req["uid"]) + remove_ipc(req["uid"])
     reap()
     reply = {"wall": wall, "timed_out": timed_out, "max_rss_mb": usage.ru_maxrss / 1024 if usage else None,
-             "strays": strays}
+             "strays": strays, **limits_hit}
     if os.WIFSIGNALED(status):
         reply["signal"] = signal.Signals(os.WTERMSIG(status)).name
     else:

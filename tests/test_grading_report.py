@@ -27,7 +27,7 @@ def test_prediction_files_become_leaderboard_values(tmp_path):
     board, messages = score_predictions(pred, gold)
     assert board == [{"name": "SST dev accuracy", "value": 0.75}, {"name": "Quora dev accuracy", "value": 0.5}]
     text = " ".join(messages)
-    assert "CFIMDB dev accuracy: full-model-cfimdb-dev-out.csv could not be scored" in text and "unknown label 7" in text
+    assert "CFIMDB dev accuracy: full-model-cfimdb-dev-out.csv could not be scored: line 2: a label outside the allowed ones" in text
     assert "Sonnet dev chrF: no generated_sonnets_dev.txt or generated_sonnets.txt" in text
     report = Report("s", checks=[CheckResult("embed", [Part("embed", 8.0, 8.0, "pass", 0.0)], verdict="pass")],
                     leaderboard=board, predictions=messages, seconds=1.5)

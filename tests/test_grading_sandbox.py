@@ -95,8 +95,9 @@ def test_writes_outside_the_sandbox_are_refused_and_network_is_off(grader, tmp_p
     with pytest.raises(socket.timeout):
         server.accept()
     assert report.sandbox["network"] == "isolated"
-    assert not Path("/tmp/left-by-a-submission.txt").exists()  # world-writable /tmp: detected, reported, removed
-    assert any("wrote outside its folder" in m and "left-by-a-submission" in m for m in report.checks[0].messages)
+    assert not Path("/tmp/left-by-a-submission.txt").exists()
+    if not report.sandbox["tmpfs"].startswith("private"):  # the host's world-writable /tmp: reported, removed
+        assert any("wrote outside its folder" in m and "left-by-a-submission" in m for m in report.checks[0].messages)
     server.close()
 
 

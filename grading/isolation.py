@@ -1,0 +1,437 @@
+"""Process isolation for one check, applied in the zygote's forked child before the submission's code runs.
+
+Loaded by grading/zygote.py by file path (never imported by the grader). Each layer is tried on its own and reported
+in one line, so a kernel or container that refuses one (Docker without CAP_SYS_ADMIN refuses every namespace) still
+gets the others, and the report says which held:
+
+- cgroup (v2, or v1 memory + pids): one group per check bounds the memory of all its processes together (tmpfs and
+  shared memory pages included) and their number; the zygote kills the group and reads its OOM count afterwards.
+- namespaces: network (no interfaces), IPC (SysV shared memory dies with the check), PID (the check sees only its
+  own processes; its first process is the namespace's init, so everything it starts dies with it), mount.
+- mounts, in the private mount namespace: size-capped tmpfs on /tmp, /var/tmp, /dev/shm, /run/lock (nothing there
+  outlives the check, nothing of the host's is visible), a fresh /proc (hidepid), the check's writable folders as
+  overlays on a size-capped tmpfs (a disk quota: writes beyond it fail with ENOSPC and cost memory, not disk).
+- seccomp (pyseccomp, when libseccomp is installed): no AF_UNIX sockets (no connecting to the host's filesystem
+  sockets), no io_uring, no new namespaces or mounts.
+- rlimits and, when the grader runs as root, a uid of its own.
+"""
+import ctypes
+import errno
+import os
+import resource
+import signal
+import sys
+
+CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWUSER = 0x00020000, 0x08000000, 0x10000000
+CLONE_NEWPID, CLONE_NEWNET = 0x20000000, 0x40000000
+MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND, MS_REC, MS_PRIVATE = 2, 4, 8, 4096, 16384, 1 << 18
+PR_SET_PDEATHSIG = 1
+TMPFS_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")
+TMPFS_MB = 64  # each private tmpfs; the check's own temporary folder is its HOME, under the disk quota
+
+libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _check(ret: int, what: str) -> None:
+    if ret != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+
+
+def _mount(source, target, fstype, flags, data, what):
+    enc = (lambda s: s.encode() if isinstance(s, str) else s)
+    _check(libc.mount(enc(source), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data)), what)
+
+
+def _unshare(flag: int, name: str) -> str:
+    if libc.unshare(flag) == 0:
+        return "isolated"
+    return f"not isolated: unshare({name}) failed with {os.strerror(ctypes.get_errno())}"
+
+
+# ---- cgroups (created and removed by the zygote, joined by the child) ----------------------------------------------
+
+def _mounts() -> list[tuple[str, str, set]]:
+    """(mount point, fstype, super options) of every cgroup filesystem."""
+    found = []
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            left, right = line.split(" - ", 1)
+            fstype, _, opts = right.split()[:3]
+            if fstype in ("cgroup", "cgroup2"):
+                found.append((left.split()[4], fstype, set(opts.split(","))))
+    return found
+
+
+def _own_paths() -> dict:
+    """{controller or '' for v2: this process's cgroup path} from /proc/self/cgroup."""
+    paths = {}
+    with open("/proc/self/cgroup") as f:
+        for line in f:
+            _, controllers, path = line.rstrip("\n").split(":", 2)
+            for c in (controllers.split(",") if controllers else [""]):
+                paths[c] = path
+    return paths
+
+
+def _write(path: str, value: str) -> None:
+    with open(path, "w") as f:
+        f.write(value)
+
+
+def _read_keyed(path: str) -> dict:
+    try:
+        with open(path) as f:
+            return {k: int(v) for k, v in (line.split() for line in f if len(line.split()) == 2)}
+    except (OSError, ValueError):
+        return {}
+
+
+def _sweep(parent: str) -> None:
+    """Remove the empty groups a killed zygote left (named grading-check-<its pid>-<n>)."""
+    try:
+        names = [n for n in os.listdir(parent) if n.startswith("grading-check-")]
+    except OSError:
+        return
+    for name in names:
+        try:
+            os.kill(int(name.split("-")[2]), 0)
+        except ProcessLookupError:
+            try:
+                os.rmdir(os.path.join(parent, name))
+            except OSError:
+                pass
+        except (ValueError, IndexError, PermissionError):
+            pass
+
+
+class Cgroup:
+    """One check's cgroup: a v2 group, or a v1 memory group and a v1 pids group."""
+
+    def __init__(self, version: int, dirs: dict, status: str):
+        self.version, self.dirs, self.status = version, dirs, status  # dirs: {'memory': path, 'pids': path}
+
+    @classmethod
+    def create(cls, name: str, mem_bytes: int, max_pids: int, mounts=None, own=None) -> "tuple[Cgroup | None, str]":
+        """The check's group, under ours when it is delegated to us (v2) or the hierarchy's root; (None, why) when
+        neither can be made. `mounts` and `own` default to this process's (/proc/self/mountinfo, /proc/self/cgroup)."""
+        errors = []
+        mounts = _mounts() if mounts is None else mounts
+        own = _own_paths() if own is None else own
+        for point, fstype, _ in mounts:  # v2: under our own group when delegated to us, else the hierarchy's root
+            if fstype != "cgroup2":
+                continue
+            for parent in dict.fromkeys([point + own.get("", "/").rstrip("/"), point]):
+                try:
+                    with open(os.path.join(parent, "cgroup.subtree_control")) as f:
+                        enabled = set(f.read().split())
+                    for c in {"memory", "pids"} - enabled:
+                        _write(os.path.join(parent, "cgroup.subtree_control"), f"+{c}")
+                    _sweep(parent)
+                    path = os.path.join(parent, name)
+                    os.mkdir(path)
+                except OSError as e:
+                    errors.append(f"v2 {parent}: {e.strerror}")
+                    continue
+                try:
+                    _write(os.path.join(path, "memory.max"), str(mem_bytes))
+                    if os.path.exists(os.path.join(path, "memory.swap.max")):
+                        _write(os.path.join(path, "memory.swap.max"), "0")
+                    _write(os.path.join(path, "pids.max"), str(max_pids))
+                except OSError as e:
+                    os.rmdir(path)
+                    errors.append(f"v2 {path}: {e.strerror}")
+                    continue
+                return cls(2, {"memory": path, "pids": path}, f"v2 {path} (memory.max {mem_bytes >> 20} MiB, "
+                                                               f"pids.max {max_pids})"), ""
+        v1 = {c: point for point, fstype, opts in mounts if fstype == "cgroup" for c in ("memory", "pids") if c in opts}
+        if set(v1) == {"memory", "pids"}:
+            dirs = {}
+            try:
+                for c in ("memory", "pids"):
+                    _sweep(v1[c] + own.get(c, "/").rstrip("/"))
+                    dirs[c] = os.path.join(v1[c] + own.get(c, "/").rstrip("/"), name)
+                    os.mkdir(dirs[c])
+                _write(os.path.join(dirs["memory"], "memory.limit_in_bytes"), str(mem_bytes))
+                if os.path.exists(os.path.join(dirs["memory"], "memory.memsw.limit_in_bytes")):
+                    _write(os.path.join(dirs["memory"], "memory.memsw.limit_in_bytes"), str(mem_bytes))
+                _write(os.path.join(dirs["pids"], "pids.max"), str(max_pids))
+                return cls(1, dirs, f"v1 {dirs['memory']} (memory {mem_bytes >> 20} MiB, pids {max_pids})"), ""
+            except OSError as e:
+                for d in dirs.values():
+                    try:
+                        os.rmdir(d)
+                    except OSError:
+                        pass
+                errors.append(f"v1: {e.strerror} ({e.filename})")
+        if not mounts:
+            errors.append("no cgroup filesystem mounted")
+        return None, "; ".join(errors) or "no cgroup hierarchy with the memory and pids controllers"
+
+    def finish(self) -> dict:
+        """Kill what is left in the group, remove it, and say whether a limit was hit."""
+        import time
+
+        mem, pids = self.dirs["memory"], self.dirs["pids"]
+        if self.version == 2:
+            oom = _read_keyed(os.path.join(mem, "memory.events")).get("oom_kill", 0)
+            peak_path = os.path.join(mem, "memory.peak")
+        else:
+            oom = _read_keyed(os.path.join(mem, "memory.oom_control")).get("oom_kill", 0)
+            peak_path = os.path.join(mem, "memory.max_usage_in_bytes")
+        try:
+            with open(peak_path) as f:
+                peak = int(f.read().split()[0]) >> 20
+        except (OSError, ValueError, IndexError):
+            peak = None
+        pids_hit = _read_keyed(os.path.join(pids, "pids.events")).get("max", 0)
+        deadline = time.monotonic() + 5
+        for path in dict.fromkeys(self.dirs.values()):
+            while True:
+                try:
+                    if os.path.exists(os.path.join(path, "cgroup.kill")):
+                        _write(os.path.join(path, "cgroup.kill"), "1")
+                    else:
+                        with open(os.path.join(path, "cgroup.procs")) as f:
+                            for pid in f.read().split():
+                                try:
+                                    os.kill(int(pid), signal.SIGKILL)
+                                except ProcessLookupError:
+                                    pass
+                    os.rmdir(path)
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError:  # EBUSY until the killed processes are reaped
+                    if time.monotonic() > deadline:
+                        break
+                    try:
+                        while os.waitpid(-1, os.WNOHANG)[0]:
+                            pass
+                    except ChildProcessError:
+                        pass
+                    time.sleep(0.01)
+        return {"oom_kills": oom, "peak_mb": peak, "pids_limit_hits": pids_hit}
+
+
+# ---- the child's own setup ---------------------------------------------------------------------------------------
+
+def _enter_user_namespace() -> str:
+    """Without root: a user namespace (mapping our uid to itself) gives the capabilities to make the other
+    namespaces and mounts, where the kernel allows unprivileged user namespaces."""
+    uid, gid = os.getuid(), os.getgid()
+    if libc.unshare(CLONE_NEWUSER) != 0:
+        return f"not available: unshare(CLONE_NEWUSER) failed with {os.strerror(ctypes.get_errno())}"
+    try:
+        _write("/proc/self/setgroups", "deny")
+        _write("/proc/self/uid_map", f"{uid} {uid} 1")
+        _write("/proc/self/gid_map", f"{gid} {gid} 1")
+    except OSError as e:
+        return f"failed: {e}"
+    return "isolated"
+
+
+def _drop_capabilities() -> None:
+    """Capabilities held inside our own user namespace: dropped before the submission runs."""
+    class Header(ctypes.Structure):
+        _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+    class Data(ctypes.Structure):
+        _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+
+    data = (Data * 2)()
+    _check(libc.capset(ctypes.byref(Header(0x20080522, 0)), data), "capset")
+
+
+def _wait_and_relay(pid: int) -> None:
+    """Outside the new PID namespace: wait for its init (the check) and leave with the same status; never returns."""
+    try:
+        os.closerange(0, 65536)
+        while True:
+            try:
+                _, status = os.waitpid(pid, 0)
+                break
+            except InterruptedError:
+                continue
+        if os.WIFSIGNALED(status):
+            sig = os.WTERMSIG(status)
+            signal.signal(sig, signal.SIG_DFL)
+            os.kill(os.getpid(), sig)
+        code = os.WEXITSTATUS(status)
+    except BaseException:  # noqa: BLE001
+        code = 70
+    os._exit(code)
+
+
+def _private_mounts(req: dict, keep: list[str], info: dict) -> None:
+    """In our own mount namespace: disk quota overlays, private tmpfs, a fresh /proc."""
+    _mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None, "mount --make-rprivate /")
+    uid = req.get("uid")
+    owner = f",uid={uid},gid={uid}" if uid is not None else ""
+    disk_mb = req.get("disk_mb")
+    writable = [d for d in req.get("writable", []) if os.path.isdir(d)]
+    if disk_mb and writable:
+        quota = os.path.join(req["outdir"], ".quota")
+        os.mkdir(quota, 0o700)
+        try:
+            _mount("tmpfs", quota, "tmpfs", MS_NOSUID | MS_NODEV, f"size={disk_mb}m,mode=0700{owner}", "quota tmpfs")
+            for i, d in enumerate(writable):
+                upper, work = os.path.join(quota, f"u{i}"), os.path.join(quota, f"w{i}")
+                os.mkdir(upper, 0o700)
+                os.mkdir(work, 0o700)
+                st = os.stat(d)  # the overlay's top folder takes the upper folder's owner and mode
+                os.chown(upper, st.st_uid, st.st_gid)
+                os.chmod(upper, st.st_mode & 0o7777)
+                extra = ",userxattr" if req.get("_userns") == "isolated" else ""  # no trusted.* xattrs in a userns
+                _mount("overlay", d, "overlay", MS_NOSUID | MS_NODEV,
+                       f"lowerdir={d},upperdir={upper},workdir={work}{extra}", f"overlay on {d}")
+            info["disk"] = f"quota {disk_mb} MiB (overlay on tmpfs) on {', '.join(os.path.basename(d) for d in writable)}"
+        except OSError as e:
+            info["disk"] = f"no quota: {e}"
+    else:
+        info["disk"] = "no quota: disabled"
+    # The check's own folder and the zygote's HOME (HF_HOME's link) live in /tmp: carried into the new tmpfs.
+    # Held open by fd across the tmpfs that covers them, then bound back at the same paths.
+    held = [(os.open(path, os.O_PATH | os.O_DIRECTORY), path) for path in keep]
+    done = []
+    for folder in TMPFS_DIRS:
+        if not os.path.isdir(folder) or os.path.islink(folder):
+            continue
+        try:
+            _mount("tmpfs", folder, "tmpfs", MS_NOSUID | MS_NODEV, f"size={TMPFS_MB}m,mode=1777", f"tmpfs on {folder}")
+            done.append(folder)
+        except OSError as e:
+            info.setdefault("tmpfs_errors", []).append(str(e))
+    for fd, path in held:
+        if any(path.startswith(f + os.sep) for f in done):
+            os.makedirs(path, mode=0o755, exist_ok=True)
+            _mount(f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC, None, f"bind back {path}")
+        os.close(fd)
+    info["tmpfs"] = f"private {TMPFS_MB} MiB tmpfs on {', '.join(done)}" if done else "none"
+    try:
+        _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, "hidepid=2", "mount proc")
+        info["proc"] = "private /proc" + (" (own PID namespace)" if info.get("pid") == "isolated" else " (hidepid=2)")
+    except OSError as e:
+        info["proc"] = f"host /proc: {e}"
+
+
+def expose_python(scratch: str, private_mounts: bool) -> str:
+    """Let the sandbox user read the Python installation where it lives in a folder others cannot enter (e.g.
+    /root/.pyenv): an empty tmpfs covers that folder (hiding the rest of it, a home directory's secrets included)
+    and only the installation is bind-mounted back. Needs the private mount namespace."""
+    paths = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix, *sys.path) if p}
+    blocked = None
+    for p in sorted(paths):
+        parts = p.split(os.sep)
+        for i in range(2, len(parts)):
+            folder = os.sep.join(parts[:i])
+            if os.path.isdir(folder) and not os.stat(folder).st_mode & 0o001:
+                blocked = blocked or folder
+                break
+    if blocked is None:
+        return "readable"
+    if not private_mounts:
+        raise OSError(errno.EPERM, f"{blocked} is closed to other users and there is no private mount namespace")
+    tops = sorted({os.path.join(blocked, os.path.relpath(p, blocked).split(os.sep)[0])
+                   for p in paths if p.startswith(blocked + os.sep)})
+    stages = []
+    for i, top in enumerate(tops):
+        stage = os.path.join(scratch, f"python{i}")
+        os.mkdir(stage)
+        _mount(top, stage, None, MS_BIND | MS_REC, None, f"bind {top}")
+        stages.append(stage)
+    _mount("tmpfs", blocked, "tmpfs", 0, "mode=0755,size=1m", f"tmpfs on {blocked}")
+    for stage, top in zip(stages, tops):
+        os.makedirs(top, exist_ok=True)
+        _mount(stage, top, None, MS_BIND | MS_REC, None, f"bind back {top}")
+    return f"{blocked} hidden except {', '.join(tops)}"
+
+
+def _seccomp() -> str:
+    try:
+        import pyseccomp as sc
+
+        f = sc.SyscallFilter(sc.ALLOW)
+    except Exception as e:  # noqa: BLE001  (missing module or libseccomp.so)
+        return f"no seccomp filter: {type(e).__name__}: {e}"
+    import socket
+
+    deny = sc.ERRNO(errno.EPERM)
+    f.add_rule(deny, "socket", sc.Arg(0, sc.EQ, socket.AF_UNIX))
+    for kind in (socket.SOCK_DGRAM, socket.SOCK_SEQPACKET):  # a datagram pair can still connect() elsewhere
+        f.add_rule(deny, "socketpair", sc.Arg(0, sc.EQ, socket.AF_UNIX), sc.Arg(1, sc.MASKED_EQ, 0xF, kind))
+    for call in ("io_uring_setup", "io_uring_enter", "io_uring_register", "unshare", "setns", "mount", "umount2",
+                 "pivot_root", "open_tree", "move_mount", "fsopen", "fsmount"):
+        f.add_rule(deny, call)
+    f.add_rule(deny, "clone", sc.Arg(0, sc.MASKED_EQ, CLONE_NEWUSER, CLONE_NEWUSER))
+    f.add_rule(sc.ERRNO(errno.ENOSYS), "clone3")  # its flags live in memory seccomp cannot read; libc falls back
+    f.load()
+    return "seccomp: no AF_UNIX sockets, io_uring, namespaces or mounts"
+
+
+def enter(req: dict, cgroup_dirs: dict | None) -> dict:
+    """Everything between the fork and the submission's code, in the child (setsid done). Returns what held.
+    With a new PID namespace this forks once more: the caller goes on in the namespace's init, while the process
+    that called it waits outside and leaves with the same status."""
+    info = {}
+    if cgroup_dirs:
+        try:
+            for path in dict.fromkeys(cgroup_dirs.values()):
+                _write(os.path.join(path, "cgroup.procs"), "0")  # "0": the writing process itself
+            info["cgroup"] = req.get("cgroup_status", "joined")
+        except OSError as e:
+            info["cgroup"] = f"not joined: {e}"
+    else:
+        info["cgroup"] = f"none: {req.get('cgroup_status', 'not requested')}"
+    root = os.geteuid() == 0
+    if not root:
+        req["_userns"] = info["user_namespace"] = _enter_user_namespace()
+    if not req.get("isolate_network", True):
+        info["network"] = "not isolated: disabled"
+    else:
+        info["network"] = _unshare(CLONE_NEWNET, "CLONE_NEWNET")
+    info["ipc"] = _unshare(CLONE_NEWIPC, "CLONE_NEWIPC")
+    info["mount"] = _unshare(CLONE_NEWNS, "CLONE_NEWNS")
+    info["pid"] = _unshare(CLONE_NEWPID, "CLONE_NEWPID")
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    if info["pid"] == "isolated":
+        pid = os.fork()
+        if pid:
+            _wait_and_relay(pid)
+    keep = [req["outdir"]] + ([os.environ["HOME"]] if os.path.isdir(os.environ.get("HOME", "")) else [])
+    if info["mount"] == "isolated":
+        try:
+            _private_mounts(req, keep, info)
+        except OSError as e:
+            info["tmpfs"] = f"failed: {e}"
+    else:
+        info["disk"] = info["tmpfs"] = info["proc"] = "none: no private mount namespace"
+    with open("/proc/self/statm") as f:
+        base = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")  # address space already mapped (torch)
+    limits = {
+        resource.RLIMIT_AS: base + req["mem_mb"] * 2**20,
+        resource.RLIMIT_CPU: req["cpu_s"],
+        resource.RLIMIT_FSIZE: req["max_file_mb"] * 2**20,
+        resource.RLIMIT_NPROC: req["max_procs"],
+    }
+    for which, value in limits.items():
+        resource.setrlimit(which, (value, value))
+    uid = req.get("uid")
+    if uid is not None:
+        try:
+            scratch = os.path.join(req["outdir"], ".python")
+            os.mkdir(scratch, 0o700)
+            info["python"] = expose_python(scratch, info["mount"] == "isolated")
+        except OSError as e:  # the sandbox user could not import anything new: keep the grader's uid
+            info["python"] = f"not readable by a sandbox user ({e}); the check runs as the grader's user"
+            uid = None
+    if uid is not None:  # root: become a throw-away user, so writes outside the sandbox are refused
+        os.setgroups([])
+        os.setresgid(uid, uid, uid)
+        os.setresuid(uid, uid, uid)
+    elif not root:
+        _drop_capabilities()  # those of the user namespace, if one was made
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # the waiter killed at the deadline takes us along
+    info["uid"] = os.getuid()
+    info["unix_sockets"] = _seccomp()
+    return info

@@ -1,0 +1,341 @@
+"""Attacks from issue 29 as hostile submissions, each with the outcome it must get: limits that hold for all of a
+check's processes together, nothing left behind, nothing of other checks or the host visible, and prediction files
+that cannot point at the gold file or leak what they point at."""
+from __future__ import annotations
+
+import ctypes
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from grading_submission import write_submission
+
+from grading.grader import Grader
+from grading.predictions import score_predictions
+from grading.sandbox import Limits, Sandbox
+
+ROOT = Path(__file__).resolve().parents[1]
+MEM_MB, DISK_MB = 512, 64  # small limits, so that each attack needs only a few hundred MB
+ROOT_ONLY = pytest.mark.skipif(os.geteuid() != 0, reason="a uid of its own per check needs a grader running as root")
+
+
+@pytest.fixture(scope="module")
+def grader():
+    with Grader(limits=Limits(timeout=12, mem_mb=MEM_MB, disk_mb=DISK_MB)) as g:
+        yield g
+
+
+def attack(tmp_path, code: str, name: str = "sub") -> Path:
+    """The correct submission, with `code` run when its attention module is imported."""
+    return write_submission(tmp_path / name, attention=[("import math\n", "import math\n" + code + "\n")])
+
+
+def grade_attention(grader, sub):
+    (check,) = grader.grade(sub, ("attention",)).checks
+    return check
+
+
+def test_memory_is_bounded_for_all_forked_processes_together(grader, tmp_path):
+    # Three processes of 300 MB each stay under the per-process address-space limit, not under the check's.
+    code = ("import os, time\npids = []\nfor _ in range(2):\n    pid = os.fork()\n    if pid == 0:\n"
+            "        x = b'1' * (300 << 20)\n        time.sleep(2)\n        os._exit(0)\n    pids.append(pid)\n"
+            "x = b'1' * (300 << 20)\nfor pid in pids:\n    os.waitpid(pid, 0)\nprint('HELD 900 MB')")
+    report = grader.grade(attack(tmp_path, code), ("attention",))
+    check, sandbox = report.checks[0], report.sandbox
+    if sandbox.get("cgroup", "").startswith("none"):
+        pytest.skip(f"no cgroup for the checks here: {sandbox['cgroup']}")
+    assert check.score == 0 and check.verdict == "error", (check.messages, check.output)
+    assert "memory limit" in " ".join(check.messages) and f"{MEM_MB} MiB" in " ".join(check.messages)
+
+
+def test_writes_in_its_own_folder_stop_at_the_disk_quota(grader, tmp_path):
+    # 15 MiB files (under the per-file limit) until the disk refuses: at most the quota, not 1.9 GB.
+    code = ("written = 0\nfor i in range(40):\n    try:\n        with open(f'fill{i}.bin', 'wb') as f:\n"
+            "            f.write(b'0' * (15 << 20))\n        written += 15\n    except OSError as e:\n"
+            "        print('REFUSED', e.strerror)\n        break\nprint('WROTE', written, 'MiB')")
+    check = grade_attention(grader, attack(tmp_path, code))
+    written = int(check.output.split("WROTE ")[1].split()[0])
+    assert written <= DISK_MB and "REFUSED No space left on device" in check.output, check.output
+    assert check.score == check.max_score, check.messages  # a contained write costs nothing
+
+
+def test_shared_memory_and_run_lock_do_not_outlive_the_check(grader, tmp_path):
+    key = int(uuid.uuid4().int % 2**30) + 1
+    lock = Path("/run/lock") / f"left-by-a-submission-{key}"
+    code = (f"import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+            f"print('SHM', libc.shmget({key}, 1 << 20, 0o1000 | 0o666))\n"  # IPC_CREAT
+            f"try:\n    open({str(lock)!r}, 'w').write('x')\nexcept OSError as e:\n    print('LOCK', e)")
+    check = grade_attention(grader, attack(tmp_path, code))
+    libc = ctypes.CDLL(None, use_errno=True)
+    shmid = libc.shmget(key, 0, 0)
+    left = [what for what, there in (("shm", shmid >= 0), ("lock", lock.exists())) if there]
+    if shmid >= 0:
+        libc.shmctl(shmid, 0, None)  # IPC_RMID: leave the host as it was
+    lock.unlink(missing_ok=True)
+    assert "SHM -1" not in check.output, check.output  # the segment was made, in the check's own IPC namespace
+    assert left == [], f"{left} outlived the check"
+    assert check.score == check.max_score, check.messages
+
+
+def test_filesystem_and_abstract_unix_sockets_outside_cannot_be_reached(grader, tmp_path):
+    if not os.access("/run", os.W_OK):
+        pytest.skip("/run is not writable here (the socket must sit outside the check's private folders)")
+    folder = Path(tempfile.mkdtemp(dir="/run", prefix="grading-test-"))
+    os.chmod(folder, 0o755)
+    path, abstract = folder / "service.sock", f"grading-test-{uuid.uuid4().hex}"
+    servers = []
+    try:
+        for address in (str(path), "\0" + abstract):
+            server = socket.socket(socket.AF_UNIX)
+            server.bind(address)
+            server.listen()
+            server.settimeout(0.5)
+            servers.append(server)
+        os.chmod(path, 0o777)  # like a world-writable service socket: file permissions do not protect it
+        code = (f"import socket\nfor address in ({str(path)!r}, '\\0' + {abstract!r}):\n    try:\n"
+                f"        s = socket.socket(socket.AF_UNIX)\n        s.connect(address)\n        print('CONNECTED')\n"
+                f"    except OSError as e:\n        print('REFUSED', e)")
+        check = grade_attention(grader, attack(tmp_path, code))
+        assert "CONNECTED" not in check.output and check.output.count("REFUSED") == 2, check.output
+        for server in servers:
+            with pytest.raises(socket.timeout):
+                server.accept()
+        assert check.score == check.max_score, check.messages
+    finally:
+        for server in servers:
+            server.close()
+        path.unlink(missing_ok=True)
+        folder.rmdir()
+
+
+def test_other_processes_and_their_command_lines_are_invisible(grader, tmp_path):
+    marker = f"secret-token-{uuid.uuid4().hex}"
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", marker])
+    try:
+        code = (f"import os\nseen = []\nfor pid in os.listdir('/proc'):\n    try:\n"
+                f"        if pid.isdigit() and {marker!r}.encode() in open(f'/proc/{{pid}}/cmdline', 'rb').read():\n"
+                f"            seen.append(pid)\n    except OSError:\n        pass\n"
+                f"print('PROCESSES', len([p for p in os.listdir('/proc') if p.isdigit()]), 'SAW', len(seen))")
+        check = grade_attention(grader, attack(tmp_path, code))
+    finally:
+        other.kill()
+        other.wait()
+    assert "SAW 0" in check.output, check.output
+    assert check.score == check.max_score, check.messages
+
+
+@ROOT_ONLY
+def test_another_students_live_copy_cannot_be_read(grader, tmp_path):
+    """--batch: two checks at once, under two uids; the second knows where the first's copy lives."""
+    token = uuid.uuid4().hex
+    marker = f"VICTIM-{token}"  # never spelled out in the attacker's own file, which it can read
+    victim = write_submission(tmp_path / "victim", attention=[("import math\n", f"import math\nimport time\n"
+                                                                                f"# {marker}\ntime.sleep(4)\n")])
+    before = set(Path(tempfile.gettempdir()).glob("grading-check-*"))
+    other = Sandbox(Limits(timeout=6))
+    other.uid = grader.sandbox.uid + 1  # as a second batch worker would have
+    thread = threading.Thread(target=other.run, args=("attention", victim))
+    thread.start()
+    try:
+        copy = None
+        for _ in range(1000):  # until the victim's check has its copy (the zygote starts first)
+            new = set(Path(tempfile.gettempdir()).glob("grading-check-*")) - before
+            if new and (next(iter(new)) / "submission" / "modules" / "attention.py").exists():
+                copy = next(iter(new))
+                break
+            time.sleep(0.05)
+        assert copy is not None, "the victim's check never started"
+        # closed even where no private /tmp hides it: only the victim's group may pass, only its uid may read
+        assert (copy.stat().st_mode & 0o777, copy.stat().st_gid) == (0o710, other.uid)
+        assert (copy / "submission").stat().st_mode & 0o777 == 0o700
+        target = copy / "submission" / "modules" / "attention.py"
+        code = (f"import glob\nfound = glob.glob('/tmp/grading-check-*/submission/modules/attention.py')\n"
+                f"for path in found + [{str(target)!r}]:\n    try:\n"
+                f"        print('STOLEN' if 'VICTIM-' + {token!r} in open(path).read() else 'other', path)\n"
+                f"    except OSError as e:\n        print('REFUSED', e.strerror)")
+        check = grade_attention(grader, attack(tmp_path, code))
+    finally:
+        thread.join()
+        other.close()
+    assert "STOLEN" not in check.output and "REFUSED" in check.output, check.output
+    assert check.score == check.max_score, check.messages
+
+
+# ---- prediction files (no sandbox) ---------------------------------------------------------------------------
+
+SONNETS = ("\n1\nShall I compare thee to a summer's day?\nThou art more lovely and more temperate\n\n"
+           "2\nWhen forty winters shall besiege thy brow,\nAnd dig deep trenches in thy beauty's field\n")
+
+
+@pytest.fixture
+def folders(tmp_path):
+    gold, pred = tmp_path / "gold", tmp_path / "pred"
+    gold.mkdir()
+    pred.mkdir(mode=0o755)
+    (gold / "TRUE_sonnets_held_out_dev.txt").write_text(SONNETS)
+    return gold, pred
+
+
+def sonnet_result(pred, gold):
+    board, messages = score_predictions(pred, gold)
+    return board, [m for m in messages if m.startswith("Sonnet")][0]
+
+
+def test_a_link_to_the_gold_sonnets_is_not_read(folders):
+    gold, pred = folders
+    (pred / "generated_sonnets_dev.txt").symlink_to(gold / "TRUE_sonnets_held_out_dev.txt")
+    board, message = sonnet_result(pred, gold)
+    assert board == [] and "generated_sonnets_dev.txt not read: it is a symbolic link" in message
+    (pred / "generated_sonnets_dev.txt").unlink()
+    os.link(gold / "TRUE_sonnets_held_out_dev.txt", pred / "generated_sonnets_dev.txt")  # a hard link too
+    board, message = sonnet_result(pred, gold)
+    assert board == [] and "has other hard links" in message
+    (pred / "generated_sonnets_dev.txt").unlink()
+    (pred / "generated_sonnets_dev.txt").write_text(SONNETS)  # the student's own file is scored
+    assert sonnet_result(pred, gold)[0] == [{"name": "Sonnet dev chrF", "value": 100.0}]
+
+
+def test_a_link_to_a_secret_file_is_not_read_and_never_echoed(folders, tmp_path):
+    gold, pred = folders
+    secret = tmp_path / "secret.txt"
+    secret.write_text("1\nTOP-SECRET-LINE\n")
+    secret.chmod(0o600)
+    (pred / "generated_sonnets_dev.txt").symlink_to(secret)
+    (pred / "para-dev-output.csv").write_text("id \t Predicted_Is_Paraphrase \nCONTENT-OF-THE-FILE\n")
+    (gold / "quora-dev.csv").write_text("id\tsentence1\tsentence2\tis_duplicate\n1 x-1\ta?\tb?\t1.0\n")
+    board, messages = score_predictions(pred, gold)
+    text = " ".join(messages)
+    assert board == [] and "TOP-SECRET" not in text and "CONTENT-OF-THE-FILE" not in text, text
+    assert "para-dev-output.csv could not be scored: line 2: expected `<id>, <label>`" in text
+    if os.geteuid() == 0:  # read as a uid of its own: a root-only file in the folder is unreadable
+        (pred / "generated_sonnets_dev.txt").unlink()
+        (pred / "generated_sonnets_dev.txt").write_text(SONNETS)
+        (pred / "generated_sonnets_dev.txt").chmod(0o600)
+        board, message = sonnet_result(pred, gold)
+        assert board == [] and "not read: it cannot be opened: Permission denied" in message
+
+
+def test_a_linked_folder_or_a_fifo_is_not_read(folders, tmp_path):
+    gold, pred = folders
+    os.mkfifo(pred / "generated_sonnets_dev.txt")
+    board, message = sonnet_result(pred, gold)  # returns at once: a FIFO is never opened for a blocking read
+    assert board == [] and "is not a regular file" in message
+    (tmp_path / "linked").symlink_to(pred)
+    board, messages = score_predictions(tmp_path / "linked", gold)
+    assert board == [] and "has a symbolic link (linked)" in messages[0]
+
+
+# ---- where the grader has less power: no root, or a container without CAP_SYS_ADMIN ------------------------------
+
+def closed_ancestor(path: str) -> str | None:
+    """The first folder above `path` that other users cannot enter (e.g. /root for a pyenv Python)."""
+    parts = Path(os.path.realpath(path)).parts
+    for i in range(2, len(parts)):
+        folder = os.path.join(*parts[:i])
+        if not os.stat(folder).st_mode & 0o001:
+            return folder
+    return None
+
+
+def run_grader_as(wrapper: list[str], tmp: Path, code: str = "") -> dict:
+    import json
+
+    sub = attack(tmp, code) if code else write_submission(tmp / "sub")
+    subprocess.run(["chmod", "-R", "a+rwX", str(tmp)], check=True)
+    out = subprocess.run([*wrapper, sys.executable, "-m", "grading", str(sub), "--checks", "attention", "--json",
+                          str(tmp / "report.json")], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "HOME": str(tmp), "HF_HUB_OFFLINE": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads((tmp / "report.json").read_text())
+
+
+def exposing_python(tmp: Path, then: str) -> list[str]:
+    """A command prefix: a private mount namespace where a Python under a folder closed to others (a pyenv in
+    /root) is the only thing visible there, then `then` (a setpriv line that takes the rest of the arguments)."""
+    closed = closed_ancestor(sys.prefix)
+    top = os.path.join(closed, Path(os.path.realpath(sys.prefix)).relative_to(closed).parts[0]) if closed else None
+    script = (f"set -e; mkdir {tmp}/stage; mount --bind {top} {tmp}/stage; "
+              f"mount -t tmpfs -o mode=0755,size=1m tmpfs {closed}; mkdir {top}; mount --bind {tmp}/stage {top}; "
+              if closed else "") + f'exec {then} "$@"'
+    return ["unshare", "-m", "sh", "-c", script, "sh"]
+
+
+@ROOT_ONLY
+def test_a_grader_without_root_isolates_the_check_in_a_user_namespace():
+    if not Path("/usr/bin/setpriv").exists() or not Path("/usr/bin/unshare").exists():
+        pytest.skip("needs setpriv and unshare (util-linux) to become an unprivileged user")
+    tmp = Path(tempfile.mkdtemp(prefix="grading-nonroot-"))
+    try:
+        report = run_grader_as(exposing_python(tmp, "setpriv --reuid=65534 --regid=65534 --clear-groups "
+                                                    "--inh-caps=-all --bounding-set=-all"), tmp)
+    finally:
+        subprocess.run(["rm", "-rf", str(tmp)])
+    sandbox = report["sandbox"]
+    assert report["score"] == 16 and sandbox["uid"] == 65534, report
+    if sandbox["user_namespace"] != "isolated":
+        pytest.skip(f"this kernel refuses unprivileged user namespaces: {sandbox['user_namespace']}")
+    assert [sandbox[k] for k in ("network", "ipc", "mount", "pid")] == ["isolated"] * 4, sandbox
+    assert sandbox["tmpfs"].startswith("private") and sandbox["disk"].startswith("quota"), sandbox
+    assert sandbox["proc"].startswith("private") and sandbox["unix_sockets"].startswith("seccomp"), sandbox
+
+
+@ROOT_ONLY
+def test_a_container_without_namespaces_grades_says_what_did_not_hold_and_cleans_up():
+    """Docker without CAP_SYS_ADMIN: no namespace; the uid of its own still holds where Python is readable (here
+    made so), and what it leaves in the shared /run/lock and SysV shared memory is reported and removed."""
+    if not Path("/usr/bin/setpriv").exists() or not Path("/usr/bin/unshare").exists():
+        pytest.skip("needs setpriv and unshare (util-linux) to drop CAP_SYS_ADMIN as Docker does")
+    tmp = Path(tempfile.mkdtemp(prefix="grading-nosysadmin-"))
+    key = int(uuid.uuid4().int % 2**30) + 1
+    lock = Path("/run/lock") / f"left-by-a-submission-{key}"
+    code = (f"import ctypes\nprint('SHM', ctypes.CDLL(None).shmget({key}, 1 << 20, 0o1000 | 0o666))\n"
+            f"open({str(lock)!r}, 'w').write('x')")
+    libc = ctypes.CDLL(None, use_errno=True)
+    try:
+        report = run_grader_as(exposing_python(tmp, "setpriv --bounding-set=-sys_admin --inh-caps=-sys_admin"),
+                               tmp, code)
+    finally:
+        subprocess.run(["rm", "-rf", str(tmp)])
+        shmid = libc.shmget(key, 0, 0)
+        left = [what for what, there in (("shm", shmid >= 0), ("lock", lock.exists())) if there]
+        if shmid >= 0:
+            libc.shmctl(shmid, 0, None)
+        lock.unlink(missing_ok=True)
+    sandbox, (check,) = report["sandbox"], report["checks"]
+    assert report["score"] == 16, report
+    for layer in ("network", "ipc", "mount", "pid"):
+        assert sandbox[layer].startswith("not isolated: unshare(CLONE_NEW") and "not permitted" in sandbox[layer]
+    assert sandbox["tmpfs"] == sandbox["disk"] == "none: no private mount namespace", sandbox
+    assert sandbox["uid"] >= 200000 and sandbox["unix_sockets"].startswith("seccomp"), sandbox
+    findings = " ".join(check["messages"])
+    assert lock.name in findings and "SysV shared memory segment" in findings, check["messages"]
+    assert left == [], f"{left} outlived the check"
+
+
+def test_cgroup_v2_group_goes_under_a_delegated_group_else_the_hierarchy_root(tmp_path):
+    from grading.isolation import Cgroup
+
+    root = tmp_path / "cgroup"
+    own = root / "user.slice" / "grader"
+    own.mkdir(parents=True)
+    (root / "cgroup.subtree_control").write_text("cpu memory pids\n")
+    (own / "cgroup.subtree_control").mkdir()  # stands for a group not delegated to us: its controls are refused
+    mounts, paths = [(str(root), "cgroup2", {"rw"})], {"": "/user.slice/grader"}
+    group, why = Cgroup.create("check-1", 256 << 20, 32, mounts=mounts, own=paths)
+    assert group is not None and group.version == 2, why
+    assert group.dirs == {"memory": str(root / "check-1"), "pids": str(root / "check-1")}
+    assert (root / "check-1" / "memory.max").read_text() == str(256 << 20)
+    assert (root / "check-1" / "pids.max").read_text() == "32"
+    (own / "cgroup.subtree_control").rmdir()
+    (own / "cgroup.subtree_control").write_text("memory pids\n")  # delegated: the group goes under ours
+    group, why = Cgroup.create("check-2", 256 << 20, 32, mounts=mounts, own=paths)
+    assert group.dirs["memory"] == str(own / "check-2"), why
+    group, why = Cgroup.create("check-3", 1, 1, mounts=[], own={})
+    assert group is None and "no cgroup filesystem mounted" in why

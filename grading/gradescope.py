@@ -48,10 +48,12 @@ RUN_AUTOGRADER = """#!/usr/bin/env bash
 # Gradescope runs this per submission; AUTOGRADER_ROOT (default /autograder) lets it run elsewhere.
 ROOT="${AUTOGRADER_ROOT:-/autograder}"
 SOURCE="${AUTOGRADER_SOURCE:-$ROOT/source}"
-cd "$SOURCE" || exit 1
 export HF_HUB_OFFLINE=1
-${PYTHON:-python3} -m grading.gradescope run --root "$ROOT"
-rc=$?
+rc=1
+if cd "$SOURCE"; then
+  ${PYTHON:-python3} -m grading.gradescope run --root "$ROOT"
+  rc=$?
+fi
 # The Python side writes results.json on every path it controls; this covers an interpreter that never started.
 if [ ! -s "$ROOT/results/results.json" ]; then
   mkdir -p "$ROOT/results"

@@ -30,15 +30,24 @@ SETUP_SH = """#!/usr/bin/env bash
 # Gradescope runs this once while building the autograder image (Ubuntu, as root, with network).
 set -euo pipefail
 cd "$(dirname "$0")"
-PY=${PYTHON:-python3}
+ROOT="${AUTOGRADER_ROOT:-/autograder}"
+PY="${PYTHON:-}"
+if [ -z "$PY" ] && [ -x "$ROOT/venv/bin/python" ]; then PY="$ROOT/venv/bin/python"; fi
 # Already importable (a prepared image, or a test unpacking the zip offline): nothing to install.
-if "$PY" -m grading.environment --quiet; then
+if [ -n "$PY" ] && "$PY" -m grading.environment --quiet; then
   echo "setup.sh: the course's packages are importable; skipping pip"
   exit 0
 fi
-if ! "$PY" -m pip --version >/dev/null 2>&1; then
-  apt-get update && apt-get install -y python3-pip python3-venv
+# Python 3.11 in a venv of its own: Gradescope's Ubuntu images ship an older python3.
+if ! command -v python3.11 >/dev/null 2>&1; then
+  apt-get update
+  apt-get install -y software-properties-common
+  add-apt-repository -y ppa:deadsnakes/ppa
+  apt-get update
+  apt-get install -y python3.11 python3.11-venv
 fi
+python3.11 -m venv "$ROOT/venv"
+PY="$ROOT/venv/bin/python"
 # CPU wheels of torch from PyTorch's index (Gradescope's runners have no GPU); everything else from PyPI.
 "$PY" -m pip install --no-cache-dir --extra-index-url https://download.pytorch.org/whl/cpu -r requirements.txt
 "$PY" -m grading.environment
@@ -48,10 +57,14 @@ RUN_AUTOGRADER = """#!/usr/bin/env bash
 # Gradescope runs this per submission; AUTOGRADER_ROOT (default /autograder) lets it run elsewhere.
 ROOT="${AUTOGRADER_ROOT:-/autograder}"
 SOURCE="${AUTOGRADER_SOURCE:-$ROOT/source}"
+PY="${PYTHON:-}"
+if [ -z "$PY" ]; then
+  if [ -x "$ROOT/venv/bin/python" ]; then PY="$ROOT/venv/bin/python"; else PY=python3; fi
+fi
 export HF_HUB_OFFLINE=1
 rc=1
 if cd "$SOURCE"; then
-  ${PYTHON:-python3} -m grading.gradescope run --root "$ROOT"
+  "$PY" -m grading.gradescope run --root "$ROOT"
   rc=$?
 fi
 # The Python side writes results.json on every path it controls; this covers an interpreter that never started.

@@ -46,12 +46,13 @@ def autograder(tmp_path_factory):
     return root
 
 
-def run_autograder(root: Path, submission: Path | None) -> tuple[int, dict]:
+def run_autograder(root: Path, submission: Path | None, python: str | None = sys.executable) -> tuple[int, dict]:
     shutil.rmtree(root / "submission", ignore_errors=True)
     shutil.rmtree(root / "results", ignore_errors=True)
     if submission is not None:
         shutil.copytree(submission, root / "submission")
-    env = {**os.environ, "AUTOGRADER_ROOT": str(root), "PYTHON": sys.executable}
+    env = {k: v for k, v in os.environ.items() if k != "PYTHON"}
+    env.update({"AUTOGRADER_ROOT": str(root)}, **({"PYTHON": python} if python else {}))
     proc = subprocess.run([str(root / "source" / "run_autograder")], env=env, capture_output=True, text=True,
                           timeout=600)
     return proc.returncode, json.loads((root / "results" / "results.json").read_text())
@@ -84,7 +85,12 @@ def test_broken_submissions_get_a_results_file_with_the_reason(autograder, tmp_p
     assert rc == 0 and results["score"] < 100
     assert "loralib" in results["output"] and "staff allowed" in results["output"]  # the packed allow-list
     (tmp_path / "empty").mkdir()
-    rc, results = run_autograder(autograder, tmp_path / "empty")
+    (autograder / "venv" / "bin").mkdir(parents=True, exist_ok=True)  # where setup.sh puts its venv
+    venv_python = autograder / "venv" / "bin" / "python"
+    venv_python.write_text(f"#!/bin/sh\ntouch {tmp_path / 'venv-used'}\nexec {sys.executable} \"$@\"\n")
+    venv_python.chmod(0o755)
+    rc, results = run_autograder(autograder, tmp_path / "empty", python=None)
+    assert (tmp_path / "venv-used").exists()  # run_autograder runs setup.sh's venv when no PYTHON is given
     assert rc == 0 and results["score"] == 0 and "No models/gpt2.py" in results["output"]
 
 

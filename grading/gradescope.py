@@ -133,11 +133,13 @@ def failure(reason: str, seconds: float = 0.0) -> dict:
             "output": f"{reason}\n\nThis is not a grade of your code: the course staff will regrade once it is fixed."}
 
 
-def protections(report_sandbox: dict, uid) -> dict:
-    """Which of the sandbox's protections held for this run, as the sandbox reported them."""
+def protections(report_sandbox: dict) -> dict:
+    """Which of the sandbox's protections held for this run, as the check's process reported them (the uid it ran
+    under, not the one it was meant to get: without CAP_SYS_ADMIN it falls back to the grader's)."""
     network = str(report_sandbox.get("network", "unknown"))
-    return {"network_isolated": not network.startswith("not isolated") and network != "unknown",
-            "network": network, "own_uid": uid is not None,
+    uid = report_sandbox.get("uid")
+    return {"network_isolated": network == "isolated" or network.startswith("isolated "),
+            "network": network, "own_uid": isinstance(uid, int) and uid != os.getuid(), "uid": uid,
             "python": report_sandbox.get("python", ""),
             "limits": "RLIMIT_AS, RLIMIT_CPU, RLIMIT_FSIZE, RLIMIT_NPROC, no core files; wall-clock kill of the "
                       "check's process group"}
@@ -174,12 +176,13 @@ def run(root: str | os.PathLike) -> int:
         shared = source / "shared" if (source / "shared").is_dir() else None
         with Grader(rubric, Limits(), str(shared) if shared else None) as grader:
             report = grader.grade(layout)
-            uid = grader.sandbox.uid
         out = gradescope(report)
-        held = protections(report.sandbox, uid)
+        held = protections(report.sandbox)
         out["output"] += ("\nSandbox: network " + ("isolated" if held["network_isolated"] else
                                                   f"NOT isolated ({held['network']})")
-                          + ("; own uid per check" if held["own_uid"] else "; same uid as the grader (not root)"))
+                          + ("; own uid per check" if held["own_uid"] else "; checks ran under the grader's uid (no namespaces "
+                                                                    "or not root: writes outside a check's folder "
+                                                                    "are not refused)"))
         out["extra_data"] = {"sandbox": held, "environment": report.environment}
         write_json(results, out)
         return 0

@@ -94,6 +94,25 @@ def test_broken_submissions_get_a_results_file_with_the_reason(autograder, tmp_p
     assert rc == 0 and results["score"] == 0 and "No models/gpt2.py" in results["output"]
 
 
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("capsh"), reason="needs root and capsh to drop CAP_SYS_ADMIN")
+def test_namespaces_forbidden_degrades_and_says_so(autograder, tmp_path):
+    # Docker's default: root without CAP_SYS_ADMIN, so no network or mount namespace; grading goes on, and the
+    # results say which protections did not hold
+    shutil.rmtree(autograder / "results", ignore_errors=True)
+    shutil.rmtree(autograder / "submission", ignore_errors=True)
+    write_submission(autograder / "submission", optimizer=[("import math\n", "import math\nthis is not Python\n")])
+    env = {**os.environ, "AUTOGRADER_ROOT": str(autograder), "PYTHON": sys.executable}
+    proc = subprocess.run(["capsh", "--drop=cap_sys_admin", "--", "-c", str(autograder / "source" / "run_autograder")],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    results = json.loads((autograder / "results" / "results.json").read_text())
+    assert 0 < results["score"] < 100  # graded: everything but the broken optimizer passes
+    held = results["extra_data"]["sandbox"]
+    assert held["network_isolated"] is False and "Operation not permitted" in held["network"]
+    assert held["own_uid"] is False
+    assert "NOT isolated" in results["output"]
+
+
 def test_grader_side_failures_write_results_too(autograder, tmp_path, monkeypatch):
     monkeypatch.setitem(environment.COURSE_PACKAGES, "importlib_metadata_gone", "importlib-metadata")
     root = tmp_path / "root"
@@ -110,10 +129,13 @@ def test_grader_side_failures_write_results_too(autograder, tmp_path, monkeypatc
 
 
 def test_protections_say_what_held():
-    held = gradescope.protections({"network": "not isolated: unshare(CLONE_NEWNET) failed: EPERM"}, None)
+    # Docker without CAP_SYS_ADMIN: no namespaces, and the check fell back to the grader's own uid
+    held = gradescope.protections({"network": "not isolated: unshare(CLONE_NEWNET) failed with Operation not "
+                                              "permitted", "uid": os.getuid()})
     assert held["network_isolated"] is False and held["own_uid"] is False
-    held = gradescope.protections({"network": "isolated (new network namespace)"}, 12345)
+    held = gradescope.protections({"network": "isolated", "uid": os.getuid() + 12345})
     assert held["network_isolated"] is True and held["own_uid"] is True
+    assert gradescope.protections({})["network_isolated"] is False  # nothing reported: nothing claimed
 
 
 def test_package_refuses_a_bad_rubric(tmp_path, capsys):

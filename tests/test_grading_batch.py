@@ -41,10 +41,12 @@ def make_export(folder):
     folder.mkdir(parents=True)
     (folder / "submission_metadata.yml").write_text(METADATA)
     write_submission(folder / "submission_101")  # correct
-    write_submission(folder / "submission_102" / "cs224n_gpt",  # zipped in a folder; its AdamW never decays
-                     optimizer=[("alpha=-group[\"lr\"] * group[\"weight_decay\"]", "alpha=0.0")])
+    write_submission(folder / "submission_102" / "cs224n_gpt",  # zipped in a folder; no position embeddings
+                     model=[("self.word_embedding(input_ids) + self.pos_embedding(pos_ids)",
+                             "self.word_embedding(input_ids)")])
     write_submission(folder / "submission_103",  # hostile: kills its own check process before reporting
-                     optimizer=[("import math\n", "import math\nimport os\nos._exit(0)\n")])
+                     model=[("    def embed(self, input_ids):\n", "    def embed(self, input_ids):\n        import os\n"
+                                                                  "        os._exit(0)\n")])
     return folder
 
 
@@ -62,23 +64,24 @@ def test_export_layout_batch_writes_csv_keyed_by_students(tmp_path, as_zip):
         export = tmp_path / "export.zip"
     assert is_export(export)
     out = tmp_path / "scores.csv"
-    assert main(["--batch", str(export), "--csv", str(out), "--checks", "adamw", "--jobs", "2"]) == 0
+    assert main(["--batch", str(export), "--csv", str(out), "--checks", "embed", "--jobs", "2"]) == 0
     rows = read_rows(out)
     assert list(rows) == ["1001", "1002; 1003", "1004"]
     assert rows["1001"]["names"] == "Ada Lovelace" and rows["1001"]["submission"] == "submission_101"
-    assert rows["1001"]["adamw"] == rows["1001"]["score"] == rows["1001"]["max_score"] == "30.0"
+    assert rows["1001"]["embed"] == rows["1001"]["score"] == rows["1001"]["max_score"] == "8.0"
     assert rows["1002; 1003"]["names"] == "Alan Turing; Grace Hopper"
     assert rows["1002; 1003"]["emails"] == "alan@example.edu; grace@example.edu"
-    assert float(rows["1002; 1003"]["adamw"]) < 30  # graded: the layout one folder down was found
-    assert rows["1004"]["adamw"] == "0.0" and "error" in rows["1004"]["notes"]
+    assert rows["1002; 1003"]["embed"] == "0.0"  # graded: the layout one folder down was found
+    assert "position" in rows["1002; 1003"]["notes"]
+    assert rows["1004"]["embed"] == "0.0" and "error" in rows["1004"]["notes"]
 
 
 def test_plain_folders_still_grade(tmp_path):
     write_submission(tmp_path / "class" / "alice")
     out = tmp_path / "scores.csv"
-    assert main(["--batch", str(tmp_path / "class"), "--csv", str(out), "--checks", "adamw"]) == 0
+    assert main(["--batch", str(tmp_path / "class"), "--csv", str(out), "--checks", "embed"]) == 0
     row = read_rows(out)[""]
-    assert row["submission"] == "alice" and row["adamw"] == "30.0"
+    assert row["submission"] == "alice" and row["embed"] == "8.0"
 
 
 def test_bad_exports_are_named(tmp_path, capsys):

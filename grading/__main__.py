@@ -3,10 +3,13 @@
     python -m grading path/to/submission --gradescope results.json --json report.json
     python -m grading path/to/submission --predictions path/to/submission/predictions --gold ../shared/data/cs224n
     python -m grading --batch submissions/ --csv scores.csv --jobs 2
+    python -m grading --batch gradescope_export.zip --csv scores.csv --jobs 2   # Gradescope's "Export Submissions"
+    python -m grading package autograder.zip --rubric my_rubric.json             # the zip Gradescope takes
 
 Each check runs the submission's code in its own sandboxed process (see grading/sandbox.py); the comparison with
-the reference runs here. Exit code 0 whenever grading ran, whatever the score; 2 for bad arguments or missing
-reference files; 1 when the sandbox itself could not run (the results file is written all the same).
+the reference runs here. Exit codes: 0 whenever grading ran, whatever the score; 2 for bad arguments or missing
+reference files; 1 when the sandbox itself could not run (the results file is written all the same); 3 when this
+Python lacks a package of the course's environment (nothing graded; the message names the install command).
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
+from grading.environment import EXIT_ENVIRONMENT, GraderEnvironmentError, check_environment
 from grading.grader import CHECKS, DEFAULT_RUBRIC, Grader, RubricError, load_rubric
 from grading.report import gradescope, table, write_json
 from grading.sandbox import Limits
@@ -37,11 +41,15 @@ def parse_args(argv):
     g.add_argument("--predictions", metavar="DIR", help="the submission's prediction files (course file names)")
     g.add_argument("--gold", metavar="DIR", help="folder with the course's dev files for --predictions")
     g.add_argument("--shared", metavar="DIR", help="shared data folder (default ../shared or $GPT2_SHARED_DIR)")
+    g.add_argument("--allow-package", action="append", default=[], metavar="NAME",
+                   help="a package outside the course's environment the staff allow (repeatable; also the rubric's "
+                        "allow_packages): its import is then no finding against the student")
     g = p.add_argument_group("sandbox")
     g.add_argument("--timeout", type=float, default=60.0, help="wall-clock seconds per check (default 60)")
     g.add_argument("--memory", type=int, default=3072, help="MiB of address space per check beyond the interpreter's")
     g = p.add_argument_group("batch")
-    g.add_argument("--batch", metavar="DIR", help="grade every folder in DIR (one CSV row each)")
+    g.add_argument("--batch", metavar="DIR|ZIP", help="grade every folder in DIR (one CSV row each), or Gradescope's "
+                   "'Export Submissions' folder or zip (submission_metadata.yml: rows keyed by student ids and names)")
     g.add_argument("--csv", metavar="FILE", help="the batch's scores (required with --batch)")
     g.add_argument("--jobs", type=int, default=1, help="submissions graded in parallel (default 1)")
     args = p.parse_args(argv)
@@ -57,20 +65,60 @@ def parse_args(argv):
         p.error(f"unknown check(s) {sorted(unknown)}; choose from {','.join(CHECKS)}")
     for flag in ("submission", "batch", "predictions", "gold", "shared"):
         value = getattr(args, flag)
-        if value is not None and not Path(value).is_dir():
+        if value is not None and not Path(value).is_dir() and not (flag == "batch" and Path(value).is_file()
+                                                                   and value.endswith(".zip")):
             p.error(f"{flag} folder not found: {value}")
+    bad = [n for n in args.allow_package if not n.isidentifier()]
+    if bad:
+        p.error(f"--allow-package takes a module name as imported (e.g. loralib), got {bad}")
     if args.predictions and not args.gold:
         p.error("--predictions needs --gold DIR")
     return args
 
 
+def package(argv) -> int:
+    from grading.gradescope import build_package
+
+    p = argparse.ArgumentParser(prog="python -m grading package",
+                                description="Write the autograder zip Gradescope takes (setup.sh, run_autograder, the "
+                                            "grading code, pinned requirements, the rubric).")
+    p.add_argument("zip", help="where to write the zip (e.g. autograder.zip)")
+    p.add_argument("--rubric", default=None, help="points per check and part (default grading/rubric.json)")
+    p.add_argument("--allow-package", action="append", default=[], metavar="NAME",
+                   help="a package outside the course's environment the staff allow (repeatable)")
+    p.add_argument("--shared", metavar="DIR", help="where the course's optimizer_test.npy lives (data/cs224n/)")
+    args = p.parse_args(argv)
+    try:
+        out = build_package(args.zip, args.rubric, args.shared, args.allow_package)
+    except RubricError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {out} ({out.stat().st_size / 1e6:.1f} MB): upload it as the assignment's autograder "
+          "(Configure Autograder > Zip file upload)")
+    return 0
+
+
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["package"]:
+        return package(argv[1:])
     args = parse_args(argv)
     try:
         rubric = load_rubric(args.rubric)
     except RubricError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if args.allow_package:
+        rubric["allow_packages"] = sorted(set(rubric.get("allow_packages", [])) | set(args.allow_package))
+    try:
+        check_environment()
+    except GraderEnvironmentError as e:  # the grader's gap, not the students': grade nothing
+        print(f"error: {e}", file=sys.stderr)
+        for path in (args.gradescope, args.json):
+            if path:
+                write_json(path, {"score": 0, "execution_time": 0, "tests": [],
+                                  "output": f"The grader's environment is incomplete ({e}); not a grade."})
+        return EXIT_ENVIRONMENT
     limits = Limits(timeout=args.timeout, mem_mb=args.memory)
     if args.batch:
         return batch(args, rubric, limits)
@@ -108,23 +156,48 @@ def _init_worker(rubric, limits, shared):
 
 
 def _grade_row(folder: str, checks) -> dict:
+    from grading.gradescope import find_layout
+
     row = {"submission": Path(folder).name}
     try:
-        report = _GRADER.grade(folder, checks)
+        report = _GRADER.grade(find_layout(Path(folder)) or folder, checks)  # an upload zipped inside a folder too
         row.update(score=round(report.total, 4), max_score=report.max_total, seconds=round(report.seconds, 1))
         row.update({c.name: round(c.score, 4) for c in report.checks})
         row["notes"] = "; ".join(f"{c.name}: {c.diagnosis or c.verdict}" for c in report.checks if c.verdict != "pass")
+        row["environment"] = "; ".join(report.environment)
         row["error"] = ""
     except Exception as e:  # noqa: BLE001  (one broken submission is a row, never an abort)
         row["error"] = f"{type(e).__name__}: {e}"
     return row
 
 
+def batch_entries(path: str, unpack_to: str) -> list[dict]:
+    """Submissions to grade: Gradescope's export (ids and names from submission_metadata.yml) or plain folders."""
+    from grading.gradescope import is_export, read_export
+
+    if is_export(path):
+        return read_export(path, unpack_to)
+    if Path(path).is_file():
+        raise ValueError(f"{path} is a file but not Gradescope's export (no submission_metadata.yml in the zip)")
+    return [{"folder": str(p), "submission": p.name, "sids": "", "names": "", "emails": ""}
+            for p in sorted(Path(path).iterdir()) if p.is_dir() and not p.name.startswith(".")]
+
+
 def batch(args, rubric, limits) -> int:
+    import tempfile
+
     from tqdm import tqdm
 
-    folders = sorted(str(p) for p in Path(args.batch).iterdir() if p.is_dir() and not p.name.startswith("."))
-    fields = ["submission", "score", "max_score", *args.checks, "seconds", "notes", "error"]
+    unpack = tempfile.TemporaryDirectory(prefix="grading-batch-")
+    try:
+        entries = batch_entries(args.batch, unpack.name)
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        unpack.cleanup()
+        return 2
+    folders = [e["folder"] for e in entries]
+    fields = ["submission", "sids", "names", "emails", "score", "max_score", *args.checks, "seconds", "environment",
+              "notes", "error"]
     rows, start = {}, time.monotonic()
     pending = list(folders)
     with tqdm(total=len(folders), desc="grading", unit="submission") as bar:
@@ -143,6 +216,8 @@ def batch(args, rubric, limits) -> int:
                 rows[lost[0]] = {"submission": Path(lost[0]).name, "error": "the grading worker died on this submission"}
                 bar.update()
             pending = [f for f in pending if f not in rows]
+    for e in entries:  # the export's keys: student ids, names, emails (a group submission lists each, '; ')
+        rows[e["folder"]].update(submission=e["submission"], sids=e["sids"], names=e["names"], emails=e["emails"])
     path = Path(args.csv)
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", newline="") as f:
@@ -151,6 +226,7 @@ def batch(args, rubric, limits) -> int:
         for folder in folders:
             writer.writerow(rows[folder])
     minutes = (time.monotonic() - start) / 60
+    unpack.cleanup()
     print(f"graded {len(folders)} submissions in {minutes * 60:.1f} s "
           f"({len(folders) / max(minutes, 1e-9):.1f} per minute, --jobs {args.jobs}); wrote {path}")
     return 0

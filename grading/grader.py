@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from grading import checks, probes
+from grading.environment import environment_findings
 from grading.sandbox import Limits, Run, Sandbox
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,6 +56,9 @@ def load_rubric(path: str | os.PathLike = DEFAULT_RUBRIC) -> dict:
     tol = rubric["tolerance"]
     if not (isinstance(tol, dict) and 0 < tol.get("exact", -1) <= tol.get("close", -1)):
         raise RubricError(f"rubric {path}: tolerance must be {{'exact': e, 'close': c}} with 0 < e <= c, got {tol!r}")
+    allow = rubric.get("allow_packages", [])
+    if not (isinstance(allow, list) and all(isinstance(a, str) and a.isidentifier() for a in allow)):
+        raise RubricError(f"rubric {path}: allow_packages must be a list of module names, got {allow!r}")
     if not 0 <= rubric["partial_fraction"] <= 1:
         raise RubricError(f"rubric {path}: partial_fraction must be in [0, 1], got {rubric['partial_fraction']!r}")
     return rubric
@@ -67,6 +71,7 @@ class Report:
     leaderboard: list = field(default_factory=list)  # {'name', 'value'}
     predictions: list = field(default_factory=list)  # messages about prediction files
     sandbox: dict = field(default_factory=dict)
+    environment: list = field(default_factory=list)  # findings on imports outside the course's environment
     seconds: float = 0.0
 
     @property
@@ -80,7 +85,8 @@ class Report:
     def to_dict(self) -> dict:
         return {"submission": self.submission, "score": self.total, "max_score": self.max_total,
                 "seconds": self.seconds, "checks": [c.to_dict() for c in self.checks],
-                "leaderboard": self.leaderboard, "predictions": self.predictions, "sandbox": self.sandbox}
+                "leaderboard": self.leaderboard, "predictions": self.predictions, "sandbox": self.sandbox,
+                "environment": self.environment}
 
 
 class Grader:
@@ -140,6 +146,7 @@ class Grader:
             run = self.sandbox.run(name, submission, hf_home=hf_home, timeout=timeout)
             report.sandbox = report.sandbox or run.sandbox
             report.checks.append(self._compare(name, run))
+        report.environment = environment_findings(report, self.rubric.get("allow_packages", ()))
         if predictions is not None:
             from grading.predictions import score_predictions
 

@@ -21,6 +21,7 @@ def table(report: Report) -> str:
         notes = [p.message for p in c.parts if p.message and p.status != "pass"] + c.messages + \
             [f"info: {i}" for i in c.info]
         details += [f"  {c.name}: {n}" for n in dict.fromkeys(notes)]
+    details += [f"  {finding}" for finding in report.environment]
     if report.leaderboard or report.predictions:
         details += [f"  predictions: {m}" for m in report.predictions]
     return "\n".join(lines + ([""] + details if details else []))
@@ -49,6 +50,8 @@ def gradescope(report: Report) -> dict:
         "tests": [{"name": c.name, "score": round(c.score, 4), "max_score": c.max_score, "output": check_output(c),
                    "visibility": "visible"} for c in report.checks],
     }
+    if report.environment:  # said once for the submission, not on every check it broke
+        out["output"] += "\n" + "\n".join(report.environment)
     if report.leaderboard:
         out["leaderboard"] = report.leaderboard
     if report.predictions:

@@ -1,0 +1,97 @@
+"""--batch on Gradescope's "Export Submissions" (a folder or zip: submission_metadata.yml + one folder per submission):
+a CSV keyed by student ids and names with per-check points; a broken or hostile submission is a row, never an abort."""
+from __future__ import annotations
+
+import csv
+import shutil
+import zipfile
+
+import pytest
+from grading_submission import write_submission
+
+from grading.__main__ import main
+from grading.gradescope import is_export, read_export
+
+# the export's metadata as Gradescope writes it: Ruby symbols as keys, a group submission listing each submitter
+METADATA = """submission_101:
+  :submitters:
+  - :name: Ada Lovelace
+    :sid: '1001'
+    :email: ada@example.edu
+  :created_at: 2026-02-23 12:00:00.000000000 -08:00
+  :score: 0.0
+submission_102:
+  :submitters:
+  - :name: Alan Turing
+    :sid: '1002'
+    :email: alan@example.edu
+  - :name: Grace Hopper
+    :sid: '1003'
+    :email: grace@example.edu
+  :created_at: 2026-02-23 13:00:00.000000000 -08:00
+submission_103:
+  :submitters:
+  - :name: Mallory
+    :sid: '1004'
+    :email: mallory@example.edu
+"""
+
+
+def make_export(folder):
+    folder.mkdir(parents=True)
+    (folder / "submission_metadata.yml").write_text(METADATA)
+    write_submission(folder / "submission_101")  # correct
+    write_submission(folder / "submission_102" / "cs224n_gpt",  # zipped in a folder; no position embeddings
+                     model=[("self.word_embedding(input_ids) + self.pos_embedding(pos_ids)",
+                             "self.word_embedding(input_ids)")])
+    write_submission(folder / "submission_103",  # hostile: kills its own check process before reporting
+                     model=[("    def embed(self, input_ids):\n", "    def embed(self, input_ids):\n        import os\n"
+                                                                  "        os._exit(0)\n")])
+    return folder
+
+
+def read_rows(path):
+    with open(path, newline="") as f:
+        return {r["sids"]: r for r in csv.DictReader(f)}
+
+
+@pytest.mark.parametrize("as_zip", [False, True])
+def test_export_layout_batch_writes_csv_keyed_by_students(tmp_path, as_zip):
+    export = make_export(tmp_path / "assignment_42_export")
+    if as_zip:  # Gradescope's download: the export folder inside a zip
+        shutil.make_archive(str(tmp_path / "export"), "zip", tmp_path, "assignment_42_export")
+        shutil.rmtree(export)
+        export = tmp_path / "export.zip"
+    assert is_export(export)
+    out = tmp_path / "scores.csv"
+    assert main(["--batch", str(export), "--csv", str(out), "--checks", "embed", "--jobs", "2"]) == 0
+    rows = read_rows(out)
+    assert list(rows) == ["1001", "1002; 1003", "1004"]
+    assert rows["1001"]["names"] == "Ada Lovelace" and rows["1001"]["submission"] == "submission_101"
+    assert rows["1001"]["embed"] == rows["1001"]["score"] == rows["1001"]["max_score"] == "8.0"
+    assert rows["1002; 1003"]["names"] == "Alan Turing; Grace Hopper"
+    assert rows["1002; 1003"]["emails"] == "alan@example.edu; grace@example.edu"
+    assert rows["1002; 1003"]["embed"] == "0.0"  # graded: the layout one folder down was found
+    assert "position" in rows["1002; 1003"]["notes"]
+    assert rows["1004"]["embed"] == "0.0" and "error" in rows["1004"]["notes"]
+
+
+def test_plain_folders_still_grade(tmp_path):
+    write_submission(tmp_path / "class" / "alice")
+    out = tmp_path / "scores.csv"
+    assert main(["--batch", str(tmp_path / "class"), "--csv", str(out), "--checks", "embed"]) == 0
+    row = read_rows(out)[""]
+    assert row["submission"] == "alice" and row["embed"] == "8.0"
+
+
+def test_bad_exports_are_named(tmp_path, capsys):
+    (tmp_path / "not_export.zip").write_bytes(b"")
+    with zipfile.ZipFile(tmp_path / "not_export.zip", "w") as z:
+        z.writestr("readme.txt", "hello")
+    assert main(["--batch", str(tmp_path / "not_export.zip"), "--csv", str(tmp_path / "s.csv")]) == 2
+    assert "not Gradescope's export" in capsys.readouterr().err
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "submission_metadata.yml").write_text("submission_1: [unclosed\n")
+    with pytest.raises(ValueError, match="not valid YAML"):
+        read_export(bad)

@@ -114,6 +114,8 @@ def main(argv=None) -> int:
     p.add_argument("--only", default="", help="comma-separated submission names (default: all)")
     p.add_argument("--batch-jobs", type=int, default=0, help="also time python -m grading --batch on an export with --jobs N")
     args = p.parse_args(argv)
+    from bench.machine import print_machine_header
+    print_machine_header()
 
     from grading.environment import GraderEnvironmentError, check_environment
     from grading.grader import Grader

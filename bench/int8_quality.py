@@ -23,6 +23,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import transformers  # noqa: E402
 
+from bench.machine import print_machine_header  # noqa: E402
 from models.gpt2 import GPT2LMHeadModel  # noqa: E402
 from modules.linear import Linear  # noqa: E402
 from modules.quant import int8_linear, quantize_int8  # noqa: E402
@@ -62,6 +63,7 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=16, help="tokens per prompt")
     parser.add_argument("--new-tokens", type=int, default=32, help="greedy tokens compared per prompt")
     args = parser.parse_args()
+    print_machine_header()
 
     model = GPT2LMHeadModel.from_pretrained(args.model).eval()
     text = Path(args.data).read_text()

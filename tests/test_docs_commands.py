@@ -139,7 +139,11 @@ def module_path(module: str) -> Path | None:
 @functools.cache
 def parser_of(kind: str, target: str) -> argparse.ArgumentParser:
     """The parser the entry point builds, captured when it parses: nothing after that runs."""
+    original = argparse.ArgumentParser.parse_known_args
+
     def capture(self, args=None, namespace=None):
+        if not self.add_help:  # a pre-parser (e.g. tasks.ladder reads --preset first): let it parse, wait for the real one
+            return original(self, args, namespace)
         raise _Captured(self)
 
     saved_env, saved_path, saved_argv = dict(os.environ), list(sys.path), list(sys.argv)

@@ -46,7 +46,7 @@ def parse_args(argv):
                         "allow_packages): its import is then no finding against the student")
     g = p.add_argument_group("sandbox")
     g.add_argument("--timeout", type=float, default=60.0, help="wall-clock seconds per check (default 60)")
-    g.add_argument("--memory", type=int, default=3072, help="MiB of address space per check beyond the interpreter's")
+    g.add_argument("--memory", type=int, default=3072, help="MiB per check: address space of each process beyond the interpreter's, and the total of all its processes (tmpfs and shared memory included) where a cgroup can be made")
     g = p.add_argument_group("batch")
     g.add_argument("--batch", metavar="DIR|ZIP", help="grade every folder in DIR (one CSV row each), or Gradescope's "
                    "'Export Submissions' folder or zip (submission_metadata.yml: rows keyed by student ids and names)")

@@ -116,3 +116,35 @@ def test_import_error_is_found_once_and_named_for_every_check(grader, tmp_path, 
     for c in report.checks:
         assert c.score == 0 and "No module named 'loralib'" in " ".join(c.messages), c.messages
     assert any("loralib" in f for f in report.environment), report.environment
+
+
+FORGE = '''
+import inspect as _inspect
+import json as _json
+import os as _os
+
+
+def _forge(payload):
+    for f in _inspect.stack():
+        if f.function == "main" and "resultdir" in f.frame.f_locals and any(
+                g.function == "probe_attention" for g in _inspect.stack()):
+            rd = f.frame.f_locals["resultdir"]
+            with open(_os.path.join(rd, "info.json"), "w") as fh:
+                _json.dump({"status": "ok", "message": "", "notes": [], "values": {"dropout_p": 0.5}}, fh)
+            with open(_os.path.join(rd, "tensors.safetensors"), "wb") as fh:
+                fh.write(payload)
+            _os._exit(0)
+'''
+
+
+@pytest.mark.parametrize("payload,said", [("b'garbage' * 1000", "unreadable"),
+                                          ("b'x' * (13 * 2**20)", "oversized")])
+def test_corrupt_or_oversized_result_costs_one_check(grader, tmp_path, payload, said):
+    """Issue 29: a garbage or oversized tensors file (written by the submission itself) aborted the whole grade."""
+    sub = write_submission(tmp_path / "sub", utils=[
+        ("import torch\n", "import torch\n" + FORGE),
+        ("    extended = attention_mask", f"    _forge({payload})\n    extended = attention_mask")])
+    report = grader.grade(sub, ("attention", "embed"))
+    by = {c.name: c for c in report.checks}
+    assert by["attention"].score == 0 and said in by["attention"].messages[0], by["attention"].messages
+    assert by["embed"].score == FULL["embed"]

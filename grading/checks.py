@@ -118,6 +118,17 @@ def failed_run(result: CheckResult, run: Run) -> bool:
     return True
 
 
+def part_failures(result: CheckResult, values: dict) -> set:
+    """Parts the probe could not run (a TODO, an error in that part only): 0 with the reason; returns their names."""
+    failed = values.get("parts") or {}
+    for p in result.parts:
+        if p.name in failed:
+            msg = str(failed[p.name])
+            p.status = "not implemented" if msg.startswith("not implemented") else "error"
+            p.points, p.message = 0.0, f"{p.name}: {msg}"
+    return {p.name for p in result.parts if p.name in failed}
+
+
 def diagnose(result: CheckResult, student: list, variants: dict) -> None:
     """Name the one-bug variant closest to the submission. student: [(tensor, rows)]; variants: bug -> [tensors]."""
     errs = {}
@@ -284,6 +295,20 @@ def check_embed(run: Run, scorer: Scorer) -> CheckResult:
     scorer.score(result.parts[0], max_err(t["embed"], want), what="embed()")
     if result.parts[0].status != "pass":
         diagnose(result, [(t["embed"], None)], {"no_positions": [F.embedding(ids, t["word_embedding.weight"])]})
+    training = {p.name: p for p in result.parts}["training"]
+    p = run.info["values"]["dropout_p"]
+    pe, pt = t["embed.eval"], t["embed.train"]
+    if result.parts[0].status != "pass":  # dropout placement is judged on a right embedding only
+        training.status, training.message = "fail", "training mode not graded: embed() is wrong in eval mode"
+    elif pe.shape != pt.shape:
+        training.status, training.message = "fail", f"training-mode embed() gave shape {tuple(pt.shape)}"
+    elif torch.equal(pe, pt):
+        training.status, training.message = "fail", "training mode: embed_dropout is never applied (output as in eval)"
+    elif float(torch.minimum(pt.abs(), (pt - pe / (1 - p)).abs()).max()) > 1e-5 or not bool((pt == 0).any()):
+        training.status = "fail"
+        training.message = f"training mode: embed() output is not the eval output dropped out once with p={p}"
+    else:
+        training.points, training.status = training.max, "pass"
     return finish(result)
 
 
@@ -293,7 +318,7 @@ def model_inputs(t):
 
 def model_reference(t, v, act, result, weights=None):
     """(last_hidden_state, last_token) of transformers' GPT2Model on the weights, with the submission's eps/GELU."""
-    w = weights if weights is not None else {k: x for k, x in t.items() if k not in ("ids", "mask", "logits") and
+    w = weights if weights is not None else {k: x for k, x in t.items() if k not in ("ids", "mask", "logits", "head.input") and
                                               not k.startswith("last_")}
     eps_all = {v["eps_final"]} | {e for info in v["layers"] for e in (info["eps_attn"], info["eps_mlp"])}
     ids, mask = model_inputs(t)
@@ -316,9 +341,14 @@ def check_model(run: Run, scorer: Scorer) -> CheckResult:
         return result
     t, v = run.tensors, run.info["values"]
     result.messages += run.info.get("notes", [])
+    failed = part_failures(result, v)
+    parts = {p.name: p for p in result.parts}
+    if "hidden_state_to_token" not in failed:
+        head(parts["hidden_state_to_token"], t, v, scorer, result)
+    if "forward" in failed:
+        return finish(result)
     act = pick_activation(v["layers"][0], lambda a: model_errors(t, model_reference(t, v, a, result)[0]), result)
     (h, last), w = model_reference(t, v, act, result)
-    parts = {p.name: p for p in result.parts}
     err = model_errors(t, (h, last))
     scorer.score(parts["forward"], err, what="forward() (last_hidden_state and last_token, right padding)")
     other = "tanh" if act == "exact" else "exact"
@@ -327,37 +357,36 @@ def check_model(run: Run, scorer: Scorer) -> CheckResult:
     if err > scorer.exact:
         variants = {b: ref.f_model(ids, mask, w, H, v["layers"], v["eps_final"], act, (b,)) for b in ref.MODEL_BUGS}
         diagnose(result, [(t["last_hidden_state"], mask), (t["last_token"], None)], variants)
-    want = F.linear(t["last_hidden_state"], w["word_embedding.weight"])
-    scorer.score(parts["hidden_state_to_token"], max_err(t["logits"], want), what="hidden_state_to_token()")
-    if not v.get("head_follows_word_embedding", True):
-        parts["hidden_state_to_token"].points, parts["hidden_state_to_token"].status = 0.0, "fail"
-        parts["hidden_state_to_token"].message = "the logits do not change with word_embedding: the head is not tied"
-        if not result.diagnosis_key:
-            result.diagnosis, result.diagnosis_key = BUGS["untied_head"], "untied_head"
     return finish(result)
 
 
+def head(part: Part, t: dict, v: dict, scorer: Scorer, result: CheckResult) -> None:
+    """hidden_state_to_token on the grader's own hidden states: logits = h @ word_embedding^T, tied."""
+    want = F.linear(t["head.input"], t["word_embedding.weight"])
+    scorer.score(part, max_err(t["logits"], want), what="hidden_state_to_token()")
+    if not v.get("head_follows_word_embedding", True):
+        part.points, part.status = 0.0, "fail"
+        part.message = "the logits do not change with word_embedding: the head is not tied"
+        if not result.diagnosis_key:
+            result.diagnosis, result.diagnosis_key = BUGS["untied_head"], "untied_head"
+
+
 def check_from_pretrained(run: Run, scorer: Scorer, hub_weights: dict, hub_note: str) -> CheckResult:
+    """Graded by the weights it loads (effective maps, this project's names) against the checkpoint's: the model's
+    outputs depend on the attention, layer and model code, which their own checks grade."""
     result = CheckResult("from_pretrained", scorer.parts("from_pretrained"), output=run.output)
     result.info.append(hub_note)
     if failed_run(result, run):
         return result
     t, v = run.tensors, run.info["values"]
     result.messages += run.info.get("notes", [])
-    eps = v["eps_final"]
-    act = pick_activation(v["layers"][0], lambda a: model_errors(t, model_reference(t, v, a, result, hub_weights)[0]),
-                          result)
-    h_last, _ = model_reference(t, v, act, result, hub_weights)
-    err = model_errors(t, h_last)
-    scorer.score(result.parts[0], err, what="outputs of the loaded model")
-    gpt2 = ref.model_forward(ref.hf_model(hub_weights, H, "tanh", 1e-5), *model_inputs(t))
-    if eps != 1e-5 or act != "tanh":
-        result.info.append(f"the loaded model uses LayerNorm eps {eps:g} and {act} GELU (the submission's given "
-                           f"choices); transformers' GPT-2 (eps 1e-5, tanh GELU) differs from it by up to "
-                           f"{model_errors(t, gpt2):.2g}: graded against the submission's choices, no points lost")
-    # Which loaded tensors differ from the checkpoint, by this project's names.
+    result.messages.append("graded by the weights it loads (the model's outputs depend on components graded in "
+                           "their own checks)")
     loaded = {k: x for k, x in t.items() if k in hub_weights}
-    wrong = [k for k, x in hub_weights.items() if k not in loaded or max_err(loaded[k], x) > 1e-6]
+    errs = {k: max_err(loaded[k], x) if k in loaded else float("inf") for k, x in hub_weights.items()}
+    err = max(errs.values())
+    scorer.score(result.parts[0], err, what="the loaded weights")
+    wrong = [k for k, e in errs.items() if e > scorer.exact]
     if wrong:
         result.messages.append(f"{len(wrong)} loaded tensor(s) differ from the checkpoint: {', '.join(wrong[:6])}"
                                + (" ..." if len(wrong) > 6 else ""))
@@ -365,11 +394,15 @@ def check_from_pretrained(run: Run, scorer: Scorer, hub_weights: dict, hub_note:
             mis = ref.mis_loaded(hub_weights, bug, v["n_layer"])
             if all(k in loaded and max_err(loaded[k], mis[k]) <= 1e-6 for k in mis):
                 result.diagnosis, result.diagnosis_key = BUGS[bug], bug
-    if err > scorer.exact and not result.diagnosis_key:
-        ids, mask = model_inputs(t)
-        w = {k: t[k] for k in hub_weights if k in t} if not wrong else hub_weights
-        variants = {b: ref.f_model(ids, mask, w, H, v["layers"], eps, act, (b,)) for b in ref.MODEL_BUGS}
-        diagnose(result, [(t["last_hidden_state"], mask), (t["last_token"], None)], variants)
+    outputs = (v.get("parts") or {}).get("outputs")
+    if outputs:
+        result.info.append(f"running the loaded model: {outputs} (no points: graded by its weights)")
+    elif not wrong and "last_hidden_state" in t:
+        act = v["layers"][0].get("activation") if v["layers"][0].get("activation") in ref.ACTIVATIONS else "exact"
+        gpt2 = ref.model_forward(ref.hf_model(hub_weights, H, "tanh", 1e-5), *model_inputs(t))
+        result.info.append(f"the loaded model's outputs differ from transformers' GPT-2 (eps 1e-5, tanh GELU) by up "
+                           f"to {model_errors(t, gpt2):.2g} (the submission's eps {v['eps_final']:g}, {act} GELU; "
+                           f"its attention and layers as graded in their checks; no points)")
     return finish(result)
 
 

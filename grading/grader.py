@@ -23,6 +23,9 @@ from grading.sandbox import Limits, Run, Sandbox
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_RUBRIC = Path(__file__).with_name("rubric.json")
 CHECKS = ("attention", "layer", "embed", "model", "from_pretrained", "adamw")
+_MODEL = ("config", "utils", "modules.attention", "modules.gpt2_layer", "models.gpt2")
+IMPORTS = {"attention": _MODEL[:3], "layer": _MODEL[:4], "embed": _MODEL, "model": _MODEL, "from_pretrained": _MODEL,
+           "adamw": ("optimizer",)}  # the submission's modules each check imports
 HUB_SIZE = dict(n_embd=probes.D, n_layer=probes.L, n_head=probes.H)
 HUB_NOTE = ("the checkpoint loaded as 'gpt2' is a random-init GPT-2 (n_embd {n_embd}, {n_layer} layers, {n_head} heads, "
             "GPT-2's vocabulary) in a temporary offline Hugging Face cache: random weights test the name mapping as "
@@ -141,9 +144,12 @@ class Grader:
         if not submission.is_dir():
             raise NotADirectoryError(f"submission folder not found: {submission}")
         report = Report(str(submission))
+        broken = self._imports(submission, timeout) if only else {}
         for name in only:
             hf_home = self.hub()[0] if name == "from_pretrained" else None
-            run = self.sandbox.run(name, submission, hf_home=hf_home, timeout=timeout)
+            bad = next((broken[m] for m in IMPORTS[name] if m in broken), None)
+            # an import found failing or hanging once is reported for every check that needs it, without waiting again
+            run = bad if bad is not None else self.sandbox.run(name, submission, hf_home=hf_home, timeout=timeout)
             report.sandbox = report.sandbox or run.sandbox
             report.checks.append(self._compare(name, run))
         report.environment = environment_findings(report, self.rubric.get("allow_packages", ()))
@@ -153,6 +159,25 @@ class Grader:
             report.leaderboard, report.predictions = score_predictions(predictions, gold)
         report.seconds = time.monotonic() - start
         return report
+
+    def _imports(self, submission: Path, timeout: float | None) -> dict:
+        """module -> a Run carrying its import's failure, for each graded module whose import fails or hangs."""
+        run = self.sandbox.run("imports", submission, timeout=timeout)
+        broken = {}
+        if run.problem:  # hung or died while importing: the last module it started is the culprit
+            started = [line.split("grading: importing ", 1)[1].strip() for line in run.output.splitlines()
+                       if line.startswith("grading: importing ")]
+            if started and started[-1] in probes.IMPORT_ORDER:
+                broken[started[-1]] = Run(problem=f"importing {started[-1]}: {run.problem}", sandbox=run.sandbox,
+                                          output=run.output)
+            return broken
+        for mod, state in (run.info.get("values", {}).get("imports") or {}).items():
+            if mod in probes.IMPORT_ORDER and state != "ok":
+                status, _, message = str(state).partition(": ")
+                broken[mod] = Run(info={"status": status if status == "not_implemented" else "error",
+                                        "message": message, "notes": [], "values": {}},
+                                  sandbox=run.sandbox, output=run.output)
+        return broken
 
     def _compare(self, name: str, run: Run):
         # The references are tiny: one thread avoids waking a thread pool for each small op (10x on a busy host).

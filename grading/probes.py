@@ -161,12 +161,12 @@ def activation_of(layer):
     return "other"
 
 
-def attention_module(layer):
+def attention_module(layer, with_name=False):
     if hasattr(layer, "self_attention"):
-        return layer.self_attention
+        return ("self_attention", layer.self_attention) if with_name else layer.self_attention
     for name, m in layer.named_children():
         if "attention" in type(m).__name__.lower():
-            return m
+            return (name, m) if with_name else m
     raise Deviation("GPT2Layer has no `self_attention` module")
 
 
@@ -186,6 +186,87 @@ def extract_layer(layer, prefix=""):
     info["eps_mlp"] = layer_norm(layer, "out_layer_norm", "GPT2Layer", out)
     info["activation"] = activation_of(layer)
     return {prefix + k: v for k, v in out.items()}, info
+
+
+class RefAttention(nn.Module):
+    """The course's attention on given (W, b): stands in for the submission's when another component is graded."""
+
+    def __init__(self, w, unmerged=False):
+        super().__init__()
+        self.w, self.unmerged = w, unmerged  # unmerged: return (B, h, T, hd), as the submission's attention does
+
+    def forward(self, hidden_states, attention_mask, *args, **kwargs):  # course names; extra flags ignored
+        x, mask = hidden_states, attention_mask
+        q, k, v = (heads(x @ self.w[f"{n}.weight"].t() + self.w[f"{n}.bias"]) for n in ("query", "key", "value"))
+        if mask.dim() == 2:  # a submission that hands its layers the (B, T) mask
+            mask = (1.0 - mask[:, None, None, :].float()) * -10000.0
+        elif mask.dtype == torch.bool:
+            mask = (~mask).float() * -10000.0
+        s = q @ k.transpose(-1, -2) / math.sqrt(HD)
+        s = s.masked_fill(~torch.ones(x.shape[1], x.shape[1], dtype=torch.bool).tril(), float("-inf")) + mask
+        y = torch.softmax(s, dim=-1) @ v
+        if self.unmerged:
+            return y
+        return y.transpose(1, 2).reshape(x.shape[0], x.shape[1], D)
+
+
+class RefLayer(nn.Module):
+    """The course's pre-LN layer on the submission's effective weights, eps and GELU (eval mode)."""
+
+    def __init__(self, w, info):
+        super().__init__()
+        self.w, self.info = w, info
+        self.att = RefAttention({k[len("self_attention."):]: x for k, x in w.items() if k.startswith("self_attention.")})
+
+    def forward(self, hidden_states, attention_mask, *args, **kwargs):
+        x, mask, w = hidden_states, attention_mask, self.w
+        ln = lambda y, n, e: F.layer_norm(y, (D,), w[f"{n}.weight"], w[f"{n}.bias"], e)  # noqa: E731
+        x = x + F.linear(self.att(ln(x, "attention_layer_norm", self.info["eps_attn"]), mask),
+                         w["attention_dense.weight"], w["attention_dense.bias"])
+        approx = "tanh" if self.info.get("activation") == "tanh" else "none"
+        h = F.gelu(F.linear(ln(x, "out_layer_norm", self.info["eps_mlp"]), w["interm_dense.weight"],
+                            w["interm_dense.bias"]), approximate=approx)
+        return x + F.linear(h, w["out_dense.weight"], w["out_dense.bias"])
+
+
+def ref_embed(model):
+    """The course's embed() on the submission's own embedding tables (no dropout: the model is probed in eval)."""
+    we, pe = model.word_embedding.weight.detach(), model.pos_embedding.weight.detach()
+
+    def embed(input_ids):  # the course's argument name: the starter calls self.embed(input_ids=...)
+        return F.embedding(input_ids, we) + pe[: input_ids.shape[1]]
+    return embed
+
+
+def with_reference_attention(layer, notes):
+    """Replace the layer's attention by the reference on the same weights, so the layer is graded on its own."""
+    name, att = attention_module(layer, with_name=True)
+    w = {}
+    for n in ("query", "key", "value"):
+        w[f"{n}.weight"], w[f"{n}.bias"] = affine(child(att, n, "CausalSelfAttention"), D, f"self_attention.{n}")
+    unmerged = False
+    try:  # keep the layout the layer expects from its attention: (B, T, D) or the heads unmerged
+        with torch.no_grad():
+            y = att.eval()(torch.randn(1, T, D, generator=gen(98)), torch.zeros(1, 1, 1, T))
+        unmerged = torch.is_tensor(y) and y.dim() == 4
+    except Exception:  # noqa: BLE001  (a broken attention: the course's layout)
+        pass
+    setattr(layer, name, RefAttention(w, unmerged))
+    notes.append("graded with the reference attention in place of the submission's (the attention check grades it)")
+
+
+def part(values, name, fn):
+    """Run one graded part; a TODO or a deviation there costs that part only (recorded in values['parts'])."""
+    try:
+        fn()
+    except (NotImplementedProbe, NotImplementedError) as e:
+        values.setdefault("parts", {})[name] = f"not implemented: {e or type(e).__name__}"
+    except Deviation as e:
+        values.setdefault("parts", {})[name] = f"error: {e}"
+    except MemoryError:
+        raise
+    except Exception as e:  # noqa: BLE001  (the submission's error in this part is this part's finding)
+        values.setdefault("parts", {})[name] = f"error: the submission raised {type(e).__name__}: {e}"[:2000]
 
 
 def heads(x):
@@ -284,9 +365,20 @@ def probe_layer(out, notes, values):
     weights, info = extract_layer(layer)
     out.update(weights)
     values.update(info)
+    own = attention_module(layer, with_name=True)
+    with_reference_attention(layer, notes)
     g = gen(12)
     x = torch.randn(3, T, D, generator=g)
     out["x"] = x
+    try:
+        with torch.no_grad():
+            layer(x, extended_mask(masks()["nopad"], []))
+    except TypeError as e:  # it calls its attention with another interface: its own attention, said so
+        if "RefAttention" not in str(e):
+            raise
+        setattr(layer, *own)
+        notes[-1] = (f"its layer calls the attention with another interface ({e}): graded with its own attention, "
+                     f"so attention bugs also show here")
     with torch.no_grad():
         for case, m in masks().items():
             out[f"forward.{case}"] = tensor_out(layer(x, extended_mask(m, notes)), "GPT2Layer.forward")
@@ -305,15 +397,15 @@ def probe_layer_dropout(x, notes):
     Hooks record what attention_dense / out_dense return and what the two dropout modules receive."""
     layer = construct(load("modules.gpt2_layer", "GPT2Layer"), make_config(hidden_dropout_prob=0.5))
     randomize(layer, 13)
+    with_reference_attention(layer, [])
     layer.train()
-    seen, placement = {}, {}
+    seen, placement, calls = {}, {}, {}
     pairs = {"attention_dropout": "attention_dense", "out_dropout": "out_dense"}
     try:
         for drop, dense in pairs.items():
             child(layer, dense, "GPT2Layer").register_forward_hook(
                 lambda m, i, o, k=dense: seen.setdefault(k, o.detach().clone()))
-            child(layer, drop, "GPT2Layer").register_forward_hook(
-                lambda m, i, o, k=drop: seen.setdefault(k, i[0].detach().clone()))
+            child(layer, drop, "GPT2Layer").register_forward_hook(record(drop, seen, calls))
     except Deviation as e:
         notes.append(f"dropout placement not checked: {e}")
         return {}
@@ -322,11 +414,22 @@ def probe_layer_dropout(x, notes):
     for drop, dense in pairs.items():
         if drop not in seen:
             placement[drop] = "not called in training mode"
+        elif calls[drop] != 1:
+            placement[drop] = f"applied {calls[drop]} times in one forward pass (once is the course's placement)"
         elif dense in seen and seen[drop].shape == seen[dense].shape and torch.equal(seen[drop], seen[dense]):
             placement[drop] = "ok"
         else:
             placement[drop] = f"not applied to the output of {dense}"
     return placement
+
+
+def record(key, seen, calls):
+    """A forward hook that keeps the first input by value (an in-place `+=` on it comes later) and counts calls;
+    it returns None, so the module's output is left as it is."""
+    def hook(module, inputs, output):
+        seen.setdefault(key, inputs[0].detach().clone())
+        calls[key] = calls.get(key, 0) + 1
+    return hook
 
 
 def model_and_weights(out, values, cfg=None, model=None):
@@ -367,20 +470,59 @@ def probe_embed(out, notes, values):
     out["ids"] = ids.float()
     with torch.no_grad():
         out["embed"] = tensor_out(model.embed(ids), "GPT2Model.embed")
+    # training mode with dropout 0.5: every entry must be dropped (0) or scaled by 1/(1-p), some dropped
+    model = construct(load("models.gpt2", "GPT2Model"), make_config(hidden_dropout_prob=DROPOUT_P))
+    randomize(model, 31)
+    model.train()
+    torch.manual_seed(33)
+    with torch.no_grad():
+        out["embed.eval"] = tensor_out(model.eval().embed(ids), "GPT2Model.embed")
+        out["embed.train"] = tensor_out(model.train().embed(ids), "GPT2Model.embed (training mode)")
+    values["dropout_p"] = DROPOUT_P
 
 
 def probe_model(out, notes, values):
     model = model_and_weights(out, values)
+    # The model's own code on reference layers and embed(): their bugs cost their own checks, not this one.
+    layers = child(model, "gpt_layers", "GPT2Model")
+    own = list(layers)
+    for i in range(len(layers)):
+        info = values["layers"][i]
+        info["activation"] = info["activation"] if info["activation"] in ("exact", "tanh") else "exact"
+        layers[i] = RefLayer({k[len(f"gpt_layers.{i}."):]: x for k, x in out.items()
+                              if k.startswith(f"gpt_layers.{i}.")}, info)
+    model.embed = ref_embed(model)
+    notes.append("graded with reference layers and a reference embed() in place of the submission's "
+                 "(the layer and embed checks grade those)")
     ids = torch.randint(0, V, (3, T), generator=gen(22))
     mask = masks()["right"]
     out["ids"], out["mask"] = ids.float(), mask.float()
-    run_model(model, ids, mask, out, "")
-    h = out["last_hidden_state"]
-    with torch.no_grad():
-        out["logits"] = tensor_out(model.hidden_state_to_token(h), "hidden_state_to_token")
-        model.word_embedding.weight.add_(1.0)  # a tied head must see this change
-        values["head_follows_word_embedding"] = not torch.equal(
-            tensor_out(model.hidden_state_to_token(h), "hidden_state_to_token"), out["logits"])
+
+    def forward():
+        try:
+            run_model(model, ids, mask, out, "")
+        except TypeError as e:  # its layers or embed() take another interface: its own components, said so
+            if "Ref" not in str(e) and "embed()" not in str(e):
+                raise
+            for i, layer in enumerate(own):
+                layers[i] = layer
+            del model.embed
+            notes.append(f"its forward() calls layers or embed() with another interface ({e}): graded with its own "
+                         f"layers and embed(), so their bugs also show here")
+            run_model(model, ids, mask, out, "")
+    part(values, "forward", forward)
+    h = torch.randn(3, T, D, generator=gen(23))  # the head on its own input: a missing forward() costs it nothing
+    out["head.input"] = h
+
+    def head():
+        with torch.no_grad():
+            logits = tensor_out(model.hidden_state_to_token(h), "hidden_state_to_token")
+            model.word_embedding.weight.add_(1.0)  # a tied head must see this change
+            values["head_follows_word_embedding"] = not torch.equal(
+                tensor_out(model.hidden_state_to_token(h), "hidden_state_to_token"), logits)
+            model.word_embedding.weight.sub_(1.0)
+        out["logits"] = logits
+    part(values, "hidden_state_to_token", head)
 
 
 def probe_from_pretrained(out, notes, values):
@@ -403,7 +545,7 @@ def probe_from_pretrained(out, notes, values):
     model_and_weights(out, values, model=model)
     ids = torch.randint(0, 1000, (3, T), generator=gen(41))
     out["ids"], out["mask"] = ids.float(), masks()["right"].float()
-    run_model(model, ids, masks()["right"], out, "")
+    part(values, "outputs", lambda: run_model(model, ids, masks()["right"], out, ""))  # information only
 
 
 def adamw_params(net):
@@ -460,7 +602,28 @@ def adamw_batches(steps=200):
         yield x, torch.stack([x[:, 0] * x[:, 1], x[:, 2] - x[:, 3]], dim=1)
 
 
-PROBES = {"attention": probe_attention, "layer": probe_layer, "embed": probe_embed, "model": probe_model,
+IMPORT_ORDER = ("config", "utils", "modules.attention", "modules.gpt2_layer", "models.gpt2", "optimizer")
+
+
+def probe_imports(out, notes, values):
+    """Import each graded module once, in dependency order; a failure is recorded and the next one tried. Progress
+    goes to stdout, so a hang is located by the last "importing" line the grader reads back."""
+    values["imports"] = {}
+    for mod in IMPORT_ORDER:
+        print(f"grading: importing {mod}", flush=True)
+        try:
+            importlib.import_module(mod)
+            values["imports"][mod] = "ok"
+        except NotImplementedError as e:
+            values["imports"][mod] = f"not_implemented: importing {mod} raised NotImplementedError: {e}"
+        except SystemExit as e:
+            values["imports"][mod] = f"error: importing {mod}: the submission called sys.exit({e.code!r})"
+        except Exception as e:  # noqa: BLE001
+            values["imports"][mod] = f"error: {type(e).__name__}: {e}"[:2000]
+    print("grading: imports done", flush=True)
+
+
+PROBES = {"imports": probe_imports, "attention": probe_attention, "layer": probe_layer, "embed": probe_embed, "model": probe_model,
           "from_pretrained": probe_from_pretrained, "adamw": probe_adamw}
 
 

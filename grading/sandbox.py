@@ -32,6 +32,8 @@ import torch
 ZYGOTE = Path(__file__).with_name("zygote.py")
 OUTPUT_KEEP = 3000  # characters of captured output kept from each end
 SKIP_NAMES = shutil.ignore_patterns(".git", "__pycache__", "*.pyc", ".ipynb_checkpoints")
+RESULT_BYTES = 12 * 2**20  # largest tensors file read back (from_pretrained's, with GPT-2's vocabulary, is ~7 MiB)
+RESULT_ELEMENTS = 4 * 2**20  # float32 elements after conversion: the grader's memory stays bounded
 LARGE_FILE = 20 * 2**20  # checkpoints and data a submission carries: no check reads them, and copying is per check
 
 
@@ -264,5 +266,17 @@ class Sandbox:
         if tensors_path.is_file():
             import safetensors.torch
 
-            run.tensors = safetensors.torch.load_file(str(tensors_path))
-            run.tensors = {k: v.to(torch.float32) for k, v in run.tensors.items()}
+            # A corrupt or oversized result costs this check only: size capped before reading, errors caught.
+            size = tensors_path.stat().st_size
+            if size > RESULT_BYTES:
+                run.problem, run.info = f"the check's result is oversized ({size >> 20} MiB > {RESULT_BYTES >> 20} MiB)", {}
+                return
+            try:
+                tensors = safetensors.torch.load_file(str(tensors_path))
+            except Exception as e:  # noqa: BLE001  (safetensors raises its own error types on a bad header)
+                run.problem, run.info = f"the check's result tensors are unreadable ({type(e).__name__}: {e})"[:500], {}
+                return
+            if sum(v.numel() for v in tensors.values()) > RESULT_ELEMENTS:
+                run.problem, run.info = "the check's result holds more numbers than any probe returns", {}
+                return
+            run.tensors = {k: v.to(torch.float32) for k, v in tensors.items()}

@@ -1,0 +1,150 @@
+"""Issue 24 item 3: each component graded on its own (the reference standing in for the others), outputs captured
+by value, forward and the LM head as separate parts, every dropout checked in training mode.
+
+Each case is a synthetic submission (tests/grading_submission.py) whose one defect must cost exactly its own points.
+"""
+from __future__ import annotations
+
+import pytest
+from grading_submission import write_submission
+
+from grading.grader import Grader
+
+FULL = {"attention": 16, "layer": 14, "embed": 8, "model": 14, "from_pretrained": 18}
+MODEL_CHECKS = tuple(FULL)
+
+
+@pytest.fixture(scope="module")
+def grader():
+    with Grader() as g:
+        yield g
+
+
+def points(grader, tmp_path, **replace):
+    report = grader.grade(write_submission(tmp_path / "sub", **replace), MODEL_CHECKS)
+    return report, {(c.name, p.name): p for c in report.checks for p in c.parts}
+
+
+def lost(parts):
+    return {k for k, p in parts.items() if p.points < p.max}
+
+
+NO_CAUSAL = [('scores = scores.masked_fill(~causal, float("-inf"))', "")]
+CASES = {
+    # a correct add() that adds the residual in place after the dropout: nothing lost
+    "inplace_residual": (dict(layer=[("        return input + dropout(dense_layer(output))",
+                                      "        output = dropout(dense_layer(output))\n        output += input\n"
+                                      "        return output")]), set()),
+    # a wrong attention costs the attention check only: layer, model and from_pretrained are graded without it
+    "attention_wrong_only": (dict(attention=NO_CAUSAL), {("attention", "forward"), ("attention", "attention"),
+                                                         ("attention", "training")}),
+    # hidden_state_to_token missing: the model's forward keeps its points
+    "head_missing": (dict(model=[("        return hidden_state @ self.word_embedding.weight.t()",
+                                  "        raise NotImplementedError")]), {("model", "hidden_state_to_token")}),
+    # forward broken: the head keeps its points
+    "forward_missing": (dict(model=[("        hidden = self.encode(self.embed(input_ids), attention_mask)\n",
+                                     "        raise NotImplementedError\n")]), {("model", "forward")}),
+    # embed() without embed_dropout: right in eval, wrong in training
+    "embed_no_dropout": (dict(model=[("return self.embed_dropout(self.word_embedding(input_ids) + self.pos_embedding(pos_ids))",
+                                      "return self.word_embedding(input_ids) + self.pos_embedding(pos_ids)")]),
+                         {("embed", "training")}),
+    # the feed-forward branch applies out_dropout twice
+    "out_dropout_twice": (dict(layer=[("return self.add(hidden_states, mlp, self.out_dense, self.out_dropout)",
+                                       "return self.add(hidden_states, mlp, lambda y: self.out_dropout(self.out_dense(y)),"
+                                       " self.out_dropout)")]), {("layer", "training")}),
+    # a wrong layer costs the layer check only; a wrong embed() the embed check only
+    "layer_and_embed_wrong": (dict(layer=[("self.interm_dense(self.out_layer_norm(hidden_states))",
+                                           "self.interm_dense(hidden_states)")],
+                                   model=[("self.word_embedding(input_ids) + self.pos_embedding(pos_ids)",
+                                           "self.word_embedding(input_ids)")]),
+                              {("layer", "forward"), ("embed", "embed"), ("embed", "training")}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_one_defect_costs_its_own_points(grader, tmp_path, case):
+    replace, want = CASES[case]
+    report, parts = points(grader, tmp_path, **replace)
+    got = lost(parts)
+    assert got == want, {k: (p.points, p.status, p.message) for k, p in parts.items()}
+    for k in want:
+        assert parts[k].message, k  # a lost part says why
+
+
+def test_isolation_is_said_in_the_report(grader, tmp_path):
+    report, _ = points(grader, tmp_path)
+    said = {c.name: " ".join(c.messages) for c in report.checks}
+    assert "reference attention" in said["layer"]
+    assert "reference layers" in said["model"]
+    assert "weights it loads" in said["from_pretrained"]
+
+
+def test_missing_head_says_not_implemented(grader, tmp_path):
+    _, parts = points(grader, tmp_path, **CASES["head_missing"][0])
+    head = parts[("model", "hidden_state_to_token")]
+    assert head.status == "not implemented" and "not implemented" in head.message
+    assert parts[("model", "forward")].status == "pass"
+
+
+def probes_run(grader, monkeypatch):
+    ran = []
+    real = grader.sandbox.run
+
+    def run(probe, *a, **k):
+        ran.append(probe)
+        return real(probe, *a, **k)
+    monkeypatch.setattr(grader.sandbox, "run", run)
+    return ran
+
+
+def test_import_hang_is_found_once(grader, tmp_path, monkeypatch):
+    ran = probes_run(grader, monkeypatch)
+    sub = write_submission(tmp_path / "sub", model=[("import torch\n", "import torch\nwhile True:\n    pass\n")])
+    report = grader.grade(sub, ("attention", "embed", "model", "from_pretrained"), timeout=3)
+    assert ran == ["imports", "attention"]  # the checks that import models.gpt2 never wait again
+    by = {c.name: c for c in report.checks}
+    assert by["attention"].score == FULL["attention"]
+    for name in ("embed", "model", "from_pretrained"):
+        assert by[name].score == 0 and "importing models.gpt2: timed out" in by[name].messages[0], by[name].messages
+
+
+def test_import_error_is_found_once_and_named_for_every_check(grader, tmp_path, monkeypatch):
+    ran = probes_run(grader, monkeypatch)
+    sub = write_submission(tmp_path / "sub", utils=[("import torch\n", "import torch\nimport loralib\n")])
+    report = grader.grade(sub, ("attention", "layer", "model"))
+    assert ran == ["imports"]
+    for c in report.checks:
+        assert c.score == 0 and "No module named 'loralib'" in " ".join(c.messages), c.messages
+    assert any("loralib" in f for f in report.environment), report.environment
+
+
+FORGE = '''
+import inspect as _inspect
+import json as _json
+import os as _os
+
+
+def _forge(payload):
+    for f in _inspect.stack():
+        if f.function == "main" and "resultdir" in f.frame.f_locals and any(
+                g.function == "probe_attention" for g in _inspect.stack()):
+            rd = f.frame.f_locals["resultdir"]
+            with open(_os.path.join(rd, "info.json"), "w") as fh:
+                _json.dump({"status": "ok", "message": "", "notes": [], "values": {"dropout_p": 0.5}}, fh)
+            with open(_os.path.join(rd, "tensors.safetensors"), "wb") as fh:
+                fh.write(payload)
+            _os._exit(0)
+'''
+
+
+@pytest.mark.parametrize("payload,said", [("b'garbage' * 1000", "unreadable"),
+                                          ("b'x' * (13 * 2**20)", "oversized")])
+def test_corrupt_or_oversized_result_costs_one_check(grader, tmp_path, payload, said):
+    """Issue 29: a garbage or oversized tensors file (written by the submission itself) aborted the whole grade."""
+    sub = write_submission(tmp_path / "sub", utils=[
+        ("import torch\n", "import torch\n" + FORGE),
+        ("    extended = attention_mask", f"    _forge({payload})\n    extended = attention_mask")])
+    report = grader.grade(sub, ("attention", "embed"))
+    by = {c.name: c for c in report.checks}
+    assert by["attention"].score == 0 and said in by["attention"].messages[0], by["attention"].messages
+    assert by["embed"].score == FULL["embed"]

@@ -1,0 +1,43 @@
+"""The rubric's decisions: a "close" result never gets full points, and a bug is named only when a one-bug variant
+reproduces the submission tightly (checks.MATCH), not when it is merely near."""
+from __future__ import annotations
+
+import torch
+from grading_submission import write_submission
+
+from grading import checks
+from grading.grader import Grader, load_rubric
+
+
+def test_close_is_partial_and_exact_is_full():
+    scorer = checks.Scorer(load_rubric())
+    close, exact = checks.Part("forward", 8.0), checks.Part("forward", 8.0)
+    scorer.score(close, 1e-3, what="forward()")
+    scorer.score(exact, 1e-6, what="forward()")
+    assert (close.status, close.points) == ("close", 4.0), vars(close)
+    assert "close but not exact" in close.message
+    assert (exact.status, exact.points) == ("pass", 8.0)
+
+
+def test_near_variant_is_not_named_but_an_exact_one_is():
+    """A submission 1e-3 away from a bug's output is not that bug; 1e-6 away it is."""
+    g = torch.Generator().manual_seed(0)
+    variant = torch.randn(3, 7, 32, generator=g)
+    for noise, named in ((1e-3, False), (3e-4, False), (1e-6, True)):
+        result = checks.CheckResult("attention", [])
+        checks.diagnose(result, [(variant + noise, None)], {"no_scale": [variant]})
+        assert (result.diagnosis_key == "no_scale") == named, (noise, result.diagnosis)
+        if not named:
+            assert result.diagnosis.startswith("no typical bug matches exactly (closest:"), result.diagnosis
+
+
+def test_slightly_off_attention_gets_half_not_full(tmp_path):
+    """A scale off by 1e-3 relative: close (half the points of each part), never full marks."""
+    sub = write_submission(tmp_path / "sub", attention=[
+        ("scores = scores / math.sqrt(self.attention_head_size)",
+         "scores = scores / (math.sqrt(self.attention_head_size) * 1.001)")])
+    with Grader() as g:
+        (check,) = g.grade(sub, ("attention",)).checks
+    parts = {p.name: p for p in check.parts}
+    assert parts["forward"].status == "close" and parts["forward"].points == 4.0, vars(parts["forward"])
+    assert check.score < check.max_score

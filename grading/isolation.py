@@ -20,11 +20,13 @@ import errno
 import os
 import resource
 import signal
+import site
 import sys
 
 CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWUSER = 0x00020000, 0x08000000, 0x10000000
 CLONE_NEWPID, CLONE_NEWNET = 0x20000000, 0x40000000
-MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND, MS_REC, MS_PRIVATE = 2, 4, 8, 4096, 16384, 1 << 18
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
+MS_BIND, MS_REC, MS_PRIVATE = 4096, 16384, 1 << 18
 PR_SET_PDEATHSIG = 1
 TMPFS_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")
 TMPFS_MB = 64  # each private tmpfs; the check's own temporary folder is its HOME, under the disk quota
@@ -293,6 +295,7 @@ def _private_mounts(req: dict, keep: list[str], info: dict) -> None:
     # The check's own folder and the zygote's HOME (HF_HOME's link) live in /tmp: carried into the new tmpfs.
     # Held open by fd across the tmpfs that covers them, then bound back at the same paths.
     held = [(os.open(path, os.O_PATH | os.O_DIRECTORY), path) for path in keep]
+    held_python = [(os.open(path, os.O_PATH | os.O_DIRECTORY), path) for path in python_under(TMPFS_DIRS)]
     done = []
     for folder in TMPFS_DIRS:
         if not os.path.isdir(folder) or os.path.islink(folder):
@@ -307,12 +310,33 @@ def _private_mounts(req: dict, keep: list[str], info: dict) -> None:
             os.makedirs(path, mode=0o755, exist_ok=True)
             _mount(f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC, None, f"bind back {path}")
         os.close(fd)
+    # A Python installation under one of them (a venv in /tmp) comes back read-only: the submission imports from
+    # it and must not change it for the checks after it.
+    for fd, path in held_python:
+        if any(path.startswith(f + os.sep) for f in done):
+            os.makedirs(path, mode=0o755, exist_ok=True)
+            _mount(f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC, None, f"bind back {path}")
+            _mount(None, path, None, MS_BIND | MS_REMOUNT | MS_RDONLY, None, f"read-only {path}")
+            info.setdefault("python_read_only", []).append(path)
+        os.close(fd)
     info["tmpfs"] = f"private {TMPFS_MB} MiB tmpfs on {', '.join(done)}" if done else "none"
     try:
         _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, "hidepid=2", "mount proc")
         info["proc"] = "private /proc" + (" (own PID namespace)" if info.get("pid") == "isolated" else " (hidepid=2)")
     except OSError as e:
         info["proc"] = f"host /proc: {e}"
+
+
+def python_under(folders) -> list[str]:
+    """The top folders, directly inside one of `folders`, that hold this Python's installation (sys.prefix and its
+    site-packages; e.g. /tmp/venv for a virtual environment made in /tmp)."""
+    paths = [sys.prefix, sys.base_prefix, sys.exec_prefix, *site.getsitepackages()]
+    tops = set()
+    for p in {q for path in paths if path for q in (os.path.abspath(path), os.path.realpath(path))}:
+        for folder in folders:
+            if p.startswith(folder + os.sep):
+                tops.add(os.path.join(folder, os.path.relpath(p, folder).split(os.sep)[0]))
+    return sorted(t for t in tops if os.path.isdir(t))
 
 
 def expose_python(scratch: str, private_mounts: bool) -> str:

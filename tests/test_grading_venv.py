@@ -1,0 +1,50 @@
+"""The grader run from a virtual environment made in /tmp (as a course's staff may make one: `python -m venv
+/tmp/grader`), where the check's private tmpfs on /tmp would otherwise hide the packages the submission imports.
+Found on real submissions: every check but AdamW failed with "No module named 'requests'" in a fresh /tmp venv."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+from grading_submission import write_submission
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the sandbox's private mounts are Linux's")
+def test_a_venv_in_tmp_stays_importable_and_read_only_in_the_check():
+    tmp = Path(tempfile.mkdtemp(prefix="grading-venv-", dir="/tmp"))
+    try:
+        venv = tmp / "venv"
+        # The system's packages (torch, transformers) seen through the venv, plus one only the venv holds.
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages", str(venv)],
+                       check=True, timeout=120)
+        out = subprocess.run([str(venv / "bin" / "python"), "-c", "import site; print(site.getsitepackages()[0])"],
+                             capture_output=True, text=True, check=True)
+        packages = Path(out.stdout.strip())
+        (packages / "course_extra_pkg.py").write_text("VALUE = 1\n")
+        poisoned = packages / "poisoned_by_a_submission.py"
+        code = ("import course_extra_pkg\nassert course_extra_pkg.VALUE == 1\n"
+                "try:\n"
+                f"    open({str(poisoned)!r}, 'w').write('x = 1')\n"
+                "except OSError:\n"
+                "    pass\n")
+        sub = write_submission(tmp / "sub", attention=[("import math\n", "import math\n" + code)])
+        subprocess.run(["chmod", "-R", "a+rX", str(tmp)], check=True)
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+        run = subprocess.run([str(venv / "bin" / "python"), "-m", "grading", str(sub), "--checks", "attention",
+                              "--gradescope", str(tmp / "report.json")], cwd=ROOT, capture_output=True, text=True,
+                             timeout=300, env=env)
+        assert run.returncode == 0, run.stderr[-3000:]
+        report = json.loads((tmp / "report.json").read_text())
+        (check,) = report["tests"]
+        assert "course_extra_pkg" not in json.dumps(report), report  # imported fine: no finding names it
+        assert report["score"] == check["max_score"] == 16, check
+        assert not poisoned.exists()
+    finally:
+        subprocess.run(["rm", "-rf", str(tmp)])

@@ -3,7 +3,7 @@ sonnet_generation.py does; write generated_sonnets.txt (and generated_sonnets_de
 the run's folder (OUTPUT_DIR/predictions; `--predictions_dir predictions` for the course's layout; an existing file is
 replaced only with --overwrite or --resume) and grade the dev completions with chrF (sacrebleu CHRF() defaults,
 prompt lines included) after every epoch and at the end. Runs that do not train default to their own folders:
-checkpoints/sonnet-generate-{greedy,sample,beamN} and checkpoints/sonnet-baseline-{prompts,random_sonnet-seedS}.
+checkpoints/sonnet-generate-{greedy,sample,beamN}[-int8] and checkpoints/sonnet-baseline-{prompts,random_sonnet-seedS}.
 
     # the course's run: official gpt2 weights, 10 epochs, batch 8, lr 1e-5, sampling at temperature 1.2, top-p 0.9
     python run_sonnet.py --use_gpu
@@ -14,6 +14,8 @@ checkpoints/sonnet-generate-{greedy,sample,beamN} and checkpoints/sonnet-baselin
     # files in checkpoints/sonnet-generate-greedy/predictions and checkpoints/sonnet-generate-beam4/predictions)
     python run_sonnet.py --generate_only --model checkpoints/sonnet-4x256/best --greedy --repetition_penalty 1.2
     python run_sonnet.py --generate_only --model checkpoints/sonnet-4x256/best --num_beams 4
+    # the same greedy decoding with weight-only int8 weights, one prompt at a time (sonnet-generate-greedy-int8)
+    python run_sonnet.py --generate_only --model checkpoints/sonnet-4x256/best --greedy --quantize int8
     # baselines graded the same way: the prompts alone; prompts + lines 4-14 of a random training sonnet
     python run_sonnet.py --baseline prompts
     python run_sonnet.py --baseline random_sonnet --seed 1
@@ -30,6 +32,7 @@ import sys
 from pathlib import Path
 
 from models.hub import with_offline_help
+from modules.quant import QUANTIZE_MODES
 from tasks.lora import add_lora_args, check_lora_args
 from tasks.sonnet import SonnetConfig, course_file, run
 from tasks.training import add_model_args, add_training_args, run_cli
@@ -76,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     dec.add_argument("--repetition_penalty", type=float, default=1.0,
                      help="> 1 makes tokens already in the sonnet less likely (CTRL-style)")
     dec.add_argument("--max_new_tokens", type=int, default=128, help="tokens generated after each prompt (course: 128)")
+    dec.add_argument("--quantize", choices=QUANTIZE_MODES,
+                     help="with --generate_only: decode with weight-only int8 copies of the weights, one prompt at a "
+                          "time (faster on CPUs with AVX2 or better; close to, not equal to, the model's own output)")
     m = parser.add_argument_group("mode")
     m.add_argument("--generate_only", action="store_true",
                    help="no fine-tuning: complete the prompts with --model as it is (e.g. a best/ checkpoint)")
@@ -93,6 +99,10 @@ def get_args(argv=None) -> SonnetConfig:
     check_lora_args(parser, args)
     if args.num_beams < 1 or args.max_new_tokens < 1:
         parser.error("--num_beams and --max_new_tokens must be at least 1")
+    if args.quantize and not args.generate_only:
+        parser.error("--quantize applies to --generate_only (training's dev generations keep the model's weights)")
+    if args.quantize and args.num_beams > 1:
+        parser.error("--quantize applies to greedy and sampled decoding, not to beam search (--num_beams > 1)")
     if not 0 < args.top_p <= 1 or args.temperature <= 0 or args.top_k < 0 or args.repetition_penalty <= 0:
         parser.error("need 0 < --top_p <= 1, --temperature > 0, --top_k >= 0 and --repetition_penalty > 0")
     return SonnetConfig(**vars(args))

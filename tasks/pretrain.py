@@ -571,9 +571,15 @@ def default_prompt(tokenizer) -> str:
 @torch.no_grad()
 def sample_text(model, tokenizer, prompt: str | None, max_new_tokens: int, temperature: float = 1.0,
                 top_k: int | None = None, top_p: float | None = None, num_samples: int = 1,
-                generator: torch.Generator | None = None) -> list[str]:
+                generator: torch.Generator | None = None, quantize: str | None = None) -> list[str]:
     """Continue `prompt` num_samples times. Up to the model's context this is model.generate (KV cache); past it
-    each new token is predicted from the last n_positions tokens, as nanoGPT does."""
+    each new token is predicted from the last n_positions tokens, as nanoGPT does. quantize="int8" (GPT-2 models):
+    the cached steps read int8 copies of the weights, one sample at a time (the only batch int8 is read at)."""
+    if quantize is not None and not hasattr(model, "gpt"):
+        raise ValueError(f"quantize={quantize!r} applies to GPT-2 models, not to {type(model).__name__}")
+    if quantize is not None and num_samples > 1:  # one batch-1 call per sample, drawing on the same generator
+        return [text for _ in range(num_samples) for text in sample_text(
+            model, tokenizer, prompt, max_new_tokens, temperature, top_k, top_p, 1, generator, quantize)]
     if temperature <= 0 or (top_k is not None and top_k < 0) or (top_p is not None and not 0 < top_p <= 1):
         raise ValueError(f"need temperature > 0, top_k >= 0, 0 < top_p <= 1; got {temperature}, {top_k}, {top_p}")
     prompt = default_prompt(tokenizer) if prompt is None else prompt
@@ -590,7 +596,7 @@ def sample_text(model, tokenizer, prompt: str | None, max_new_tokens: int, tempe
     first = min(max_new_tokens, n_ctx - ids.shape[1])
     if first > 0:
         ids = model.generate(ids, max_new_tokens=first, do_sample=True, temperature=temperature, top_k=top_k,
-                             top_p=top_p, generator=generator)
+                             top_p=top_p, generator=generator, **({"quantize": quantize} if quantize else {}))
     was_training = model.training
     model.eval()
     for _ in range(max_new_tokens - max(first, 0)):

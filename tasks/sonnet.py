@@ -146,6 +146,7 @@ class Decoding:
     num_beams: int = 1  # > 1: beam search (deterministic; temperature, top-k and top-p do not apply)
     length_penalty: float = 1.0  # beam search only
     seed: int = 11711  # seeds the sampling generator of each complete_sonnets call
+    quantize: str | None = None  # "int8": weight-only int8 decoding steps, one prompt at a time (models.generation)
 
 
 class SonnetGPT(nn.Module):
@@ -180,13 +181,14 @@ class SonnetGPT(nn.Module):
                  do_sample: bool = True, temperature: float = 1.2, top_p: float | None = 0.9, top_k: int | None = None,
                  repetition_penalty: float = 1.0, num_beams: int = 1, length_penalty: float = 1.0,
                  eos_token_id: int | None = None, pad_token_id: int | None = None,
-                 generator: torch.Generator | None = None) -> torch.Tensor:
+                 generator: torch.Generator | None = None, quantize: str | None = None) -> torch.Tensor:
         """(B, prompt_len + new) token ids; prompts left-padded. num_beams > 1 runs beam search (do_sample=False)."""
+        extra = {"quantize": quantize} if quantize is not None else {}  # beam search refuses the argument
         return self.lm.generate(input_ids, attention_mask, max_new_tokens=max_new_tokens, do_sample=do_sample,
                                 temperature=temperature, top_k=top_k, top_p=top_p,
                                 repetition_penalty=repetition_penalty, eos_token_id=eos_token_id,
                                 pad_token_id=pad_token_id, generator=generator, num_beams=num_beams,
-                                length_penalty=length_penalty)
+                                length_penalty=length_penalty, **extra)
 
     def save_pretrained(self, folder) -> None:
         self.lm.save_pretrained(folder)
@@ -235,8 +237,14 @@ def complete_sonnets(model: SonnetGPT, tokenizer, prompts: list[str], decoding: 
 
     Prompts go through the model in batches, left-padded and decoded together with the KV cache; under greedy or
     beam search the result equals decoding each prompt alone. Sampling draws from one generator seeded with
-    decoding.seed, so the same call repeats the same text.
+    decoding.seed, so the same call repeats the same text. decoding.quantize="int8" decodes one prompt at a time
+    (batch_size 1), the only batch where the int8 weights are read.
     """
+    if decoding.quantize is not None:
+        if decoding.num_beams > 1:
+            raise ValueError(f"quantize={decoding.quantize!r} applies to greedy and sampled decoding, not to beam "
+                             f"search (num_beams {decoding.num_beams})")
+        batch_size = 1
     eos = tokenizer.eos_token_id
     encoded = tokenizer(prompts, add_special_tokens=False)["input_ids"]
     limit = model.config.n_positions - decoding.max_new_tokens
@@ -258,7 +266,7 @@ def complete_sonnets(model: SonnetGPT, tokenizer, prompts: list[str], decoding: 
                              temperature=decoding.temperature, top_p=decoding.top_p, top_k=decoding.top_k,
                              repetition_penalty=decoding.repetition_penalty, num_beams=decoding.num_beams,
                              length_penalty=decoding.length_penalty, eos_token_id=eos, pad_token_id=eos,
-                             generator=generator).cpu()
+                             generator=generator, quantize=decoding.quantize).cpu()
         for row, x in enumerate(chunk):
             new = out[row, width:].tolist()
             new = new[: new.index(eos)] if eos in new else new
@@ -285,7 +293,7 @@ def decoding_from_args(args) -> Decoding:
     return Decoding(max_new_tokens=args.max_new_tokens, do_sample=not args.greedy and args.num_beams == 1,
                     temperature=args.temperature, top_p=args.top_p, top_k=args.top_k or None,
                     repetition_penalty=args.repetition_penalty, num_beams=args.num_beams,
-                    length_penalty=args.length_penalty, seed=args.seed)
+                    length_penalty=args.length_penalty, seed=args.seed, quantize=getattr(args, "quantize", None))
 
 
 def describe(d: Decoding) -> str:
@@ -297,7 +305,8 @@ def describe(d: Decoding) -> str:
     else:
         how = "greedy"
     rep = f", repetition penalty {d.repetition_penalty:g}" if d.repetition_penalty != 1.0 else ""
-    return f"{how}{rep}, up to {d.max_new_tokens} new tokens"
+    quant = f", {d.quantize} weights, one prompt at a time" if d.quantize else ""
+    return f"{how}{rep}{quant}, up to {d.max_new_tokens} new tokens"
 
 
 def course_file(name: str) -> str:
@@ -326,6 +335,7 @@ class SonnetConfig(FineTuneConfig):
     length_penalty: float = 1.0
     repetition_penalty: float = 1.0
     max_new_tokens: int = 128
+    quantize: str | None = None  # "int8" with generate_only
     generate_only: bool = False
     baseline: str | None = None  # prompts or random_sonnet: no model
 
@@ -350,7 +360,7 @@ def default_output_dir(args) -> str:
     if args.generate_only:
         d = decoding_from_args(args)
         how = f"beam{d.num_beams}" if d.num_beams > 1 else "sample" if d.do_sample else "greedy"
-        return f"checkpoints/sonnet-generate-{how}"
+        return f"checkpoints/sonnet-generate-{how}" + (f"-{d.quantize}" if d.quantize else "")
     return "checkpoints/sonnet-lora" if args.lora_rank else "checkpoints/sonnet"
 
 

@@ -130,3 +130,94 @@ def test_quantize_argument_is_checked():
         model.generate(ids, max_new_tokens=2, quantize="int4")
     with pytest.raises(ValueError, match="not to beam search"):
         model.generate(ids, max_new_tokens=2, num_beams=2, quantize="int8")
+
+
+# ---- the generation CLIs' --quantize ------------------------------------------------------------------------------
+
+
+def counting_int8(monkeypatch):
+    """Records the row count of every int8 product (all must be one row: batch-1 decoding)."""
+    rows = []
+    counted = lambda *a, **k: rows.append(a[0].shape[:-1].numel()) or int8_linear(*a, **k)  # noqa: E731
+    monkeypatch.setattr(linear_module, "int8_linear", counted)
+    monkeypatch.setattr(generation_module, "int8_linear", counted)
+    return rows
+
+
+@torch.no_grad()
+def test_sample_text_int8_decodes_each_sample_alone(eager_int8, monkeypatch):
+    from models.bigram import BigramConfig, BigramLM
+    from tasks.char_tokenizer import CharTokenizer
+    from tasks.pretrain import sample_text
+
+    tokenizer = CharTokenizer.from_text("abcdefghij klmnop\n")
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=len(tokenizer),
+                                       n_positions=32)).eval()
+    rows = counting_int8(monkeypatch)
+    texts = sample_text(model, tokenizer, "ab", 6, num_samples=3, generator=torch.Generator().manual_seed(0),
+                        quantize="int8")
+    assert len(texts) == 3 and all(t.startswith("ab") and len(t) == 8 for t in texts)
+    assert rows and set(rows) == {1}  # batched, the three samples would have read the float weights only
+    with pytest.raises(ValueError, match="applies to GPT-2 models"):
+        sample_text(BigramLM(BigramConfig(vocab_size=len(tokenizer))), tokenizer, "ab", 3, quantize="int8")
+
+
+@torch.no_grad()
+def test_complete_sonnets_int8_decodes_one_prompt_at_a_time(eager_int8, monkeypatch, tmp_path):
+    from test_sonnet import make_bpe_tokenizer
+
+    from tasks.sonnet import Decoding, SonnetGPT, complete_sonnets
+
+    prompts = ["Shall I compare thee", "to a summer's day?\nThou art more", "lovely"]
+    tok = make_bpe_tokenizer(tmp_path / "tok", prompts * 3)
+    torch.manual_seed(0)
+    model = SonnetGPT(GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=len(tok),
+                                                 n_positions=64)).eval())
+    greedy = Decoding(max_new_tokens=5, do_sample=False, quantize="int8")
+    rows = counting_int8(monkeypatch)
+    texts = complete_sonnets(model, tok, prompts, greedy, batch_size=16)
+    assert rows and set(rows) == {1}
+    for prompt, text in zip(prompts, texts):  # each equals that prompt decoded alone with int8 steps
+        ids = torch.tensor([tok(prompt)["input_ids"]])
+        new = model.generate(ids, max_new_tokens=5, do_sample=False, eos_token_id=tok.eos_token_id,
+                             quantize="int8")[0, ids.shape[1]:].tolist()
+        new = new[: new.index(tok.eos_token_id)] if tok.eos_token_id in new else new
+        assert text == tok.decode(ids[0].tolist() + new)
+    with pytest.raises(ValueError, match="not to beam search"):
+        complete_sonnets(model, tok, prompts, Decoding(max_new_tokens=5, do_sample=False, num_beams=2,
+                                                       quantize="int8"))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--data", "x.txt", "--quantize", "int8"], "--quantize applies to --sample"),
+    (["--sample", "--quantize", "int4"], "invalid choice: 'int4'"),
+])
+def test_run_pretrain_quantize_flag_is_checked(argv, message, capsys):
+    import run_pretrain
+
+    with pytest.raises(SystemExit):
+        run_pretrain.parse_args(argv)
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--quantize", "int8"], "--quantize applies to --generate_only"),
+    (["--generate_only", "--quantize", "int8", "--num_beams", "2"], "not to beam search"),
+])
+def test_run_sonnet_quantize_flag_is_checked(argv, message, capsys):
+    import run_sonnet
+
+    with pytest.raises(SystemExit):
+        run_sonnet.get_args(argv)
+    assert message in capsys.readouterr().err
+
+
+def test_run_sonnet_int8_decoding_has_its_own_folder():
+    import run_sonnet
+    from tasks.sonnet import default_output_dir
+
+    args = run_sonnet.get_args(["--generate_only", "--greedy", "--quantize", "int8"])
+    assert default_output_dir(args) == "checkpoints/sonnet-generate-greedy-int8"
+    assert default_output_dir(run_sonnet.get_args(["--generate_only", "--greedy"])) == \
+        "checkpoints/sonnet-generate-greedy"

@@ -152,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top_k", type=_non_negative_int, default=200, help="keep the k most likely tokens (0: all)")
     g.add_argument("--top_p", type=float, help="nucleus sampling mass in (0, 1]")
     g.add_argument("--quantize", choices=QUANTIZE_MODES,
-                   help="with --sample: decode with weight-only int8 copies of a GPT-2's weights, one sample at a time")
+                   help="decode the samples with weight-only int8 copies of a GPT-2's weights, one sample at a time")
     g = p.add_argument_group("system")
     g.add_argument("--seed", type=int, default=1337, help="seeds init, batches and sampling")
     add_device_args(g, default="cpu")
@@ -179,8 +179,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(f"--dropout must be in [0, 1), got {args.dropout}")
     if args.top_p is not None and not 0 < args.top_p <= 1:
         parser.error(f"--top_p must be in (0, 1], got {args.top_p}")
-    if args.quantize and not args.sample:
-        parser.error("--quantize applies to --sample (the samples after training keep the model's weights)")
+    if args.quantize and args.arch == "bigram":
+        parser.error("--quantize applies to GPT-2 models, not to --arch bigram (a lookup table, nothing to multiply)")
     if args.preset and args.depth:
         parser.error("--preset (a GPT-2 size) and --depth (nanochat's GPT) both choose the model: pass one of them")
     if args.arch == "bigram":
@@ -207,7 +207,7 @@ def config_from_args(args: argparse.Namespace):
     """The parsed flags as tasks.pretrain.PretrainConfig (the course-style switches folded into --dtype / --device)."""
     from tasks.pretrain import PretrainConfig
 
-    return PretrainConfig(**{k: v for k, v in vars(args).items() if k not in ("bf16", "fp16", "use_gpu", "quantize")})
+    return PretrainConfig(**{k: v for k, v in vars(args).items() if k not in ("bf16", "fp16", "use_gpu")})
 
 
 def main(argv=None) -> dict:

@@ -388,6 +388,7 @@ class PretrainConfig:
     temperature: float = 0.8
     top_k: int = 200
     top_p: float | None = None
+    quantize: str | None = None  # "int8": the samples decode with weight-only int8 weights (GPT-2 models)
     seed: int = 1337
     device: str = "cpu"
     threads: int = 0
@@ -556,7 +557,7 @@ def train(cfg: PretrainConfig) -> dict[str, Any]:
     if cfg.num_samples and cfg.max_new_tokens and result["main"]:
         gen = torch.Generator().manual_seed(cfg.seed)
         summary["samples"] = sample_text(model, tokenizer, cfg.prompt, cfg.max_new_tokens, cfg.temperature,
-                                         cfg.top_k or None, cfg.top_p, cfg.num_samples, gen)
+                                         cfg.top_k or None, cfg.top_p, cfg.num_samples, gen, cfg.quantize)
     return summary
 
 

@@ -190,7 +190,7 @@ def test_complete_sonnets_int8_decodes_one_prompt_at_a_time(eager_int8, monkeypa
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--data", "x.txt", "--quantize", "int8"], "--quantize applies to --sample"),
+    (["--data", "x.txt", "--arch", "bigram", "--quantize", "int8"], "--quantize applies to GPT-2 models"),
     (["--sample", "--quantize", "int4"], "invalid choice: 'int4'"),
 ])
 def test_run_pretrain_quantize_flag_is_checked(argv, message, capsys):

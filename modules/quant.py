@@ -10,10 +10,12 @@ of int8 there, 3.5x the weights per second of fp32. So one-row products take
 that compiled kernel where the CPU has SIMD (torch's capability AVX2 or better) and a C++ compiler works (the
 first call per weight shape compiles: seconds to a minute); elsewhere, and for several rows, the weight is
 dequantized to the activation's dtype (correct, slower than the float weights: modules.linear keeps int8 to
-one-row products).
+one-row products). On AVX2-only CPUs the loop reads the weights four bytes to a word (`_gemv_packed`): twice the
+byte loop's speed there, still slower than fp32 (it warns: memory, not time, is what int8 saves on such a CPU).
 """
 from __future__ import annotations
 
+import sys
 import warnings
 from typing import NamedTuple
 
@@ -56,7 +58,27 @@ def _gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor
     return (x.to(torch.float32)[:, None, :] * q.to(torch.float32)).sum(-1) * scale
 
 
+def _gemv_packed(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """_gemv with the int8 weights read four to a 32-bit word: `packed` is q's bytes viewed as float32 (out, in/4),
+    so the loop loads full float vectors; byte k of word j (little-endian) is q[:, 4j + k], sign-extended by shifts.
+    AVX2 builds of torch's vector library load int8 and int32 vectors through a temporary buffer, which made the
+    byte form slower than fp32 on an AVX2-only CPU (docs/performance.md)."""
+    words = packed.view(torch.int32)  # (out, in/4)
+    xt = x.to(torch.float32).view(-1, 4).t()  # (4, in/4): xt[k, j] = x[0, 4j + k]
+    acc = xt[0] * ((words << 24) >> 24).to(torch.float32)
+    for k in range(1, 4):
+        acc = acc + xt[k] * ((words << (24 - 8 * k)) >> 24).to(torch.float32)
+    return (acc.sum(-1) * scale)[None]
+
+
 _compiled_gemv = None  # torch.compile(_gemv), made on first use; False once it failed here (eager from then on)
+_compiled_packed = None  # torch.compile(_gemv_packed), likewise
+
+
+def packed_form_chosen() -> bool:
+    """Where the word-packed loop is used: CPUs whose best vector width torch reports as AVX2 (little-endian);
+    with AVX512 the byte loop is kept (measured there at 16.7 GB/s of int8)."""
+    return torch.backends.cpu.get_cpu_capability() == "AVX2" and sys.byteorder == "little"
 
 
 def compiled_kernel_available() -> bool:
@@ -64,10 +86,26 @@ def compiled_kernel_available() -> bool:
     return _compiled_gemv is not False and torch.backends.cpu.get_cpu_capability() != "DEFAULT"
 
 
+def _compiled_product(rows: torch.Tensor, weight: "Int8Weight", packed: bool) -> torch.Tensor:
+    global _compiled_gemv, _compiled_packed
+    if packed and weight.q.shape[1] % 4 == 0:
+        if _compiled_packed is None:
+            if packed_form_chosen():
+                warnings.warn("int8 decoding on a CPU without AVX512 (torch reports AVX2): the int8 kernel saves "
+                              "memory, not time, here; gpt2 greedy batch 1 measured 22.5 tok/s int8 against 33.7 fp32 on "
+                              "a 2-core Zen 3 (docs/performance.md)", stacklevel=3)
+            _compiled_packed = torch.compile(_gemv_packed, dynamic=False)
+        return _compiled_packed(rows, weight.q.view(torch.float32), weight.scale)
+    if _compiled_gemv is None:
+        _compiled_gemv = torch.compile(_gemv, dynamic=False)
+    return _compiled_gemv(rows, weight.q, weight.scale)
+
+
 def int8_linear(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None = None,
-                compiled: bool | None = None) -> torch.Tensor:
+                compiled: bool | None = None, packed: bool | None = None) -> torch.Tensor:
     """F.linear(x, dequantized weight, bias) for x (..., in) -> (..., out) in x's dtype. A single row takes the
-    compiled kernel (compiled=None: where compiled_kernel_available()); anything else the dequantized weight."""
+    compiled kernel (compiled=None: where compiled_kernel_available()), in its word-packed form where `packed` (None:
+    packed_form_chosen()) and in_features divides by 4; anything else the dequantized weight."""
     global _compiled_gemv
     if x.shape[-1] != weight.q.shape[1]:
         raise ValueError(f"input has {x.shape[-1]} features, the int8 weight takes {weight.q.shape[1]}")
@@ -75,10 +113,8 @@ def int8_linear(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None =
     if compiled is None:
         compiled = x.is_cpu and compiled_kernel_available()
     if rows.shape[0] == 1 and compiled:
-        if _compiled_gemv is None:
-            _compiled_gemv = torch.compile(_gemv, dynamic=False)
         try:
-            y = _compiled_gemv(rows, weight.q, weight.scale)
+            y = _compiled_product(rows, weight, packed_form_chosen() if packed is None else packed)
         except Exception as err:  # no working C++ compiler, inductor unavailable: keep decoding, eagerly
             warnings.warn(f"int8 decoding: the compiled kernel failed ({type(err).__name__}: {err}); "
                           "using dequantized weights instead (slower)", stacklevel=2)

@@ -58,8 +58,25 @@ def test_int8_linear_is_the_dequantized_product(rows, eager_int8):
 def test_compiled_one_row_kernel_matches_eager():
     w8, x = quantize_int8(torch.randn(40, 32)), torch.randn(1, 32)
     y = int8_linear(x, w8, compiled=True)
-    assert callable(quant._compiled_gemv)  # it ran: a failed compile would have set False and computed eagerly
+    ran = quant._compiled_packed if quant.packed_form_chosen() else quant._compiled_gemv
+    assert callable(ran)  # it ran: a failed compile would have set False and computed eagerly
     torch.testing.assert_close(y, int8_linear(x, w8, compiled=False))
+
+
+@pytest.mark.skipif(not quant.compiled_kernel_available(), reason="no SIMD capability for the compiled kernel")
+@pytest.mark.parametrize("in_features", [32, 30])  # 30: not a whole number of 4-byte words, the byte loop instead
+def test_word_packed_kernel_matches_the_byte_kernel(in_features):
+    """The word-packed loop unpacks byte k of word j as q[:, 4j + k] with its sign: weights at +-127 and small
+    negatives catch a wrong byte order or a zero-extension."""
+    w = torch.randn(40, in_features)
+    w[0, :] = torch.linspace(-1, 1, in_features)
+    w8, x = quantize_int8(w), torch.randn(1, in_features)
+    assert bool((w8.q < 0).any()) and int(w8.q.max()) == 127 and int(w8.q.min()) == -127
+    eager = int8_linear(x, w8, compiled=False)
+    torch.testing.assert_close(int8_linear(x, w8, compiled=True, packed=True), eager)
+    torch.testing.assert_close(int8_linear(x, w8, compiled=True, packed=False), eager)
+    if in_features % 4 == 0:
+        assert callable(quant._compiled_packed)
 
 
 @torch.no_grad()

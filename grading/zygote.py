@@ -39,8 +39,9 @@ SUBMISSION_NAMES = ("config", "models", "modules", "optimizer", "utils")
 COUNTER = itertools.count()
 
 
-def child(req: dict) -> None:
-    """Runs in the forked child; never returns."""
+def child(req: dict, report_fd: int) -> None:
+    """Runs in the forked child; never returns. What isolation held goes to the zygote through `report_fd`, closed
+    before any of the submission's code runs: the report's `sandbox` field is not the submission's to write."""
     code = 70
     try:
         os.setsid()  # own process group: the zygote kills the whole group on timeout
@@ -49,10 +50,11 @@ def child(req: dict) -> None:
         os.dup2(null, 0)
         os.dup2(out, 1)
         os.dup2(out, 2)
-        os.closerange(3, 65536)  # the zygote's pipes and anything else inherited
+        os.dup2(report_fd, 3)
+        os.closerange(4, 65536)  # the zygote's pipes and anything else inherited
         info = isolation.enter(req, req.get("cgroup_dirs"))  # namespaces, mounts, cgroup, limits, uid, seccomp
-        with open(os.path.join(req["resultdir"], "sandbox.json"), "w") as f:
-            json.dump(info, f)
+        os.write(3, (json.dumps(info) + "\n").encode())
+        os.close(3)
         os.chdir(req["workdir"])
         os.environ.clear()
         os.environ.update(req["env"])
@@ -61,7 +63,7 @@ def child(req: dict) -> None:
                 del sys.modules[name]
         sys.path.insert(0, req["workdir"])
         torch.set_num_threads(1)
-        code = probes.main(req["probe"], req["resultdir"], req.get("args", {}))
+        code = probes.main(req["probe"], req["resultdir"], req.get("args", {}), req.get("given"))
     except BaseException as e:  # noqa: BLE001  (the child must always reach os._exit)
         try:
             print(f"sandbox setup failed: {type(e).__name__}: {e}", file=sys.stderr)
@@ -146,9 +148,12 @@ def run(req: dict) -> dict:
     name = f"grading-check-{os.getpid()}-{next(COUNTER)}"
     cgroup, why = isolation.Cgroup.create(name, req["mem_mb"] * 2**20, req["max_procs"])
     req["cgroup_dirs"], req["cgroup_status"] = (cgroup.dirs, cgroup.status) if cgroup else (None, why)
+    report_r, report_w = os.pipe()
     pid = os.fork()
     if pid == 0:
-        child(req)
+        os.close(report_r)
+        child(req, report_w)
+    os.close(report_w)
     deadline = start + req["timeout"]
     timed_out, status, usage = False, None, None
     while True:
@@ -176,12 +181,33 @@ def run(req: dict) -> dict:
         strays = remove_strays(req["uid"]) + remove_ipc(req["uid"])
     reap()
     reply = {"wall": wall, "timed_out": timed_out, "max_rss_mb": usage.ru_maxrss / 1024 if usage else None,
-             "strays": strays, **limits_hit}
+             "strays": strays, "sandbox": isolation_report(report_r), **limits_hit}
     if os.WIFSIGNALED(status):
         reply["signal"] = signal.Signals(os.WTERMSIG(status)).name
     else:
         reply["exit"] = os.WEXITSTATUS(status)
     return reply
+
+
+def isolation_report(fd: int) -> dict:
+    """The first line the child wrote before running the submission (later writes, if it reached the pipe, ignored)."""
+    os.set_blocking(fd, False)
+    data = b""
+    try:
+        while len(data) < 65536 and b"\n" not in data:
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                break
+            data += chunk
+    except BlockingIOError:
+        pass
+    finally:
+        os.close(fd)
+    try:
+        info = json.loads(data.split(b"\n", 1)[0]) if b"\n" in data else None
+    except ValueError:
+        info = None
+    return info if isinstance(info, dict) else {"isolation": "not reported: the check's process died while entering the sandbox"}
 
 
 def reap() -> None:

@@ -115,7 +115,13 @@ def test_stack_walking_forge_on_the_untouched_starter_scores_zero(grader, tmp_pa
     forged = [c.name for c in report.checks if "FORGED" in c.output]
     assert set(forged) == {"attention", "layer", "embed", "model", "from_pretrained"}, forged  # the forge ran
     assert report.total == 0, details(report)
-    # (e) the report's sandbox field is the grader's own account, not the file the submission wrote
+
+
+def test_the_sandbox_field_cannot_be_set_by_the_submission(grader, tmp_path):
+    """The same forge also writes sandbox.json ("network: FORGED isolated", another uid) where the child used to."""
+    sub = write_submission(tmp_path / "sub", **STARTER, utils=[("import torch\n", "import torch\n" + FORGE)])
+    report = grader.grade(sub, ("attention",))
+    assert "FORGED" in report.checks[0].output, report.checks[0].output
     assert "FORGED" not in json.dumps(report.sandbox) and report.sandbox.get("network"), report.sandbox
     if grader.sandbox.uid is not None:
         assert report.sandbox["uid"] == grader.sandbox.uid, report.sandbox
@@ -217,3 +223,21 @@ def test_an_oversized_result_costs_that_check_only_and_bounds_the_graders_memory
     assert scores(report) == {"attention": 0, "layer": 14}, details(report)
     assert report.checks[0].verdict == "error" and "result" in report.checks[0].messages[0], report.checks[0].messages
     assert grown < 100, f"the grader's memory grew by {grown} MB reading one result"
+
+
+def test_layer_norm_eps_and_gelu_are_measured_from_outputs(grader, tmp_path):
+    """Nothing the probe reports picks the reference's eps or GELU: a layer with eps 1e-3 and tanh GELU, whatever its
+    config says, is graded with those, read off its outputs on the grader's inputs."""
+    sub = write_submission(tmp_path / "sub", layer=[
+        ("self.attention_layer_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)",
+         "self.attention_layer_norm = nn.LayerNorm(config.hidden_size, eps=1e-3)"),
+        ("self.out_layer_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)",
+         "self.out_layer_norm = nn.LayerNorm(config.hidden_size, eps=1e-3)"),
+        ("self.interm_af = F.gelu", "self.interm_af = lambda x: F.gelu(x, approximate='tanh')")])
+    (layer,) = grader.grade(sub, ("layer",)).checks
+    assert layer.score == 14, details_of(layer)
+    assert not any("exact GELU" in i for i in layer.info), layer.info
+
+
+def details_of(check):
+    return check.messages, [vars(p) for p in check.parts]

@@ -8,6 +8,7 @@ import threading
 import time
 
 import pytest
+import torch
 from grading_submission import write_submission
 from test_grading import STARTER
 
@@ -241,3 +242,23 @@ def test_layer_norm_eps_and_gelu_are_measured_from_outputs(grader, tmp_path):
 
 def details_of(check):
     return check.messages, [vars(p) for p in check.parts]
+
+
+def test_each_question_is_fresh_and_secret():
+    """Two asks of the same check share no tensor: nothing of one check's question tells another's."""
+    from grading import questions
+
+    a, b = questions.ask("layer"), questions.ask("layer")
+    assert a.keys() == b.keys() and all(not torch.equal(a[k], b[k]) for k in a if k != "gelu.input")
+    assert torch.equal(questions.ask("layer", seed=7)["x"], questions.ask("layer", seed=7)["x"])  # seeded: repeatable
+
+
+@pytest.mark.parametrize("eps", [0.0, 1e-12, 1e-6, 1e-5, 1e-3])
+def test_layer_norm_eps_is_read_off_its_output(eps):
+    from grading import checks, questions
+
+    q = questions.ask("layer", seed=3)
+    x, gain, bias = q["ln.input"], q["attention_layer_norm.weight"], q["attention_layer_norm.bias"]
+    got = checks.measured_eps(torch.nn.functional.layer_norm(x, x.shape[-1:], gain, bias, eps), x, gain, bias)
+    assert got is not None and abs(got - eps) <= 1e-3 * eps + 1e-10, got
+    assert checks.measured_eps(torch.zeros_like(x), x, gain, bias) is None  # not a LayerNorm's output: no eps

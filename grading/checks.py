@@ -3,15 +3,22 @@
 A check is a list of rubric parts; a part scores full points at max error <= tolerance.exact, the rubric's
 partial fraction at <= tolerance.close (with a hint), else 0. A part the submission's interface does not allow is
 graded through the next method up (e.g. attention() through forward()) and says so.
+
+The references are computed from the grader's own inputs and weights (`run.given`, grading/questions.py); what the
+check's process returns is used as outputs only, each checked against the shape the grader expects
+(questions.ANSWERS). LayerNorm eps and the GELU are read off outputs on the grader's inputs, never taken from the
+check's word; what it says (notes, which route it took) picks between references or words a message, and a part it
+says failed scores 0.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
-from grading import probes
+from grading import probes, questions
 from grading import reference as ref
 from grading.reference import BUGS
 from grading.sandbox import Run
@@ -24,6 +31,7 @@ BUGS = {**BUGS,
 MASKS = {k: torch.tensor(v) for k, v in probes.MASKS.items()}
 H = probes.H
 MATCH = 1e-4  # a variant within this of the submission "is" its bug
+PROBS_BUGS = ("no_scale", "no_causal", "pad_ignored", "pad_inverted", "softmax_axis")  # bugs of the probabilities
 
 
 @dataclass
@@ -61,9 +69,10 @@ class CheckResult:
                 "info": self.info, "parts": [vars(p) for p in self.parts], "output": self.output}
 
 
-def max_err(a: torch.Tensor, b: torch.Tensor, rows: torch.Tensor | None = None) -> float:
-    """Largest absolute difference (over real tokens when rows (B, T) is given); inf on a shape mismatch or NaN."""
-    if a.shape != b.shape:
+def max_err(a: torch.Tensor | None, b: torch.Tensor, rows: torch.Tensor | None = None) -> float:
+    """Largest absolute difference (over real tokens when rows (B, T) is given); inf when a is missing, on a shape
+    mismatch or NaN."""
+    if a is None or a.shape != b.shape:
         return float("inf")
     if rows is not None:
         a, b = a[rows.bool()], b[rows.bool()]
@@ -118,9 +127,31 @@ def failed_run(result: CheckResult, run: Run) -> bool:
     return True
 
 
+def answers(run: Run, result: CheckResult, shapes: dict | None = None) -> dict:
+    """The outputs the grader asked for, each with its expected shape (float32 already); anything else is dropped
+    and said, so a part whose output is missing or malformed scores 0."""
+    shapes = shapes if shapes is not None else questions.ANSWERS[result.name]
+    kept, dropped = {}, []
+    for name, x in run.tensors.items():
+        want = shapes.get(name)
+        if want is not None and tuple(x.shape) == tuple(want):
+            kept[name] = x
+        else:
+            dropped.append(f"{name} {tuple(x.shape)}" + (f" (expected {tuple(want)})" if want else ""))
+    if dropped:
+        result.messages.append(f"finding: the check returned {len(dropped)} tensor(s) the grader did not ask for or "
+                               f"of the wrong shape, ignored: {', '.join(dropped[:5])}" + (" ..." if len(dropped) > 5 else ""))
+    return kept
+
+
+def values_of(run: Run) -> dict:
+    v = run.info.get("values")
+    return v if isinstance(v, dict) else {}
+
+
 def part_failures(result: CheckResult, values: dict) -> set:
     """Parts the probe could not run (a TODO, an error in that part only): 0 with the reason; returns their names."""
-    failed = values.get("parts") or {}
+    failed = values.get("parts") if isinstance(values.get("parts"), dict) else {}
     for p in result.parts:
         if p.name in failed:
             msg = str(failed[p.name])
@@ -161,13 +192,13 @@ def check_attention(run: Run, scorer: Scorer) -> CheckResult:
     result = CheckResult("attention", scorer.parts("attention"), output=run.output)
     if failed_run(result, run):
         return result
-    t = run.tensors
+    t, g = answers(run, result), run.given
     result.messages += run.info.get("notes", [])
-    w = {k: v for k, v in t.items() if k.split(".")[0] in ("query", "key", "value")}
-    refs = {case: ref.attention(w, t["x"], m, H) for case, m in MASKS.items()}
-    _self_check(ref.f_attention(t["x"], w, MASKS["left"], H), refs["left"], MASKS["left"], "attention")
+    w = {k: v for k, v in g.items() if k.split(".")[0] in ("query", "key", "value")}
+    refs = {case: ref.attention(w, g["x"], m, H) for case, m in MASKS.items()}
+    _self_check(ref.f_attention(g["x"], w, MASKS["left"], H), refs["left"], MASKS["left"], "attention")
     parts = {p.name: p for p in result.parts}
-    fwd = max(max_err(t[f"forward.{c}"], refs[c], MASKS[c]) for c in MASKS)
+    fwd = max(max_err(t.get(f"forward.{c}"), refs[c], MASKS[c]) for c in MASKS)
     scorer.score(parts["forward"], fwd, what="forward() (no padding, right and left padding)")
     if "attention.left" in t:
         scorer.score(parts["attention"], max_err(t["attention.left"], refs["left"], MASKS["left"]), what="attention()")
@@ -176,28 +207,47 @@ def check_attention(run: Run, scorer: Scorer) -> CheckResult:
         parts["attention"].message = (parts["attention"].message + " " if parts["attention"].message else "") + \
             "graded through forward()"
     if fwd > scorer.exact:
-        student = [(t[f"forward.{c}"], MASKS[c]) for c in MASKS]
-        diagnose(result, student, {b: [ref.f_attention(t["x"], w, MASKS[c], H, (b,)) for c in MASKS]
+        student = [(t.get(f"forward.{c}"), MASKS[c]) for c in MASKS]
+        diagnose(result, student, {b: [ref.f_attention(g["x"], w, MASKS[c], H, (b,)) for c in MASKS]
                                    for b in ref.ATTENTION_BUGS})
-    training_properties(result, parts["training"], t, run.info["values"])
+    training_properties(result, parts["training"], t, g, values_of(run))
     return finish(result)
 
 
-def training_properties(result: CheckResult, part: Part, t: dict, values: dict) -> None:
-    """Dropout on: no masked key gets probability, and each probability is dropped (0) or scaled by 1/(1-p)."""
-    p = values["dropout_p"]
-    pe, pt = t["probs.eval"], t["probs.train"]  # (B, h, T, T)
-    if pe.shape != pt.shape or pe.dim() != 4:
-        part.status, part.message = "fail", f"training-mode probe gave shape {tuple(pt.shape)}"
+def reference_probs(g: dict, route: str, bugs=()) -> torch.Tensor:
+    """The eval-mode probabilities (B, h, T, T) for the grader's training-mode inputs, on the route the probe took
+    (with one known bug of the scores or the softmax, if given)."""
+    if route == "forward()":
+        x = g["train.x"]
+        q, k = (F.linear(x, g[f"{n}.weight"], g[f"{n}.bias"]).view(x.shape[0], x.shape[1], H, -1).transpose(1, 2)
+                for n in ("query", "key"))
+    else:
+        q, k = g["train.q"], g["train.k"]
+    return ref.f_probs(q, k, MASKS["right"], bugs)
+
+
+def training_properties(result: CheckResult, part: Part, t: dict, g: dict, values: dict) -> None:
+    """Dropout on: no masked key gets probability, and each probability is dropped (0) or scaled by 1/(1-p) of the
+    reference's (the eval-mode probabilities must be the reference's, on the grader's inputs)."""
+    p = probes.DROPOUT_P
+    route = "forward()" if values.get("probs_route") == "forward()" else "attention()"
+    pt, pe_own = t.get("probs.train"), t.get("probs.eval")
+    # a forward() with one known bug of the probabilities has its dropout judged on that bug's: it costs forward only
+    bug = result.diagnosis_key if result.diagnosis_key in PROBS_BUGS else None
+    pe = reference_probs(g, route, (bug,) if bug else ())
+    real_q = MASKS["right"].bool()[:, None, :, None].expand_as(pe)
+    if pt is None or pe_own is None or not float((pe_own - pe)[real_q].abs().max()) <= (MATCH if bug else 1e-5):
+        part.points, part.status = 0.0, "fail"
+        part.message = (f"training mode not graded: the eval-mode attention probabilities (probed through {route}) "
+                        f"are not the reference's")
         return
+    pe = pe_own  # the submission's own, now known to be computed from the grader's inputs
     allowed = ref.bool_mask(MASKS["right"]).expand_as(pt)
-    real_q = MASKS["right"].bool()[:, None, :, None].expand_as(pt)
     pt = torch.nan_to_num(pt, nan=float("inf"))  # e.g. dropout on -inf scores: NaN counts as a leak
     leak = float(pt[real_q & ~allowed].abs().max())
     kept = real_q & allowed
     off_pattern = float(torch.minimum(pt[kept].abs(), (pt[kept] - pe[kept] / (1 - p)).abs()).max())
-    dropped = bool((pt[kept] != pe[kept]).any())
-    route = values.get("probs_route", "attention()")
+    dropped = bool(((pt[kept] - pe[kept]).abs() > 1e-6).any())
     problems = []
     if leak > 1e-6:
         problems.append(f"in training mode masked positions get probability (up to {leak:.2g})")
@@ -223,11 +273,47 @@ def _self_check(functional, reference, rows, what):
         raise RuntimeError(f"grader bug: the functional {what} reference differs from the module reference by {err:.2g}")
 
 
-# ---- layer, embeddings, model -------------------------------------------------------------------------------------
+# ---- what the submission chose, read off its outputs on the grader's inputs ----------------------------------------
 
-def pick_activation(values, candidates_fn, result):
-    """The submission's GELU (as its given interm_af says); where it cannot be read, the closer of the two."""
-    act = values.get("activation")
+def measured_eps(y: torch.Tensor | None, x: torch.Tensor, gain: torch.Tensor, bias: torch.Tensor) -> float | None:
+    """A LayerNorm's eps from its output y on the grader's small-variance input x (gain, bias the grader's): per
+    row y - bias = gain * (x - mean) / sqrt(var + eps). None when y is not a LayerNorm's output of x."""
+    if y is None:
+        return None
+    x64, y64 = x.double(), y.double()
+    xc = x64 - x64.mean(-1, keepdim=True)
+    var = (xc ** 2).mean(-1)
+    den = gain.double() * xc
+    use = den.abs() > 0.1 * den.abs().amax(-1, keepdim=True)
+    ratio = (y64 - bias.double()) / den
+    scale = torch.stack([ratio[i][use[i]].median() for i in range(x.shape[0])])  # 1 / sqrt(var + eps)
+    eps = float((1 / scale ** 2 - var).median())
+    if not (math.isfinite(eps) and -1e-9 <= eps <= 1e-2):
+        return None
+    eps = max(eps, 0.0)
+    if max_err(y, F.layer_norm(x, x.shape[-1:], gain, bias, eps)) > 1e-3:
+        return None
+    return eps
+
+
+def layer_eps(t: dict, g: dict, prefix: str, name: str, result: CheckResult) -> float:
+    eps = measured_eps(t.get(f"ln.{prefix}{name}"), g["ln.input"], g[f"{prefix}{name}.weight"], g[f"{prefix}{name}.bias"])
+    if eps is None:
+        result.messages.append(f"{prefix}{name} does not act as a LayerNorm on the grader's input; graded with eps 1e-5")
+        return 1e-5
+    return eps
+
+
+def gelu_of(y: torch.Tensor | None, x: torch.Tensor) -> str | None:
+    """Which GELU the layer's interm_af computes on the grader's points: 'exact', 'tanh', or None."""
+    for name, approx in (("exact", "none"), ("tanh", "tanh")):
+        if y is not None and torch.allclose(y, F.gelu(x, approximate=approx), atol=1e-6):
+            return name
+    return None
+
+
+def pick_activation(act, candidates_fn, result):
+    """The submission's GELU (as its interm_af computes it); where it cannot be read, the closer of the two."""
     if act in ref.ACTIVATIONS:
         return act
     errs = {a: candidates_fn(a) for a in ref.ACTIVATIONS}
@@ -242,69 +328,104 @@ def gelu_info(result, act, err_other):
                            f"tanh approximation: with it the outputs differ by up to {err_other:.2g} (no points lost)")
 
 
+# ---- layer, embeddings, model -------------------------------------------------------------------------------------
+
+INPUTS = ("x", "add.", "train.", "ln.input", "gelu.input", "ids", "head.")  # given tensors that are not weights
+
+
+def weights_of(g: dict) -> dict:
+    return {k: x for k, x in g.items() if not k.startswith(INPUTS)}
+
+
 def check_layer(run: Run, scorer: Scorer) -> CheckResult:
     result = CheckResult("layer", scorer.parts("layer"), output=run.output)
     if failed_run(result, run):
         return result
-    t, v = run.tensors, run.info["values"]
+    t, g, v = answers(run, result), run.given, values_of(run)
     result.messages += run.info.get("notes", [])
-    w = {k: x for k, x in t.items() if not k.startswith(("x", "forward", "add"))}
-    eps = (v["eps_attn"], v["eps_mlp"])
+    w, x = weights_of(g), g["x"]
+    eps = (layer_eps(t, g, "", "attention_layer_norm", result), layer_eps(t, g, "", "out_layer_norm", result))
 
     def fwd_err(act):
-        return max(max_err(t[f"forward.{c}"], ref.layer(w, t["x"], m, H, act, *eps), m) for c, m in MASKS.items())
+        return max(max_err(t.get(f"forward.{c}"), ref.layer(w, x, m, H, act, *eps), m) for c, m in MASKS.items())
 
-    act = pick_activation(v, fwd_err, result)
-    _self_check(ref.f_layer(t["x"], w, MASKS["left"], H, act, *eps), ref.layer(w, t["x"], MASKS["left"], H, act, *eps),
+    act = pick_activation(gelu_of(t.get("gelu"), g["gelu.input"]), fwd_err, result)
+    _self_check(ref.f_layer(x, w, MASKS["left"], H, act, *eps), ref.layer(w, x, MASKS["left"], H, act, *eps),
                 MASKS["left"], "layer")
     parts = {p.name: p for p in result.parts}
     err = fwd_err(act)
     scorer.score(parts["forward"], err, what="forward()")
     gelu_info(result, act, fwd_err("tanh" if act == "exact" else "exact"))
     if "add" in t:
-        want = t["add.input"] + F.linear(t["add.output"], w["attention_dense.weight"], w["attention_dense.bias"])
+        want = g["add.input"] + F.linear(g["add.output"], w["attention_dense.weight"], w["attention_dense.bias"])
         scorer.score(parts["add"], max_err(t["add"], want), what="add()")
     else:
         scorer.score(parts["add"], err, what="add() (through forward())")
         parts["add"].message += " graded through forward()"
     if err > scorer.exact:
-        student = [(t[f"forward.{c}"], m) for c, m in MASKS.items()]
-        diagnose(result, student, {b: [ref.f_layer(t["x"], w, m, H, act, *eps, (b,)) for m in MASKS.values()]
+        student = [(t.get(f"forward.{c}"), m) for c, m in MASKS.items()]
+        diagnose(result, student, {b: [ref.f_layer(x, w, m, H, act, *eps, (b,)) for m in MASKS.values()]
                                    for b in ref.LAYER_BUGS})
-    placement = v.get("dropout_placement") or {}
-    training = parts["training"]
-    if not placement:
-        training.status, training.message = "skipped", "skipped: the dropout modules could not be found by name"
-    elif all(p == "ok" for p in placement.values()):
-        training.points, training.status = training.max, "pass"
-    else:
-        training.status = "fail"
-        training.message = "training mode: " + "; ".join(f"{k} {p}" for k, p in placement.items() if p != "ok")
-        if not result.diagnosis_key:
-            result.diagnosis, result.diagnosis_key = BUGS["dropout_misplaced"], "dropout_misplaced"
+    # a forward() with one known bug has its dropouts judged on that bug's reference: the bug costs forward only
+    bug = result.diagnosis_key if result.diagnosis_key in ref.LAYER_BUGS else None
+    layer_training(result, parts["training"], t, g, v, act, eps, err <= scorer.exact or bug is not None,
+                   (bug,) if bug else ())
     return finish(result)
+
+
+def layer_training(result, training, t, g, v, act, eps, forward_ok, bugs=()) -> None:
+    """Training mode with the grader's dropout masks in the two residual dropouts: the output is the grader's to
+    compute (with forward()'s known bug, if it has one), and right only where each dropout acts on its dense
+    layer's output, once."""
+    failed = str((v.get("parts") if isinstance(v.get("parts"), dict) else {}).get("training", ""))
+    mask = MASKS["nopad"]
+    if failed.startswith("error: skipped:"):
+        training.status, training.message = "skipped", "skipped: the dropout modules could not be found by name " \
+                                                        f"({failed[len('error: skipped: '):]})"
+        return
+    training.status = "fail"
+    if failed:
+        training.message = f"training mode: {failed}"
+    elif not forward_ok:
+        training.message = "training mode not graded: forward() is wrong in eval mode (and no single known bug)"
+        return
+    else:
+        drop = (g["train.mask_attention"], g["train.mask_out"], probes.DROPOUT_P)
+        want = ref.f_layer(g["x"], weights_of(g), mask, H, act, *eps, bugs, drop=drop)
+        if max_err(t.get("train"), want) <= (MATCH if bugs else 1e-5):
+            training.points, training.status = training.max, "pass"
+            return
+        eval_out = ref.f_layer(g["x"], weights_of(g), mask, H, act, *eps, bugs)
+        never = max_err(t.get("train"), eval_out) <= 1e-5
+        training.message = ("training mode: the residual dropouts are never applied" if never else
+                            "training mode: the residual dropouts are not applied (once each) to the outputs of "
+                            "attention_dense and out_dense")
+    if not result.diagnosis_key:
+        result.diagnosis, result.diagnosis_key = BUGS["dropout_misplaced"], "dropout_misplaced"
 
 
 def check_embed(run: Run, scorer: Scorer) -> CheckResult:
     result = CheckResult("embed", scorer.parts("embed"), output=run.output)
     if failed_run(result, run):
         return result
-    t = run.tensors
-    ids = t["ids"].long()
-    want = F.embedding(ids, t["word_embedding.weight"]) + t["pos_embedding.weight"][: ids.shape[1]]
-    scorer.score(result.parts[0], max_err(t["embed"], want), what="embed()")
+    t, g = answers(run, result), run.given
+    ids = g["ids"].long()
+    want = F.embedding(ids, g["word_embedding.weight"]) + g["pos_embedding.weight"][: ids.shape[1]]
+    err = max_err(t.get("embed"), want)
+    scorer.score(result.parts[0], err, what="embed()")
     if result.parts[0].status != "pass":
-        diagnose(result, [(t["embed"], None)], {"no_positions": [F.embedding(ids, t["word_embedding.weight"])]})
+        diagnose(result, [(t.get("embed"), None)], {"no_positions": [F.embedding(ids, g["word_embedding.weight"])]})
     training = {p.name: p for p in result.parts}["training"]
-    p = run.info["values"]["dropout_p"]
-    pe, pt = t["embed.eval"], t["embed.train"]
+    p = probes.DROPOUT_P
+    pt = t.get("embed.train")
+    tol = max(1e-5, 4 * err)
     if result.parts[0].status != "pass":  # dropout placement is judged on a right embedding only
         training.status, training.message = "fail", "training mode not graded: embed() is wrong in eval mode"
-    elif pe.shape != pt.shape:
-        training.status, training.message = "fail", f"training-mode embed() gave shape {tuple(pt.shape)}"
-    elif torch.equal(pe, pt):
+    elif pt is None:
+        training.status, training.message = "fail", "training mode: embed() gave no output of the expected shape"
+    elif max_err(pt, want) <= tol:
         training.status, training.message = "fail", "training mode: embed_dropout is never applied (output as in eval)"
-    elif float(torch.minimum(pt.abs(), (pt - pe / (1 - p)).abs()).max()) > 1e-5 or not bool((pt == 0).any()):
+    elif float(torch.minimum(pt.abs(), (pt - want / (1 - p)).abs()).max()) > tol or not bool((pt == 0).any()):
         training.status = "fail"
         training.message = f"training mode: embed() output is not the eval output dropped out once with p={p}"
     else:
@@ -312,61 +433,69 @@ def check_embed(run: Run, scorer: Scorer) -> CheckResult:
     return finish(result)
 
 
-def model_inputs(t):
-    return t["ids"].long(), t["mask"].long()
-
-
-def model_reference(t, v, act, result, weights=None):
-    """(last_hidden_state, last_token) of transformers' GPT2Model on the weights, with the submission's eps/GELU."""
-    w = weights if weights is not None else {k: x for k, x in t.items() if k not in ("ids", "mask", "logits", "head.input") and
-                                              not k.startswith("last_")}
-    eps_all = {v["eps_final"]} | {e for info in v["layers"] for e in (info["eps_attn"], info["eps_mlp"])}
-    ids, mask = model_inputs(t)
-    if len(eps_all) > 1:  # transformers takes one eps; the functional twin takes each
-        result.messages.append(f"LayerNorm eps differ between layers ({sorted(eps_all)}); the functional reference used")
-        return ref.f_model(ids, mask, w, H, v["layers"], v["eps_final"], act), w
-    h, last = ref.model_forward(ref.hf_model(w, H, act, v["eps_final"]), ids, mask)
-    _self_check(ref.f_model(ids, mask, w, H, v["layers"], v["eps_final"], act)[0], h, mask, "model")
-    return (h, last), w
+def model_reference(g, layers, eps_final, act, result):
+    """(last_hidden_state, last_token) of transformers' GPT2Model on the grader's weights, with the given eps/GELU;
+    the functional twin where the LayerNorm eps differ (transformers takes one)."""
+    w = weights_of(g)
+    ids, mask = g["ids"].long(), MASKS["right"]
+    eps_all = {eps_final} | {e for info in layers for e in (info["eps_attn"], info["eps_mlp"])}
+    if len(eps_all) > 1:
+        return ref.f_model(ids, mask, w, H, layers, eps_final, act)
+    h, last = ref.model_forward(ref.hf_model(w, H, act, eps_final), ids, mask)
+    _self_check(ref.f_model(ids, mask, w, H, layers, eps_final, act)[0], h, mask, "model")
+    return h, last
 
 
 def model_errors(t, h_last):
-    ids, mask = model_inputs(t)
-    return max(max_err(t["last_hidden_state"], h_last[0], mask), max_err(t["last_token"], h_last[1]))
+    return max(max_err(t.get("last_hidden_state"), h_last[0], MASKS["right"]), max_err(t.get("last_token"), h_last[1]))
 
 
 def check_model(run: Run, scorer: Scorer) -> CheckResult:
     result = CheckResult("model", scorer.parts("model"), output=run.output)
     if failed_run(result, run):
         return result
-    t, v = run.tensors, run.info["values"]
+    t, g, v = answers(run, result), run.given, values_of(run)
     result.messages += run.info.get("notes", [])
     failed = part_failures(result, v)
     parts = {p.name: p for p in result.parts}
     if "hidden_state_to_token" not in failed:
-        head(parts["hidden_state_to_token"], t, v, scorer, result)
+        head(parts["hidden_state_to_token"], t, g, scorer, result)
     if "forward" in failed:
         return finish(result)
-    act = pick_activation(v["layers"][0], lambda a: model_errors(t, model_reference(t, v, a, result)[0]), result)
-    (h, last), w = model_reference(t, v, act, result)
-    err = model_errors(t, (h, last))
+    eps_final = layer_eps(t, g, "", "final_layer_norm", result)
+    gelus = [gelu_of(t.get(f"gelu.gpt_layers.{i}"), g["gelu.input"]) for i in range(probes.L)]
+    if v.get("own_components") is True:  # its own layers ran (it said so): their eps and GELU, as measured
+        layers = [{"eps_attn": layer_eps(t, g, f"gpt_layers.{i}.", "attention_layer_norm", result),
+                   "eps_mlp": layer_eps(t, g, f"gpt_layers.{i}.", "out_layer_norm", result)} for i in range(probes.L)]
+        act = pick_activation(gelus[0], lambda a: model_errors(t, model_reference(g, layers, eps_final, a, result)),
+                              result)
+    else:  # the reference layers stood in: their choices
+        layers = [dict(probes.STAND_IN) for _ in range(probes.L)]
+        act = probes.STAND_IN["activation"]
+    h_last = model_reference(g, layers, eps_final, act, result)
+    err = model_errors(t, h_last)
     scorer.score(parts["forward"], err, what="forward() (last_hidden_state and last_token, right padding)")
-    other = "tanh" if act == "exact" else "exact"
-    gelu_info(result, act, model_errors(t, model_reference(t, v, other, result)[0]))
-    ids, mask = model_inputs(t)
+    if gelus[0] == "exact":
+        other = model_reference(g, layers, eps_final, "tanh" if act == "exact" else "exact", result)
+        gelu_info(result, "exact", max(max_err(other[0], h_last[0], MASKS["right"]), max_err(other[1], h_last[1])))
     if err > scorer.exact:
-        variants = {b: ref.f_model(ids, mask, w, H, v["layers"], v["eps_final"], act, (b,)) for b in ref.MODEL_BUGS}
-        diagnose(result, [(t["last_hidden_state"], mask), (t["last_token"], None)], variants)
+        ids, w = g["ids"].long(), weights_of(g)
+        variants = {b: ref.f_model(ids, MASKS["right"], w, H, layers, eps_final, act, (b,)) for b in ref.MODEL_BUGS}
+        diagnose(result, [(t.get("last_hidden_state"), MASKS["right"]), (t.get("last_token"), None)], variants)
     return finish(result)
 
 
-def head(part: Part, t: dict, v: dict, scorer: Scorer, result: CheckResult) -> None:
-    """hidden_state_to_token on the grader's own hidden states: logits = h @ word_embedding^T, tied."""
-    want = F.linear(t["head.input"], t["word_embedding.weight"])
-    scorer.score(part, max_err(t["logits"], want), what="hidden_state_to_token()")
-    if not v.get("head_follows_word_embedding", True):
+def head(part: Part, t: dict, g: dict, scorer: Scorer, result: CheckResult) -> None:
+    """hidden_state_to_token on the grader's hidden states: logits = h @ word_embedding^T, and tied: with the
+    grader's second word_embedding in place the logits follow it."""
+    h = g["head.input"]
+    logits, tied = t.get("logits"), t.get("logits.tied")
+    scorer.score(part, max_err(logits, F.linear(h, g["word_embedding.weight"])), what="hidden_state_to_token()")
+    follows = max_err(tied, F.linear(h, g["head.word_embedding"])) <= scorer.exact
+    unmoved = logits is not None and max_err(tied, logits) <= 1e-6
+    if (part.status == "pass" and not follows) or (part.status != "pass" and unmoved):
         part.points, part.status = 0.0, "fail"
-        part.message = "the logits do not change with word_embedding: the head is not tied"
+        part.message = "the logits do not follow word_embedding: the head is not tied"
         if not result.diagnosis_key:
             result.diagnosis, result.diagnosis_key = BUGS["untied_head"], "untied_head"
 
@@ -378,12 +507,12 @@ def check_from_pretrained(run: Run, scorer: Scorer, hub_weights: dict, hub_note:
     result.info.append(hub_note)
     if failed_run(result, run):
         return result
-    t, v = run.tensors, run.info["values"]
+    shapes = {**{k: tuple(x.shape) for k, x in hub_weights.items()}, **questions.ANSWERS["from_pretrained"]}
+    t, g, v = answers(run, result, shapes), run.given, values_of(run)
     result.messages += run.info.get("notes", [])
     result.messages.append("graded by the weights it loads (the model's outputs depend on components graded in "
                            "their own checks)")
-    loaded = {k: x for k, x in t.items() if k in hub_weights}
-    errs = {k: max_err(loaded[k], x) if k in loaded else float("inf") for k, x in hub_weights.items()}
+    errs = {k: max_err(t.get(k), x) for k, x in hub_weights.items()}
     err = max(errs.values())
     scorer.score(result.parts[0], err, what="the loaded weights")
     wrong = [k for k, e in errs.items() if e > scorer.exact]
@@ -391,18 +520,17 @@ def check_from_pretrained(run: Run, scorer: Scorer, hub_weights: dict, hub_note:
         result.messages.append(f"{len(wrong)} loaded tensor(s) differ from the checkpoint: {', '.join(wrong[:6])}"
                                + (" ..." if len(wrong) > 6 else ""))
         for bug in ("conv1d_not_transposed", "qkv_swapped"):
-            mis = ref.mis_loaded(hub_weights, bug, v["n_layer"])
-            if all(k in loaded and max_err(loaded[k], mis[k]) <= 1e-6 for k in mis):
+            mis = ref.mis_loaded(hub_weights, bug, probes.L)
+            if all(max_err(t.get(k), mis[k]) <= 1e-6 for k in mis):
                 result.diagnosis, result.diagnosis_key = BUGS[bug], bug
-    outputs = (v.get("parts") or {}).get("outputs")
-    if outputs:
-        result.info.append(f"running the loaded model: {outputs} (no points: graded by its weights)")
+    parts = v.get("parts") if isinstance(v.get("parts"), dict) else {}
+    if parts.get("outputs"):
+        result.info.append(f"running the loaded model: {str(parts['outputs'])[:500]} (no points: graded by its weights)")
     elif not wrong and "last_hidden_state" in t:
-        act = v["layers"][0].get("activation") if v["layers"][0].get("activation") in ref.ACTIVATIONS else "exact"
-        gpt2 = ref.model_forward(ref.hf_model(hub_weights, H, "tanh", 1e-5), *model_inputs(t))
+        gpt2 = ref.model_forward(ref.hf_model(hub_weights, H, "tanh", 1e-5), g["ids"].long(), MASKS["right"])
         result.info.append(f"the loaded model's outputs differ from transformers' GPT-2 (eps 1e-5, tanh GELU) by up "
-                           f"to {model_errors(t, gpt2):.2g} (the submission's eps {v['eps_final']:g}, {act} GELU; "
-                           f"its attention and layers as graded in their checks; no points)")
+                           f"to {model_errors(t, gpt2):.2g} (its attention and layers as graded in their checks; "
+                           f"no points)")
     return finish(result)
 
 
@@ -412,33 +540,34 @@ def check_adamw(run: Run, scorer: Scorer, course_reference: torch.Tensor | None,
     result = CheckResult("adamw", scorer.parts("adamw"), output=run.output)
     if failed_run(result, run):
         return result
-    t = run.tensors
+    t = answers(run, result)
     parts = {p.name: p for p in result.parts}
     tol = dict(atol=1e-6, rtol=1e-4)  # the course's optimizer_test.py
     course = parts["course_test"]
     if course_reference is None:
         course.status, course.message = "skipped", f"skipped: the course's reference {course_path} is absent"
     else:
-        got = t["course.weight"]
-        ok = got.shape == course_reference.shape and torch.allclose(got, course_reference, **tol)
+        got = t.get("course.weight")
+        ok = got is not None and got.shape == course_reference.shape and torch.allclose(got, course_reference, **tol)
         scorer.score(course, 0.0 if ok else max(max_err(got, course_reference), 1e-5 + 1e-12),
                      what="1000 steps of the course's optimizer_test")
-    want = torch_adamw_run()
+    want = torch_adamw_run(run.given)
     got = {k[len("torch."):]: x for k, x in t.items() if k.startswith("torch.")}
-    ok = all(k in got and got[k].shape == x.shape and torch.allclose(got[k], x, **tol) for k, x in want.items())
-    err = max((max_err(got[k], x) if k in got else float("inf")) for k, x in want.items())
+    ok = all(k in got and torch.allclose(got[k], x, **tol) for k, x in want.items())
+    err = max(max_err(got.get(k), x) for k, x in want.items())
     scorer.score(parts["torch_adamw"], 0.0 if ok else max(err, 1e-5 + 1e-12),
                  what="200 steps against torch.optim.AdamW (two groups, weight decay)")
     if not ok:
-        diagnose(result, [(got.get(k, torch.empty(0)), None) for k in want],
-                 {b: list(torch_adamw_run(b).values()) for b in ref.ADAMW_BUGS})
+        diagnose(result, [(got.get(k), None) for k in want],
+                 {b: list(torch_adamw_run(run.given, b).values()) for b in ref.ADAMW_BUGS})
     return finish(result)
 
 
-def torch_adamw_run(bug: str | None = None) -> dict:
-    net = probes.adamw_net()
+def torch_adamw_run(given: dict, bug: str | None = None) -> dict:
+    """The grader's net trained on the grader's batches: torch.optim.AdamW, or a variant with one bug."""
+    net = probes.adamw_net(given)
     groups = probes.adamw_groups(net)
-    data = list(probes.adamw_batches())
+    data = list(zip(given["x"], given["y"]))
     if bug is None:
         opt = torch.optim.AdamW(groups, lr=1e-3, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.0)
         for x, y in data:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -16,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from grading import checks, probes
+from grading import checks, probes, questions
 from grading.environment import environment_findings
 from grading.sandbox import Limits, Run, Sandbox
 
@@ -120,14 +121,15 @@ class Grader:
 
             from models.loading import hf_to_ours
 
-            torch.manual_seed(1234)
             cfg = transformers.GPT2Config(**HUB_SIZE)
-            model = transformers.GPT2Model(cfg)
+            with torch.random.fork_rng():  # a secret seed: the checkpoint cannot be known before it is loaded
+                torch.manual_seed(secrets.randbits(63))
+                model = transformers.GPT2Model(cfg)
+                with torch.no_grad():
+                    for name, p in model.named_parameters():  # no bias or LayerNorm left at 0 / 1
+                        if name.endswith("bias") or ".ln_" in name:
+                            p.add_(torch.randn_like(p) * 0.1)
             transformers.utils.logging.disable_progress_bar()  # save_pretrained's shard bar is noise here
-            with torch.no_grad():
-                for name, p in model.named_parameters():  # no bias or LayerNorm left at 0 / 1
-                    if name.endswith("bias") or ".ln_" in name:
-                        p.add_(torch.randn_like(p) * 0.1)
             home = Path(self._tmp.name) / "hf"
             commit = "0123456789abcdef0123456789abcdef01234567"
             repo = home / "hub" / "models--gpt2"
@@ -149,7 +151,9 @@ class Grader:
             hf_home = self.hub()[0] if name == "from_pretrained" else None
             bad = next((broken[m] for m in IMPORTS[name] if m in broken), None)
             # an import found failing or hanging once is reported for every check that needs it, without waiting again
-            run = bad if bad is not None else self.sandbox.run(name, submission, hf_home=hf_home, timeout=timeout)
+            # the question: inputs and weights from a fresh secret seed, made here; the reference is computed from them
+            run = bad if bad is not None else self.sandbox.run(name, submission, hf_home=hf_home, timeout=timeout,
+                                                               given=questions.ask(name))
             report.sandbox = report.sandbox or run.sandbox
             report.checks.append(self._compare(name, run))
         report.environment = environment_findings(report, self.rubric.get("allow_packages", ()))

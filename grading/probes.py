@@ -1,12 +1,16 @@
-"""What runs inside the sandbox: import the submission, drive one component on fixed random inputs, write tensors.
+"""What runs inside the sandbox: import the submission, drive one component on the grader's inputs, write outputs.
 
-Loaded by grading/zygote.py in a child process whose import path starts at a copy of the submission. Every probe
-writes `result/tensors.safetensors` (read back by the grader without unpickling) and `result/info.json`
-({'status': 'ok' | 'not_implemented' | 'error', 'message', 'notes', 'values'}). Nothing is compared here: the
-reference lives in the grader's process, out of the submission's reach.
+Loaded by grading/zygote.py in a child process whose import path starts at a copy of the submission. The grader's
+inputs and weights (grading/questions.py, drawn from a secret seed) arrive as a read-only safetensors file; the
+probe installs the weights into the submission's modules and writes only what the submission computed:
+`result/tensors.safetensors` (read back by the grader without unpickling, against the shapes it expects) and
+`result/info.json` ({'status': 'ok' | 'not_implemented' | 'error', 'message', 'notes', 'values'}). Nothing here is
+trusted: the submission runs in this process and may rewrite any of it; the grader compares what comes back with
+the reference it computes from its own inputs.
 
-Weights are read back as *effective affine maps* (each projection probed with zeros and the identity), so a
-LoRA-wrapped `query` (`query.linear.weight` plus A/B, even a non-zero B) grades like a plain nn.Linear.
+A projection that is not a plain nn.Linear (a LoRA wrapper, say) is replaced by one carrying the grader's weights,
+so it grades like the course's nn.Linear. The weights a loader puts in place (from_pretrained) are read back as
+*effective affine maps* (each projection probed with zeros and the identity).
 """
 import importlib
 import inspect
@@ -138,27 +142,92 @@ def child(module, name, what):
     return getattr(module, name)
 
 
-def layer_norm(module, name, what, out):
-    ln = child(module, name, what)
-    out[f"{name}.weight"] = ln.weight.detach().float().clone()
-    out[f"{name}.bias"] = ln.bias.detach().float().clone()
-    return float(getattr(ln, "eps", 1e-5))
-
-
-def activation_of(layer):
-    """Which GELU the layer's given code uses: 'exact' (the course starter's F.gelu), 'tanh' (GPT-2's), or None."""
-    fn = getattr(layer, "interm_af", None)
-    if not callable(fn):
-        return None
-    x = torch.linspace(-4, 4, 101)
+def affine_is(fn, w, b):
+    """Does fn compute x @ w.T + b (eval mode)?"""
+    x = torch.randn(2, 3, w.shape[1], generator=gen(97))
     try:
-        y = fn(x)
-    except Exception:  # noqa: BLE001
-        return None
-    for name, approx in (("exact", "none"), ("tanh", "tanh")):
-        if torch.is_tensor(y) and y.shape == x.shape and torch.allclose(y, F.gelu(x, approximate=approx), atol=1e-6):
-            return name
-    return "other"
+        with torch.no_grad():
+            y = fn(x)
+        return torch.is_tensor(y) and y.shape == (2, 3, w.shape[0]) and \
+            torch.allclose(y.float(), x @ w.t() + b, atol=1e-5)
+    except Exception:  # noqa: BLE001  (not an affine map we can drive)
+        return False
+
+
+def install_affine(owner, name, w, b, what, notes):
+    """Put the grader's (w, b) in owner.name: copied into a plain nn.Linear, else an nn.Linear in its place."""
+    m = child(owner, name, what)
+    if isinstance(m, nn.Linear) and tuple(m.weight.shape) == tuple(w.shape) and m.bias is not None:
+        was = m.training
+        with torch.no_grad():
+            m.weight.copy_(w)
+            m.bias.copy_(b)
+        if affine_is(m.eval(), w, b):
+            m.train(was)
+            return
+    lin = nn.Linear(w.shape[1], w.shape[0])
+    with torch.no_grad():
+        lin.weight.copy_(w)
+        lin.bias.copy_(b)
+    setattr(owner, name, lin)
+    notes.append(f"{what}.{name} is a {type(m).__name__}, not a plain nn.Linear: graded with an nn.Linear carrying "
+                 f"the grader's weights in its place")
+
+
+def install_norm(owner, name, weight, bias, what):
+    ln = child(owner, name, what)
+    w, b = getattr(ln, "weight", None), getattr(ln, "bias", None)
+    if not (torch.is_tensor(w) and torch.is_tensor(b) and w.shape == weight.shape and b.shape == bias.shape):
+        raise Deviation(f"{what}.{name} has no weight and bias of shape {tuple(weight.shape)}")
+    with torch.no_grad():
+        w.copy_(weight)
+        b.copy_(bias)
+
+
+def install_embedding(owner, name, weight, what):
+    e = getattr(child(owner, name, what), "weight", None)
+    if not (torch.is_tensor(e) and e.shape == weight.shape):
+        raise Deviation(f"{what}.{name} has no weight of shape {tuple(weight.shape)}")
+    with torch.no_grad():
+        e.copy_(weight)
+
+
+def install_layer(layer, w, notes, prefix=""):
+    """The grader's weights (this project's names, under `prefix`) into the submission's GPT2Layer."""
+    att = attention_module(layer)
+    for n in ("query", "key", "value"):
+        k = f"{prefix}self_attention.{n}"
+        install_affine(att, n, w[f"{k}.weight"], w[f"{k}.bias"], "CausalSelfAttention", notes)
+    for n in ("attention_dense", "interm_dense", "out_dense"):
+        install_affine(layer, n, w[f"{prefix}{n}.weight"], w[f"{prefix}{n}.bias"], "GPT2Layer", notes)
+    for n in ("attention_layer_norm", "out_layer_norm"):
+        install_norm(layer, n, w[f"{prefix}{n}.weight"], w[f"{prefix}{n}.bias"], "GPT2Layer")
+
+
+def measure_layer(layer, given, out, prefix=""):
+    """Its LayerNorms on a small-variance input (the grader reads their eps off the outputs) and its interm_af on
+    fixed points (the grader tells exact from tanh GELU); an unusable interm_af is left out."""
+    with torch.no_grad():
+        for n in ("attention_layer_norm", "out_layer_norm"):
+            measure_norm(child(layer, n, "GPT2Layer"), given, out, f"ln.{prefix}{n}")
+        fn = getattr(layer, "interm_af", None)
+        try:
+            y = fn(given["gelu.input"]) if callable(fn) else None
+            if torch.is_tensor(y) and y.shape == given["gelu.input"].shape:
+                out["gelu" + (f".{prefix[:-1]}" if prefix else "")] = y.detach().float()
+        except Exception:  # noqa: BLE001  (then the grader fits the GELU to the outputs)
+            pass
+
+
+def measure_norm(ln, given, out, key):
+    """A LayerNorm on the grader's (1, rows, C) input, as the layer would call it; left out if it cannot run."""
+    try:
+        with torch.no_grad():
+            y = tensor_out(ln(given["ln.input"][None]), key)
+        if y.shape[1:] == given["ln.input"].shape:
+            out[key] = y[0]
+    except Exception:  # noqa: BLE001  (the grader then uses eps 1e-5 and says so)
+        pass
 
 
 def attention_module(layer, with_name=False):
@@ -168,24 +237,6 @@ def attention_module(layer, with_name=False):
         if "attention" in type(m).__name__.lower():
             return (name, m) if with_name else m
     raise Deviation("GPT2Layer has no `self_attention` module")
-
-
-def extract_layer(layer, prefix=""):
-    """The layer's effective weights under this project's names (CausalSelfAttention / GPT2Layer)."""
-    out, info = {}, {}
-    att = attention_module(layer)
-    for name in ("query", "key", "value"):
-        w, b = affine(child(att, name, "CausalSelfAttention"), D, f"self_attention.{name}")
-        out[f"self_attention.{name}.weight"], out[f"self_attention.{name}.bias"] = w, b
-    for name, d_in in (("attention_dense", D), ("interm_dense", D), ("out_dense", None)):
-        m = child(layer, name, "GPT2Layer")
-        if d_in is None:
-            d_in = out["interm_dense.weight"].shape[0]
-        out[f"{name}.weight"], out[f"{name}.bias"] = affine(m, d_in, name)
-    info["eps_attn"] = layer_norm(layer, "attention_layer_norm", "GPT2Layer", out)
-    info["eps_mlp"] = layer_norm(layer, "out_layer_norm", "GPT2Layer", out)
-    info["activation"] = activation_of(layer)
-    return {prefix + k: v for k, v in out.items()}, info
 
 
 class RefAttention(nn.Module):
@@ -238,12 +289,11 @@ def ref_embed(model):
     return embed
 
 
-def with_reference_attention(layer, notes):
-    """Replace the layer's attention by the reference on the same weights, so the layer is graded on its own."""
+def with_reference_attention(layer, given, notes, prefix=""):
+    """Replace the layer's attention by the reference on the grader's weights, so the layer is graded on its own."""
     name, att = attention_module(layer, with_name=True)
-    w = {}
-    for n in ("query", "key", "value"):
-        w[f"{n}.weight"], w[f"{n}.bias"] = affine(child(att, n, "CausalSelfAttention"), D, f"self_attention.{n}")
+    w = {k[len(prefix) + len("self_attention."):]: v for k, v in given.items()
+         if k.startswith(prefix + "self_attention.")}
     unmerged = False
     try:  # keep the layout the layer expects from its attention: (B, T, D) or the heads unmerged
         with torch.no_grad():
@@ -283,43 +333,44 @@ def merged(y, what, notes):
     return y
 
 
-# ---- probes -------------------------------------------------------------------------------------------------------
+# ---- probes: each gets the grader's tensors (`given`) and fills `out` with the submission's outputs only --------
 
-def probe_attention(out, notes, values):
+STAND_IN = {"eps_attn": 1e-5, "eps_mlp": 1e-5, "activation": "tanh"}  # the reference layers' choices in the model probe
+
+
+def probe_attention(given, out, notes, values):
     cfg = make_config()
     cls = load("modules.attention", "CausalSelfAttention")
     att = construct(cls, cfg)
-    randomize(att, 1)
-    att.eval()
+    randomize(att, 1)  # parameters the grader does not set (extra ones of the submission's) are random, not zero
     for name in ("query", "key", "value"):
-        out[f"{name}.weight"], out[f"{name}.bias"] = affine(child(att, name, "CausalSelfAttention"), D, name)
-    x = torch.randn(3, T, D, generator=gen(2))
-    out["x"] = x
+        install_affine(att, name, given[f"{name}.weight"], given[f"{name}.bias"], "CausalSelfAttention", notes)
+    att.eval()
+    x = given["x"]
     with torch.no_grad():
         for case, m in masks().items():
-            ext = extended_mask(m, notes)
-            out[f"forward.{case}"] = merged(tensor_out(att(x, ext), "CausalSelfAttention.forward"),
+            out[f"forward.{case}"] = merged(tensor_out(att(x, extended_mask(m, notes)), "CausalSelfAttention.forward"),
                                             "CausalSelfAttention.forward", notes)
         # attention() on its own, with q/k/v in the course's (B, h, T, hd) layout
-        q, k, v = (heads(x @ out[f"{n}.weight"].t() + out[f"{n}.bias"]) for n in ("query", "key", "value"))
+        q, k, v = (heads(x @ given[f"{n}.weight"].t() + given[f"{n}.bias"]) for n in ("query", "key", "value"))
         try:
             y = tensor_out(att.attention(k, q, v, extended_mask(masks()["left"], notes)), "attention()")
             out["attention.left"] = merged(y, "attention()", notes)
         except (TypeError, AttributeError, Deviation) as e:
             notes.append(f"attention() could not be called as attention(key, query, value, mask) ({e}); "
                          f"graded through forward()")
-    probe_attention_training(cfg, cls, out, notes, values)
+    probe_attention_training(given, cls, out, notes, values)
 
 
-def probe_attention_training(cfg, cls, out, notes, values):
+def probe_attention_training(given, cls, out, notes, values):
     """Attention probabilities in training mode with dropout on: values are one-hot key positions, so the output
     of head h at query i is row i of its (dropped-out) probability matrix."""
-    cfg = make_config(attention_probs_dropout_prob=DROPOUT_P)
-    att = construct(cls, cfg)
+    att = construct(cls, make_config(attention_probs_dropout_prob=DROPOUT_P))
     randomize(att, 3)
-    g = gen(4)
-    q, k = torch.randn(3, H, T, HD, generator=g), torch.randn(3, H, T, HD, generator=g)
-    v = torch.zeros(3, H, T, HD)
+    for name in ("query", "key", "value"):
+        install_affine(att, name, given[f"{name}.weight"], given[f"{name}.bias"], "CausalSelfAttention", [])
+    q, k = given["train.q"], given["train.k"]
+    v = torch.zeros(q.shape[0], H, T, HD)
     v[..., :T] = torch.eye(T)
     ext = extended_mask(masks()["right"], notes)
     route = "attention()"
@@ -329,11 +380,9 @@ def probe_attention_training(cfg, cls, out, notes, values):
         with torch.no_grad():
             tensor_out(run(), "attention()")
     except (TypeError, AttributeError, Deviation):
-        # Through forward(): x carries a one-hot position in its first T features and `value` is replaced by a
-        # Linear that copies them into every head.
+        # Through forward(): the grader's input carries a one-hot position in its first T features and `value` is
+        # replaced by a Linear that copies them into every head.
         route = "forward()"
-        x = torch.randn(3, T, D, generator=g)
-        x[..., :T] = torch.eye(T)
         lin = nn.Linear(D, D)
         with torch.no_grad():
             lin.weight.zero_()
@@ -341,7 +390,7 @@ def probe_attention_training(cfg, cls, out, notes, values):
             for h in range(H):
                 lin.weight[h * HD + torch.arange(T), torch.arange(T)] = 1.0
         att.value = lin
-        run = lambda: att(x, ext)  # noqa: E731
+        run = lambda: att(given["train.x"], ext)  # noqa: E731
     with torch.no_grad():
         att.eval()
         probs = {"eval": run()}
@@ -353,23 +402,34 @@ def probe_attention_training(cfg, cls, out, notes, values):
         if y.dim() == 3:
             y = heads(y)
         out[f"probs.{mode}"] = y[..., :T].contiguous()  # (B, h, T_query, T_key)
-    values["probs_route"] = route
-    values["dropout_p"] = DROPOUT_P
+    values["probs_route"] = route  # which of the grader's two inputs the probabilities answer
 
 
-def probe_layer(out, notes, values):
-    cfg = make_config()
-    layer = construct(load("modules.gpt2_layer", "GPT2Layer"), cfg)
+class MaskedDropout(nn.Module):
+    """A residual dropout with the grader's mask: the layer's training-mode output is then the grader's to compute."""
+
+    def __init__(self, mask, name):
+        super().__init__()
+        self.mask, self.name = mask, name
+
+    def forward(self, x):
+        if not self.training:
+            return x
+        if x.shape != self.mask.shape:
+            raise Deviation(f"{self.name} was applied to a tensor of shape {tuple(x.shape)}, not to the "
+                            f"{tuple(self.mask.shape)} output of its dense layer")
+        return x * self.mask / (1 - DROPOUT_P)
+
+
+def probe_layer(given, out, notes, values):
+    layer = construct(load("modules.gpt2_layer", "GPT2Layer"), make_config())
     randomize(layer, 11)
+    install_layer(layer, given, notes)
     layer.eval()
-    weights, info = extract_layer(layer)
-    out.update(weights)
-    values.update(info)
+    measure_layer(layer, given, out)
     own = attention_module(layer, with_name=True)
-    with_reference_attention(layer, notes)
-    g = gen(12)
-    x = torch.randn(3, T, D, generator=g)
-    out["x"] = x
+    with_reference_attention(layer, given, notes)
+    x = given["x"]
     try:
         with torch.no_grad():
             layer(x, extended_mask(masks()["nopad"], []))
@@ -382,71 +442,24 @@ def probe_layer(out, notes, values):
     with torch.no_grad():
         for case, m in masks().items():
             out[f"forward.{case}"] = tensor_out(layer(x, extended_mask(m, notes)), "GPT2Layer.forward")
-        a, o = torch.randn(3, T, D, generator=g), torch.randn(3, T, D, generator=g)
-        out["add.input"], out["add.output"] = a, o
         try:
-            y = layer.add(a, o, layer.attention_dense, layer.attention_dropout)
+            y = layer.add(given["add.input"], given["add.output"], layer.attention_dense, layer.attention_dropout)
             out["add"] = tensor_out(y, "GPT2Layer.add")
         except (TypeError, AttributeError) as e:
             notes.append(f"add(input, output, dense_layer, dropout) could not be called ({e}); graded through forward()")
-    values["dropout_placement"] = probe_layer_dropout(x, notes)
 
-
-def probe_layer_dropout(x, notes):
-    """Training mode: is each residual dropout applied to its dense layer's output, as the course places it?
-    Hooks record what attention_dense / out_dense return and what the two dropout modules receive."""
-    layer = construct(load("modules.gpt2_layer", "GPT2Layer"), make_config(hidden_dropout_prob=0.5))
-    randomize(layer, 13)
-    with_reference_attention(layer, [])
-    layer.train()
-    seen, placement, calls = {}, {}, {}
-    pairs = {"attention_dropout": "attention_dense", "out_dropout": "out_dense"}
-    try:
-        for drop, dense in pairs.items():
-            child(layer, dense, "GPT2Layer").register_forward_hook(
-                lambda m, i, o, k=dense: seen.setdefault(k, o.detach().clone()))
-            child(layer, drop, "GPT2Layer").register_forward_hook(record(drop, seen, calls))
-    except Deviation as e:
-        notes.append(f"dropout placement not checked: {e}")
-        return {}
-    with torch.no_grad():
-        layer(x, extended_mask(masks()["nopad"], []))
-    for drop, dense in pairs.items():
-        if drop not in seen:
-            placement[drop] = "not called in training mode"
-        elif calls[drop] != 1:
-            placement[drop] = f"applied {calls[drop]} times in one forward pass (once is the course's placement)"
-        elif dense in seen and seen[drop].shape == seen[dense].shape and torch.equal(seen[drop], seen[dense]):
-            placement[drop] = "ok"
-        else:
-            placement[drop] = f"not applied to the output of {dense}"
-    return placement
-
-
-def record(key, seen, calls):
-    """A forward hook that keeps the first input by value (an in-place `+=` on it comes later) and counts calls;
-    it returns None, so the module's output is left as it is."""
-    def hook(module, inputs, output):
-        seen.setdefault(key, inputs[0].detach().clone())
-        calls[key] = calls.get(key, 0) + 1
-    return hook
-
-
-def model_and_weights(out, values, cfg=None, model=None):
-    if model is None:
-        model = construct(load("models.gpt2", "GPT2Model"), cfg or make_config())
-        randomize(model, 21)
-    model.eval()
-    for name in ("word_embedding", "pos_embedding"):
-        out[f"{name}.weight"] = child(model, name, "GPT2Model").weight.detach().float().clone()
-    layers = child(model, "gpt_layers", "GPT2Model")
-    for i, layer in enumerate(layers):
-        weights, info = extract_layer(layer, f"gpt_layers.{i}.")
-        out.update(weights)
-        values.setdefault("layers", []).append(info)
-    values["eps_final"] = layer_norm(model, "final_layer_norm", "GPT2Model", out)
-    values["n_layer"] = len(layers)
-    return model
+    def training():
+        """Training mode, each residual dropout replaced by the grader's mask."""
+        for drop, mask in (("attention_dropout", "train.mask_attention"), ("out_dropout", "train.mask_out")):
+            try:
+                child(layer, drop, "GPT2Layer")
+            except Deviation as e:
+                raise Deviation(f"skipped: {e}") from None
+            setattr(layer, drop, MaskedDropout(given[mask], drop))
+        layer.train()
+        with torch.no_grad():
+            out["train"] = tensor_out(layer(x, extended_mask(masks()["nopad"], [])), "GPT2Layer.forward (training)")
+    part(values, "training", training)
 
 
 def run_model(model, ids, mask, out, prefix):
@@ -460,43 +473,47 @@ def run_model(model, ids, mask, out, prefix):
     out[f"{prefix}last_token"] = tensor_out(res["last_token"], "forward()['last_token']")
 
 
-def probe_embed(out, notes, values):
-    model = construct(load("models.gpt2", "GPT2Model"), make_config())
-    randomize(model, 31)
-    model.eval()
+def embedding_model(given, seed, **config):
+    model = construct(load("models.gpt2", "GPT2Model"), make_config(**config))
+    randomize(model, seed)
     for name in ("word_embedding", "pos_embedding"):
-        out[f"{name}.weight"] = child(model, name, "GPT2Model").weight.detach().float().clone()
-    ids = torch.randint(0, V, (3, T), generator=gen(32))
-    out["ids"] = ids.float()
+        install_embedding(model, name, given[f"{name}.weight"], "GPT2Model")
+    return model
+
+
+def probe_embed(given, out, notes, values):
+    ids = given["ids"].long()
+    model = embedding_model(given, 31).eval()
     with torch.no_grad():
         out["embed"] = tensor_out(model.embed(ids), "GPT2Model.embed")
     # training mode with dropout 0.5: every entry must be dropped (0) or scaled by 1/(1-p), some dropped
-    model = construct(load("models.gpt2", "GPT2Model"), make_config(hidden_dropout_prob=DROPOUT_P))
-    randomize(model, 31)
-    model.train()
+    model = embedding_model(given, 31, hidden_dropout_prob=DROPOUT_P).train()
     torch.manual_seed(33)
     with torch.no_grad():
-        out["embed.eval"] = tensor_out(model.eval().embed(ids), "GPT2Model.embed")
-        out["embed.train"] = tensor_out(model.train().embed(ids), "GPT2Model.embed (training mode)")
-    values["dropout_p"] = DROPOUT_P
+        out["embed.train"] = tensor_out(model.embed(ids), "GPT2Model.embed (training mode)")
 
 
-def probe_model(out, notes, values):
-    model = model_and_weights(out, values)
-    # The model's own code on reference layers and embed(): their bugs cost their own checks, not this one.
+def probe_model(given, out, notes, values):
+    model = embedding_model(given, 21)
     layers = child(model, "gpt_layers", "GPT2Model")
+    if len(layers) != L:
+        raise Deviation(f"GPT2Model built {len(layers)} layers for num_hidden_layers={L}")
+    for i, layer in enumerate(layers):
+        install_layer(layer, given, notes, f"gpt_layers.{i}.")
+        measure_layer(layer, given, out, f"gpt_layers.{i}.")
+    install_norm(model, "final_layer_norm", given["final_layer_norm.weight"], given["final_layer_norm.bias"],
+                 "GPT2Model")
+    model.eval()
+    measure_norm(model.final_layer_norm, given, out, "ln.final_layer_norm")
+    # The model's own code on reference layers and embed(): their bugs cost their own checks, not this one.
     own = list(layers)
     for i in range(len(layers)):
-        info = values["layers"][i]
-        info["activation"] = info["activation"] if info["activation"] in ("exact", "tanh") else "exact"
-        layers[i] = RefLayer({k[len(f"gpt_layers.{i}."):]: x for k, x in out.items()
-                              if k.startswith(f"gpt_layers.{i}.")}, info)
+        w = {k[len(f"gpt_layers.{i}."):]: x for k, x in given.items() if k.startswith(f"gpt_layers.{i}.")}
+        layers[i] = RefLayer(w, STAND_IN)
     model.embed = ref_embed(model)
     notes.append("graded with reference layers and a reference embed() in place of the submission's "
                  "(the layer and embed checks grade those)")
-    ids = torch.randint(0, V, (3, T), generator=gen(22))
-    mask = masks()["right"]
-    out["ids"], out["mask"] = ids.float(), mask.float()
+    ids, mask = given["ids"].long(), masks()["right"]
 
     def forward():
         try:
@@ -507,25 +524,43 @@ def probe_model(out, notes, values):
             for i, layer in enumerate(own):
                 layers[i] = layer
             del model.embed
+            values["own_components"] = True
             notes.append(f"its forward() calls layers or embed() with another interface ({e}): graded with its own "
                          f"layers and embed(), so their bugs also show here")
             run_model(model, ids, mask, out, "")
     part(values, "forward", forward)
-    h = torch.randn(3, T, D, generator=gen(23))  # the head on its own input: a missing forward() costs it nothing
-    out["head.input"] = h
+    h = given["head.input"]  # the head on the grader's input: a missing forward() costs it nothing
 
     def head():
         with torch.no_grad():
-            logits = tensor_out(model.hidden_state_to_token(h), "hidden_state_to_token")
-            model.word_embedding.weight.add_(1.0)  # a tied head must see this change
-            values["head_follows_word_embedding"] = not torch.equal(
-                tensor_out(model.hidden_state_to_token(h), "hidden_state_to_token"), logits)
-            model.word_embedding.weight.sub_(1.0)
-        out["logits"] = logits
+            out["logits"] = tensor_out(model.hidden_state_to_token(h), "hidden_state_to_token")
+            install_embedding(model, "word_embedding", given["head.word_embedding"], "GPT2Model")
+            out["logits.tied"] = tensor_out(model.hidden_state_to_token(h), "hidden_state_to_token")  # tied: follows
     part(values, "hidden_state_to_token", head)
 
 
-def probe_from_pretrained(out, notes, values):
+def loaded_weights(model, out):
+    """The weights a loader put in place, as effective maps under this project's names (what the grader compares)."""
+    for name in ("word_embedding", "pos_embedding"):
+        out[f"{name}.weight"] = child(model, name, "GPT2Model").weight.detach().float().clone()
+    for i, layer in enumerate(child(model, "gpt_layers", "GPT2Model")):
+        p, att = f"gpt_layers.{i}.", attention_module(layer)
+        for name in ("query", "key", "value"):
+            w, b = affine(child(att, name, "CausalSelfAttention"), D, f"self_attention.{name}")
+            out[f"{p}self_attention.{name}.weight"], out[f"{p}self_attention.{name}.bias"] = w, b
+        for name, d_in in (("attention_dense", D), ("interm_dense", D), ("out_dense", None)):
+            d_in = d_in or out[f"{p}interm_dense.weight"].shape[0]
+            out[f"{p}{name}.weight"], out[f"{p}{name}.bias"] = affine(child(layer, name, "GPT2Layer"), d_in, name)
+        for name in ("attention_layer_norm", "out_layer_norm"):
+            ln = child(layer, name, "GPT2Layer")
+            out[f"{p}{name}.weight"], out[f"{p}{name}.bias"] = (ln.weight.detach().float().clone(),
+                                                                ln.bias.detach().float().clone())
+    ln = child(model, "final_layer_norm", "GPT2Model")
+    out["final_layer_norm.weight"], out["final_layer_norm.bias"] = (ln.weight.detach().float().clone(),
+                                                                    ln.bias.detach().float().clone())
+
+
+def probe_from_pretrained(given, out, notes, values):
     cls = load("models.gpt2", "GPT2Model")
     fp = getattr(cls, "from_pretrained", None)
     if fp is None:
@@ -542,17 +577,13 @@ def probe_from_pretrained(out, notes, values):
         model = fp("gpt2")
     if model is None:
         raise NotImplementedProbe("from_pretrained returned None")
-    model_and_weights(out, values, model=model)
-    ids = torch.randint(0, 1000, (3, T), generator=gen(41))
-    out["ids"], out["mask"] = ids.float(), masks()["right"].float()
+    model.eval()
+    loaded_weights(model, out)
+    ids = given["ids"].long()
     part(values, "outputs", lambda: run_model(model, ids, masks()["right"], out, ""))  # information only
 
 
-def adamw_params(net):
-    return {n: p.detach().clone() for n, p in net.named_parameters()}
-
-
-def probe_adamw(out, notes, values):
+def probe_adamw(given, out, notes, values):
     import numpy as np
 
     AdamW = load("optimizer", "AdamW")
@@ -568,25 +599,24 @@ def probe_adamw(out, notes, values):
         ((y - model(x)) ** 2).sum().backward()
         opt.step()
     out["course.weight"] = model.weight.detach().clone()
-    # 200 steps with two parameter groups (decay on one, its own lr on the other), replayed by the grader
-    # with torch.optim.AdamW. lr * lr * weight_decay stays small, so decay before or after the update (both are
+    # The grader's net and batches, replayed by the grader with torch.optim.AdamW (two parameter groups, decay on one,
+    # its own lr on the other). lr * lr * weight_decay stays small, so decay before or after the update (both are
     # AdamW) differ by about 2e-7 in the end, inside the course's tolerance.
-    net = adamw_net()
+    net = adamw_net(given)
     opt = AdamW(adamw_groups(net), lr=1e-3, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.0)
-    for x, y in adamw_batches():
+    for x, y in zip(given["x"], given["y"]):
         opt.zero_grad()
         ((net(x) - y) ** 2).mean().backward()
         opt.step()
-    for n, p in adamw_params(net).items():
-        out[f"torch.{n}"] = p
+    for n, p in net.named_parameters():
+        out[f"torch.{n}"] = p.detach().clone()
 
 
-def adamw_net():
-    g = gen(51)
+def adamw_net(given):
     net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
     with torch.no_grad():
-        for p in net.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+        for n, p in net.named_parameters():
+            p.copy_(given[f"init.{n}"])
     return net
 
 
@@ -595,17 +625,10 @@ def adamw_groups(net):
             {"params": list(net[2].parameters()), "weight_decay": 0.0, "lr": 3e-3}]
 
 
-def adamw_batches(steps=200):
-    g = gen(52)
-    for _ in range(steps):
-        x = torch.randn(16, 4, generator=g)
-        yield x, torch.stack([x[:, 0] * x[:, 1], x[:, 2] - x[:, 3]], dim=1)
-
-
 IMPORT_ORDER = ("config", "utils", "modules.attention", "modules.gpt2_layer", "models.gpt2", "optimizer")
 
 
-def probe_imports(out, notes, values):
+def probe_imports(given, out, notes, values):
     """Import each graded module once, in dependency order; a failure is recorded and the next one tried. Progress
     goes to stdout, so a hang is located by the last "importing" line the grader reads back."""
     values["imports"] = {}
@@ -623,17 +646,21 @@ def probe_imports(out, notes, values):
     print("grading: imports done", flush=True)
 
 
-PROBES = {"imports": probe_imports, "attention": probe_attention, "layer": probe_layer, "embed": probe_embed, "model": probe_model,
-          "from_pretrained": probe_from_pretrained, "adamw": probe_adamw}
+PROBES = {"imports": probe_imports, "attention": probe_attention, "layer": probe_layer, "embed": probe_embed,
+          "model": probe_model, "from_pretrained": probe_from_pretrained, "adamw": probe_adamw}
 
 
-def main(name, resultdir, args):
-    """Run one probe; always write info.json. Returns the process exit code."""
+def main(name, resultdir, args, given_path=None):
+    """Run one probe on the grader's tensors (read before any of the submission's code runs); always write
+    info.json. Returns the process exit code."""
+    import safetensors.torch
+
     out, notes, values = {}, [], {}
     info = {"status": "ok", "message": "", "notes": notes, "values": values}
+    given = safetensors.torch.load_file(given_path) if given_path else {}
     torch.manual_seed(0)
     try:
-        PROBES[name](out, notes, values)
+        PROBES[name](given, out, notes, values)
     except NotImplementedProbe as e:
         info.update(status="not_implemented", message=str(e))
     except NotImplementedError as e:
@@ -654,8 +681,6 @@ def main(name, resultdir, args):
         if "memory" in str(e).lower() or "alloc" in str(e).lower():
             info["message"] += " (the sandbox's memory limit)"
     if info["status"] == "ok":
-        import safetensors.torch
-
         safetensors.torch.save_file({k: v.contiguous() for k, v in out.items()},
                                     os.path.join(resultdir, "tensors.safetensors"))
     with open(os.path.join(resultdir, "info.json"), "w") as f:

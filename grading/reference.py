@@ -1,8 +1,8 @@
 """The grader's side of each comparison: the reference outputs, and reference variants that each carry one bug.
 
 References are this project's modules (CausalSelfAttention, GPT2Layer), transformers' GPT2Model and
-torch.optim.AdamW, built with the weights the probe read out of the submission and with the submission's given
-choices (LayerNorm eps, exact or tanh GELU). The variants are a small functional GPT-2 with switches, one typical
+torch.optim.AdamW, built with the grader's own weights (grading/questions.py) and with the submission's choices as
+measured from its outputs (LayerNorm eps, exact or tanh GELU). The variants are a small functional GPT-2 with switches, one typical
 bug each; `functional(no bugs)` is held equal to the references at run time, so a variant differs from the
 reference only by its bug.
 """
@@ -106,14 +106,12 @@ def model_forward(model, ids, mask2d):
 
 # ---- the functional twin with switches, for diagnosis -------------------------------------------------------------
 
-def f_attention(x, w, mask2d, n_head, bugs=()):
-    B, T, C = x.shape
-    hd = C // n_head
-    q, k, v = (F.linear(x, w[f"{n}.weight"], w[f"{n}.bias"]).view(B, T, n_head, hd).transpose(1, 2)
-               for n in ("query", "key", "value"))  # (B, h, T, hd)
+def f_probs(q, k, mask2d, bugs=()):
+    """Attention probabilities (B, h, T, T) from q, k (B, h, T, hd), with the score and softmax bugs."""
+    T = q.shape[2]
     scores = q @ k.transpose(-1, -2)
     if "no_scale" not in bugs:
-        scores = scores / math.sqrt(hd)
+        scores = scores / math.sqrt(q.shape[-1])
     if "no_causal" not in bugs:
         scores = scores.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
     real = mask2d.float()[:, None, None, :]
@@ -121,13 +119,23 @@ def f_attention(x, w, mask2d, n_head, bugs=()):
         scores = scores + real * -10000.0
     elif "pad_ignored" not in bugs:
         scores = scores + (1.0 - real) * -10000.0
-    probs = F.softmax(scores, dim=-2 if "softmax_axis" in bugs else -1)
-    out = probs @ v  # (B, h, T, hd)
+    return F.softmax(scores, dim=-2 if "softmax_axis" in bugs else -1)
+
+
+def f_attention(x, w, mask2d, n_head, bugs=()):
+    B, T, C = x.shape
+    hd = C // n_head
+    q, k, v = (F.linear(x, w[f"{n}.weight"], w[f"{n}.bias"]).view(B, T, n_head, hd).transpose(1, 2)
+               for n in ("query", "key", "value"))  # (B, h, T, hd)
+    out = f_probs(q, k, mask2d, bugs) @ v  # (B, h, T, hd)
     return out.reshape(B, T, C) if "merge_no_transpose" in bugs else out.transpose(1, 2).reshape(B, T, C)
 
 
-def f_layer(x, w, mask2d, n_head, activation, eps_attn, eps_mlp, bugs=()):
+def f_layer(x, w, mask2d, n_head, activation, eps_attn, eps_mlp, bugs=(), drop=None):
+    """drop: (mask after attention_dense, mask after out_dense, p), the residual dropouts of training mode."""
     C = x.shape[-1]
+    d1, d2 = (lambda t: t * drop[0] / (1 - drop[2]), lambda t: t * drop[1] / (1 - drop[2])) if drop else \
+        (lambda t: t, lambda t: t)
     ln1 = lambda t: F.layer_norm(t, (C,), w["attention_layer_norm.weight"], w["attention_layer_norm.bias"], eps_attn)  # noqa: E731
     ln2 = lambda t: F.layer_norm(t, (C,), w["out_layer_norm.weight"], w["out_layer_norm.bias"], eps_mlp)  # noqa: E731
     attn = lambda t: F.linear(f_attention(t, sub(w, "self_attention."), mask2d, n_head, bugs),  # noqa: E731
@@ -136,12 +144,12 @@ def f_layer(x, w, mask2d, n_head, activation, eps_attn, eps_mlp, bugs=()):
     mlp = lambda t: F.linear(act(F.linear(t, w["interm_dense.weight"], w["interm_dense.bias"])),  # noqa: E731
                              w["out_dense.weight"], w["out_dense.bias"])
     if "post_ln" in bugs:
-        h = ln1(x + attn(x))
-        return ln2(h + mlp(h))
+        h = ln1(x + d1(attn(x)))
+        return ln2(h + d2(mlp(h)))
     a_in = x if "no_ln_attn" in bugs else ln1(x)
-    h = (a_in if "residual_normed" in bugs else x) + attn(a_in)
+    h = (a_in if "residual_normed" in bugs else x) + d1(attn(a_in))
     m_in = h if "no_ln_mlp" in bugs else ln2(h)
-    return (m_in if "residual_normed" in bugs else h) + mlp(m_in)
+    return (m_in if "residual_normed" in bugs else h) + d2(mlp(m_in))
 
 
 def f_model(ids, mask2d, w, n_head, layers_info, eps_final, activation, bugs=()):

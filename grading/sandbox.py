@@ -11,29 +11,36 @@ of the warm zygote (grading/zygote.py) then drops into it through grading/isolat
 private size-capped tmpfs on /tmp, /var/tmp, /dev/shm, /run/lock, a disk quota on its folders, its own /proc, a
 seccomp filter (no AF_UNIX sockets), rlimits, and, when the grader runs as root, a uid of its own (without root, a
 user namespace where the kernel allows one). Each layer that the kernel or container refuses is reported in the
-run's `sandbox` dict instead. Output goes to a file capped by RLIMIT_FSIZE and is read back truncated. Results come
-back as safetensors + JSON, never pickles. See docs/grading.md for what is isolated where.
+run's `sandbox` dict instead (sent by the child before the submission's code runs, on a pipe closed before it starts).
+Output goes to a file capped by RLIMIT_FSIZE and is read back truncated. The grader's inputs go in as a read-only
+safetensors file; results come back as safetensors + JSON, never pickles, read with a byte cap and a header checked
+before any tensor is made, so a corrupt or oversized result costs its check only. See docs/grading.md.
 """
 from __future__ import annotations
 
 import json
+import math
 import os
 import select
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import safetensors.torch
 import torch
 
 ZYGOTE = Path(__file__).with_name("zygote.py")
 OUTPUT_KEEP = 3000  # characters of captured output kept from each end
 SKIP_NAMES = shutil.ignore_patterns(".git", "__pycache__", "*.pyc", ".ipynb_checkpoints")
 RESULT_BYTES = 12 * 2**20  # largest tensors file read back (from_pretrained's, with GPT-2's vocabulary, is ~7 MiB)
-RESULT_ELEMENTS = 4 * 2**20  # float32 elements after conversion: the grader's memory stays bounded
+RESULT_TENSORS = 256  # most tensors a result may hold (from_pretrained's has 4 + 16 per layer)
+RESULT_HEADER_BYTES = 64 * 2**10  # largest safetensors header parsed (from_pretrained's is about 4 KiB)
+INFO_BYTES = 256 * 2**10  # largest info.json read back (JSON parses into a few times its size in objects)
 LARGE_FILE = 20 * 2**20  # checkpoints and data a submission carries: no check reads them, and copying is per check
 
 
@@ -56,6 +63,7 @@ class Run:
     sandbox: dict = field(default_factory=dict)
     wall: float = 0.0
     findings: list = field(default_factory=list)  # side effects outside the check's folder
+    given: dict = field(default_factory=dict)  # the grader's inputs and weights for this check (never read back)
 
 
 def _copy_submission(src: Path, dst: Path) -> list[str]:
@@ -163,7 +171,8 @@ class Sandbox:
 
     # ---- one check ---------------------------------------------------------------------------------------------
     def run(self, probe: str, submission: str | os.PathLike, hf_home: str | os.PathLike | None = None,
-            timeout: float | None = None) -> Run:
+            timeout: float | None = None, given: dict | None = None) -> Run:
+        """Run one probe; `given` (name -> tensor) is handed to it read-only and kept on the Run for the comparison."""
         if self._proc is None or self._proc.poll() is not None:
             self._start()
         submission = Path(submission)
@@ -190,12 +199,16 @@ class Sandbox:
                 for folder in (work, result, home):
                     _chown_tree(folder, self.uid)
             _close_folders(tmp, (work, home), self.uid)
-            req = {"probe": probe, "workdir": str(work), "outdir": str(tmp), "resultdir": str(result), "env": env,
+            given_path = tmp / "given.safetensors"  # ours, in the folder only the check's group may pass: read-only
+            safetensors.torch.save_file(dict(given or {}), str(given_path))
+            os.chmod(given_path, 0o644)
+            req = {"given": str(given_path), "probe": probe, "workdir": str(work), "outdir": str(tmp), "resultdir": str(result), "env": env,
                    "timeout": timeout, "cpu_s": int(timeout) + 5, "mem_mb": self.limits.mem_mb,
                    "max_file_mb": self.limits.max_file_mb, "max_procs": self.limits.max_procs, "uid": self.uid,
                    "isolate_network": self.isolate_network, "disk_mb": self.limits.disk_mb,
                    "writable": [str(work), str(home)]}
             run = self._ask(req, timeout)
+            run.given = dict(given or {})
             if left_out:
                 run.findings.append(f"files over {LARGE_FILE >> 20} MiB not copied into the sandbox: {', '.join(left_out[:5])}")
             run.output, size = _read_output(tmp / "output.txt")
@@ -223,6 +236,7 @@ class Sandbox:
             return run
         reply = json.loads(line)
         run.wall = reply["wall"]
+        run.sandbox = reply.get("sandbox") or {}
         if reply.get("strays"):
             run.findings.append(f"wrote outside its folder (removed after the check): {', '.join(reply['strays'][:5])}")
         if reply.get("pids_limit_hits"):
@@ -242,41 +256,98 @@ class Sandbox:
         return run
 
     def _collect(self, run: Run, result: Path) -> None:
-        info_path, tensors_path = result / "info.json", result / "tensors.safetensors"
-        sandbox_path = result / "sandbox.json"
-        if sandbox_path.is_file() and sandbox_path.stat().st_size < 10_000:
-            try:
-                run.sandbox = json.loads(sandbox_path.read_text())
-            except ValueError:
-                pass
-        if not info_path.is_file():
-            run.problem = run.problem or "the check's process ended without writing a result (os._exit or killed)"
-            return
-        if info_path.stat().st_size > 1_000_000:
-            run.problem = "the check's result file is oversized"
-            return
-        try:
-            run.info = json.loads(info_path.read_text())
-        except ValueError as e:
-            run.problem = f"the check's result file is unreadable: {e}"
+        """The probe's info.json and tensors, each read with a byte cap and checked before use; a problem with
+        either costs this check only (run.problem), never the grade."""
+        info, why = read_info(result / "info.json")
+        if info is None:
+            run.problem = run.problem or why
             return
         if run.problem:  # e.g. a process that wrote its result and then hung: the result is not trusted
-            run.info = {}
             return
-        if tensors_path.is_file():
-            import safetensors.torch
+        tensors_path = result / "tensors.safetensors"
+        if tensors_path.is_file() or tensors_path.is_symlink():
+            tensors, why = read_tensors(tensors_path)
+            if tensors is None:
+                run.problem = why
+                return
+            run.tensors = tensors
+        run.info = info
 
-            # A corrupt or oversized result costs this check only: size capped before reading, errors caught.
-            size = tensors_path.stat().st_size
-            if size > RESULT_BYTES:
-                run.problem, run.info = f"the check's result is oversized ({size >> 20} MiB > {RESULT_BYTES >> 20} MiB)", {}
-                return
-            try:
-                tensors = safetensors.torch.load_file(str(tensors_path))
-            except Exception as e:  # noqa: BLE001  (safetensors raises its own error types on a bad header)
-                run.problem, run.info = f"the check's result tensors are unreadable ({type(e).__name__}: {e})"[:500], {}
-                return
-            if sum(v.numel() for v in tensors.values()) > RESULT_ELEMENTS:
-                run.problem, run.info = "the check's result holds more numbers than any probe returns", {}
-                return
-            run.tensors = {k: v.to(torch.float32) for k, v in tensors.items()}
+
+def _read_capped(path: Path, cap: int) -> bytes | None:
+    """At most cap + 1 bytes of a regular file (never following a link); None if it is not one."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            return f.read(cap + 1)
+    finally:
+        os.close(fd)
+
+
+def read_info(path: Path) -> tuple[dict | None, str]:
+    """(info, "") or (None, why): a JSON object with a status, message, notes and values of the expected types."""
+    if not path.exists() and not path.is_symlink():
+        return None, "the check's process ended without writing a result (os._exit or killed)"
+    data = _read_capped(path, INFO_BYTES)
+    if data is None:
+        return None, "the check's result file is not a regular file"
+    if len(data) > INFO_BYTES:
+        return None, "the check's result file is oversized"
+    try:
+        info = json.loads(data)
+    except (ValueError, RecursionError) as e:  # deep nesting raises RecursionError, not ValueError
+        return None, f"the check's result file is unreadable: {type(e).__name__}: {str(e)[:200]}"
+    if not isinstance(info, dict) or not isinstance(info.get("values", {}), dict):
+        return None, "the check's result file is unreadable: not a JSON object with a 'values' object"
+    notes = info.get("notes") if isinstance(info.get("notes"), list) else []
+    clean = {"status": str(info.get("status", "")), "message": str(info.get("message", ""))[:4000],
+             "notes": [str(n)[:2000] for n in notes[:50]], "values": info.get("values", {})}
+    if isinstance(info.get("device"), str):
+        clean["device"] = info["device"][:500]
+    return clean, ""
+
+
+def read_tensors(path: Path) -> tuple[dict | None, str]:
+    """(name -> float32 tensor, "") or (None, why). The header is checked before any tensor is made: F32 only, at
+    most RESULT_TENSORS entries, each tensor's bytes inside the file, so memory stays a small multiple of the file."""
+    data = _read_capped(path, RESULT_BYTES)
+    if data is None:
+        return None, "the check's result tensors are unreadable (not a regular file)"
+    if len(data) > RESULT_BYTES:
+        return None, f"the check's result is oversized (over {RESULT_BYTES >> 20} MiB)"
+    bad = "the check's result tensors are unreadable"
+    if len(data) < 8:
+        return None, f"{bad} (truncated)"
+    n = int.from_bytes(data[:8], "little")
+    if n > len(data) - 8:
+        return None, f"{bad} (a header of {n} bytes in a file of {len(data)})"
+    if n > RESULT_HEADER_BYTES:
+        return None, f"the check's result is oversized (a header of {n} bytes; no probe's exceeds {RESULT_HEADER_BYTES})"
+    try:
+        header = json.loads(data[8:8 + n])
+    except (ValueError, RecursionError) as e:
+        return None, f"{bad} (header: {type(e).__name__})"
+    if not isinstance(header, dict):
+        return None, f"{bad} (header is not an object)"
+    header.pop("__metadata__", None)
+    if len(header) > RESULT_TENSORS:
+        return None, f"the check's result is oversized ({len(header)} tensors; no probe returns more than {RESULT_TENSORS})"
+    body, tensors = memoryview(data)[8 + n:], {}
+    for name, entry in header.items():
+        try:
+            shape, (start, end) = [int(d) for d in entry["shape"]], entry["data_offsets"]
+            ok = entry["dtype"] == "F32" and len(shape) <= 4 and min(shape, default=0) >= 0 and \
+                isinstance(start, int) and isinstance(end, int) and 0 <= start <= end <= len(body) and \
+                end - start == 4 * math.prod(shape)
+        except (KeyError, TypeError, ValueError):
+            ok = False
+        if not ok:
+            return None, f"{bad} (tensor {str(name)[:80]!r}: not a float32 tensor inside the file)"[:500]
+        tensors[name] = torch.frombuffer(bytearray(body[start:end]), dtype=torch.float32).reshape(shape) if end > start \
+            else torch.zeros(shape)
+    return tensors, ""

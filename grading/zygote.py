@@ -12,6 +12,7 @@ import importlib.util
 import itertools
 import json
 import os
+import select
 import signal
 import sys
 import time
@@ -39,8 +40,10 @@ SUBMISSION_NAMES = ("config", "models", "modules", "optimizer", "utils")
 COUNTER = itertools.count()
 
 
-def child(req: dict) -> None:
-    """Runs in the forked child; never returns."""
+def child(req: dict, report_fd: int, ack_fd: int) -> None:
+    """Runs in the forked child; never returns. What isolation held goes to the zygote on `report_fd`, and the child
+    waits on `ack_fd` until the zygote has read it: the report's `sandbox` field is read before any of the
+    submission's code runs, on pipes closed before it starts, so it is not the submission's to write."""
     code = 70
     try:
         os.setsid()  # own process group: the zygote kills the whole group on timeout
@@ -49,10 +52,14 @@ def child(req: dict) -> None:
         os.dup2(null, 0)
         os.dup2(out, 1)
         os.dup2(out, 2)
-        os.closerange(3, 65536)  # the zygote's pipes and anything else inherited
+        os.dup2(report_fd, 3)
+        os.dup2(ack_fd, 4)
+        os.closerange(5, 65536)  # the zygote's pipes and anything else inherited
         info = isolation.enter(req, req.get("cgroup_dirs"))  # namespaces, mounts, cgroup, limits, uid, seccomp
-        with open(os.path.join(req["resultdir"], "sandbox.json"), "w") as f:
-            json.dump(info, f)
+        os.write(3, (json.dumps(info) + "\n").encode())
+        os.close(3)
+        os.read(4, 1)  # the zygote has the report
+        os.close(4)
         os.chdir(req["workdir"])
         os.environ.clear()
         os.environ.update(req["env"])
@@ -61,7 +68,7 @@ def child(req: dict) -> None:
                 del sys.modules[name]
         sys.path.insert(0, req["workdir"])
         torch.set_num_threads(1)
-        code = probes.main(req["probe"], req["resultdir"], req.get("args", {}))
+        code = probes.main(req["probe"], req["resultdir"], req.get("args", {}), req.get("given"))
     except BaseException as e:  # noqa: BLE001  (the child must always reach os._exit)
         try:
             print(f"sandbox setup failed: {type(e).__name__}: {e}", file=sys.stderr)
@@ -146,9 +153,15 @@ def run(req: dict) -> dict:
     name = f"grading-check-{os.getpid()}-{next(COUNTER)}"
     cgroup, why = isolation.Cgroup.create(name, req["mem_mb"] * 2**20, req["max_procs"])
     req["cgroup_dirs"], req["cgroup_status"] = (cgroup.dirs, cgroup.status) if cgroup else (None, why)
+    (report_r, report_w), (ack_r, ack_w) = os.pipe(), os.pipe()
     pid = os.fork()
     if pid == 0:
-        child(req)
+        os.close(report_r)
+        os.close(ack_w)
+        child(req, report_w, ack_r)
+    os.close(report_w)
+    os.close(ack_r)
+    report = IsolationReport(report_r, ack_w)
     deadline = start + req["timeout"]
     timed_out, status, usage = False, None, None
     while True:
@@ -163,7 +176,11 @@ def run(req: dict) -> dict:
                 pass
             _, status, usage = os.wait4(pid, 0)
             break
-        time.sleep(0.01)
+        if report.pending():
+            report.poll(0.01)
+        else:
+            time.sleep(0.01)
+    report.close()
     wall = time.monotonic() - start
     try:
         os.killpg(pid, signal.SIGKILL)  # leftovers in the child's group
@@ -176,12 +193,58 @@ def run(req: dict) -> dict:
         strays = remove_strays(req["uid"]) + remove_ipc(req["uid"])
     reap()
     reply = {"wall": wall, "timed_out": timed_out, "max_rss_mb": usage.ru_maxrss / 1024 if usage else None,
-             "strays": strays, **limits_hit}
+             "strays": strays, "sandbox": report.info, **limits_hit}
     if os.WIFSIGNALED(status):
         reply["signal"] = signal.Signals(os.WTERMSIG(status)).name
     else:
         reply["exit"] = os.WEXITSTATUS(status)
     return reply
+
+
+class IsolationReport:
+    """The child's one line on what isolation held, read while the child waits, then acknowledged."""
+
+    def __init__(self, fd: int, ack_fd: int):
+        self.fd, self.ack_fd, self.data, self.info = fd, ack_fd, b"", None
+        os.set_blocking(fd, False)
+
+    def pending(self) -> bool:
+        return self.info is None
+
+    def poll(self, timeout: float) -> None:
+        if not select.select([self.fd], [], [], timeout)[0]:
+            return
+        try:
+            chunk = os.read(self.fd, 65536)
+        except BlockingIOError:
+            return
+        self.data += chunk
+        if b"\n" in self.data or not chunk or len(self.data) > 65536:  # a line, or the child died before one
+            try:
+                info = json.loads(self.data.split(b"\n", 1)[0]) if b"\n" in self.data else None
+            except ValueError:
+                info = None
+            self.info = info if isinstance(info, dict) else \
+                {"isolation": "not reported: the check's process died while entering the sandbox"}
+            self.close()
+
+    def close(self) -> None:
+        if self.fd >= 0 and self.info is None:
+            self.poll(0)  # a line written just before the child was stopped
+        if self.fd >= 0:
+            if self.info is not None:  # the child waits for this; SIGPIPE ignored in case it has just died
+                old = signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+                try:
+                    os.write(self.ack_fd, b"1")
+                except OSError:
+                    pass
+                finally:
+                    signal.signal(signal.SIGPIPE, old)
+            os.close(self.fd)
+            os.close(self.ack_fd)
+            self.fd = -1
+        if self.info is None:
+            self.info = {"isolation": "not reported: the check's process died while entering the sandbox"}
 
 
 def reap() -> None:

@@ -599,9 +599,8 @@ def probe_adamw(given, out, notes, values):
         ((y - model(x)) ** 2).sum().backward()
         opt.step()
     out["course.weight"] = model.weight.detach().clone()
-    # The grader's net and batches, replayed by the grader with torch.optim.AdamW (two parameter groups, decay on one,
-    # its own lr on the other). lr * lr * weight_decay stays small, so decay before or after the update (both are
-    # AdamW) differ by about 2e-7 in the end, inside the course's tolerance.
+    # The grader's net and batches, replayed by the grader with torch.optim.AdamW (two parameter groups, each with
+    # its own lr, decay on one; see adamw_groups).
     net = adamw_net(given)
     opt = AdamW(adamw_groups(net), lr=1e-3, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.0)
     for x, y in zip(given["x"], given["y"]):
@@ -621,7 +620,11 @@ def adamw_net(given):
 
 
 def adamw_groups(net):
-    return [{"params": list(net[0].parameters()), "weight_decay": 0.001},
+    # Decay with a small lr on the first group: a decay scaled by the bias-corrected step (a real submission's bug)
+    # moves the weights by about 0.06 * wd * |p| over 200 steps, 60x the tolerance, while decaying before or after
+    # the update (both AdamW) differs by at most steps * lr^2 * wd = 2e-7. With lr 1e-3, wd 1e-3 that bug passed
+    # on about 1 question in 7 (simulated over 150 secret seeds; 0 of 150 here, and no false alarm on either order).
+    return [{"params": list(net[0].parameters()), "weight_decay": 0.1, "lr": 1e-4},
             {"params": list(net[2].parameters()), "weight_decay": 0.0, "lr": 3e-3}]
 
 

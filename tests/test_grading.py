@@ -124,6 +124,17 @@ def test_adamw_mutation(grader, tmp_path, bug):
     assert check.diagnosis_key == bug, check.diagnosis
 
 
+def test_adamw_decay_by_the_bias_corrected_step_loses_the_torch_part_on_every_question(grader, tmp_path):
+    """A real submission's bug (alpine100/cs224n_gpt2): weight decay scaled by the bias-corrected step size instead
+    of lr. Each grade draws a new secret question; the bug must be caught on every one (it once slipped through on
+    about 1 question in 7)."""
+    bug = [("p.data.add_(p.data, alpha=-group[\"lr\"] * group[\"weight_decay\"])",
+            "p.data.add_(p.data, alpha=-step_size * group[\"weight_decay\"])")]
+    for attempt in range(3):
+        (check,) = grade(grader, tmp_path / str(attempt), ("adamw",), optimizer=bug).checks
+        assert check.parts[1].points < check.parts[1].max, vars(check.parts[1])  # "close" at most: half the points
+
+
 def test_adamw_paper_form_gets_full_marks(grader, tmp_path):
     """eps after the bias correction and decay before the update (torch's order): same marks as the handout's."""
     paper = [("step_size = group[\"lr\"]\n                if group[\"correct_bias\"]:\n"

@@ -56,8 +56,8 @@ def _beyond_nucleus(sorted_logits: torch.Tensor, p: float) -> torch.Tensor:
 
 
 def _top_p_by_threshold(logits: torch.Tensor, p: float) -> torch.Tensor:
-    """top_p_filter on the CPU from the sorted values alone (numpy's SIMD sort, no indices: 0.3 ms for gpt2's 50257
-    logits against torch.sort's 4.7 ms). The values are those torch.sort gives, so the same positions are cut; the
+    """top_p_filter on the CPU from the sorted values alone (numpy's SIMD sort of values, no indices, is several
+    times faster than torch.sort). The values are those torch.sort gives, so the same positions are cut; the
     kept tokens are then those at or above the smallest kept logit. Where that is not exact (equal logits on both
     sides of the cut, whose order torch.sort decides, or a cut that is not one run because of rounding), it falls
     back to torch.sort."""
@@ -153,11 +153,9 @@ def mark_seen(seen: torch.Tensor, next_ids: torch.Tensor) -> None:
     seen[torch.arange(len(next_ids), device=next_ids.device), next_ids] = True
 
 
-# The decode step's LM head reads the whole (V, C) embedding for a few rows of hidden states: a GEMV whose speed
-# on CPUs depends on the kernel (measured on a 2-core Zen 3, gpt2's 50257 x 768, cold caches, GB/s of weights read):
-# one row: F.linear 14-15, h @ W.T from a transposed copy 22-25 (plus 2.2 ms per token of 64 to build the copy),
-# blocked_linear 24-25 with no copy; eight rows: F.linear 5.3, (W @ h.T).T 10.8-11.0, blocked_linear 7.7-8.4.
-# Same products, other kernels (outputs agree to fp32 rounding).
+# The decode step's LM head reads the whole (V, C) embedding for a few rows: bound by how fast the weights stream,
+# so each batch size takes the kernel that streamed fastest on CPUs (docs/performance.md, "Figures behind the code");
+# same products, other kernels: the outputs agree to fp32 rounding.
 
 
 def decode_lm_head(body, batch_size: int, quantize: str | None = None):

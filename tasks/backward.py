@@ -32,7 +32,7 @@ def _rows(batch: dict) -> int:
 class Backward:
     """Forward and backward of one micro-batch, optionally cut row-wise across `workers` threads that use one core
     each. Torch's intra-op threads synchronise at every operation, which on a small model costs more than the work
-    they share (tiny shakespeare's 4x128 model: 48 vs 85 ms per step); slices of a batch need no synchronisation
+    they share (docs/performance.md, "Figures behind the code"); slices of a batch need no synchronisation
     until their gradients are added, in a fixed order so that runs repeat. Each slice's loss is weighted by its
     share of the rows (exact for losses that average over equally sized rows; with dropout the slices would race
     for the random generator, so the caller splits only without it)."""

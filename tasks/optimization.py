@@ -17,7 +17,7 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig, groups: list | None = No
         return AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
     if cfg.optimizer == "muon":
         groups = groups or muon_param_groups(model, cfg.weight_decay, decay_embeddings=cfg.decay_embeddings)
-        # torch.optim.Muon's Newton-Schulz runs in bf16, which is 20x slower than fp32 on CPUs without bf16 units
+        # torch.optim.Muon's Newton-Schulz runs in bf16, far slower than fp32 on CPUs without bf16 units
         ns_dtype = torch.bfloat16 if bf16_matmul_is_fast(cfg.device) else torch.float32
         optimizer = MuonWithAdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, muon_lr=cfg.muon_lr,
                                   ns_dtype=ns_dtype)

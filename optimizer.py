@@ -212,12 +212,11 @@ def _adamw_loop(params, grads, exp_avgs, exp_avg_sqs, steps, *, lr, beta1, beta2
 
 
 # Bytes per tensor in a block of the multi-tensor update on CPU. Updating all tensors at once, as torch's foreach
-# AdamW does, creates the temporary `denom` for the whole model (500 MB for GPT-2 small); the allocator returns such
-# large buffers to the OS, so every step takes fresh zeroed pages again (120k page faults, 0.38 s of system time per
-# step against 0.46 s of arithmetic, measured with one thread). Blocks of at most 16 MiB per tensor keep temporaries
-# small enough for the allocator to recycle (glibc keeps up to 32 MiB in its heap), yet large enough that each op
-# is still a few big multi-threaded kernels. Blocks are views and the arithmetic is elementwise: the numbers do not
-# change.
+# AdamW does, creates the temporary `denom` for the whole model; the allocator returns such large buffers to the OS,
+# so every step takes fresh zeroed pages again, a cost close to the arithmetic's (docs/performance.md, "Figures behind
+# the code"). Blocks of at most 16 MiB per tensor keep temporaries small enough for the allocator to recycle (glibc
+# keeps up to 32 MiB in its heap), yet large enough that each op is still a few big multi-threaded kernels. Blocks
+# are views and the arithmetic is elementwise: the numbers do not change.
 BLOCK_BYTES = 16 << 20
 
 
@@ -323,7 +322,7 @@ def orthogonalize(update: Tensor, ns_coefficients: tuple[float, float, float] = 
     coefficients are tuned for speed, not convergence: five steps push every s of a well-conditioned matrix into
     about [0.7, 1.15] (bf16 rounding widens that a little) rather than to 1, which trains as well as the exact
     U V^T (Jordan's post). Returns a matrix of `dtype`, the dtype the iteration runs in: bf16 in torch.optim.Muon,
-    fast on GPUs but 20x slower than fp32 on CPUs without bf16 units.
+    fast on GPUs but far slower than fp32 on CPUs without bf16 units.
     """
     a, b, c = ns_coefficients
     x = update.to(dtype)
@@ -389,7 +388,7 @@ class Muon(_GroupwiseOptimizer):
         ns_steps: Newton-Schulz iterations, in [0, 100).
         adjust_lr_fn: None or "original" (Jordan's), or "match_rms_adamw" (Moonshot's); see ``adjusted_lr``.
         ns_dtype: (ours, keyword only) the dtype the iteration runs in; torch's is bf16. Use float32 on CPUs without
-            bf16 matrix units, where bf16 matmuls are about 20x slower (more precise, not bit-equal to torch).
+            bf16 matrix units, where bf16 matmuls are far slower (more precise, not bit-equal to torch).
     """
 
     def __init__(

@@ -26,8 +26,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from models.generation import apply_repetition_penalty, check_request, decode_lm_head
-from modules.masks import position_ids_from_mask
+from models.generation import apply_repetition_penalty, check_request, decode_lm_head, mark_seen, prefill
 
 EARLY_STOPPING = (False, True, "never")
 
@@ -55,42 +54,30 @@ def beam_search(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | N
     body, N, V = model.gpt, num_beams, model.config.vocab_size
     device = input_ids.device
     B, T = input_ids.shape
-    if attention_mask is None:
-        attention_mask = torch.ones_like(input_ids)
-    pad = pad_token_id if pad_token_id is not None else (eos_token_id if eos_token_id is not None else 0)
     K = min(2 * N, N * V)  # candidates kept per prompt and step
     top_n = torch.arange(K, device=device) < N  # only the step's N best candidates may finish
     prompt = torch.arange(B, device=device)[:, None]  # (B, 1) for indexing (B, K) tables
     rows = torch.arange(B, device=device).repeat_interleave(N)  # beam row -> its prompt
 
-    # Prompt + new tokens: the mask (new tokens are always real) and positions, per prompt and per beam row.
-    mask = torch.cat([attention_mask.long(), attention_mask.new_ones(B, max_new_tokens).long()], dim=1)
-    positions = position_ids_from_mask(mask)
-    beam_positions = positions[rows]  # (B*N, T + new)
-    key_mask = None if bool(attention_mask.bool().all()) else mask.bool()[rows][:, None, None, :]  # (B*N, 1, 1, S)
-
-    seqs = torch.full((B, N, T + max_new_tokens), pad, dtype=torch.long, device=device)
-    seqs[:, :, :T] = input_ids[:, None]
-    scores = torch.zeros(B, N, device=device)
-    scores[:, 1:] = float("-inf")  # all beams start as the same prompt: only the first is live, or beams would repeat
-    fin_seqs, fin_scores = seqs.clone(), torch.full((B, N), float("-inf"), device=device)  # sorted, best first
-    fin_len = torch.zeros(B, N, dtype=torch.long, device=device)
-    done = torch.zeros(B, dtype=torch.bool, device=device)
-    seen = None
-    if repetition_penalty != 1.0:
-        seen = torch.zeros(B, V, dtype=torch.bool, device=device)
-        seen.scatter_(1, input_ids.masked_fill(attention_mask == 0, 0), attention_mask.bool())
-        seen = seen[rows]
-
     was_training = model.training
     model.eval()
     try:
-        # The prompt runs once per prompt; its cache rows are then copied to each beam.
-        cache = body.new_cache(B, T + max_new_tokens)
-        hidden = body(input_ids, mask[:, :T], positions[:, :T], cache, use_cache=True)["last_hidden_state"][:, -1]
+        # The prompt runs once per prompt; its cache rows, positions, masks and seen tokens are then copied per beam.
+        hidden, cache, positions, key_mask, seen, pad = prefill(model, input_ids, attention_mask, max_new_tokens,
+                                                                repetition_penalty, eos_token_id, pad_token_id)
         cache.reorder(rows)
-        hidden = hidden[rows]  # (B*N, C)
+        hidden, beam_positions = hidden[rows], positions[rows]  # (B*N, C), (B*N, T + new)
+        key_mask = key_mask[rows] if key_mask is not None else None  # (B*N, 1, 1, T + new)
+        seen = seen[rows] if seen is not None else None
         lm_head = decode_lm_head(body, hidden.shape[0])
+
+        seqs = torch.full((B, N, T + max_new_tokens), pad, dtype=torch.long, device=device)
+        seqs[:, :, :T] = input_ids[:, None]
+        scores = torch.zeros(B, N, device=device)
+        scores[:, 1:] = float("-inf")  # all beams start as the same prompt: only the first is live, or beams would repeat
+        fin_seqs, fin_scores = seqs.clone(), torch.full((B, N), float("-inf"), device=device)  # sorted, best first
+        fin_len = torch.zeros(B, N, dtype=torch.long, device=device)
+        done = torch.zeros(B, dtype=torch.bool, device=device)
         for step in range(max_new_tokens):
             new_len, last = step + 1, step == max_new_tokens - 1
             logp = F.log_softmax(lm_head(hidden).float(), dim=-1)  # (B*N, V)
@@ -131,7 +118,7 @@ def beam_search(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | N
             cache.reorder(source)
             if seen is not None:
                 seen = seen[source]
-                seen[torch.arange(B * N, device=device), next_ids] = True
+                mark_seen(seen, next_ids)
             pos = T + step
             step_mask = key_mask[..., : pos + 1] if key_mask is not None else None
             hidden = body.decode_step(next_ids[:, None], beam_positions[:, pos: pos + 1], step_mask, cache)

@@ -5,11 +5,13 @@ Logit processing follows the usual order: repetition penalty, temperature, top-k
 from __future__ import annotations
 
 import contextlib
+from typing import NamedTuple
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from modules.attention import KVCache
 from modules.linear import blocked_product, int8_weights, row_blocks, weight_first
 from modules.masks import position_ids_from_mask
 from modules.quant import QUANTIZE_MODES, cached_int8, int8_linear
@@ -54,8 +56,8 @@ def _beyond_nucleus(sorted_logits: torch.Tensor, p: float) -> torch.Tensor:
 
 
 def _top_p_by_threshold(logits: torch.Tensor, p: float) -> torch.Tensor:
-    """top_p_filter on the CPU from the sorted values alone (numpy's SIMD sort, no indices: 0.3 ms for gpt2's 50257
-    logits against torch.sort's 4.7 ms). The values are those torch.sort gives, so the same positions are cut; the
+    """top_p_filter on the CPU from the sorted values alone (numpy's SIMD sort of values, no indices, is several
+    times faster than torch.sort). The values are those torch.sort gives, so the same positions are cut; the
     kept tokens are then those at or above the smallest kept logit. Where that is not exact (equal logits on both
     sides of the cut, whose order torch.sort decides, or a cut that is not one run because of rounding), it falls
     back to torch.sort."""
@@ -109,11 +111,51 @@ def _check_sampling(temperature, top_k, top_p) -> None:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
 
 
-# The decode step's LM head reads the whole (V, C) embedding for a few rows of hidden states: a GEMV whose speed
-# on CPUs depends on the kernel (measured on a 2-core Zen 3, gpt2's 50257 x 768, cold caches, GB/s of weights read):
-# one row: F.linear 14-15, h @ W.T from a transposed copy 22-25 (plus 2.2 ms per token of 64 to build the copy),
-# blocked_linear 24-25 with no copy; eight rows: F.linear 5.3, (W @ h.T).T 10.8-11.0, blocked_linear 7.7-8.4.
-# Same products, other kernels (outputs agree to fp32 rounding).
+class Prefill(NamedTuple):
+    """Where every decoder (generate, beam search) starts: the prompt run once, and what the steps then need."""
+    hidden: torch.Tensor  # (B, C): the last prompt token's final hidden state
+    cache: KVCache  # the prompt's keys and values, with room for the new tokens
+    positions: torch.Tensor  # (B, T + new): positions of prompt and new tokens (new tokens are always real)
+    key_mask: torch.Tensor | None  # (B, 1, 1, T + new): keys a step may attend; None without padding (SDPA skips it)
+    seen: torch.Tensor | None  # (B, V) bool: tokens in each prompt, for a repetition penalty (None without one)
+    pad: int  # what follows a finished row: pad_token_id, else eos_token_id, else 0
+
+
+@torch.no_grad()
+def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, max_new_tokens: int,
+            repetition_penalty: float = 1.0, eos_token_id: int | None = None,
+            pad_token_id: int | None = None) -> Prefill:
+    """Run a checked, left-padded request's prompts through `model` (in eval mode) into a new KV cache, and set up
+    the masks, positions and repetition-penalty bookkeeping of the decoding steps."""
+    body = model.gpt
+    B, T = input_ids.shape
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    mask = torch.cat([attention_mask.long(), attention_mask.new_ones(B, max_new_tokens).long()], dim=1)
+    positions = position_ids_from_mask(mask)
+    key_mask = None if bool(attention_mask.bool().all()) else mask.bool()[:, None, None, :]
+    seen = None
+    if repetition_penalty != 1.0:
+        real = attention_mask.bool()
+        # a padding slot names the row's last token (always real), so no slot writes False over a real token
+        prompt_tokens = torch.where(real, input_ids, input_ids[:, -1:])
+        seen = torch.zeros(B, model.config.vocab_size, dtype=torch.bool, device=input_ids.device)
+        seen.scatter_(1, prompt_tokens, True)
+    cache = body.new_cache(B, T + max_new_tokens)
+    # The prompt goes through the checked forward; each step then takes the lean path (inputs made here).
+    hidden = body(input_ids, mask[:, :T], positions[:, :T], cache, use_cache=True)["last_hidden_state"][:, -1]
+    pad = pad_token_id if pad_token_id is not None else (eos_token_id if eos_token_id is not None else 0)
+    return Prefill(hidden, cache, positions, key_mask, seen, pad)
+
+
+def mark_seen(seen: torch.Tensor, next_ids: torch.Tensor) -> None:
+    """Each row's new token joins the tokens its repetition penalty applies to."""
+    seen[torch.arange(len(next_ids), device=next_ids.device), next_ids] = True
+
+
+# The decode step's LM head reads the whole (V, C) embedding for a few rows: bound by how fast the weights stream,
+# so each batch size takes the kernel that streamed fastest on CPUs (docs/performance.md, "Figures behind the code");
+# same products, other kernels: the outputs agree to fp32 rounding.
 
 
 def decode_lm_head(body, batch_size: int, quantize: str | None = None):
@@ -152,26 +194,8 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     if max_new_tokens == 0:  # nothing to decode: no forward pass for the prompt
         return input_ids.clone()
     body = model.gpt
-    device = input_ids.device
     B, T = input_ids.shape
-    if attention_mask is None:
-        attention_mask = torch.ones_like(input_ids)
-    pad = pad_token_id if pad_token_id is not None else (eos_token_id if eos_token_id is not None else 0)
-
-    # Everything the loop needs is allocated once: output ids, the mask and positions of prompt + new tokens, the cache.
-    out = torch.full((B, T + max_new_tokens), pad, dtype=torch.long, device=device)
-    out[:, :T] = input_ids
-    mask = torch.cat([attention_mask.long(), attention_mask.new_ones(B, max_new_tokens).long()], dim=1)
-    positions = position_ids_from_mask(mask)
-    cache = body.new_cache(B, T + max_new_tokens)
-    seen = None
-    if repetition_penalty != 1.0:
-        seen = torch.zeros(B, model.config.vocab_size, dtype=torch.bool, device=device)
-        seen.scatter_(1, input_ids.masked_fill(attention_mask == 0, 0), attention_mask.bool())
-    finished = torch.zeros(B, dtype=torch.bool, device=device)
-    # Keys each step may attend (new tokens are always real); None without padding lets SDPA skip masking.
-    key_mask = None if bool(attention_mask.bool().all()) else mask.bool()[:, None, None, :]  # (B, 1, 1, T + new)
-
+    finished = torch.zeros(B, dtype=torch.bool, device=input_ids.device)
     lm_head = decode_lm_head(body, B, quantize)
     was_training = model.training
     model.eval()
@@ -179,8 +203,10 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     if quantize == "int8":
         quantized.enter_context(int8_weights(model))
     try:
-        # The prompt goes through the checked forward; each step then takes the lean path (inputs made here).
-        hidden = body(input_ids, mask[:, :T], positions[:, :T], cache, use_cache=True)["last_hidden_state"][:, -1]
+        hidden, cache, positions, key_mask, seen, pad = prefill(model, input_ids, attention_mask, max_new_tokens,
+                                                                repetition_penalty, eos_token_id, pad_token_id)
+        out = torch.full((B, T + max_new_tokens), pad, dtype=torch.long, device=input_ids.device)
+        out[:, :T] = input_ids
         for step in range(max_new_tokens):
             # bf16 models give bf16 logits: filters and sampling work in fp32.
             logits = process_logits(lm_head(hidden).float(), seen, temperature if do_sample else 1.0,
@@ -194,7 +220,7 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
                 finished |= next_ids == eos_token_id
             out[:, T + step] = next_ids
             if seen is not None:
-                seen[torch.arange(B, device=device), next_ids] = True
+                mark_seen(seen, next_ids)
             if step == max_new_tokens - 1 or eos_token_id is not None and bool(finished.all()):
                 return out[:, : T + step + 1]
             pos = T + step

@@ -2,14 +2,12 @@
 
 Decoding multiplies a (B, 1, in) input by each weight: a matrix-vector product (B = 1) or a skinny GEMM that reads
 the whole weight for a few rows. It is bound by how fast the weights stream, and on CPUs torch's kernels for these
-shapes stream slowly; measured over all 72 linear layers of gpt2, cold caches, 2-core Zen 3 (bench numbers in GB/s
-of weights read):
-- B = 1: F.linear 14-15 (torch's matrix-vector kernel keeps to one core), against 21-24 for `blocked_linear`:
-  the weight's rows cut into one block per thread and multiplied as one batched product, whose blocks torch runs
-  on separate threads. The rows of a row-major weight are views: no copy is made.
-- B > 1: (W @ x^T)^T (`weight_first`). Over the 72 layers alone, B = 8: F.linear 8.4, weight_first 10.4,
-  blocked_linear 11.9-12.2; but whole decodes ran faster with weight_first (beam search, 4 rows: 1.45 vs 1.72 s;
-  batch 8: 1.91 vs 2.04 s, same process, interleaved), so B > 1 keeps it.
+shapes stream slowly (the measurements: docs/performance.md, "Figures behind the code"):
+- B = 1: `blocked_linear`: the weight's rows cut into one block per thread and multiplied as one batched product,
+  whose blocks torch runs on separate threads (torch's matrix-vector kernel keeps to one core). The rows of a
+  row-major weight are views: no copy is made.
+- B > 1: (W @ x^T)^T (`weight_first`): whole decodes (beam search, batch 8) ran faster with it than with the
+  row-blocked product, though the products alone did not.
 Same values up to float rounding (other summation kernels); training and every other shape take F.linear.
 Within `int8_weights(model)` one-row products (batch-1 decoding) take int8 copies of the weights (modules/quant.py);
 the prompt and batches keep the layer's own weights (dequantizing per call would cost more than int8 saves).

@@ -2,15 +2,13 @@
 scale = max|row| / 127), activations untouched (fp32 or bf16).
 
 Decoding one token streams every weight once per token, so 1 byte per weight instead of 4 (fp32) reads 4x less.
-torch's own int8 kernels do not pay on the CPU at one row (2-core Zen 4 with AVX512-VNNI, 3072 x 768 weights,
-GB/s of weights read, one thread, same process: fp32 F.linear 13.2, torch._weight_int8pack_mm 1.2; torch._int_mm
-and fbgemm's dynamic quantized Linear were slower still, 1.2 and 0.4 at two threads on a loaded machine); a
-product that inductor compiles into one loop (load int8, convert, multiply-add, scale once per row) reads 11.5 GB/s
-of int8 there, 3.5x the weights per second of fp32. So one-row products take
-that compiled kernel where the CPU has SIMD (torch's capability AVX2 or better) and a C++ compiler works (the
-first call per weight shape compiles: seconds to a minute); elsewhere, and for several rows, the weight is
-dequantized to the activation's dtype (correct, slower than the float weights: modules.linear keeps int8 to
-one-row products). On AVX2-only CPUs the loop reads the weights four bytes to a word (`_gemv_packed`): twice the
+torch's own int8 kernels (torch._weight_int8pack_mm, torch._int_mm, fbgemm's dynamic quantized Linear) read the
+weights far slower than fp32 F.linear at one row on the CPU; a product that inductor compiles into one loop (load
+int8, convert, multiply-add, scale once per row) reads several times fp32's weights per second (the measurements:
+docs/performance.md, "Figures behind the code"). So one-row products take that compiled kernel where the CPU has
+SIMD (torch's capability AVX2 or better) and a C++ compiler works (the first call per weight shape compiles:
+seconds to a minute); elsewhere, and for several rows, the weight is dequantized to the activation's dtype
+(correct, slower than the float weights: modules.linear keeps int8 to one-row products). On AVX2-only CPUs the loop reads the weights four bytes to a word (`_gemv_packed`): twice the
 byte loop's speed there, still slower than fp32 (it warns: memory, not time, is what int8 saves on such a CPU).
 """
 from __future__ import annotations
@@ -77,7 +75,7 @@ _compiled_packed = None  # torch.compile(_gemv_packed), likewise
 
 def packed_form_chosen() -> bool:
     """Where the word-packed loop is used: CPUs whose best vector width torch reports as AVX2 (little-endian);
-    with AVX512 the byte loop is kept (measured there at 16.7 GB/s of int8)."""
+    with AVX512 the byte loop is kept (its measurement: docs/performance.md, "Figures behind the code")."""
     return torch.backends.cpu.get_cpu_capability() == "AVX2" and sys.byteorder == "little"
 
 

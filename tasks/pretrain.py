@@ -42,6 +42,7 @@ from tasks import distributed as dist
 from tasks.char_tokenizer import VOCAB_FILE, CharTokenizer
 from tasks.checkpoint import check_resume_settings, resolve
 from tasks.engine import MicroBatch, Step, TrainConfig, autocast, check_architecture, fit, open_run
+from tasks.steps import micro_weight
 
 CHUNK_BYTES = 1 << 22  # the corpus is read, checked and encoded 4 MiB at a time
 
@@ -399,7 +400,7 @@ class PretrainConfig:
 # Settings that shape the saved state (optimizer moments, schedule, batches, model): --resume refuses a change to any of
 # them. --max_iters may grow (the cosine then stretches to the new end unless --lr_decay_iters pins it); the
 # architecture flags (sizes, --depth, --activation and the variants) are checked against the checkpoint's config
-# where given (tasks.engine.ARCHITECTURE), and the tokenizer is the checkpoint's own.
+# where given (tasks/runfolder.py's ARCHITECTURE), and the tokenizer is the checkpoint's own.
 RESUME_FIXED = ("val_fraction", "block_size", "dropout", "batch_size", "grad_accum", "optimizer", "lr", "muon_lr",
                 "min_lr", "warmup_iters", "lr_decay_iters", "weight_decay", "decay_embeddings", "beta1", "beta2",
                 "adam_eps", "max_grad_norm", "dtype", "seed")
@@ -437,8 +438,8 @@ class RandomWindows:
         self.eval_generator = torch.Generator().manual_seed(seed + 1)
         self.drawn = 0  # batches drawn
         self.rows = dist.shard(list(range(batch_size)))
-        # DDP averages over ranks: this weight makes it the global batch's mean, and the steps' mean of micro-batches
-        self.weight = dist.world_size() * len(self.rows) / batch_size / grad_accum
+        # this rank's rows of every batch, one of grad_accum micro-batches: the step's loss is the global batch's mean
+        self.weight = micro_weight(len(self.rows), batch_size, grad_accum, dist.world_size())
 
     def next_step(self) -> Step:
         micro = []

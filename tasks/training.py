@@ -7,7 +7,7 @@ A task supplies the model, a way to make batches, a loss and an evaluation:
                    loss_fn=lambda model, batch: F.cross_entropy(model(...), batch["labels"]),
                    evaluate_fn=lambda model: {"acc": ...}, cfg=TrainConfig(...), run_info={...})
 
-Per epoch a seeded shuffle cut into batches (tasks/engine.py's EpochBatches), an evaluation at each epoch's end with
+Per epoch a seeded shuffle cut into batches (tasks/batches.py's EpochBatches), an evaluation at each epoch's end with
 one summary line, OUT/best when the selected dev metric improves; everything else (the step, checkpoints and exact
 resume, the non-finite guard, DDP, metrics.jsonl and curves.png) is the engine's (tasks/engine.py).
 """

@@ -173,6 +173,21 @@ def test_repetition_penalty_matches_transformers_and_temperature_scales():
     assert len(set(penalised.tolist())) == 22 and len(set(plain.tolist())) < 20
 
 
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_greedy_with_repetition_penalty_equals_transformers(attn):
+    """The penalty covers the prompt's tokens as well as the new ones: the prompts are the model's own greedy
+    continuations, which it would otherwise repeat."""
+    config = tiny_config("h3-inner")
+    hf, ours = load_pair(config, seed=12, attn=attn)
+    start = torch.randint(0, 100, (2, 3), generator=torch.Generator().manual_seed(13))
+    ids = ours.generate(start, max_new_tokens=9)  # no padding: HF penalises pads
+    expected = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, min_new_tokens=20,
+                           do_sample=False, repetition_penalty=1.3, pad_token_id=0)
+    got = ours.generate(ids, max_new_tokens=20, repetition_penalty=1.3)
+    assert torch.equal(got, expected)
+    assert not torch.equal(got, ours.generate(ids, max_new_tokens=20))
+
+
 def test_sampling_is_reproducible_with_a_seeded_generator_and_top_k_1_is_greedy():
     config = tiny_config("h4-wide")
     _, ours = load_pair(config)

@@ -1,5 +1,5 @@
-"""The rubric's decisions: a "close" result never gets full points, and a bug is named only when a one-bug variant
-reproduces the submission tightly (checks.MATCH), not when it is merely near."""
+"""The rubric's decisions: a "close" result never gets full points (and none when a known bug explains it), and a bug
+is named only when a one-bug variant reproduces the submission tightly (checks.MATCH), not when it is merely near."""
 from __future__ import annotations
 
 import torch
@@ -29,6 +29,29 @@ def test_near_variant_is_not_named_but_an_exact_one_is():
         assert (result.diagnosis_key == "no_scale") == named, (noise, result.diagnosis)
         if not named:
             assert result.diagnosis.startswith("no typical bug matches exactly (closest:"), result.diagnosis
+
+
+def test_close_because_of_a_named_bug_scores_nothing_and_close_alone_is_partial():
+    """The near-miss path: a part "close" to the reference whose outputs a one-bug variant reproduces is that bug,
+    not a rounding difference: 0 points. Without a matching bug it keeps its partial points."""
+    g = torch.Generator().manual_seed(1)
+    variant = torch.randn(2, 5, 8, generator=g)
+    scorer = checks.Scorer(load_rubric())
+    for noise, bug in ((1e-6, "no_scale"), (1e-3, "")):
+        result = checks.CheckResult("attention", [checks.Part("forward", 8.0), checks.Part("attention", 4.0)])
+        scorer.score(result.parts[0], 2e-3, what="forward()")  # within "close" of the reference
+        scorer.score(result.parts[1], 0.0, what="attention()")
+        checks.diagnose(result, [(variant + noise, None)], {"no_scale": [variant]})
+        checks.finish(result)
+        forward = result.parts[0]
+        assert result.diagnosis_key == bug
+        if bug:
+            assert (forward.status, forward.points) == ("fail", 0.0), vars(forward)
+            assert "matches a typical bug" in forward.message
+            assert (result.verdict, result.score) == ("partial", 4.0)
+        else:
+            assert (forward.status, forward.points) == ("close", 4.0), vars(forward)
+            assert (result.verdict, result.score) == ("partial", 8.0)
 
 
 def test_slightly_off_attention_gets_half_not_full(tmp_path):

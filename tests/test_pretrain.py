@@ -117,7 +117,8 @@ def test_gradient_checkpointing_trains_the_same_model(corpus_file, tmp_path, mon
 
 def test_batch_split_across_threads_gives_the_gradient_of_the_whole_batch(corpus_file, tmp_path):
     """The engine's split_batch: slices of a micro-batch on separate threads add up to the whole batch's gradient."""
-    from tasks.engine import MicroBatch, _Backward, _LossOf
+    from tasks.backward import Backward, LossOf
+    from tasks.batches import MicroBatch
 
     corpus = pretrain.prepare_corpus(corpus_file, "char", tmp_path / "cache")
     x, y = pretrain.get_batch(corpus.train, 5, 16, torch.Generator().manual_seed(0))
@@ -127,7 +128,7 @@ def test_batch_split_across_threads_gives_the_gradient_of_the_whole_batch(corpus
         model = GPT2LMHeadModel(GPT2Config(vocab_size=len(corpus.tokenizer), n_positions=16, n_embd=16, n_layer=2,
                                            n_head=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
         params = list(model.parameters())
-        backward = _Backward(_LossOf(model, pretrain.window_loss), params, workers, contextlib.nullcontext)
+        backward = Backward(LossOf(model, pretrain.window_loss), params, workers, contextlib.nullcontext)
         loss, _ = backward(MicroBatch({"input_ids": x, "labels": y}, 0.5, x.numel()), lambda t: t)
         backward.close()
         results.append((loss, torch.cat([p.grad.flatten() for p in params])))

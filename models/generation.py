@@ -11,6 +11,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from modules import rows as row_kernel
 from modules.attention import KVCache
 from modules.linear import blocked_product, int8_weights, row_blocks, weight_first
 from modules.masks import position_ids_from_mask
@@ -166,6 +167,8 @@ def decode_lm_head(body, batch_size: int, quantize: str | None = None):
         return lambda hidden: softcap(int8_linear(hidden, cached_int8(body, weight, "_int8_head")))
     if weight.device.type != "cpu":
         return body.hidden_state_to_token
+    if row_kernel.pays(weight.dtype, batch_size) and row_kernel.available() and weight.is_contiguous():
+        return lambda hidden: softcap(row_kernel.rows_linear(hidden, weight))
     if batch_size > 1:
         return lambda hidden: softcap(weight_first(hidden, weight))  # (V, C) @ (C, B) -> (B, V)
     views = row_blocks(weight.detach(), None, torch.get_num_threads())  # one block of V's rows per thread

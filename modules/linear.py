@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from modules import rows as row_kernel
 from modules.quant import Int8Weight, cached_int8, int8_linear
 
 
@@ -77,6 +78,8 @@ class Linear(nn.Linear):
         if self.int8 is not None and x.shape[:-1].numel() == 1 and not torch.is_grad_enabled():
             return int8_linear(x, self.int8, self.bias)
         if x.dim() == 3 and x.shape[1] == 1 and x.is_cpu and not torch.is_grad_enabled():
+            if row_kernel.pays(self.weight.dtype, x.shape[0]) and row_kernel.applies(x, self.weight):
+                return row_kernel.rows_linear(x, self.weight, self.bias)
             if x.shape[0] > 1:  # row-major like F.linear's output: a transposed view sends the next product and
                 return weight_first(x[:, 0], self.weight, self.bias).contiguous()[:, None]  # SDPA down slow paths
             views = self.decode_blocks()

@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from modules import rows as row_kernel
+
 QUANTIZE_MODES = ("int8",)
 
 
@@ -101,13 +103,16 @@ def _compiled_product(rows: torch.Tensor, weight: "Int8Weight", packed: bool) ->
 
 def int8_linear(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None = None,
                 compiled: bool | None = None, packed: bool | None = None) -> torch.Tensor:
-    """F.linear(x, dequantized weight, bias) for x (..., in) -> (..., out) in x's dtype. A single row takes the
-    compiled kernel (compiled=None: where compiled_kernel_available()), in its word-packed form where `packed` (None:
+    """F.linear(x, dequantized weight, bias) for x (..., in) -> (..., out) in x's dtype. With compiled=None, 1 to 8
+    rows take modules/rows.cpp where it pays (rows.pays: AVX512 CPUs). Otherwise a single row takes the inductor
+    kernel (compiled=None: where compiled_kernel_available()), in its word-packed form where `packed` (None:
     packed_form_chosen()) and in_features divides by 4; anything else the dequantized weight."""
     global _compiled_gemv
     if x.shape[-1] != weight.q.shape[1]:
         raise ValueError(f"input has {x.shape[-1]} features, the int8 weight takes {weight.q.shape[1]}")
     rows = x.reshape(-1, x.shape[-1])
+    if compiled is None and row_kernel.pays(torch.int8, rows.shape[0]) and row_kernel.applies(rows, weight.q):
+        return row_kernel.rows_linear(x, weight.q, bias, weight.scale)
     if compiled is None:
         compiled = x.is_cpu and compiled_kernel_available()
     if rows.shape[0] == 1 and compiled:

@@ -1,0 +1,152 @@
+"""Decoding's products of a few rows by a weight, in modules/rows.cpp: 1 to 8 rows x (B, in) times a (out, in)
+weight in fp32, bf16 or int8 (per-row scales), each weight row read once for all rows.
+
+The kernel is compiled with the machine's own C++ compiler (-O3 -march=native -fopenmp) the first time it is used
+on a machine (about two seconds), cached by source, compiler and CPU flags, and called through ctypes. Where it
+cannot be built (no compiler, a CPU without AVX2 and FMA, not x86) or GPT2_ROWS_KERNEL=0 is set, `available()` is
+False and callers keep torch's own products. Its sums run in another order than torch's: the results agree with
+F.linear to float rounding.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("rows.cpp")
+MAX_ROWS = 8
+_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
+_library = None  # the loaded ctypes library; False once building or loading failed here
+
+
+@functools.cache
+def _capability() -> str:
+    return torch.backends.cpu.get_cpu_capability()  # asked once: pays() runs in every decode product
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("GPT2_KERNEL_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache"), "gpt2-cs224n", "kernels")
+    return Path(root)
+
+
+NATIVE = ("-march=native",)
+AVX2 = ("-march=x86-64-v3", "-mno-avx512f")  # the AVX2 + FMA path, for testing it on a CPU that also has AVX512
+
+
+def _build(target_flags: tuple[str, ...] = NATIVE) -> Path:
+    """Compile rows.cpp into the cache (once per source, flags, compiler and CPU); returns the shared library."""
+    compiler = os.environ.get("CXX", "g++")
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(target_flags).encode() + version.encode()
+                         + _cpu_flags().encode()).hexdigest()[:16]
+    target = _cache_dir() / f"rows-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        built = Path(tmp) / target.name
+        cmd = [compiler, "-O3", *target_flags, "-fopenmp", "-shared", "-fPIC", "-std=c++17", str(SOURCE),
+               "-o", str(built)]
+        result = subprocess.run(cmd, capture_output=True, text=True)
+        if result.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{result.stderr.strip()[-2000:]}")
+        os.replace(built, target)  # atomic: a second process building at once ends with the same file
+    return target
+
+
+def library(target_flags: tuple[str, ...] = NATIVE):
+    """The kernel built with `target_flags` and loaded (raises where it cannot be built)."""
+    lib = ctypes.CDLL(str(_build(target_flags)))
+    lib.rows_product.restype = ctypes.c_int
+    lib.rows_product.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                                 ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+    lib.rows_vector_width.restype = ctypes.c_int
+    return lib
+
+
+def _load():
+    global _library
+    if _library is None:
+        if (os.environ.get("GPT2_ROWS_KERNEL", "1") == "0" or sys.platform != "linux"
+                or platform.machine() not in ("x86_64", "AMD64")
+                or _capability() not in ("AVX2", "AVX512")):
+            _library = False
+            return _library
+        try:
+            _library = library()
+        except Exception as err:  # no compiler, a failed build: torch's own products from here on
+            warnings.warn(f"the decoding kernel modules/rows.cpp could not be built ({type(err).__name__}: "
+                          f"{str(err)[:500]}); decoding uses torch's products (slower)", stacklevel=3)
+            _library = False
+    return _library
+
+
+def available() -> bool:
+    """Whether the kernel is built and loaded here (building it on the first call)."""
+    return bool(_load())
+
+
+def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether rows_linear takes these: CPU tensors, 1 to 8 rows of x's last dimension, a contiguous weight whose
+    dtype the kernel reads, and x in fp32 or bf16."""
+    return (x.is_cpu and weight.is_cpu and weight.dim() == 2 and weight.dtype in _KINDS and weight.is_contiguous()
+            and x.dtype in (torch.float32, torch.bfloat16) and x.shape[-1] == weight.shape[1]
+            and 0 < x.numel() // max(x.shape[-1], 1) <= MAX_ROWS and not torch.is_grad_enabled() and available())
+
+
+def pays(dtype: torch.dtype, rows: int) -> bool:
+    """Where the kernel read the weights faster than torch's best product for that shape, in whole decodes on an
+    AVX512 CPU (docs/performance.md): fp32 with 2 to 8 rows (one row: torch's row-blocked product streams as fast),
+    bf16 with one row (more rows: oneDNN's bf16 product is faster), int8 with 1 to 8. On AVX2-only CPUs it is not
+    measured yet, so torch's products stay there."""
+    if not 1 <= rows <= MAX_ROWS or _capability() != "AVX512":
+        return False
+    return (dtype == torch.float32 and rows > 1) or (dtype == torch.bfloat16 and rows == 1) or dtype == torch.int8
+
+
+def rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                scale: torch.Tensor | None = None, lib=None) -> torch.Tensor:
+    """F.linear(x, weight * scale[:, None], bias) for x (..., in) with at most 8 rows -> (..., out) in x's dtype.
+    int8 weights need their per-row fp32 `scale`. Check `applies(x, weight)` first. lib: a `library(...)` to use
+    instead of the one loaded for this machine (tests of the AVX2 path)."""
+    if weight.dtype == torch.int8 and scale is None:
+        raise ValueError("an int8 weight needs its per-row scale")
+    rows = _fp32_contiguous(x.reshape(-1, x.shape[-1]))  # no copy for fp32 rows (the decode loop's common case)
+    out_features = weight.shape[0]
+    y = torch.empty(rows.shape[0], out_features, dtype=torch.float32)
+    scale, bias = _fp32_contiguous(scale), _fp32_contiguous(bias)
+    status = (lib or _load()).rows_product(
+        _KINDS[weight.dtype], rows.shape[0], rows.data_ptr(), rows.shape[1], weight.data_ptr(),
+        None if scale is None else scale.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
+        out_features, torch.get_num_threads())
+    if status != 0:
+        raise ValueError(f"rows_linear takes 1 to {MAX_ROWS} rows, got {rows.shape[0]}")
+    if x.dtype != torch.float32:
+        y = y.to(x.dtype)
+    return y if x.dim() == 2 else y.view(*x.shape[:-1], out_features)
+
+
+def _fp32_contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
+    if t is None or (t.dtype == torch.float32 and t.is_contiguous()):
+        return t  # per call, so the no-op case costs no torch call
+    return t.to(torch.float32).contiguous()

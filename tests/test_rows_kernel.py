@@ -1,0 +1,72 @@
+"""modules/rows.cpp, the decoding kernel for a few rows times a weight, in its AVX512 and AVX2 forms: against F.linear
+(fp32 rounding of sums up to 768 long: atol 1e-4) for every row count it takes, the weight dtypes it reads, tails of
+in_features that are not a multiple of the vector width, with and without bias; and the refusals."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from modules import rows
+from modules.quant import quantize_int8
+
+pytestmark = pytest.mark.skipif(not rows.available(), reason="the rows kernel cannot be built here (needs an x86 "
+                                "CPU with AVX2 and FMA on Linux, and a C++ compiler)")
+
+
+@pytest.fixture(params=["native", "avx2"], scope="module")
+def lib(request):
+    """The kernel built for this CPU, and its AVX2 + FMA path (which an AVX512 CPU runs too)."""
+    return None if request.param == "native" else rows.library(rows.AVX2)
+
+
+SHAPES = [(96, 64), (37, 45), (5, 17), (130, 768), (3, 7)]  # in_features: whole vectors, tails, shorter than a vector
+
+
+@pytest.mark.parametrize("batch", range(1, rows.MAX_ROWS + 1))
+@pytest.mark.parametrize("shape", SHAPES)
+def test_fp32_equals_f_linear(batch, shape, lib):
+    g = torch.Generator().manual_seed(batch * 1000 + shape[1])
+    out_f, in_f = shape
+    x, w, b = torch.randn(batch, in_f, generator=g), torch.randn(out_f, in_f, generator=g), torch.randn(out_f, generator=g)
+    with torch.no_grad():
+        torch.testing.assert_close(rows.rows_linear(x, w, b, lib=lib), F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(rows.rows_linear(x, w, lib=lib), F.linear(x, w), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("batch", [1, 3, 8])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_bf16_weights_equal_the_fp32_product_rounded_once(batch, shape, lib):
+    """bf16 weights and input: the kernel sums in fp32 and rounds the output to bf16 once."""
+    g = torch.Generator().manual_seed(7 + batch)
+    out_f, in_f = shape
+    x = torch.randn(1, batch, in_f, generator=g).bfloat16()
+    w, b = torch.randn(out_f, in_f, generator=g).bfloat16(), torch.randn(out_f, generator=g).bfloat16()
+    with torch.no_grad():
+        y = rows.rows_linear(x, w, b, lib=lib)
+    assert y.dtype == torch.bfloat16 and y.shape == (1, batch, out_f)
+    exact = F.linear(x.double(), w.double(), b.double())
+    torch.testing.assert_close(y.double(), exact.to(torch.bfloat16).double(), rtol=8e-3, atol=1e-2)
+
+
+@pytest.mark.parametrize("batch", [1, 2, 5, 8])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_int8_weights_equal_the_dequantized_product(batch, shape, lib):
+    g = torch.Generator().manual_seed(11 + batch)
+    out_f, in_f = shape
+    x, w, b = torch.randn(batch, in_f, generator=g), torch.randn(out_f, in_f, generator=g), torch.randn(out_f, generator=g)
+    q = quantize_int8(w)
+    with torch.no_grad():
+        torch.testing.assert_close(rows.rows_linear(x, q.q, b, q.scale, lib=lib), F.linear(x, q.dequantize(), b),
+                                   rtol=1e-5, atol=1e-4)
+
+
+def test_refusals_name_the_problem():
+    x, w = torch.randn(9, 16), torch.randn(4, 16)
+    with torch.no_grad():
+        assert not rows.applies(x, w)  # 9 rows: more than the kernel takes
+        with pytest.raises(ValueError, match="1 to 8 rows"):
+            rows.rows_linear(x, w)
+        with pytest.raises(ValueError, match="per-row scale"):
+            rows.rows_linear(x[:1], quantize_int8(w).q)
+        assert rows.applies(x[:8], w)
+        assert not rows.applies(x[:1], w.t())  # a transposed view: not row-major
+    assert not rows.applies(x[:1], w)  # gradients on: training takes F.linear

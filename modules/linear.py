@@ -3,10 +3,12 @@
 Decoding multiplies a (B, 1, in) input by each weight: a matrix-vector product (B = 1) or a skinny GEMM that reads
 the whole weight for a few rows. It is bound by how fast the weights stream, and on CPUs torch's kernels for these
 shapes stream slowly (the measurements: docs/performance.md, "Figures behind the code"):
-- B = 1: `blocked_linear`: the weight's rows cut into one block per thread and multiplied as one batched product,
-  whose blocks torch runs on separate threads (torch's matrix-vector kernel keeps to one core). The rows of a
-  row-major weight are views: no copy is made.
-- B > 1: (W @ x^T)^T (`weight_first`): whole decodes (beam search, batch 8) ran faster with it than with the
+- where `modules.rows.pays` (AVX512 CPUs: fp32 with 2 to 8 rows, bf16 with one): modules/rows.cpp, which reads
+  each weight row once for all rows, with a software prefetch;
+- else B = 1: `blocked_linear`: the weight's rows cut into one block per thread and multiplied as one batched
+  product, whose blocks torch runs on separate threads (torch's matrix-vector kernel keeps to one core). The rows of
+  a row-major weight are views: no copy is made;
+- else B > 1: (W @ x^T)^T (`weight_first`): whole decodes (beam search, batch 8) ran faster with it than with the
   row-blocked product, though the products alone did not.
 Same values up to float rounding (other summation kernels); training and every other shape take F.linear.
 Within `int8_weights(model)` one-row products (batch-1 decoding) take int8 copies of the weights (modules/quant.py);

@@ -3,13 +3,14 @@ scale = max|row| / 127), activations untouched (fp32 or bf16).
 
 Decoding one token streams every weight once per token, so 1 byte per weight instead of 4 (fp32) reads 4x less.
 torch's own int8 kernels (torch._weight_int8pack_mm, torch._int_mm, fbgemm's dynamic quantized Linear) read the
-weights far slower than fp32 F.linear at one row on the CPU; a product that inductor compiles into one loop (load
-int8, convert, multiply-add, scale once per row) reads several times fp32's weights per second (the measurements:
-docs/performance.md, "Figures behind the code"). So one-row products take that compiled kernel where the CPU has
-SIMD (torch's capability AVX2 or better) and a C++ compiler works (the first call per weight shape compiles:
-seconds to a minute); elsewhere, and for several rows, the weight is dequantized to the activation's dtype
-(correct, slower than the float weights: modules.linear keeps int8 to one-row products). On AVX2-only CPUs the loop reads the weights four bytes to a word (`_gemv_packed`): twice the
-byte loop's speed there, still slower than fp32 (it warns: memory, not time, is what int8 saves on such a CPU).
+weights far slower than fp32 F.linear at one row on the CPU (the measurements: docs/performance.md, "Figures behind
+the code"). So one-row products take a kernel of ours that reads int8, converts in registers and multiplies-adds,
+scaling once per row: on AVX512 CPUs modules/rows.cpp (built with the machine's compiler on first use); elsewhere
+with SIMD (torch's capability AVX2) a loop compiled by inductor, which on AVX2 reads the weights four bytes to a
+word (`_gemv_packed`: twice the byte loop's speed there, still slower than fp32, so it warns: memory, not time, is
+what int8 saves on such a CPU; inductor compiles on the first call per weight shape: seconds to a minute).
+Without a working compiler, and for several rows, the weight is dequantized to the activation's dtype (correct,
+slower than the float weights: modules.linear keeps int8 to one-row products).
 """
 from __future__ import annotations
 

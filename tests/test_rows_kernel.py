@@ -70,3 +70,42 @@ def test_refusals_name_the_problem():
         assert rows.applies(x[:8], w)
         assert not rows.applies(x[:1], w.t())  # a transposed view: not row-major
     assert not rows.applies(x[:1], w)  # gradients on: training takes F.linear
+
+
+def _spread_model(seed=0):
+    """A tiny GPT-2 with weights large enough that logits are spread and greedy choices are decisive, and biases
+    that are not zero (GPT-2's init zeroes them, which would hide a dropped bias)."""
+    from conftest import tiny_config
+
+    from models.gpt2 import GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    m = GPT2LMHeadModel(tiny_config("h4-wide")).eval()
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0.0, 0.5)
+            else:
+                p.mul_(4.0 if p.dim() == 2 else 1.0)
+    return m
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_generation_with_the_kernel_everywhere_equals_generation_without(monkeypatch, dtype):
+    """Decoding with the kernel on every product it takes (layers and LM head, batch 1 and left-padded batch 3)
+    gives the tokens of decoding with torch's products, and the kernel really ran."""
+    m = _spread_model().to(dtype)
+    ids = torch.randint(0, m.config.vocab_size, (3, 6), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    mask[2, :4] = 0
+    monkeypatch.setattr(rows, "pays", lambda dtype, n: False)
+    without = [m.generate(ids[:1], max_new_tokens=8), m.generate(ids, mask, max_new_tokens=8)]
+    calls = []
+    real = rows.rows_linear
+    monkeypatch.setattr(rows, "pays", lambda dtype, n: 1 <= n <= rows.MAX_ROWS)
+    monkeypatch.setattr(rows, "rows_linear", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    with_kernel = [m.generate(ids[:1], max_new_tokens=8), m.generate(ids, mask, max_new_tokens=8)]
+    assert calls, "the kernel was never called"
+    for a, b in zip(with_kernel, without):
+        assert torch.equal(a, b)

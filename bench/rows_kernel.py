@@ -1,0 +1,82 @@
+"""The few-rows decoding kernel (modules/rows.cpp) against torch's products, in GB/s of weights read: 1, 4 and 8 rows
+times gpt2's two MLP shapes, fp32, bf16 and int8 weights. Each round multiplies by 48 different weights (about the
+size of gpt2's, so caches do not hold them), contenders interleaved, the median of the rounds; the machine first.
+
+    python bench/rows_kernel.py                   # 2 threads (torch's default here), 7 rounds
+    python bench/rows_kernel.py --threads 1 --repeats 9
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from bench.machine import print_machine_header  # noqa: E402
+from modules import rows  # noqa: E402
+from modules.linear import blocked_linear, weight_first  # noqa: E402
+from modules.quant import int8_linear, quantize_int8  # noqa: E402
+
+SHAPES = [(3072, 768), (768, 3072)]  # gpt2's MLP in and out projections (out, in)
+WEIGHTS = 48
+
+
+def contenders(dtype: str, batch: int) -> dict:
+    if dtype == "int8":
+        found = {"rows": lambda x, q: rows.rows_linear(x, q.q, None, q.scale)}
+        if batch == 1:  # the inductor loop the kernel replaced on AVX512 CPUs (compiled on its first call)
+            found["inductor"] = lambda x, q: int8_linear(x, q, compiled=True)
+        return found
+    return {"F.linear": F.linear, "blocked": blocked_linear, "weight_first": weight_first,
+            "rows": lambda x, w: rows.rows_linear(x, w)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
+    parser.add_argument("--repeats", type=int, default=7, help="rounds; each times every contender, order rotating")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print_machine_header()
+    if not rows.available():
+        sys.exit("the rows kernel cannot be built on this machine (see modules/rows.py)")
+    print(f"rows kernel vector width {rows.library().rows_vector_width()} floats; GB/s of weights read (median of "
+          f"{args.repeats} rounds over {WEIGHTS} weights)")
+    torch.set_grad_enabled(False)
+    for dtype in ("fp32", "bf16", "int8"):
+        for batch in (1, 4, 8):
+            for out_f, in_f in SHAPES:
+                g = torch.Generator().manual_seed(0)
+                weights = [torch.randn(out_f, in_f, generator=g) for _ in range(WEIGHTS)]
+                x = torch.randn(batch, in_f, generator=g)
+                if dtype == "bf16":
+                    weights, x = [w.bfloat16() for w in weights], x.bfloat16()
+                if dtype == "int8":
+                    weights = [quantize_int8(w) for w in weights]
+                nbytes = out_f * in_f * (1 if dtype == "int8" else weights[0].element_size())
+                fns = contenders(dtype, batch)
+                for fn in fns.values():  # warm up (and compile) once
+                    fn(x, weights[0])
+                times = {name: [] for name in fns}
+                names = list(fns)
+                for r in range(args.repeats):
+                    for name in names[r % len(names):] + names[:r % len(names)]:
+                        start = time.perf_counter()
+                        for w in weights:
+                            fns[name](x, w)
+                        times[name].append(time.perf_counter() - start)
+                rates = "  ".join(f"{name} {WEIGHTS * nbytes / statistics.median(t) / 1e9:5.1f}"
+                                  for name, t in times.items())
+                print(f"{dtype:<5} rows {batch}  {out_f:>4} x {in_f:<4}  {rates}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

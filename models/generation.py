@@ -164,7 +164,12 @@ def decode_lm_head(body, batch_size: int, quantize: str | None = None):
     (quantize="int8" at batch 1: from an int8 copy of the head, kept on the body; the embedding stays as it is)."""
     weight, softcap = body.lm_head_weight, body.logit_softcap  # softcap: nn.Identity unless the config caps logits
     if quantize == "int8" and batch_size == 1:
-        return lambda hidden: softcap(int8_linear(hidden, cached_int8(body, weight, "_int8_head")))
+        head = cached_int8(body, weight, "_int8_head")
+        if weight.is_cpu and row_kernel.pays(torch.int8, 1) and row_kernel.available():
+            call = row_kernel.prepared(head.q, None, head.scale)
+            return lambda hidden: softcap(call(hidden) if hidden.dtype == torch.float32 and hidden.is_contiguous()
+                                          else int8_linear(hidden, head))
+        return lambda hidden: softcap(int8_linear(hidden, head))
     if weight.device.type != "cpu":
         return body.hidden_state_to_token
     if row_kernel.pays(weight.dtype, batch_size) and row_kernel.available() and weight.is_contiguous():

@@ -75,9 +75,12 @@ def blocked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 class Linear(nn.Linear):
     _blocks: tuple | None = None  # (key, Blocks | None): the decode views, rebuilt when the weights or threads change
     int8: Int8Weight | None = None  # set within int8_weights(): one-row products take it (no gradient taken)
+    int8_call = None  # within int8_weights(), where the rows kernel pays: the int8 product prepared (rows.prepared)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.int8 is not None and x.shape[:-1].numel() == 1 and not torch.is_grad_enabled():
+            if self.int8_call is not None and x.dtype == torch.float32 and x.is_contiguous() and x.is_cpu:
+                return self.int8_call(x)
             return int8_linear(x, self.int8, self.bias)
         if x.dim() == 3 and x.shape[1] == 1 and x.is_cpu and not torch.is_grad_enabled():
             if row_kernel.pays(self.weight.dtype, x.shape[0]) and row_kernel.applies(x, self.weight):
@@ -106,10 +109,13 @@ def int8_weights(model: nn.Module):
     of its weight (per-row scales) whenever no gradient is taken; other inputs keep the layer's own weight. The copies stay on the layers for the next block (a quarter of
     the fp32 weights' memory) and are made again only for weights that changed. Yields the layers."""
     layers = [m for m in model.modules() if type(m) is Linear]
+    kernel = row_kernel.pays(torch.int8, 1) and row_kernel.available()
     for layer in layers:
         layer.int8 = cached_int8(layer, layer.weight)
+        if kernel and layer.weight.is_cpu:
+            layer.int8_call = row_kernel.prepared(layer.int8.q, layer.bias, layer.int8.scale)
     try:
         yield layers
     finally:
         for layer in layers:
-            layer.int8 = None
+            layer.int8 = layer.int8_call = None

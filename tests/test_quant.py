@@ -8,14 +8,17 @@ import modules.linear as linear_module
 import modules.quant as quant
 from config import GPT2Config
 from models.gpt2 import GPT2LMHeadModel
+from modules import rows as row_kernel
 from modules.linear import Linear, int8_weights
 from modules.quant import int8_linear, quantize_int8
 
 
 @pytest.fixture
 def eager_int8(monkeypatch):
-    """The eager int8 product everywhere: compiling gpt2's shapes takes minutes under load (one test compiles)."""
+    """The eager int8 product everywhere: compiling gpt2's shapes takes minutes under load (one test compiles); the
+    rows kernel is left out too (its own tests: test_generate_int8_with_the_rows_kernel_... and test_rows_kernel.py)."""
     monkeypatch.setattr(quant, "_compiled_gemv", False)
+    monkeypatch.setattr(row_kernel, "pays", lambda dtype, rows: False)
 
 
 def tiny_model(seed=0):
@@ -147,6 +150,39 @@ def test_quantize_argument_is_checked():
         model.generate(ids, max_new_tokens=2, quantize="int4")
     with pytest.raises(ValueError, match="not to beam search"):
         model.generate(ids, max_new_tokens=2, num_beams=2, quantize="int8")
+
+
+@torch.no_grad()
+@pytest.mark.skipif(not row_kernel.available(), reason="the rows kernel cannot be built here")
+def test_generate_int8_with_the_rows_kernel_equals_the_eager_int8_decode(monkeypatch):
+    """Where the rows kernel takes int8 decoding (prepared products for every layer and the head), generate gives
+    the tokens of the eager int8 path, and the prepared products really ran."""
+    ids = torch.randint(0, 97, (1, 6), generator=torch.Generator().manual_seed(1))
+
+    def biased_model():  # biases that are not zero, so a product that dropped one would show
+        model = tiny_model()
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))))
+        return model
+
+    monkeypatch.setattr(quant, "_compiled_gemv", False)
+    monkeypatch.setattr(row_kernel, "pays", lambda dtype, rows: False)
+    eager = biased_model().generate(ids, max_new_tokens=12, quantize="int8")
+    monkeypatch.setattr(row_kernel, "pays", lambda dtype, rows: dtype == torch.int8)
+    made, calls = [], []
+    real = row_kernel.prepared
+
+    def counted_prepared(*a, **k):
+        call = real(*a, **k)
+        made.append(a[0].shape)
+        return lambda x: calls.append(x.shape) or call(x)
+
+    monkeypatch.setattr(row_kernel, "prepared", counted_prepared)
+    model = biased_model()
+    assert torch.equal(model.generate(ids, max_new_tokens=12, quantize="int8"), eager)
+    assert len(made) == 2 * 6 + 1 and len(calls) == 12 + 11 * 2 * 6  # the head every step, the layers after the first
+    assert all(m.int8 is None and m.int8_call is None for m in model.modules() if type(m) is Linear)
 
 
 # ---- the generation CLIs' --quantize ------------------------------------------------------------------------------

@@ -10,7 +10,6 @@ import math
 
 import torch
 import torch.nn.functional as F
-from einops import rearrange
 from torch import nn
 
 from modules.linear import Linear as DecodeLinear
@@ -114,7 +113,7 @@ class CausalSelfAttention(nn.Module):
 
     def transform(self, x: torch.Tensor, linear_layer: nn.Linear) -> torch.Tensor:
         """Project (B, T, C) and split heads -> (B, nh, T, hs) (n_kv heads for the key and value projections)."""
-        return rearrange(linear_layer(x), "b t (h d) -> b h t d", d=self.attention_head_size)
+        return linear_layer(x).unflatten(-1, (-1, self.attention_head_size)).transpose(1, 2)  # (B, nh, T, hs)
 
     def attention(self, key: torch.Tensor, query: torch.Tensor, value: torch.Tensor,
                   attention_mask: torch.Tensor | None) -> torch.Tensor:
@@ -127,7 +126,7 @@ class CausalSelfAttention(nn.Module):
         scores = scores.masked_fill(~attention_mask, torch.finfo(scores.dtype).min)
         probs = self.dropout(F.softmax(scores, dim=-1).to(value.dtype))
         out = torch.matmul(probs, value)  # (B, nh, T, hs)
-        return rearrange(out, "b h t d -> b t (h d)")
+        return out.transpose(1, 2).flatten(2)  # (B, T, nh, hs) -> (B, T, C)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 kv_cache: KVCache | None = None, rope: Rope | None = None) -> torch.Tensor:
@@ -157,4 +156,4 @@ class CausalSelfAttention(nn.Module):
             query, key, value, attn_mask=attention_mask, is_causal=is_causal,
             dropout_p=self.dropout.p if self.training else 0.0, scale=self.scale, enable_gqa=self.kv_groups > 1,
         )  # (B, nh, T, hs)
-        return rearrange(out, "b h t d -> b t (h d)")
+        return out.transpose(1, 2).flatten(2)  # (B, T, nh, hs) -> (B, T, C)

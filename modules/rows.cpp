@@ -64,8 +64,10 @@ static inline float to_float(uint16_t v) {
   return f;
 }
 
-// How far ahead (bytes) each weight row is prefetched: the hardware prefetcher alone left B = 1 int8 at 18-24 GB/s
-// against 21-29 with it, and B = 8 fp32 at 15 against 17-20 (docs/performance.md).
+// How far ahead each weight row is prefetched. fp32 and bf16: 1024 bytes further along the row (the hardware
+// prefetcher alone left B = 8 fp32 at 15 GB/s against 17-20 with it). int8: the same place R rows on, in the next
+// group (1024 bytes on would land in the rows being read, an int8 row of gpt2 being 768 bytes): 24-32 GB/s of int8
+// against 19-28 with the fixed distance and 14-25 without (docs/performance.md).
 constexpr int64_t kPrefetch = 1024;
 
 // R weight rows starting at o, times all B input rows.
@@ -78,7 +80,10 @@ static inline void rows_at(const float* x, int64_t in, const T* w, const float* 
   int64_t i = 0;
   for (; i + kWidth <= in; i += kWidth) {
     for (int r = 0; r < R; ++r) {
-      _mm_prefetch(reinterpret_cast<const char*>(w + (o + r) * in + i) + kPrefetch, _MM_HINT_T0);
+      if constexpr (sizeof(T) == 1)  // int8: the same place in the next group of R rows
+        _mm_prefetch(reinterpret_cast<const char*>(w + (o + R + r) * in + i), _MM_HINT_T0);
+      else
+        _mm_prefetch(reinterpret_cast<const char*>(w + (o + r) * in + i) + kPrefetch, _MM_HINT_T0);
       const vf wv = wload(w + (o + r) * in + i);
       for (int b = 0; b < B; ++b) acc[r][b] = vfma(xload(x + b * in + i), wv, acc[r][b]);
     }

@@ -141,6 +141,40 @@ def test_bf16_autocast_training_step_tracks_fp32():
     assert all(g is not None and g.dtype == torch.float32 and torch.isfinite(g).all() for g in grads)
 
 
+def _bf16_loss_and_grads(m, ids):
+    m.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = m(ids, labels=ids)["loss"]
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for p in m.parameters()]
+
+
+def test_bf16_autocast_training_takes_the_explicit_attention_and_agrees_with_sdpa(monkeypatch):
+    """On the CPU, bf16 autocast with gradients takes the explicit attention (faster there than SDPA's backward);
+    its loss and gradients agree with SDPA's at bf16's tolerance. fp32 training and bf16 without gradients keep
+    SDPA."""
+    import modules.attention as attention_module
+
+    m = model("h4-wide")  # eval mode: no dropout, so both paths compute the same function
+    ids = torch.randint(0, m.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(6))
+    explicit = []
+    real = attention_module.CausalSelfAttention.attention
+    monkeypatch.setattr(attention_module.CausalSelfAttention, "attention",
+                        lambda self, *a: explicit.append(1) or real(self, *a))
+    loss, grads = _bf16_loss_and_grads(m, ids)
+    assert explicit, "bf16 autocast training did not take the explicit attention"
+    explicit.clear()
+    m(ids, labels=ids)["loss"].backward()  # fp32 training
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        m(ids)
+    assert not explicit, "fp32 training or bf16 inference left SDPA"
+    monkeypatch.setattr(attention_module, "explicit_is_faster", lambda query: False)
+    sdpa_loss, sdpa_grads = _bf16_loss_and_grads(m, ids)
+    assert abs(loss.item() - sdpa_loss.item()) <= 1e-2 * sdpa_loss.item()
+    flat, ref = torch.cat([g.flatten() for g in grads]), torch.cat([g.flatten() for g in sdpa_grads])
+    assert (flat - ref).norm() <= BF16_REL * ref.norm()  # all gradients together: the key bias's is zero up to noise
+
+
 def test_autocast_decoding_writes_bf16_projections_into_an_fp32_cache(monkeypatch):
     m = model("h5")
     ids = torch.randint(0, m.config.vocab_size, (16, 5), generator=torch.Generator().manual_seed(7))

@@ -257,7 +257,6 @@ class Report:
             extra += f"  ours/best-HF-fp32 {row['vs_hf_fp32']:.2f}x"
         if row.get("vs_ours_fp32") and row["dtype"] != "fp32":
             extra += f"  ours/ours-fp32 {row['vs_ours_fp32']:.2f}x"
-
         if "target" in row:
             extra += f"  (target {row['target']})"
         load = os.getloadavg()[0]

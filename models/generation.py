@@ -15,7 +15,7 @@ from modules import rows as row_kernel
 from modules.attention import KVCache
 from modules.linear import blocked_product, int8_weights, row_blocks, weight_first
 from modules.masks import position_ids_from_mask
-from modules.quant import QUANTIZE_MODES, cached_int8, int8_linear
+from modules.quant import QUANTIZE_MODES, cached_int8, int8_linear, prepared_int8
 
 
 def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
@@ -165,8 +165,8 @@ def decode_lm_head(body, batch_size: int, quantize: str | None = None):
     weight, softcap = body.lm_head_weight, body.logit_softcap  # softcap: nn.Identity unless the config caps logits
     if quantize == "int8" and batch_size == 1:
         head = cached_int8(body, weight, "_int8_head")
-        if weight.is_cpu and row_kernel.pays(torch.int8, 1) and row_kernel.available():
-            call = row_kernel.prepared(head.q, None, head.scale)
+        call = prepared_int8(head)
+        if call is not None:
             return lambda hidden: softcap(call(hidden) if hidden.dtype == torch.float32 and hidden.is_contiguous()
                                           else int8_linear(hidden, head))
         return lambda hidden: softcap(int8_linear(hidden, head))

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from modules import rows as row_kernel
-from modules.quant import Int8Weight, cached_int8, int8_linear
+from modules.quant import Int8Weight, cached_int8, int8_linear, prepared_int8
 
 
 def weight_first(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -109,11 +109,9 @@ def int8_weights(model: nn.Module):
     of its weight (per-row scales) whenever no gradient is taken; other inputs keep the layer's own weight. The copies stay on the layers for the next block (a quarter of
     the fp32 weights' memory) and are made again only for weights that changed. Yields the layers."""
     layers = [m for m in model.modules() if type(m) is Linear]
-    kernel = row_kernel.pays(torch.int8, 1) and row_kernel.available()
     for layer in layers:
         layer.int8 = cached_int8(layer, layer.weight)
-        if kernel and layer.weight.is_cpu:
-            layer.int8_call = row_kernel.prepared(layer.int8.q, layer.bias, layer.int8.scale)
+        layer.int8_call = prepared_int8(layer.int8, layer.bias)
     try:
         yield layers
     finally:

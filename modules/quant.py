@@ -132,6 +132,14 @@ def int8_linear(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None =
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
+def prepared_int8(weight: Int8Weight, bias: torch.Tensor | None = None):
+    """`weight`'s one-row product prepared in the rows kernel (rows.prepared) where the kernel pays for int8 on this
+    CPU, else None. It takes fp32, contiguous CPU rows; other inputs go to int8_linear."""
+    if weight.q.is_cpu and row_kernel.pays(torch.int8, 1) and row_kernel.available():
+        return row_kernel.prepared(weight.q, bias, weight.scale)
+    return None
+
+
 def cached_int8(owner: nn.Module, weight: torch.Tensor, name: str = "_int8_cache") -> Int8Weight:
     """The int8 copy of `weight` kept on `owner`, quantized again only when the weight changed (new storage or an
     in-place update: training steps and load_state_dict are seen)."""

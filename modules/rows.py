@@ -129,34 +129,23 @@ def rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     """F.linear(x, weight * scale[:, None], bias) for x (..., in) with at most 8 rows -> (..., out) in x's dtype.
     int8 weights need their per-row fp32 `scale`. Check `applies(x, weight)` first. lib: a `library(...)` to use
     instead of the one loaded for this machine (tests of the AVX2 path)."""
-    if weight.dtype == torch.int8 and scale is None:
-        raise ValueError("an int8 weight needs its per-row scale")
-    rows = _fp32_contiguous(x.reshape(-1, x.shape[-1]))  # no copy for fp32 rows (the decode loop's common case)
-    out_features = weight.shape[0]
-    y = torch.empty(rows.shape[0], out_features, dtype=torch.float32)
-    scale, bias = _fp32_contiguous(scale), _fp32_contiguous(bias)
-    status = (lib or _load()).rows_product(
-        _KINDS[weight.dtype], rows.shape[0], rows.data_ptr(), rows.shape[1], weight.data_ptr(),
-        None if scale is None else scale.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
-        out_features, torch.get_num_threads())
-    if status != 0:
-        raise ValueError(f"rows_linear takes 1 to {MAX_ROWS} rows, got {rows.shape[0]}")
+    y = prepared(weight, bias, scale, lib)(_fp32_contiguous(x.reshape(-1, x.shape[-1])))  # no copy for fp32 rows
     if x.dtype != torch.float32:
         y = y.to(x.dtype)
-    return y if x.dim() == 2 else y.view(*x.shape[:-1], out_features)
+    return y.view(*x.shape[:-1], weight.shape[0])
 
 
-def prepared(weight: torch.Tensor, bias: torch.Tensor | None = None, scale: torch.Tensor | None = None):
-    """rows_linear for one weight with its lookups done once -> a function of x (..., in), fp32 and contiguous, with 1
-    to 8 rows, returning (..., out) fp32. For the decode loop, which calls each layer's product once a token:
-    rows_linear's checks and conversions cost about 8 us a call, 0.6 ms a gpt2 token. The function holds the
+def prepared(weight: torch.Tensor, bias: torch.Tensor | None = None, scale: torch.Tensor | None = None, lib=None):
+    """The kernel's product for one weight with its lookups done once -> a function of x (..., in), fp32 and
+    contiguous, with 1 to 8 rows, returning (..., out) fp32 (rows_linear makes one per call). The decode loop keeps
+    one per layer: the checks and conversions cost about 8 us a call, 0.6 ms a gpt2 token. The function holds the
     tensors it points at, so the pointers stay valid; it reads their current values (in-place changes are seen), and
     is made again when a tensor is replaced (int8_weights does so at every generate call)."""
     if weight.dtype == torch.int8 and scale is None:
         raise ValueError("an int8 weight needs its per-row scale")
     if not weight.is_contiguous():
         raise ValueError("the weight must be contiguous (row-major)")
-    lib = _load()
+    lib = lib or _load()
     bias, scale = _fp32_contiguous(bias), _fp32_contiguous(scale)
     kind, (out_features, in_features) = _KINDS[weight.dtype], weight.shape
     pointers = (weight.data_ptr(), None if scale is None else scale.data_ptr(), None if bias is None else bias.data_ptr())

@@ -32,7 +32,7 @@ def test_fp32_equals_f_linear(batch, shape, lib):
         torch.testing.assert_close(rows.rows_linear(x, w, lib=lib), F.linear(x, w), rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("batch", [1, 3, 8])
+@pytest.mark.parametrize("batch", range(1, rows.MAX_ROWS + 1))
 @pytest.mark.parametrize("shape", SHAPES)
 def test_bf16_weights_equal_the_fp32_product_rounded_once(batch, shape, lib):
     """bf16 weights and input: the kernel sums in fp32 and rounds the output to bf16 once."""

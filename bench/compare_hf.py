@@ -52,6 +52,8 @@ from config import GPT2Config  # noqa: E402
 from models.gpt2 import GPT2LMHeadModel  # noqa: E402
 from models.hub import shared_dir  # noqa: E402
 from models.loading import hf_to_ours  # noqa: E402
+from tasks.allocator import in_effect as allocator_in_effect  # noqa: E402
+from tasks.allocator import keep_freed_memory  # noqa: E402
 
 SECTIONS = ("train", "forward", "generate", "memory", "xl", "checkpointing")
 # (case, dtype) -> [(ratio, minimum)] (issue 25; beam and time to first token: issue 15). Ratios: "same" = ours / the
@@ -410,6 +412,7 @@ def _name(dtype: torch.dtype) -> str:
 
 def run_child(spec: dict, threads: int | None) -> dict:
     cmd = [sys.executable, __file__, "--child", json.dumps(spec)] + (["--threads", str(threads)] if threads else [])
+    cmd += ["--keep-freed-memory"] if allocator_in_effect() else []
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"child {spec} failed:\n{proc.stderr[-3000:]}")
@@ -527,8 +530,10 @@ def describe_machine() -> None:
         return
     caps = torch.backends.cpu.get_cpu_capability()
     native_bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    malloc = "freed memory kept for reuse (--keep-freed-memory), for every contender" if allocator_in_effect() \
+        else "glibc's default"
     print(f"torch's CPU capability {caps}, native bf16 GEMM: {'yes' if native_bf16 else 'no'}; transformers "
-          f"{transformers.__version__}", flush=True)
+          f"{transformers.__version__}; malloc: {malloc}", flush=True)
     print(f"matmul 1024x768x3072: fp32 {gemm_gflops(torch.float32):.0f} GFLOP/s, "
           f"bf16 {gemm_gflops(torch.bfloat16):.0f} GFLOP/s; memory reads (sum of 512 MB) {read_bandwidth():.1f} GB/s",
           flush=True)
@@ -550,6 +555,9 @@ def main() -> None:
     g.add_argument("--compile", action="store_true", help="also time torch.compile(ours) for forward and train")
     g.add_argument("--optimizer", choices=("torch", "ours"), default="torch",
                    help="training optimizer for ours: torch.optim.AdamW(foreach) as for HF, or optimizer.AdamW")
+    g.add_argument("--keep-freed-memory", action="store_true",
+                   help="glibc malloc keeps freed memory for reuse (tasks/allocator.py, what fit() does when training "
+                        "on the CPU) in this process, so for every contender alike; default: glibc's own behaviour")
     g = parser.add_argument_group("how")
     g.add_argument("--repeats", type=int, default=5, help="timed calls per contender (the median is reported)")
     g.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
@@ -567,6 +575,9 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     transformers.logging.set_verbosity_error()
+    if args.keep_freed_memory and not keep_freed_memory():
+        raise SystemExit("--keep-freed-memory: not available here (needs glibc on Linux; GPT2_KEEP_FREED_MEMORY=0 "
+                         "turns it off)")
     if args.child:
         return child_main(json.loads(args.child))
     global DEVICE

@@ -33,6 +33,7 @@ from torch import nn
 from tqdm import tqdm
 
 from tasks import distributed as dist
+from tasks.allocator import keep_freed_memory
 from tasks.backward import Backward, LossOf, set_gradient_checkpointing, split_workers
 from tasks.batches import BatchSource, EpochBatches, MicroBatch, Step
 from tasks.checkpoint import Checkpoint, resolve
@@ -152,6 +153,8 @@ def fit(model: nn.Module, batches: BatchSource, loss_fn: Callable, evaluate_fn: 
     # Setup: model, optimizer, schedule, loss scaler, then the run folder (new, or OUT/last resumed).
     t_start = time.perf_counter()
     device = torch.device(cfg.device)
+    if device.type == "cpu":
+        keep_freed_memory()  # no page faults for the same big tensors every step (tasks/allocator.py)
     model.to(device)
     set_gradient_checkpointing(model, cfg.gradient_checkpointing)
     out = Path(cfg.output_dir)

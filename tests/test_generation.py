@@ -42,6 +42,19 @@ def test_greedy_batched_left_padded_equals_transformers(attn):
     assert torch.equal(got, expected)
 
 
+def test_greedy_takes_the_first_of_tied_logits_like_transformers():
+    """Every logit tied (the tied embedding holds the same row for every token): greedy picks token 0 at every
+    step, as argmax and transformers do."""
+    config = tiny_config("h4-wide")
+    hf, ours = load_pair(config, seed=3)
+    with torch.no_grad():
+        for emb in (hf.get_input_embeddings().weight, ours.gpt.word_embedding.weight):
+            emb.copy_(emb[:1].expand_as(emb).clone())
+    ids, mask = padded_batch([4, 2], 4, config.vocab_size, "left", seed=5)
+    got = ours.generate(ids, mask, max_new_tokens=6)
+    assert torch.equal(got, hf_greedy(hf, ids, mask, 6)) and (got[:, 4:] == 0).all()
+
+
 def test_batched_greedy_equals_one_prompt_at_a_time():
     config = tiny_config("h3-inner")
     _, ours = load_pair(config, seed=3)

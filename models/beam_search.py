@@ -21,12 +21,14 @@ after a row's EOS hold `pad_token_id` (default: the EOS id). With num_beams=1 an
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
 import torch.nn.functional as F
 
 from models.generation import apply_repetition_penalty, check_request, decode_lm_head, mark_seen, prefill
+from modules.linear import prepared_rows
 
 EARLY_STOPPING = (False, True, "never")
 
@@ -61,6 +63,8 @@ def beam_search(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | N
 
     was_training = model.training
     model.eval()
+    prepared = contextlib.ExitStack()  # the decode steps' kernel products, prepared once for this call
+    prepared.enter_context(prepared_rows(model, B * N))
     try:
         # The prompt runs once per prompt; its cache rows, positions, masks and seen tokens are then copied per beam.
         hidden, cache, positions, key_mask, seen, pad = prefill(model, input_ids, attention_mask, max_new_tokens,
@@ -124,4 +128,5 @@ def beam_search(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | N
             hidden = body.decode_step(next_ids[:, None], beam_positions[:, pos: pos + 1], step_mask, cache)
         return fin_seqs[:, 0, : T + int(fin_len[:, 0].max())]
     finally:
+        prepared.close()
         model.train(was_training)

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from modules import rows as row_kernel
 from modules.attention import KVCache
-from modules.linear import blocked_product, int8_weights, row_blocks, weight_first
+from modules.linear import blocked_product, int8_weights, prepared_rows, row_blocks, weight_first
 from modules.masks import position_ids_from_mask
 from modules.quant import QUANTIZE_MODES, cached_int8, int8_linear, prepared_int8
 
@@ -207,9 +207,10 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     lm_head = decode_lm_head(body, B, quantize)
     was_training = model.training
     model.eval()
-    quantized = contextlib.ExitStack()  # int8 layers for this call only
+    quantized = contextlib.ExitStack()  # int8 layers and prepared kernel products for this call only
     if quantize == "int8":
         quantized.enter_context(int8_weights(model))
+    quantized.enter_context(prepared_rows(model, B))
     try:
         hidden, cache, positions, key_mask, seen, pad = prefill(model, input_ids, attention_mask, max_new_tokens,
                                                                 repetition_penalty, eos_token_id, pad_token_id)

@@ -129,10 +129,15 @@ def rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     """F.linear(x, weight * scale[:, None], bias) for x (..., in) with at most 8 rows -> (..., out) in x's dtype.
     int8 weights need their per-row fp32 `scale`. Check `applies(x, weight)` first. lib: a `library(...)` to use
     instead of the one loaded for this machine (tests of the AVX2 path)."""
-    y = prepared(weight, bias, scale, lib)(_fp32_contiguous(x.reshape(-1, x.shape[-1])))  # no copy for fp32 rows
+    return run(prepared(weight, bias, scale, lib), x)
+
+
+def run(call, x: torch.Tensor) -> torch.Tensor:
+    """A `prepared` product on x (..., in), fp32 or bf16, any layout -> (..., out) in x's dtype."""
+    y = call(_fp32_contiguous(x.reshape(-1, x.shape[-1])))  # no copy for contiguous fp32 rows
     if x.dtype != torch.float32:
         y = y.to(x.dtype)
-    return y.view(*x.shape[:-1], weight.shape[0])
+    return y.view(*x.shape[:-1], y.shape[-1])
 
 
 def prepared(weight: torch.Tensor, bias: torch.Tensor | None = None, scale: torch.Tensor | None = None, lib=None):

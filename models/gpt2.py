@@ -17,7 +17,7 @@ from torch import nn
 from config import GPT2Config
 from models.beam_search import beam_search
 from models.generation import generate
-from modules import manual_backward
+from modules import manual_backward, packed
 from modules.attention import KVCache
 from modules.gpt2_layer import GPT2Layer
 from modules.masks import build_attention_mask, position_ids_from_mask  # noqa: F401 (re-exported)
@@ -154,7 +154,11 @@ class GPT2Model(nn.Module):
     def hidden_state_to_token(self, hidden_state: torch.Tensor) -> torch.Tensor:
         """(..., C) -> (..., vocab) logits with the weights tied to the token embedding (or the untied lm_head),
         soft-capped when config.logit_softcap is set."""
-        return self.logit_softcap(self.lm_linear(hidden_state, self.lm_head_weight))
+        weight = self.lm_head_weight
+        if packed.applies(hidden_state, weight):  # bf16 inference of many rows on an AMX CPU (modules/packed.py)
+            head, _ = packed.weights(self, (weight,), (None,), "_packed_head", hidden_state.shape[-2])
+            return self.logit_softcap(packed.linear(hidden_state, head, None))
+        return self.logit_softcap(self.lm_linear(hidden_state, weight))
 
     @property
     def lm_head_weight(self) -> torch.Tensor:

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from modules import packed
 from modules.linear import Linear as DecodeLinear
 from modules.manual_backward import ManualAttention, ManualLinear
 from modules.norms import RMSNorm
@@ -123,6 +124,19 @@ class CausalSelfAttention(nn.Module):
         """Project (B, T, C) and split heads -> (B, nh, T, hs) (n_kv heads for the key and value projections)."""
         return linear_layer(x).unflatten(-1, (-1, self.attention_head_size)).transpose(1, 2)  # (B, nh, T, hs)
 
+    def fused_qkv_applies(self, x: torch.Tensor) -> bool:
+        """bf16 inference of many rows on an AMX CPU (modules/packed.py) with plain Linear projections (not LoRA's)."""
+        return (packed.applies(x, self.query.weight) and type(self.query) is type(self.key) is type(self.value)
+                is DecodeLinear and self.key.weight.dtype == self.value.weight.dtype == torch.bfloat16)
+
+    def fused_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The three projections as one product with a packed (C + 2 kv, C) weight -> q, k, v split in heads."""
+        weight, bias = packed.weights(self, (self.query.weight, self.key.weight, self.value.weight),
+                                      (self.query.bias, self.key.bias, self.value.bias), "_packed_qkv", x.shape[-2])
+        kv_size = self.num_key_value_heads * self.attention_head_size
+        parts = packed.linear(x, weight, bias).split([self.all_head_size, kv_size, kv_size], dim=-1)
+        return tuple(p.unflatten(-1, (-1, self.attention_head_size)).transpose(1, 2) for p in parts)
+
     def attention(self, key: torch.Tensor, query: torch.Tensor, value: torch.Tensor,
                   attention_mask: torch.Tensor | None) -> torch.Tensor:
         """The explicit path, as the course teaches: scores, mask, softmax, dropout, weighted sum -> (B, T, C)."""
@@ -145,9 +159,13 @@ class CausalSelfAttention(nn.Module):
         (or a single new token, which may see everything cached).
         rope: the new tokens' (cos, sin) from the model's RotaryEmbedding (RoPE models), None for learned positions.
         """
-        query = self.q_norm(self.transform(hidden_states, self.query))  # (B, nh, T, hs)
-        key = self.k_norm(self.transform(hidden_states, self.key))  # (B, n_kv, T, hs)
-        value = self.transform(hidden_states, self.value)
+        if self.fused_qkv_applies(hidden_states):
+            query, key, value = self.fused_qkv(hidden_states)
+            query, key = self.q_norm(query), self.k_norm(key)
+        else:
+            query = self.q_norm(self.transform(hidden_states, self.query))  # (B, nh, T, hs)
+            key = self.k_norm(self.transform(hidden_states, self.key))  # (B, n_kv, T, hs)
+            value = self.transform(hidden_states, self.value)
         query, key = self.rotate(query, key, rope)
         if kv_cache is not None:
             key, value = kv_cache.update(self.layer_idx, key, value)  # (B, n_kv, S, hs)

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from modules import packed
 from modules import rows as row_kernel
 from modules.quant import Int8Weight, cached_int8, int8_linear, prepared_int8
 
@@ -83,6 +84,8 @@ class Linear(nn.Linear):
             if self.int8_call is not None and x.dtype == torch.float32 and x.is_contiguous() and x.is_cpu:
                 return self.int8_call(x)
             return int8_linear(x, self.int8, self.bias)
+        if packed.applies(x, self.weight):  # bf16 inference of many rows on an AMX CPU: the weight kept reordered
+            return packed.linear(x, *packed.weights(self, (self.weight,), (self.bias,), "_packed", x.shape[-2]))
         if x.dim() == 3 and x.shape[1] == 1 and x.is_cpu and not torch.is_grad_enabled():
             if self.rows_call is not None and self.rows_call[0] == x.shape[0]:
                 return row_kernel.run(self.rows_call[1], x)

@@ -1,0 +1,78 @@
+"""bf16 inference on CPUs with AMX: linear layers with their weights kept in oneDNN's blocked layout.
+
+`F.linear` on bf16 CPU tensors hands the weight to oneDNN, which reorders it into the blocked layout its AMX kernels
+read, at every call. For bf16 inputs of at least MIN_ROWS rows without gradients (an evaluation forward, a long
+prompt), ours keeps that reordered copy instead: made on first use, made again when the weight changes (new storage,
+or an in-place update that bumps its version; edits through `.data` do not, so call `clear(model)` after them). The
+attention's query, key and value weights are packed as one (3 C, C) weight, one product instead of three.
+
+Cost: a second copy of every weight used so (gpt2 in bf16: about 250 MB), kept on the modules. Outputs: the same
+oneDNN products in another layout, equal to F.linear's for a layer (the fused q/k/v product may round differently).
+Taken only on CPUs whose flags show AMX-BF16, where it was measured (docs/performance.md); GPT2_PACKED_BF16=0 turns
+it off. Decoding (one row per step) is not affected: it takes modules/rows.py's kernel or torch's products.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+from torch import nn
+
+MIN_ROWS = 64
+ENV = "GPT2_PACKED_BF16"
+
+
+@functools.cache
+def _amx_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return False
+    return " amx_bf16" in flags and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+def available() -> bool:
+    """Whether packed bf16 products are used here: a CPU with AMX-BF16 and GPT2_PACKED_BF16 not 0."""
+    return os.environ.get(ENV, "1") != "0" and _amx_bf16()
+
+
+def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """bf16 x of MIN_ROWS or more rows and a bf16 weight, on the CPU, without gradients, where available()."""
+    return (x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and x.is_cpu and weight.is_cpu
+            and not torch.is_grad_enabled() and x.numel() >= MIN_ROWS * x.shape[-1] and available())
+
+
+def weights(owner: nn.Module, parts: tuple[torch.Tensor, ...], biases: tuple[torch.Tensor | None, ...], name: str,
+            rows: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The packed weight of `parts` stacked along the output dimension, and their biases concatenated, kept on
+    `owner` under `name` and made again when any of them changed. rows: the first call's rows (oneDNN's hint)."""
+    key = tuple((t.data_ptr(), t._version, tuple(t.shape)) for t in (*parts, *biases) if t is not None)
+    cached = owner.__dict__.get(name)
+    if cached is None or cached[0] != key:
+        weight = parts[0] if len(parts) == 1 else torch.cat(parts)
+        bias, present = None, [b is not None for b in biases]
+        if any(present) and not all(present):
+            raise ValueError("packed parts must all have a bias or none")
+        if all(present):
+            bias = biases[0] if len(biases) == 1 else torch.cat(biases)
+            bias = bias.detach().contiguous()
+        cached = (key, torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), rows), bias)
+        owner.__dict__[name] = cached
+    return cached[1], cached[2]
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x (..., in) times a weight from `weights` -> (..., out)."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def clear(model: nn.Module) -> int:
+    """Drop every packed copy kept on `model`'s modules (their memory); returns how many there were."""
+    dropped = 0
+    for module in model.modules():
+        for name in [n for n in module.__dict__ if n.startswith("_packed")]:
+            del module.__dict__[name]
+            dropped += 1
+    return dropped

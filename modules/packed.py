@@ -6,7 +6,8 @@ prompt), ours keeps that reordered copy instead: made on first use, made again w
 or an in-place update that bumps its version; edits through `.data` do not, so call `clear(model)` after them). The
 attention's query, key and value weights are packed as one (3 C, C) weight, one product instead of three.
 
-Cost: a second copy of every weight used so (gpt2 in bf16: about 250 MB), kept on the modules. Outputs: the same
+Cost: a second copy of every weight used so (gpt2 in bf16: about 250 MB), kept for the modules (not in them:
+copy.deepcopy of a model sees none). Outputs: the same
 oneDNN products in another layout, equal to F.linear's for a layer (the fused q/k/v product may round differently).
 Taken only on CPUs whose flags show AMX-BF16, where it was measured (docs/performance.md); GPT2_PACKED_BF16=0 turns
 it off. Decoding (one row per step) is not affected: it takes modules/rows.py's kernel or torch's products.
@@ -15,12 +16,16 @@ from __future__ import annotations
 
 import functools
 import os
+import weakref
 
 import torch
 from torch import nn
 
 MIN_ROWS = 64
 ENV = "GPT2_PACKED_BF16"
+# module -> {name: (key, packed weight, bias)}. Outside the modules: oneDNN's packed tensors are opaque (no storage),
+# so copy.deepcopy(model) would fail on them; a copied model simply packs again.
+_KEPT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 @functools.cache
@@ -46,10 +51,11 @@ def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def weights(owner: nn.Module, parts: tuple[torch.Tensor, ...], biases: tuple[torch.Tensor | None, ...], name: str,
             rows: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The packed weight of `parts` stacked along the output dimension, and their biases concatenated, kept on
+    """The packed weight of `parts` stacked along the output dimension, and their biases concatenated, kept for
     `owner` under `name` and made again when any of them changed. rows: the first call's rows (oneDNN's hint)."""
     key = tuple((t.data_ptr(), t._version, tuple(t.shape)) for t in (*parts, *biases) if t is not None)
-    cached = owner.__dict__.get(name)
+    kept_here = _KEPT.setdefault(owner, {})
+    cached = kept_here.get(name)
     if cached is None or cached[0] != key:
         weight = parts[0] if len(parts) == 1 else torch.cat(parts)
         bias, present = None, [b is not None for b in biases]
@@ -59,7 +65,7 @@ def weights(owner: nn.Module, parts: tuple[torch.Tensor, ...], biases: tuple[tor
             bias = biases[0] if len(biases) == 1 else torch.cat(biases)
             bias = bias.detach().contiguous()
         cached = (key, torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), rows), bias)
-        owner.__dict__[name] = cached
+        kept_here[name] = cached
     return cached[1], cached[2]
 
 
@@ -68,11 +74,14 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> 
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+def kept(model: nn.Module) -> list[str]:
+    """The names of the packed copies kept for `model`'s modules, sorted."""
+    return sorted(name for module in model.modules() for name in _KEPT.get(module, {}))
+
+
 def clear(model: nn.Module) -> int:
-    """Drop every packed copy kept on `model`'s modules (their memory); returns how many there were."""
+    """Drop every packed copy kept for `model`'s modules (their memory); returns how many there were."""
     dropped = 0
     for module in model.modules():
-        for name in [n for n in module.__dict__ if n.startswith("_packed")]:
-            del module.__dict__[name]
-            dropped += 1
+        dropped += len(_KEPT.pop(module, {}))
     return dropped

@@ -2,6 +2,8 @@
 packed product). The path is taken on AMX CPUs only; here it is switched on wherever oneDNN has bf16 kernels, so its
 correctness is tested on AVX512-BF16 CPUs too. Against the same model with the path off: a layer equals F.linear to
 bf16 rounding (rtol 1.6e-2), a whole model's logits to a few bf16 steps of the logits' scale, greedy tokens equal."""
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -32,8 +34,7 @@ def packing(monkeypatch):
     return Switch
 
 
-def kept(module: torch.nn.Module) -> list[str]:
-    return sorted(n for m in module.modules() for n in m.__dict__ if n.startswith("_packed"))
+kept = packed.kept
 
 
 def bf16_model(seed=0, **overrides):
@@ -98,5 +99,9 @@ def test_clear_drops_the_copies_and_the_switch_turns_the_path_off(packing):
         packing.off()
         model(ids)
     assert kept(model) == []
+    with torch.no_grad():
+        packing.on()
+        model(ids)
+    assert kept(model) != [] and kept(copy.deepcopy(model)) == []  # opaque oneDNN tensors stay out of copies
     with pytest.raises(ValueError, match="a bias or none"):
         packed.weights(torch.nn.Module(), (torch.ones(2, 2).bfloat16(),) * 2, (torch.ones(2).bfloat16(), None), "_p", 64)

@@ -11,6 +11,7 @@ shapes stream slowly (the measurements: docs/performance.md, "Figures behind the
 - else B > 1: (W @ x^T)^T (`weight_first`): whole decodes (beam search, batch 8) ran faster with it than with the
   row-blocked product, though the products alone did not.
 Same values up to float rounding (other summation kernels); training and every other shape take F.linear.
+bf16 inputs of 64+ rows without gradients on AMX CPUs take oneDNN-packed copies of the weights (modules/packed.py).
 Within `int8_weights(model)` one-row products (batch-1 decoding) take int8 copies of the weights (modules/quant.py);
 the prompt and batches keep the layer's own weights (dequantizing per call would cost more than int8 saves).
 """

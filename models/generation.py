@@ -173,7 +173,8 @@ def decode_lm_head(body, batch_size: int, quantize: str | None = None):
     if weight.device.type != "cpu":
         return body.hidden_state_to_token
     if row_kernel.pays(weight.dtype, batch_size) and row_kernel.available() and weight.is_contiguous():
-        return lambda hidden: softcap(row_kernel.rows_linear(hidden, weight))
+        call = row_kernel.prepared(weight.detach())  # once per decode call, like the layers' (prepared_rows)
+        return lambda hidden: softcap(row_kernel.run(call, hidden))
     if batch_size > 1:
         return lambda hidden: softcap(weight_first(hidden, weight))  # (V, C) @ (C, B) -> (B, V)
     views = row_blocks(weight.detach(), None, torch.get_num_threads())  # one block of V's rows per thread

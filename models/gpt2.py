@@ -156,8 +156,7 @@ class GPT2Model(nn.Module):
         soft-capped when config.logit_softcap is set."""
         weight = self.lm_head_weight
         if packed.applies(hidden_state, weight):  # bf16 inference of many rows on an AMX CPU (modules/packed.py)
-            head, _ = packed.weights(self, (weight,), (None,), "_packed_head", hidden_state.shape[-2])
-            return self.logit_softcap(packed.linear(hidden_state, head, None))
+            return self.logit_softcap(packed.product(self, "_packed_head", hidden_state, (weight,), (None,)))
         return self.logit_softcap(self.lm_linear(hidden_state, weight))
 
     @property

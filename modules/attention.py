@@ -120,9 +120,13 @@ class CausalSelfAttention(nn.Module):
         # backward="manual": the core of the explicit path as one Function with a hand-derived backward
         self.manual = ManualAttention(self.scale, config.attn_pdrop) if config.backward == "manual" else None
 
+    def split_heads(self, y: torch.Tensor) -> torch.Tensor:
+        """(B, T, heads * hs) -> (B, heads, T, hs)."""
+        return y.unflatten(-1, (-1, self.attention_head_size)).transpose(1, 2)
+
     def transform(self, x: torch.Tensor, linear_layer: nn.Linear) -> torch.Tensor:
         """Project (B, T, C) and split heads -> (B, nh, T, hs) (n_kv heads for the key and value projections)."""
-        return linear_layer(x).unflatten(-1, (-1, self.attention_head_size)).transpose(1, 2)  # (B, nh, T, hs)
+        return self.split_heads(linear_layer(x))
 
     def fused_qkv_applies(self, x: torch.Tensor) -> bool:
         """bf16 inference of many rows on an AMX CPU (modules/packed.py) with plain Linear projections (not LoRA's)."""
@@ -131,11 +135,10 @@ class CausalSelfAttention(nn.Module):
 
     def fused_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The three projections as one product with a packed (C + 2 kv, C) weight -> q, k, v split in heads."""
-        weight, bias = packed.weights(self, (self.query.weight, self.key.weight, self.value.weight),
-                                      (self.query.bias, self.key.bias, self.value.bias), "_packed_qkv", x.shape[-2])
+        y = packed.product(self, "_packed_qkv", x, (self.query.weight, self.key.weight, self.value.weight),
+                           (self.query.bias, self.key.bias, self.value.bias))
         kv_size = self.num_key_value_heads * self.attention_head_size
-        parts = packed.linear(x, weight, bias).split([self.all_head_size, kv_size, kv_size], dim=-1)
-        return tuple(p.unflatten(-1, (-1, self.attention_head_size)).transpose(1, 2) for p in parts)
+        return tuple(self.split_heads(p) for p in y.split([self.all_head_size, kv_size, kv_size], dim=-1))
 
     def attention(self, key: torch.Tensor, query: torch.Tensor, value: torch.Tensor,
                   attention_mask: torch.Tensor | None) -> torch.Tensor:

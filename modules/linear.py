@@ -86,7 +86,7 @@ class Linear(nn.Linear):
                 return self.int8_call(x)
             return int8_linear(x, self.int8, self.bias)
         if packed.applies(x, self.weight):  # bf16 inference of many rows on an AMX CPU: the weight kept reordered
-            return packed.linear(x, *packed.weights(self, (self.weight,), (self.bias,), "_packed", x.shape[-2]))
+            return packed.product(self, "_packed", x, (self.weight,), (self.bias,))
         if x.dim() == 3 and x.shape[1] == 1 and x.is_cpu and not torch.is_grad_enabled():
             if self.rows_call is not None and self.rows_call[0] == x.shape[0]:
                 return row_kernel.run(self.rows_call[1], x)

@@ -21,6 +21,8 @@ import weakref
 import torch
 from torch import nn
 
+from modules.rows import cpu_flags
+
 MIN_ROWS = 64
 ENV = "GPT2_PACKED_BF16"
 # module -> {name: (key, packed weight, bias)}. Outside the modules: oneDNN's packed tensors are opaque (no storage),
@@ -30,12 +32,7 @@ _KEPT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 @functools.cache
 def _amx_bf16() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return False
-    return " amx_bf16" in flags and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    return "amx_bf16" in cpu_flags().split() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
 def available() -> bool:
@@ -52,7 +49,7 @@ def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def weights(owner: nn.Module, parts: tuple[torch.Tensor, ...], biases: tuple[torch.Tensor | None, ...], name: str,
             rows: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The packed weight of `parts` stacked along the output dimension, and their biases concatenated, kept for
-    `owner` under `name` and made again when any of them changed. rows: the first call's rows (oneDNN's hint)."""
+    `owner` under `name` and made again when any of them changed. rows: a row count oneDNN picks its layout for."""
     key = tuple((t.data_ptr(), t._version, tuple(t.shape)) for t in (*parts, *biases) if t is not None)
     kept_here = _KEPT.setdefault(owner, {})
     cached = kept_here.get(name)
@@ -69,9 +66,12 @@ def weights(owner: nn.Module, parts: tuple[torch.Tensor, ...], biases: tuple[tor
     return cached[1], cached[2]
 
 
-def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x (..., in) times a weight from `weights` -> (..., out)."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+def product(owner: nn.Module, name: str, x: torch.Tensor, parts: tuple[torch.Tensor, ...],
+            biases: tuple[torch.Tensor | None, ...]) -> torch.Tensor:
+    """x (..., in) times `parts` stacked along the output dimension, plus their biases -> (..., out), through the
+    packed copy kept for `owner` under `name` (see `weights`; oneDNN's row hint: x's second-to-last dimension)."""
+    weight, bias = weights(owner, parts, biases, name, x.shape[-2])
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
 def kept(model: nn.Module) -> list[str]:

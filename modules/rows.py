@@ -33,7 +33,10 @@ def _capability() -> str:
     return torch.backends.cpu.get_cpu_capability()  # asked once: pays() runs in every decode product
 
 
-def _cpu_flags() -> str:
+@functools.cache
+def cpu_flags() -> str:
+    """The CPU's flags line from /proc/cpuinfo (elsewhere platform.processor()): part of the kernel's cache key, and
+    what modules/packed.py reads AMX from."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
@@ -58,7 +61,7 @@ def _build(target_flags: tuple[str, ...] = NATIVE) -> Path:
     compiler = os.environ.get("CXX", "g++")
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
     key = hashlib.sha256(SOURCE.read_bytes() + " ".join(target_flags).encode() + version.encode()
-                         + _cpu_flags().encode()).hexdigest()[:16]
+                         + cpu_flags().encode()).hexdigest()[:16]
     target = _cache_dir() / f"rows-{key}.so"
     if target.exists():
         return target

@@ -42,6 +42,12 @@ class LogitSoftCap(nn.Module):
         return f"cap={self.cap}"
 
 
+def _dense_grad(param: torch.Tensor) -> None:
+    """Post-accumulate-grad hook: a gradient that arrived as rows alone (sparse) becomes a dense one."""
+    if param.grad is not None and param.grad.is_sparse:
+        param.grad = param.grad.to_dense()
+
+
 class GPT2Model(nn.Module):
     """The GPT-2 body. forward(input_ids, attention_mask) -> {'last_hidden_state': (B, T, C), 'last_token': (B, C)}."""
 
@@ -78,11 +84,38 @@ class GPT2Model(nn.Module):
         if isinstance(module, (nn.LayerNorm, RMSNorm)) and module.weight is not None:
             nn.init.ones_(module.weight)
 
-    def embed(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Token + position embeddings (RoPE models: token embeddings alone), then dropout: (B, T) -> (B, T, C)."""
+    def embed(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+              head_follows: bool = False) -> torch.Tensor:
+        """Token + position embeddings (RoPE models: token embeddings alone), then dropout: (B, T) -> (B, T, C).
+        head_follows: the caller applies the tied LM head to this pass's output (see sparse_token_grad)."""
         if position_ids is None:
             position_ids = self.position_ids[:, : input_ids.shape[1]]
-        return self.embed_dropout(self.word_embedding(input_ids) + self.pos_embedding(position_ids))
+        if head_follows and self.sparse_token_grad(self.word_embedding):
+            tokens = F.embedding(input_ids, self.word_embedding.weight, sparse=True)
+        else:
+            tokens = self.word_embedding(input_ids)
+        return self.embed_dropout(tokens + self.pos_embedding(position_ids))
+
+    def sparse_token_grad(self, embedding: nn.Module) -> bool:
+        """Whether the token embedding's gradient may come as rows (a sparse tensor) instead of a dense matrix.
+
+        With the LM head tied, the (V, C) weight gets two gradients a step: the head's, dense, and the embedding's,
+        which touches only the B*T rows looked up. Dense, the second is a zero-filled (V, C) matrix (154 MB for gpt2)
+        then added to the first; as rows, autograd adds them into the head's gradient in place. gpt2 4 x 128 on a
+        2-core Xeon: 0.7-4.8% of a training step (docs/performance.md). Taken when training a plain tied nn.Embedding with
+        autograd on the CPU, outside torch.compile; a hook on the weight turns a gradient that arrives as rows alone
+        (a loss that does not go through the head) back into a dense one, so `.grad` is always dense."""
+        weight = getattr(embedding, "weight", None)
+        if not (type(embedding) is nn.Embedding and self.lm_head is None and self.config.backward == "autograd"
+                and torch.is_grad_enabled() and weight.requires_grad and weight.device.type == "cpu"
+                and embedding.padding_idx is None and embedding.max_norm is None
+                and not embedding.scale_grad_by_freq and not torch.compiler.is_compiling()):
+            return False
+        if not hasattr(weight, "_post_accumulate_grad_hooks"):  # a torch that keeps hooks elsewhere: stay dense
+            return False
+        if _dense_grad not in (weight._post_accumulate_grad_hooks or {}).values():  # None until a hook is added
+            weight.register_post_accumulate_grad_hook(_dense_grad)
+        return True
 
     def encode(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
                kv_cache: KVCache | None = None, position_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -108,8 +141,9 @@ class GPT2Model(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, past_key_values: KVCache | None = None,
-                use_cache: bool = False) -> dict[str, torch.Tensor]:
+                use_cache: bool = False, head_follows: bool = False) -> dict[str, torch.Tensor]:
         """input_ids (B, T); attention_mask (B, T), or (B, cached + T) when continuing from past_key_values.
+        head_follows: the caller applies the tied LM head to the output (GPT2LMHeadModel does; see sparse_token_grad).
 
         Positions come from the attention mask, so padding on either side leaves real tokens' outputs unchanged.
         'last_token' is the final hidden state of each row's last real token. With use_cache=True the result also
@@ -127,7 +161,7 @@ class GPT2Model(nn.Module):
         if use_cache and past_key_values is None:
             past_key_values = self.new_cache(B, T)
 
-        hidden_states = self.embed(input_ids, position_ids)  # (B, T, C)
+        hidden_states = self.embed(input_ids, position_ids, head_follows)  # (B, T, C)
         hidden_states = self.encode(hidden_states, attention_mask, past_key_values, position_ids)
         hidden_states = self.final_layer_norm(hidden_states)
 
@@ -230,7 +264,7 @@ class GPT2LMHeadModel(nn.Module):
                 past_key_values: KVCache | None = None, use_cache: bool = False) -> dict[str, torch.Tensor | None]:
         """labels (B, T): usually input_ids. Position t predicts labels[t + 1]; labels of -100 are ignored, and so
         is any target that is padding or is predicted from padding (the first token after left padding). The loss is the mean cross-entropy over the remaining targets."""
-        out = self.gpt(input_ids, attention_mask, position_ids, past_key_values, use_cache)
+        out = self.gpt(input_ids, attention_mask, position_ids, past_key_values, use_cache, head_follows=True)
         logits = self.gpt.hidden_state_to_token(out["last_hidden_state"])  # (B, T, V)
         loss = None
         if labels is not None:

@@ -15,13 +15,20 @@ from modules.manual_backward import ManualLinear, gelu_tanh
 from modules.norms import make_norm
 from modules.positions import Rope
 
-ACTIVATION_FNS = {
-    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),  # GPT-2's GELU is the tanh approximation
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu": F.gelu,
-    "relu": F.relu,
-    "relu2": lambda x: F.relu(x).square(),  # ReLU squared (Primer; nanochat's MLP)
-}
+
+def gelu_new(x: torch.Tensor) -> torch.Tensor:
+    """GPT-2's GELU: the tanh approximation."""
+    return F.gelu(x, approximate="tanh")
+
+
+def relu_squared(x: torch.Tensor) -> torch.Tensor:
+    """ReLU squared (Primer; nanochat's MLP)."""
+    return F.relu(x).square()
+
+
+# Named functions, not lambdas: a layer holds one, and a whole model must pickle (torch.save(model)).
+ACTIVATION_FNS = {"gelu_new": gelu_new, "gelu_pytorch_tanh": gelu_new, "gelu": F.gelu, "relu": F.relu,
+                  "relu2": relu_squared}
 
 
 class GPT2Layer(nn.Module):

@@ -17,6 +17,7 @@ from torch import nn
 from config import GPT2Config
 from models.beam_search import beam_search
 from models.generation import generate
+from modules import cross_entropy as chunked
 from modules import manual_backward, packed
 from modules.attention import KVCache
 from modules.gpt2_layer import GPT2Layer
@@ -257,7 +258,8 @@ class GPT2LMHeadModel(nn.Module):
         super().__init__()
         self.config = config
         self.gpt = GPT2Model(config)
-        self.cross_entropy = manual_backward.cross_entropy if config.backward == "manual" else F.cross_entropy
+        # the loss: hand-derived backward, or by blocks of rows on the CPU (modules/cross_entropy.py)
+        self.cross_entropy = manual_backward.cross_entropy if config.backward == "manual" else chunked.cross_entropy
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
@@ -310,9 +312,9 @@ class GPT2LMHeadModel(nn.Module):
 
 
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor | None, num_new: int,
-            cross_entropy=F.cross_entropy) -> torch.Tensor:
+            cross_entropy=chunked.cross_entropy) -> torch.Tensor:
     """Shifted next-token cross-entropy (at least fp32: half precision upcast, float64 kept), ignoring -100 labels and
-    pairs that touch padding."""
+    pairs that touch padding. cross_entropy takes the logits in their own dtype and computes at least in fp32."""
     if labels.shape != logits.shape[:2]:
         raise ValueError(f"labels must have shape {tuple(logits.shape[:2])}, got {tuple(labels.shape)}")
     # Shift the labels, not the logits: slicing (B, T, V) logits would copy them; the last position predicts nothing.
@@ -320,5 +322,4 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Te
     if attention_mask is not None:  # a target counts only if it and the position predicting it are real tokens
         real = attention_mask[:, -num_new:].bool()
         targets = targets.masked_fill(~(F.pad(real[:, 1:], (0, 1)) & real), -100)
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # .float() would round float64 down
     return cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)

@@ -211,6 +211,7 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int
     if logits.dim() != 2 or targets.shape != logits.shape[:1]:
         raise ValueError(f"cross_entropy wants logits (N, V) and targets (N,), got {tuple(logits.shape)} and "
                          f"{tuple(targets.shape)}")
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # half precision up, float64 kept
     return CrossEntropyFn.apply(logits, targets, ignore_index)
 
 

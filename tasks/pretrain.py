@@ -38,6 +38,7 @@ from models.bigram import BigramConfig, BigramLM, load_lm
 from models.generation import process_logits
 from models.gpt2 import GPT2LMHeadModel
 from models.hub import expand, load_tokenizer
+from modules.cross_entropy import cross_entropy
 from tasks import distributed as dist
 from tasks.char_tokenizer import VOCAB_FILE, CharTokenizer
 from tasks.checkpoint import check_resume_settings, resolve
@@ -243,8 +244,7 @@ def get_batch(tokens: np.ndarray, batch_size: int, block_size: int, generator: t
 def next_token_loss(model: GPT2LMHeadModel, x: torch.Tensor, y: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
     """Cross-entropy of every position's prediction against its target (all T positions, as nanoGPT counts)."""
     logits = model(x)["logits"]  # (B, T, V)
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # half precision up, float64 kept
-    return F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction=reduction)
+    return cross_entropy(logits.flatten(0, 1), y.flatten(), reduction=reduction)  # at least fp32, by blocks of rows
 
 
 def estimate_loss(model, splits: dict[str, np.ndarray], eval_iters: int, batch_size: int, block_size: int,

@@ -60,7 +60,8 @@ class ChunkedCrossEntropy(torch.autograd.Function):
             grad = torch.empty_like(logits)
             for start in range(0, logits.shape[0], rows):
                 block = slice(start, start + rows)
-                p = logits[block].float().sub_(lse[block].unsqueeze(1)).exp_()  # softmax of the block's rows
+                # softmax of the block's rows; a new fp32 tensor (fp32 logits' .float() would be the logits themselves)
+                p = torch.sub(logits[block], lse[block].unsqueeze(1)).exp_()
                 p.scatter_add_(1, safe[block], minus_one[: p.shape[0]])
                 grad[block] = p.mul_(weight[block])
         return grad, None, None, None

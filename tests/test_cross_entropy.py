@@ -45,6 +45,15 @@ def test_fp32_loss_and_gradient_match_f_cross_entropy(reduction):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_logits_are_left_as_they_were(dtype):
+    """The model returns these logits to the caller: backward must not compute the softmax in their storage."""
+    logits, targets = case(dtype=dtype)
+    x = logits.clone().requires_grad_()
+    chunked.cross_entropy(x, targets).backward()
+    assert torch.equal(x.detach(), logits)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_logits_are_computed_in_fp32(dtype):
     logits, targets = case(dtype=dtype)

@@ -13,7 +13,7 @@ The same values as F.cross_entropy up to the order of the additions in fp32; gra
 (fp32 arithmetic, rounded once). gpt2 loss and backward alone, 508 x 50257: fp32 46.6 -> 46.0 ms, bf16 logits
 57.7 -> 37.9 ms with freed memory kept; 116.7 -> 81.8 and 151.0 -> 59.9 ms with glibc's default malloc, where the
 whole-tensor path also faults in fresh pages (docs/performance.md). Used on the CPU for fp32, bf16 and fp16 logits; float64 logits, other
-devices and torch.compile take F.cross_entropy.
+devices, torch.compile and logits under MIN_ELEMENTS take F.cross_entropy.
 """
 from __future__ import annotations
 
@@ -22,6 +22,10 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 CHUNK_ELEMENTS = 1 << 19  # fp32 elements per block of rows: 2 MB, a core's L2 on the Xeon this was measured on
+# Smaller logits stay with F.cross_entropy: they fit in cache whole, and the blocks' Python loop and autograd.Function
+# cost more than they save (the README's char model, 384 x 65 logits a slice: 28.10 -> 28.60 and 29.40 -> 29.54 ms
+# a step with blocks, one thread, in one process).
+MIN_ELEMENTS = 1 << 21
 
 
 def rows_per_chunk(vocab: int) -> int:
@@ -69,7 +73,7 @@ class ChunkedCrossEntropy(torch.autograd.Function):
 
 def applies(logits: torch.Tensor) -> bool:
     return (logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.bfloat16, torch.float16)
-            and not torch.compiler.is_compiling())
+            and logits.numel() >= MIN_ELEMENTS and not torch.compiler.is_compiling())
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100,

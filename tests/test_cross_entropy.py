@@ -14,6 +14,16 @@ from modules import cross_entropy as chunked
 @pytest.fixture(autouse=True)
 def small_blocks(monkeypatch):
     monkeypatch.setattr(chunked, "CHUNK_ELEMENTS", 3 * 37)  # 3 rows a block for V = 37
+    monkeypatch.setattr(chunked, "MIN_ELEMENTS", 0)  # blocks for any size of logits
+
+
+def test_small_logits_go_to_f_cross_entropy(monkeypatch):
+    monkeypatch.setattr(chunked, "MIN_ELEMENTS", 10 * 37 + 1)
+    logits, targets = case()
+    assert not chunked.applies(logits)
+    assert chunked.cross_entropy(logits.requires_grad_(), targets).grad_fn.name() != "ChunkedCrossEntropyBackward"
+    monkeypatch.setattr(chunked, "MIN_ELEMENTS", 10 * 37)
+    assert chunked.cross_entropy(logits, targets).grad_fn.name() == "ChunkedCrossEntropyBackward"
 
 
 def case(n=10, vocab=37, dtype=torch.float32, ignored=(2, 7), seed=0):

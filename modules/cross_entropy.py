@@ -12,8 +12,8 @@ fp32 while the rows are in cache, writing the gradient once in the logits' dtype
 The same values as F.cross_entropy up to the order of the additions in fp32; gradients come in the logits' dtype
 (fp32 arithmetic, rounded once). gpt2 loss and backward alone, 508 x 50257: fp32 46.6 -> 46.0 ms, bf16 logits
 57.7 -> 37.9 ms with freed memory kept; 116.7 -> 81.8 and 151.0 -> 59.9 ms with glibc's default malloc, where the
-whole-tensor path also faults in fresh pages (docs/performance.md). Used on the CPU for fp32, bf16 and fp16 logits; float64 logits, other
-devices, torch.compile and logits under MIN_ELEMENTS take F.cross_entropy.
+whole-tensor path also faults in fresh pages (docs/performance.md). Used on the CPU for fp32, bf16 and fp16 logits
+of at least MIN_ELEMENTS; float64 logits, smaller ones, other devices and torch.compile take F.cross_entropy.
 """
 from __future__ import annotations
 

@@ -91,13 +91,13 @@ class GPT2Model(nn.Module):
         head_follows: the caller applies the tied LM head to this pass's output (see sparse_token_grad)."""
         if position_ids is None:
             position_ids = self.position_ids[:, : input_ids.shape[1]]
-        if head_follows and self.sparse_token_grad(self.word_embedding):
+        if head_follows and self.sparse_token_grad():
             tokens = F.embedding(input_ids, self.word_embedding.weight, sparse=True)
         else:
             tokens = self.word_embedding(input_ids)
         return self.embed_dropout(tokens + self.pos_embedding(position_ids))
 
-    def sparse_token_grad(self, embedding: nn.Module) -> bool:
+    def sparse_token_grad(self) -> bool:
         """Whether the token embedding's gradient may come as rows (a sparse tensor) instead of a dense matrix.
 
         With the LM head tied, the (V, C) weight gets two gradients a step: the head's, dense, and the embedding's,
@@ -107,12 +107,13 @@ class GPT2Model(nn.Module):
         nn.Embedding with autograd on the CPU, outside torch.compile (the README's char model, a 65 x 128 table, is
         no slower with it); a hook on the weight turns a gradient that arrives as rows alone (a loss that does not go
         through the head) back into a dense one, so `.grad` is always dense."""
-        weight = getattr(embedding, "weight", None)
+        embedding = self.word_embedding
         if not (type(embedding) is nn.Embedding and self.lm_head is None and self.config.backward == "autograd"
-                and torch.is_grad_enabled() and weight.requires_grad and weight.device.type == "cpu"
+                and torch.is_grad_enabled() and embedding.weight.requires_grad and embedding.weight.is_cpu
                 and embedding.padding_idx is None and embedding.max_norm is None
                 and not embedding.scale_grad_by_freq and not torch.compiler.is_compiling()):
             return False
+        weight = embedding.weight
         if not hasattr(weight, "_post_accumulate_grad_hooks"):  # a torch that keeps hooks elsewhere: stay dense
             return False
         if _dense_grad not in (weight._post_accumulate_grad_hooks or {}).values():  # None until a hook is added

@@ -76,14 +76,19 @@ def applies(logits: torch.Tensor) -> bool:
             and logits.numel() >= MIN_ELEMENTS and not torch.compiler.is_compiling())
 
 
+def check_shapes(logits: torch.Tensor, targets: torch.Tensor) -> None:
+    """Logits (N, V) and targets (N,), or a ValueError naming both shapes."""
+    if logits.dim() != 2 or targets.shape != logits.shape[:1]:
+        raise ValueError(f"cross_entropy wants logits (N, V) and targets (N,), got {tuple(logits.shape)} and "
+                         f"{tuple(targets.shape)}")
+
+
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100,
                   reduction: str = "mean") -> torch.Tensor:
     """F.cross_entropy(logits.float(), targets, ignore_index=..., reduction=...) for logits (N, V) and class
     indices (N,), computed at least in fp32 (float64 kept): chunked on the CPU (see the module's docstring), whole
     elsewhere and for reduction "none"."""
-    if logits.dim() != 2 or targets.shape != logits.shape[:1]:
-        raise ValueError(f"cross_entropy wants logits (N, V) and targets (N,), got {tuple(logits.shape)} and "
-                         f"{tuple(targets.shape)}")
+    check_shapes(logits, targets)
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
     if reduction == "none" or not applies(logits):

@@ -15,6 +15,8 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
+from modules.cross_entropy import check_shapes
+
 
 def _no_autocast(name: str) -> None:
     # Under autocast the forward would compute in bf16 while the backward multiplies saved fp32 tensors.
@@ -208,9 +210,7 @@ def softmax(x: torch.Tensor) -> torch.Tensor:
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
-    if logits.dim() != 2 or targets.shape != logits.shape[:1]:
-        raise ValueError(f"cross_entropy wants logits (N, V) and targets (N,), got {tuple(logits.shape)} and "
-                         f"{tuple(targets.shape)}")
+    check_shapes(logits, targets)
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # half precision up, float64 kept
     return CrossEntropyFn.apply(logits, targets, ignore_index)
 

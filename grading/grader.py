@@ -104,7 +104,7 @@ class Grader:
         self._tmp = tempfile.TemporaryDirectory(prefix="grading-hub-")
 
     def close(self) -> None:
-        self.sandbox.close()
+        self.sandbox.release()
         self._tmp.cleanup()
 
     def __enter__(self) -> "Grader":

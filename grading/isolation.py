@@ -26,7 +26,8 @@ import sys
 CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWUSER = 0x00020000, 0x08000000, 0x10000000
 CLONE_NEWPID, CLONE_NEWNET = 0x20000000, 0x40000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
-MS_BIND, MS_REC, MS_PRIVATE = 4096, 16384, 1 << 18
+MS_NOATIME, MS_NODIRATIME, MS_BIND, MS_REC, MS_PRIVATE, MS_RELATIME = 1024, 2048, 4096, 16384, 1 << 18, 1 << 21
+ST_RELATIME = 4096  # statvfs's bit for relatime (MS_BIND's value among the mount flags)
 PR_SET_PDEATHSIG = 1
 TMPFS_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")
 TMPFS_MB = 64  # each private tmpfs; the check's own temporary folder is its HOME, under the disk quota
@@ -292,33 +293,22 @@ def _private_mounts(req: dict, keep: list[str], info: dict) -> None:
             info["disk"] = f"no quota: {e}"
     else:
         info["disk"] = "no quota: disabled"
-    # The check's own folder and the zygote's HOME (HF_HOME's link) live in /tmp: carried into the new tmpfs.
-    # Held open by fd across the tmpfs that covers them, then bound back at the same paths.
-    held = [(os.open(path, os.O_PATH | os.O_DIRECTORY), path) for path in keep]
-    held_python = [(os.open(path, os.O_PATH | os.O_DIRECTORY), path) for path in python_under(TMPFS_DIRS)]
+    # The check's own folder and the zygote's HOME (HF_HOME's link) live in /tmp: carried into the new tmpfs,
+    # writable. A Python installation under one of them (a venv in /tmp) comes back read-only, and only its own
+    # folders: the submission imports from it and must not change it for the checks after it, nor see what else
+    # lives beside it (the grader's checkout, another student's batch copy).
+    python = python_paths()
     done = []
     for folder in TMPFS_DIRS:
         if not os.path.isdir(folder) or os.path.islink(folder):
             continue
         try:
-            _mount("tmpfs", folder, "tmpfs", MS_NOSUID | MS_NODEV, f"size={TMPFS_MB}m,mode=1777", f"tmpfs on {folder}")
+            bound = _cover(folder, f"size={TMPFS_MB}m,mode=1777", MS_NOSUID | MS_NODEV, writable=keep,
+                           read_only=python)
             done.append(folder)
+            info.setdefault("python_read_only", []).extend(bound)
         except OSError as e:
             info.setdefault("tmpfs_errors", []).append(str(e))
-    for fd, path in held:
-        if any(path.startswith(f + os.sep) for f in done):
-            os.makedirs(path, mode=0o755, exist_ok=True)
-            _mount(f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC, None, f"bind back {path}")
-        os.close(fd)
-    # A Python installation under one of them (a venv in /tmp) comes back read-only: the submission imports from
-    # it and must not change it for the checks after it.
-    for fd, path in held_python:
-        if any(path.startswith(f + os.sep) for f in done):
-            os.makedirs(path, mode=0o755, exist_ok=True)
-            _mount(f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC, None, f"bind back {path}")
-            _mount(None, path, None, MS_BIND | MS_REMOUNT | MS_RDONLY, None, f"read-only {path}")
-            info.setdefault("python_read_only", []).append(path)
-        os.close(fd)
     info["tmpfs"] = f"private {TMPFS_MB} MiB tmpfs on {', '.join(done)}" if done else "none"
     try:
         _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, "hidepid=2", "mount proc")
@@ -327,48 +317,79 @@ def _private_mounts(req: dict, keep: list[str], info: dict) -> None:
         info["proc"] = f"host /proc: {e}"
 
 
-def python_under(folders) -> list[str]:
-    """The top folders, directly inside one of `folders`, that hold this Python's installation (sys.prefix and its
-    site-packages; e.g. /tmp/venv for a virtual environment made in /tmp)."""
-    paths = [sys.prefix, sys.base_prefix, sys.exec_prefix, *site.getsitepackages()]
-    tops = set()
-    for p in {q for path in paths if path for q in (os.path.abspath(path), os.path.realpath(path))}:
-        for folder in folders:
-            if p.startswith(folder + os.sep):
-                tops.add(os.path.join(folder, os.path.relpath(p, folder).split(os.sep)[0]))
-    return sorted(t for t in tops if os.path.isdir(t))
+def python_paths() -> list[str]:
+    """The folders this Python imports from: the installation (a venv's and its base's), site-packages and every
+    other entry of sys.path, as real paths, none inside another."""
+    paths = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
+                                           *site.getsitepackages(), *sys.path) if p}
+    kept = []
+    for p in sorted(p for p in paths if os.path.exists(p)):
+        if not any(p == k or p.startswith(k.rstrip(os.sep) + os.sep) for k in kept):
+            kept.append(p)
+    return kept
 
 
-def expose_python(scratch: str, private_mounts: bool) -> str:
-    """Let the sandbox user read the Python installation where it lives in a folder others cannot enter (e.g.
-    /root/.pyenv): an empty tmpfs covers that folder (hiding the rest of it, a home directory's secrets included)
-    and only the installation is bind-mounted back. Needs the private mount namespace."""
-    paths = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix, *sys.path) if p}
-    blocked = None
-    for p in sorted(paths):
-        parts = p.split(os.sep)
-        for i in range(2, len(parts)):
-            folder = os.sep.join(parts[:i])
-            if os.path.isdir(folder) and not os.stat(folder).st_mode & 0o001:
-                blocked = blocked or folder
-                break
-    if blocked is None:
+def closed_ancestor(path: str) -> str | None:
+    """The outermost folder above `path` that other users cannot pass through (e.g. /root for a pyenv Python, or a
+    0700 folder from `mktemp -d` holding a venv); None when every folder on the way is open."""
+    parts = os.path.realpath(path).split(os.sep)
+    for i in range(2, len(parts)):
+        folder = os.sep.join(parts[:i])
+        if os.path.isdir(folder) and not os.stat(folder).st_mode & 0o001:
+            return folder
+    return None
+
+
+def _cover(folder: str, options: str, flags: int, writable=(), read_only=()) -> list[str]:
+    """Mount a fresh tmpfs on `folder`, then bind back the given paths inside it at the same places (the folders
+    above them made anew, 0755): `writable` as they are, `read_only` read-only. Returns the read-only ones."""
+    inside = [(p, False) for p in writable] + [(p, True) for p in read_only]
+    inside = [(p, ro) for p, ro in inside if p.startswith(folder.rstrip(os.sep) + os.sep)]
+    held = [(os.open(p, os.O_PATH), p, ro) for p, ro in inside]  # reachable once the tmpfs covers them
+    try:
+        _mount("tmpfs", folder, "tmpfs", flags, options, f"tmpfs on {folder}")
+        for fd, path, ro in held:
+            if os.path.isdir(f"/proc/self/fd/{fd}"):
+                os.makedirs(path, mode=0o755, exist_ok=True)
+            else:
+                os.makedirs(os.path.dirname(path), mode=0o755, exist_ok=True)
+                open(path, "a").close()
+            _mount(f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC, None, f"bind back {path}")
+            if ro:
+                _mount(None, path, None, MS_BIND | MS_REMOUNT | MS_RDONLY | _locked_flags(path), None,
+                       f"read-only {path}")
+    finally:
+        for fd, _, _ in held:
+            os.close(fd)
+    return [p for _, p, ro in held if ro]
+
+
+def _locked_flags(path: str) -> int:
+    """The flags a remount of `path` must keep: in a user namespace the kernel refuses to clear the nosuid, nodev,
+    noexec and atime flags of a mount that came from outside (statvfs's ST_* bits, translated to MS_*)."""
+    st = os.statvfs(path).f_flag
+    flags = st & (MS_NOSUID | MS_NODEV | MS_NOEXEC | MS_NOATIME | MS_NODIRATIME)  # the same bits in both
+    return flags | (MS_RELATIME if st & ST_RELATIME else 0)
+
+
+def expose_python(private_mounts: bool) -> str:
+    """Let the sandbox user read the Python installation where it lives under folders others cannot enter (a pyenv
+    in /root, a venv in a `mktemp -d` folder): an empty tmpfs covers each such folder (hiding the rest of it, a home
+    directory's secrets included) and only the installation's own folders are bound back, read-only. Needs the
+    private mount namespace."""
+    closed = {}
+    for path in python_paths():
+        folder = closed_ancestor(path)
+        if folder is not None:
+            closed.setdefault(folder, []).append(path)
+    if not closed:
         return "readable"
     if not private_mounts:
-        raise OSError(errno.EPERM, f"{blocked} is closed to other users and there is no private mount namespace")
-    tops = sorted({os.path.join(blocked, os.path.relpath(p, blocked).split(os.sep)[0])
-                   for p in paths if p.startswith(blocked + os.sep)})
-    stages = []
-    for i, top in enumerate(tops):
-        stage = os.path.join(scratch, f"python{i}")
-        os.mkdir(stage)
-        _mount(top, stage, None, MS_BIND | MS_REC, None, f"bind {top}")
-        stages.append(stage)
-    _mount("tmpfs", blocked, "tmpfs", 0, "mode=0755,size=1m", f"tmpfs on {blocked}")
-    for stage, top in zip(stages, tops):
-        os.makedirs(top, exist_ok=True)
-        _mount(stage, top, None, MS_BIND | MS_REC, None, f"bind back {top}")
-    return f"{blocked} hidden except {', '.join(tops)}"
+        raise OSError(errno.EPERM, f"{', '.join(sorted(closed))} closed to other users and there is no private "
+                                   f"mount namespace")
+    for folder, paths in sorted(closed.items()):
+        _cover(folder, "mode=0755,size=1m", 0, read_only=paths)
+    return "; ".join(f"{folder} hidden except {', '.join(paths)}" for folder, paths in sorted(closed.items()))
 
 
 def _seccomp() -> str:
@@ -443,9 +464,7 @@ def enter(req: dict, cgroup_dirs: dict | None) -> dict:
     uid = req.get("uid")
     if uid is not None:
         try:
-            scratch = os.path.join(req["outdir"], ".python")
-            os.mkdir(scratch, 0o700)
-            info["python"] = expose_python(scratch, info["mount"] == "isolated")
+            info["python"] = expose_python(info["mount"] == "isolated")
         except OSError as e:  # the sandbox user could not import anything new: keep the grader's uid
             info["python"] = f"not readable by a sandbox user ({e}); the check runs as the grader's user"
             uid = None

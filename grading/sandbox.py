@@ -28,6 +28,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -122,12 +123,48 @@ def _close_folders(tmp: Path, private: tuple, uid: int | None) -> None:
         os.chmod(folder, 0o700)
 
 
+UID_BASE, UID_SPAN = 200000, 1 << 20  # sandbox uids: unused by any account, below the 32-bit user namespaces' limit
+UID_LOCKS = ("/run/grading-uids", os.path.join(tempfile.gettempdir(), "grading-uids"))
+
+
+def claim_uid(first: int) -> tuple[int, int]:
+    """A sandbox uid no other grader on this machine holds: (uid, the fd of its lock, held while the uid is in
+    use). `first` is tried first, then random ones; the locks live in a folder only root may enter."""
+    import fcntl
+    import random
+
+    for folder in UID_LOCKS:
+        try:
+            os.makedirs(folder, mode=0o700, exist_ok=True)
+            st = os.lstat(folder)
+            if stat.S_ISDIR(st.st_mode) and st.st_uid == 0 and not st.st_mode & 0o077:
+                break
+        except OSError:
+            continue
+    else:
+        raise RuntimeError(f"no folder for the sandbox uids' locks: tried {', '.join(UID_LOCKS)}")
+    rng = random.SystemRandom()
+    for uid in [first] + [rng.randrange(UID_BASE, UID_BASE + UID_SPAN) for _ in range(100)]:
+        fd = os.open(os.path.join(folder, str(uid)), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return uid, fd
+        except OSError:
+            os.close(fd)
+    raise RuntimeError(f"no free sandbox uid in {UID_BASE}..{UID_BASE + UID_SPAN} after 100 tries")
+
+
 class Sandbox:
     def __init__(self, limits: Limits | None = None, isolate_network: bool = True):
         self.limits = limits or Limits()
         self.isolate_network = isolate_network
-        # A uid of our own (unused by any account) makes "kill everything it left" and "refuse writes" exact.
-        self.uid = 200000 + os.getpid() if os.geteuid() == 0 else None
+        # A uid of our own (unused by any account, and by any other grader here) makes "kill everything it left"
+        # and "refuse writes" exact.
+        self.uid, self._uid_lock = claim_uid(UID_BASE + os.getpid()) if os.geteuid() == 0 else (None, -1)
+        # This sandbox's checks get their folders in a folder of its own: another grader's never sit beside them.
+        self.scratch = tempfile.mkdtemp(prefix=f"grading-{os.getpid()}-")
+        os.chmod(self.scratch, 0o711)
+        self._forget_scratch = weakref.finalize(self, shutil.rmtree, self.scratch, True)  # also at exit
         self._proc: subprocess.Popen | None = None
         self._home = ""
 
@@ -162,12 +199,21 @@ class Sandbox:
             self._proc = None
         if self._home:
             shutil.rmtree(self._home, ignore_errors=True)
+            self._home = ""
+
+    def release(self) -> None:
+        """close(), and give back the scratch folder and the uid (the sandbox cannot run checks after this)."""
+        self.close()
+        self._forget_scratch()
+        if self._uid_lock >= 0:
+            os.close(self._uid_lock)
+            self._uid_lock = -1
 
     def __enter__(self) -> "Sandbox":
         return self
 
     def __exit__(self, *exc) -> None:
-        self.close()
+        self.release()
 
     # ---- one check ---------------------------------------------------------------------------------------------
     def run(self, probe: str, submission: str | os.PathLike, hf_home: str | os.PathLike | None = None,
@@ -178,7 +224,7 @@ class Sandbox:
         submission = Path(submission)
         timeout = timeout or self.limits.timeout
         before = _snapshot(submission)
-        tmp = Path(tempfile.mkdtemp(prefix="grading-check-"))
+        tmp = Path(tempfile.mkdtemp(prefix="check-", dir=self.scratch))
         try:
             work, result, home = tmp / "submission", tmp / "result", tmp / "home"
             left_out = _copy_submission(submission, work)

@@ -18,8 +18,10 @@ import sys
 import time
 
 GRADING_DIR = os.path.dirname(os.path.abspath(__file__))
-# Our own directory must not be on the submission's import path.
-sys.path[:] = [p for p in sys.path if p not in ("", GRADING_DIR, os.getcwd())]
+# Our own directory and the project's (on the path when it is installed in editable mode) must not be on the
+# submission's import path: its config/models/modules/optimizer would stand in for a file the submission lacks.
+_OURS = {os.path.realpath(p) for p in (GRADING_DIR, os.path.dirname(GRADING_DIR), os.getcwd())}
+sys.path[:] = [p for p in sys.path if p and os.path.realpath(p) not in _OURS]
 
 import numpy  # noqa: E402,F401  (warm imports shared by every child)
 import safetensors.torch  # noqa: E402,F401

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import shlex
 import socket
 import subprocess
 import sys
@@ -18,6 +19,7 @@ import pytest
 from grading_submission import write_submission
 
 from grading.grader import Grader
+from grading.isolation import closed_ancestor, python_paths
 from grading.predictions import score_predictions
 from grading.sandbox import Limits, Sandbox
 
@@ -138,17 +140,16 @@ def test_another_students_live_copy_cannot_be_read(grader, tmp_path):
     marker = f"VICTIM-{token}"  # never spelled out in the attacker's own file, which it can read
     victim = write_submission(tmp_path / "victim", attention=[("import math\n", f"import math\nimport time\n"
                                                                                 f"# {marker}\ntime.sleep(4)\n")])
-    before = set(Path(tempfile.gettempdir()).glob("grading-check-*"))
-    other = Sandbox(Limits(timeout=6))
-    other.uid = grader.sandbox.uid + 1  # as a second batch worker would have
+    other = Sandbox(Limits(timeout=6))  # as a second batch worker would have: its own uid and folder
+    assert other.uid != grader.sandbox.uid and other.scratch != grader.sandbox.scratch
     thread = threading.Thread(target=other.run, args=("attention", victim))
     thread.start()
     try:
         copy = None
         for _ in range(1000):  # until the victim's check has its copy (the zygote starts first)
-            new = set(Path(tempfile.gettempdir()).glob("grading-check-*")) - before
-            if new and (next(iter(new)) / "submission" / "modules" / "attention.py").exists():
-                copy = next(iter(new))
+            new = list(Path(other.scratch).glob("check-*"))  # its own folder: another grader's checks never match
+            if new and (new[0] / "submission" / "modules" / "attention.py").exists():
+                copy = new[0]
                 break
             time.sleep(0.05)
         assert copy is not None, "the victim's check never started"
@@ -156,16 +157,36 @@ def test_another_students_live_copy_cannot_be_read(grader, tmp_path):
         assert (copy.stat().st_mode & 0o777, copy.stat().st_gid) == (0o710, other.uid)
         assert (copy / "submission").stat().st_mode & 0o777 == 0o700
         target = copy / "submission" / "modules" / "attention.py"
-        code = (f"import glob\nfound = glob.glob('/tmp/grading-check-*/submission/modules/attention.py')\n"
+        code = (f"import glob\nfound = glob.glob('/tmp/grading-*/check-*/submission/modules/attention.py')\n"
                 f"for path in found + [{str(target)!r}]:\n    try:\n"
                 f"        print('STOLEN' if 'VICTIM-' + {token!r} in open(path).read() else 'other', path)\n"
                 f"    except OSError as e:\n        print('REFUSED', e.strerror)")
         check = grade_attention(grader, attack(tmp_path, code))
     finally:
         thread.join()
-        other.close()
+        other.release()
     assert "STOLEN" not in check.output and "REFUSED" in check.output, check.output
     assert check.score == check.max_score, check.messages
+
+
+@ROOT_ONLY
+def test_two_graders_on_one_machine_never_share_a_uid_or_a_check_folder():
+    from grading.sandbox import claim_uid
+
+    first, second = Sandbox(), Sandbox()  # as two graders (or two batch workers) started side by side would
+    try:
+        assert first.uid != second.uid and first.scratch != second.scratch
+        for sb in (first, second):  # root's, passable (the check's own folder inside), not listable
+            st = os.stat(sb.scratch)
+            assert (st.st_uid, st.st_mode & 0o777) == (0, 0o711)
+        uid = first.uid
+    finally:
+        first.release()
+        second.release()
+    assert not os.path.exists(first.scratch) and not os.path.exists(second.scratch)
+    again, lock = claim_uid(uid)  # given back: free for the next grader
+    os.close(lock)
+    assert again == uid
 
 
 # ---- prediction files (no sandbox) ---------------------------------------------------------------------------
@@ -234,16 +255,6 @@ def test_a_linked_folder_or_a_fifo_is_not_read(folders, tmp_path):
 
 # ---- where the grader has less power: no root, or a container without CAP_SYS_ADMIN ------------------------------
 
-def closed_ancestor(path: str) -> str | None:
-    """The first folder above `path` that other users cannot enter (e.g. /root for a pyenv Python)."""
-    parts = Path(os.path.realpath(path)).parts
-    for i in range(2, len(parts)):
-        folder = os.path.join(*parts[:i])
-        if not os.stat(folder).st_mode & 0o001:
-            return folder
-    return None
-
-
 def run_grader_as(wrapper: list[str], tmp: Path, code: str = "") -> dict:
     import json
 
@@ -257,14 +268,23 @@ def run_grader_as(wrapper: list[str], tmp: Path, code: str = "") -> dict:
 
 
 def exposing_python(tmp: Path, then: str) -> list[str]:
-    """A command prefix: a private mount namespace where a Python under a folder closed to others (a pyenv in
-    /root) is the only thing visible there, then `then` (a setpriv line that takes the rest of the arguments)."""
-    closed = closed_ancestor(sys.prefix)
-    top = os.path.join(closed, Path(os.path.realpath(sys.prefix)).relative_to(closed).parts[0]) if closed else None
-    script = (f"set -e; mkdir {tmp}/stage; mount --bind {top} {tmp}/stage; "
-              f"mount -t tmpfs -o mode=0755,size=1m tmpfs {closed}; mkdir {top}; mount --bind {tmp}/stage {top}; "
-              if closed else "") + f'exec {then} "$@"'
-    return ["unshare", "-m", "sh", "-c", script, "sh"]
+    """A command prefix: a private mount namespace where each folder closed to others above the project or this
+    Python (a pyenv in /root, the `mktemp -d` folder a clone and its venv live in) is covered by an empty tmpfs with
+    only those bound back, then `then` (a setpriv line that takes the rest of the arguments)."""
+    closed = {}
+    for path in sorted([str(ROOT), *python_paths()]):
+        folder = closed_ancestor(path)
+        if folder and not any(path.startswith(p + os.sep) for p in closed.get(folder, [])):
+            closed.setdefault(folder, []).append(path)
+    stage, script = lambda i, j: shlex.quote(str(tmp / f"stage-{i}-{j}")), ["set -e"]
+    for i, (folder, paths) in enumerate(sorted(closed.items())):
+        for j, path in enumerate(paths):
+            script.append(f"mkdir {stage(i, j)}; mount --bind {shlex.quote(path)} {stage(i, j)}")
+        script.append(f"mount -t tmpfs -o mode=0755,size=1m tmpfs {shlex.quote(folder)}")
+        for j, path in enumerate(paths):
+            script.append(f"mkdir -p {shlex.quote(path)}; mount --bind {stage(i, j)} {shlex.quote(path)}")
+    script.append(f'exec {then} "$@"')
+    return ["unshare", "-m", "sh", "-c", "; ".join(script), "sh"]
 
 
 @ROOT_ONLY

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import site
 import subprocess
 import sys
 import tempfile
@@ -21,20 +22,24 @@ def test_a_venv_in_tmp_stays_importable_and_read_only_in_the_check():
     tmp = Path(tempfile.mkdtemp(prefix="grading-venv-", dir="/tmp"))
     try:
         venv = tmp / "venv"
-        # The system's packages (torch, transformers) seen through the venv, plus one only the venv holds.
-        subprocess.run([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages", str(venv)],
-                       check=True, timeout=120)
+        # The packages of the Python running the tests (torch, transformers: a venv's, a pyenv's, the system's) seen
+        # through the new venv by a .pth file, plus one only the new venv holds. (--system-site-packages would give
+        # the base installation's, which need not hold torch when the tests themselves run in a venv.)
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
         out = subprocess.run([str(venv / "bin" / "python"), "-c", "import site; print(site.getsitepackages()[0])"],
                              capture_output=True, text=True, check=True)
         packages = Path(out.stdout.strip())
+        (packages / "outer.pth").write_text("".join(p + "\n" for p in site.getsitepackages()))
         (packages / "course_extra_pkg.py").write_text("VALUE = 1\n")
+        (tmp / "beside-the-venv.txt").write_text("not the check's to see\n")
         poisoned = packages / "poisoned_by_a_submission.py"
         code = ("import course_extra_pkg\nassert course_extra_pkg.VALUE == 1\n"
                 "try:\n"
                 f"    open({str(poisoned)!r}, 'w').write('x = 1')\n"
                 "except OSError:\n"
-                "    pass\n")
-        sub = write_submission(tmp / "sub", attention=[("import math\n", "import math\n" + code)])
+                "    pass\n"
+                f"print('BESIDE', sorted(os.listdir({str(tmp)!r})))\n")
+        sub = write_submission(tmp / "sub", attention=[("import math\n", "import math\nimport os\n" + code)])
         subprocess.run(["chmod", "-R", "a+rX", str(tmp)], check=True)
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
         run = subprocess.run([str(venv / "bin" / "python"), "-m", "grading", str(sub), "--checks", "attention",
@@ -46,5 +51,6 @@ def test_a_venv_in_tmp_stays_importable_and_read_only_in_the_check():
         assert "course_extra_pkg" not in json.dumps(report), report  # imported fine: no finding names it
         assert report["score"] == check["max_score"] == 16, check
         assert not poisoned.exists()
+        assert "BESIDE ['venv']" in check["output"], check["output"]  # the venv alone, not what lives beside it
     finally:
         subprocess.run(["rm", "-rf", str(tmp)])

@@ -36,12 +36,13 @@ from pathlib import Path
 from models.hub import with_offline_help
 from tasks.classifier import MODES, ClassifierConfig, run
 from tasks.lora import add_lora_args, check_lora_args
-from tasks.training import add_model_args, add_training_args, run_cli
+from tasks.training import add_model_args, add_training_args, offline_recipe, run_cli
 
 ROOT = Path(__file__).resolve().parent
 
-NO_HUB_RECIPE = ("python run_classifier.py --model random:n_layer=2,n_head=2,n_embd=128 --fine-tune-mode full-model "
-                 "--lr 1e-3 --epochs 1 --batch_size 32 --max_length 64 --threads 1   # SST then CFIMDB, 1 epoch each")
+# the offline hint's run of a few minutes: these flags join the user's own (offline_recipe), whose settings win
+NO_HUB_RECIPE = [("--model", "random:n_layer=2,n_head=2,n_embd=128"), ("--fine-tune-mode", "full-model"),
+                 ("--lr", "1e-3"), ("--epochs", "1"), ("--batch_size", "32"), ("--max_length", "64"), ("--threads", "1")]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -88,8 +89,10 @@ def get_args(argv=None) -> ClassifierConfig:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     cfg = get_args(argv)
-    return run_cli(lambda: with_offline_help(lambda: run(cfg), NO_HUB_RECIPE))
+    recipe = offline_recipe("run_classifier.py", build_parser, argv, NO_HUB_RECIPE)
+    return run_cli(lambda: with_offline_help(lambda: run(cfg), recipe))
 
 
 if __name__ == "__main__":

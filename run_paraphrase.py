@@ -27,11 +27,13 @@ import sys
 from models.hub import shared_dir, with_offline_help
 from tasks.lora import add_lora_args, check_lora_args
 from tasks.paraphrase import MODES, ParaphraseConfig, run
-from tasks.training import add_model_args, add_training_args, run_cli
+from tasks.training import add_model_args, add_training_args, offline_recipe, run_cli
 
-NO_HUB_RECIPE = (f"python run_paraphrase.py --train {shared_dir() / 'data' / 'quora' / 'quora-dev-minbert.csv'} "
-                 "--split_dev 16000 --skip_bad_rows --model random:n_layer=2,n_head=2,n_embd=128 --lr 1e-3 "
-                 "--epochs 1 --batch_size 32 --max_length 64 --threads 1")
+# the offline hint's run of a few minutes: these flags join the user's own (offline_recipe), whose settings win
+NO_HUB_RECIPE = [("--model", "random:n_layer=2,n_head=2,n_embd=128"),
+                 ("--train", str(shared_dir() / "data" / "quora" / "quora-dev-minbert.csv"), "--split_dev", "16000",
+                  "--skip_bad_rows"),
+                 ("--lr", "1e-3"), ("--epochs", "1"), ("--batch_size", "32"), ("--max_length", "64"), ("--threads", "1")]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -76,8 +78,10 @@ def get_args(argv=None) -> ParaphraseConfig:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     cfg = get_args(argv)
-    return run_cli(lambda: with_offline_help(lambda: run(cfg), NO_HUB_RECIPE))
+    recipe = offline_recipe("run_paraphrase.py", build_parser, argv, NO_HUB_RECIPE)
+    return run_cli(lambda: with_offline_help(lambda: run(cfg), recipe))
 
 
 if __name__ == "__main__":

@@ -35,12 +35,13 @@ from models.hub import with_offline_help
 from modules.quant import QUANTIZE_MODES
 from tasks.lora import add_lora_args, check_lora_args
 from tasks.sonnet import SonnetConfig, course_file, run
-from tasks.training import add_model_args, add_training_args, run_cli
+from tasks.training import add_model_args, add_training_args, offline_recipe, run_cli
 
 ROOT = Path(__file__).resolve().parent
 
-NO_HUB_RECIPE = ("python run_sonnet.py --model random:n_layer=2,n_head=2,n_embd=128 --lr 1e-3 --epochs 3 "
-                 "--max_new_tokens 64 --threads 1")
+# the offline hint's run of a few minutes: these flags join the user's own (offline_recipe), whose settings win
+NO_HUB_RECIPE = [("--model", "random:n_layer=2,n_head=2,n_embd=128"), ("--lr", "1e-3"), ("--epochs", "3"),
+                 ("--max_new_tokens", "64"), ("--threads", "1")]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -109,8 +110,10 @@ def get_args(argv=None) -> SonnetConfig:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     cfg = get_args(argv)
-    return run_cli(lambda: with_offline_help(lambda: run(cfg), NO_HUB_RECIPE))
+    recipe = offline_recipe("run_sonnet.py", build_parser, argv, NO_HUB_RECIPE)
+    return run_cli(lambda: with_offline_help(lambda: run(cfg), recipe))
 
 
 if __name__ == "__main__":

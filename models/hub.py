@@ -79,8 +79,8 @@ def go_offline(reason: str) -> None:
 
 
 def offline_help(recipe: str) -> str:
-    """What a task CLI prints when its --model is a hub id that cannot be had: the local choices, and `recipe`, a
-    command of a few minutes that needs no hub."""
+    """What a task CLI prints when its --model is a hub id that cannot be had: the local choices, and `recipe`, the
+    user's command on a small random-init model, the flags they did not give set for a run of a few minutes."""
     return ("Without the hub, give --model a local model:\n"
             "  --model checkpoints/random-gpt2               the random-init gpt2 (124M) that "
             "`python -m models.parity` saves there (run it first, from the same folder)\n"
@@ -88,7 +88,8 @@ def offline_help(recipe: str) -> str:
             "no files needed)\n"
             "  --model DIR                                   any folder made with save_pretrained (a run's best/, a "
             "model pretrained with run_pretrain.py)\n"
-            f"A run of a few minutes without the hub:\n  {recipe}")
+            f"Your command without the hub, on a small model from random init (the flags you did not give set for "
+            f"a run of a few minutes):\n  {recipe}")
 
 
 def with_offline_help(job: Callable[[], T], recipe: str) -> T:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import math
 import random
+import shlex
 import sys
 from dataclasses import dataclass, field
 from typing import Callable
@@ -190,6 +191,32 @@ def run_cli(job: Callable[[], object]) -> int:
     finally:
         dist.cleanup()
     return 0
+
+
+def offline_recipe(script: str, build_parser: Callable[[], argparse.ArgumentParser], argv: list[str],
+                   recipe: list[tuple[str, ...]]) -> str:
+    """The command a task CLI suggests when its hub model cannot be had: the user's own command (argv) with its
+    --model / --model_size replaced by the recipe's --model, and each other group of recipe flags added where the
+    user set none of the settings it sets, so every flag the user gave (--task, --lora_rank, --epochs...) is kept."""
+    user = _given(build_parser, argv)
+    kept, args = [], iter(argv)
+    for arg in args:
+        if arg in ("--model", "--model_size"):
+            next(args, None)  # its value
+        elif not arg.startswith(("--model=", "--model_size=")):
+            kept.append(arg)
+    added = [arg for group in recipe if group[0] == "--model" or not _given(build_parser, list(group)) & user
+             for arg in group]
+    return shlex.join(["python", script, *kept, *added])
+
+
+def _given(build_parser: Callable[[], argparse.ArgumentParser], argv: list[str]) -> set[str]:
+    """The settings (argparse dests) that argv sets: parsed again with every default suppressed."""
+    parser = build_parser()
+    for action in parser._actions:  # (set_defaults would put the SUPPRESS string itself into the namespace)
+        action.default = argparse.SUPPRESS
+    return set(vars(parser.parse_args(argv)))
+
 
 def add_training_args(parser: argparse.ArgumentParser, epochs: int, batch_size: int, lr_help: str) -> None:
     """The flags every task CLI shares (the course's names where the course has them)."""

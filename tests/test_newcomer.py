@@ -125,9 +125,10 @@ def test_the_course_command_without_the_hub_names_the_local_choices_and_a_short_
     assert "cannot get 'gpt2' from the Hugging Face hub" in err
     assert "--model checkpoints/random-gpt2" in err and "python -m models.parity" in err
     assert "--model random:n_layer=4,n_head=4,n_embd=256" in err
-    recipe = re.search(r"A run of a few minutes without the hub:\n +(python run_classifier\.py .*)", err).group(1)
-    cfg = run_classifier.get_args(shlex.split(recipe.split("#")[0])[2:])  # the recipe's flags parse
-    assert cfg.model.startswith("random:") and cfg.fine_tune_mode == "full-model"
+    recipe = re.search(r"without the hub, on a small model .*:\n +(python run_classifier\.py .*)", err).group(1)
+    cfg = run_classifier.get_args(shlex.split(recipe)[2:])  # the recipe's flags parse
+    assert cfg.model.startswith("random:") and cfg.epochs == 1 and cfg.threads == 1
+    assert (cfg.fine_tune_mode, cfg.lr, cfg.task) == ("last-linear-layer", 1e-3, "sst")  # the user's own flags
 
     saved = []  # where `python -m models.parity` puts its random-init gpt2 when the hub is unreachable
 
@@ -139,6 +140,33 @@ def test_the_course_command_without_the_hub_names_the_local_choices_and_a_short_
     with pytest.raises(SystemExit):
         parity.main(["gpt2"])
     assert [str(d) for d in saved] == ["checkpoints/random-gpt2"]
+
+
+def test_the_offline_recipe_keeps_every_flag_the_user_gave(tmp_path, monkeypatch, capsys):
+    """Issue 37: `--task sst --lora_rank 8 --lora_alpha 16 --merge_lora` offline was told to run a command without
+    --lora_rank, which trains no adapters."""
+    import shlex
+
+    from test_task_data import write_sentiment
+
+    import run_classifier
+    import run_paraphrase
+    from tasks.training import offline_recipe
+
+    write_sentiment(tmp_path, "sst", 8)
+    monkeypatch.chdir(tmp_path)
+    assert run_classifier.main(["--task", "sst", "--data_dir", str(tmp_path), "--lora_rank", "8", "--lora_alpha",
+                                "16", "--merge_lora", "--epochs=5", "--model_size", "gpt2"]) == 1
+    recipe = re.search(r"\n +(python run_classifier\.py .*)", capsys.readouterr().err).group(1)
+    cfg = run_classifier.get_args(shlex.split(recipe)[2:])
+    assert (cfg.lora_rank, cfg.lora_alpha, cfg.merge_lora, cfg.task, cfg.data_dir) == (8, 16, True, "sst", str(tmp_path))
+    assert cfg.epochs == 5 and cfg.model.startswith("random:") and "--model_size" not in recipe
+    # a group of the recipe's flags (its data: --train, --split_dev, --skip_bad_rows) stays out when the user set any
+    argv = ["--para_train", "mine.csv", "--split_dev", "10", "--model=gpt2"]
+    recipe = offline_recipe("run_paraphrase.py", run_paraphrase.build_parser, argv, run_paraphrase.NO_HUB_RECIPE)
+    cfg = run_paraphrase.get_args(shlex.split(recipe)[2:])
+    assert (cfg.train, cfg.split_dev, cfg.skip_bad_rows, cfg.epochs) == ("mine.csv", 10, False, 1)
+    assert cfg.model.startswith("random:") and "gpt2 " not in recipe
 
 
 # ---- LoRA on a random base --------------------------------------------------------------------------------------

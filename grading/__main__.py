@@ -5,6 +5,7 @@
     python -m grading --batch submissions/ --csv scores.csv --jobs 2
     python -m grading --batch gradescope_export.zip --csv scores.csv --jobs 2   # Gradescope's "Export Submissions"
     python -m grading package autograder.zip --rubric my_rubric.json             # the zip Gradescope takes
+    python -m grading --example /tmp/example [--bug no_scale]                    # a sample submission to grade
 
 Each check runs the submission's code in its own sandboxed process (see grading/sandbox.py); the comparison with
 the reference runs here. Exit codes: 0 whenever grading ran, whatever the score; 2 for bad arguments or missing
@@ -22,8 +23,10 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
+from grading import example
 from grading.environment import EXIT_ENVIRONMENT, GraderEnvironmentError, check_environment
 from grading.grader import CHECKS, DEFAULT_RUBRIC, Grader, RubricError, load_rubric
+from grading.reference import BUGS as DIAGNOSES
 from grading.report import gradescope, table, write_json
 from grading.sandbox import Limits
 
@@ -52,9 +55,24 @@ def parse_args(argv):
                    "'Export Submissions' folder or zip (submission_metadata.yml: rows keyed by student ids and names)")
     g.add_argument("--csv", metavar="FILE", help="the batch's scores (required with --batch)")
     g.add_argument("--jobs", type=int, default=1, help="submissions graded in parallel (default 1)")
+    g = p.add_argument_group("a sample submission (to try the grader)")
+    g.add_argument("--example", metavar="DIR", help="write a small correct submission in the course's layout into DIR "
+                   "(new or empty), then print the command that grades it")
+    g.add_argument("--bug", nargs="?", const="no_scale", choices=sorted(example.BUGS), metavar="NAME",
+                   help="with --example: give it one bug the grader names (--bug without a NAME: no_scale); one "
+                        "per check: " + "; ".join(f"{name} ({check}: {DIAGNOSES[name]})"
+                                                  for name, (check, _) in example.BUGS.items()))
+    g.add_argument("--overwrite", action="store_true", help="with --example: write into DIR even if it is not empty "
+                   "(the example's files are replaced, other files are left alone)")
     args = p.parse_args(argv)
+    if args.example is not None:
+        if args.submission or args.batch:
+            p.error("--example writes a submission; give it alone (then grade DIR in a second command)")
+        return args
+    if args.bug or args.overwrite:
+        p.error("--bug and --overwrite go with --example DIR")
     if (args.batch is None) == (args.submission is None):
-        p.error("give either a SUBMISSION_DIR or --batch DIR")
+        p.error("give either a SUBMISSION_DIR or --batch DIR (or --example DIR to write a sample submission)")
     if args.batch and not args.csv:
         p.error("--batch needs --csv FILE")
     if args.jobs < 1 or args.timeout <= 0 or args.memory < 256:
@@ -98,11 +116,40 @@ def package(argv) -> int:
     return 0
 
 
+def write_example(args) -> int:
+    """--example DIR [--bug NAME] [--overwrite]: write the sample submission and say how to grade it."""
+    import shlex
+
+    folder = Path(args.example)
+    if folder.exists() and not folder.is_dir():
+        print(f"error: --example {folder}: that is a file, not a folder", file=sys.stderr)
+        return 2
+    entries = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
+    if entries and not args.overwrite:
+        shown = ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "")
+        print(f"error: --example {folder} is not empty ({len(entries)} entries: {shown}); choose a new or empty "
+              "folder, or add --overwrite to write the example's files over what is there", file=sys.stderr)
+        return 2
+    example.write_example(folder, args.bug)
+    files = ", ".join(rel for rel, _ in example.FILES.values())
+    if args.bug:
+        check, replace = example.BUGS[args.bug]
+        where = ", ".join(example.FILES[key][0] for key in replace)
+        print(f"wrote a course-layout submission with one bug to {folder}: {args.bug}, {DIAGNOSES[args.bug]} "
+              f"(in {where}); the {check} check should lose points and name it")
+    else:
+        print(f"wrote a correct course-layout submission to {folder} ({files}); it should get full marks")
+    print(f"next: python -m grading {shlex.quote(str(folder))}")
+    return 0
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["package"]:
         return package(argv[1:])
     args = parse_args(argv)
+    if args.example is not None:
+        return write_example(args)
     try:
         rubric = load_rubric(args.rubric)
     except RubricError as e:

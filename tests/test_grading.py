@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 from conftest import shared_path
-from grading_submission import write_submission
 
+from grading.example import write_submission
 from grading.grader import CHECKS, Grader
 
 MODEL_CHECKS = CHECKS[:-1]  # the optimizer file is untouched by model mutations, so adamw is left out there

@@ -7,9 +7,9 @@ import shutil
 import zipfile
 
 import pytest
-from grading_submission import write_submission
 
 from grading.__main__ import main
+from grading.example import write_submission
 from grading.gradescope import is_export, read_export
 
 # the export's metadata as Gradescope writes it: Ruby symbols as keys, a group submission listing each submitter

@@ -7,10 +7,10 @@ import re
 from pathlib import Path
 
 import pytest
-from grading_submission import write_submission
 
 from grading import environment
 from grading.__main__ import main
+from grading.example import write_submission
 from grading.grader import Grader, RubricError, load_rubric
 
 ROOT = Path(__file__).resolve().parents[1]

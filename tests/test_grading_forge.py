@@ -9,9 +9,9 @@ import time
 
 import pytest
 import torch
-from grading_submission import write_submission
 from test_grading import STARTER
 
+from grading.example import write_submission
 from grading.grader import Grader
 from grading.sandbox import Limits
 

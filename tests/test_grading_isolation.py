@@ -1,13 +1,13 @@
 """Issue 24 item 3: each component graded on its own (the reference standing in for the others), outputs captured
 by value, forward and the LM head as separate parts, every dropout checked in training mode.
 
-Each case is a synthetic submission (tests/grading_submission.py) whose one defect must cost exactly its own points.
+Each case is a synthetic submission (grading/example.py) whose one defect must cost exactly its own points.
 """
 from __future__ import annotations
 
 import pytest
-from grading_submission import write_submission
 
+from grading.example import write_submission
 from grading.grader import Grader
 
 FULL = {"attention": 16, "layer": 14, "embed": 8, "model": 14, "from_pretrained": 18}

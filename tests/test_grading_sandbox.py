@@ -11,8 +11,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from grading_submission import write_submission
 
+from grading.example import write_submission
 from grading.grader import Grader
 from grading.sandbox import Limits
 

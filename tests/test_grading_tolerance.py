@@ -3,9 +3,9 @@ is named only when a one-bug variant reproduces the submission tightly (checks.M
 from __future__ import annotations
 
 import torch
-from grading_submission import write_submission
 
 from grading import checks
+from grading.example import write_submission
 from grading.grader import Grader, load_rubric
 
 

@@ -1,8 +1,8 @@
 """Fine-tune GPT-2 on Shakespeare's sonnets and complete held-out sonnets from their first 3 lines, as the CS224N
 sonnet_generation.py does; write generated_sonnets.txt (and generated_sonnets_dev.txt) in the course's format into
-the run's folder (OUTPUT_DIR/predictions; `--predictions_dir predictions` for the course's layout; an existing file is
-replaced only with --overwrite or --resume) and grade the dev completions with chrF (sacrebleu CHRF() defaults,
-prompt lines included) after every epoch and at the end. Runs that do not train default to their own folders:
+the run's folder (OUTPUT_DIR/predictions; `--predictions_dir predictions` for the course's layout; an existing file
+is replaced only with --overwrite, or --resume in a run that trains) and grade the dev completions with chrF
+(sacrebleu CHRF() defaults, prompt lines included) after every epoch and at the end. Runs that do not train default to their own folders:
 checkpoints/sonnet-generate-{greedy,sample,beamN}[-int8] and checkpoints/sonnet-baseline-{prompts,random_sonnet-seedS}.
 
     # the course's run: official gpt2 weights, 10 epochs, batch 8, lr 1e-5, sampling at temperature 1.2, top-p 0.9
@@ -60,7 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--predictions_dir", default=None,
                    help="folder of the prediction files, under the course's names (default: OUTPUT_DIR/predictions, "
                         "inside the run's folder; `--predictions_dir predictions` is the course's layout, what a "
-                        "submission holds). An existing file is replaced only with --overwrite or --resume")
+                        "submission holds). An existing file is replaced only with --overwrite (or --resume, in a "
+                        "run that trains)")
     d.add_argument("--sonnet_out", default=None,
                    help="completions of the held-out prompts (default PREDICTIONS_DIR/generated_sonnets.txt)")
     d.add_argument("--dev_sonnet_path", default=course_file("sonnets_held_out_dev.txt"), help="dev prompts")

@@ -16,12 +16,15 @@ def predictions_folder(predictions_dir: str | None, output_dir: str | Path) -> P
     return Path(predictions_dir) if predictions_dir else Path(output_dir) / "predictions"
 
 
-def claim_outputs(paths, overwrite: bool = False, resume: bool = False) -> None:
+def claim_outputs(paths, overwrite: bool = False, resume: bool = False, trains: bool = True) -> None:
     """Refuse, before anything trains, to replace prediction files that another run wrote: an existing file is
-    replaced only with --overwrite, or with --resume (the run that wrote it, continued with the same flags)."""
+    replaced only with --overwrite, or with --resume (the run that wrote it, continued with the same flags) when this
+    run trains (a decoding or a baseline has no run to continue)."""
     taken = [str(p) for p in map(Path, filter(None, paths)) if p.exists()]
-    if taken and not (overwrite or resume):
+    if taken and not (overwrite or resume and trains):
+        them = "it" if len(taken) == 1 else "them"
+        how = (f", --resume to continue the run that wrote {them}," if trains else
+               " (this run trains nothing, so there is no run to --resume)")
         raise FileExistsError(f"{', '.join(taken)} already exist{'s' if len(taken) == 1 else ''} (an earlier run's "
-                              f"predictions): pass --overwrite to replace {'it' if len(taken) == 1 else 'them'}, "
-                              f"--resume to continue the run that wrote {'it' if len(taken) == 1 else 'them'}, or "
+                              f"predictions): pass --overwrite to replace {them}{how} or "
                               f"--predictions_dir DIR (or --output_dir) to write elsewhere")

@@ -347,7 +347,8 @@ def run(args: SonnetConfig) -> dict:
     args.dev_out = args.dev_out or str(folder / "generated_sonnets_dev.txt")
     args.sonnet_out = args.sonnet_out or str(folder / "generated_sonnets.txt")
     if not args.max_steps:  # a benchmark writes no predictions
-        claim_outputs((args.dev_out, args.sonnet_out), args.overwrite, args.resume)
+        claim_outputs((args.dev_out, args.sonnet_out), args.overwrite, args.resume,
+                      trains=not (args.baseline or args.generate_only))
     return run_on(args, device)
 
 

@@ -261,3 +261,23 @@ def test_run_sonnet_end_to_end(tmp_path, tokenizer, capsys):
     assert run_sonnet.main(common + ["--baseline", "prompts", "--dev_gold_path", str(tmp_path / "test.txt"),
                                      "--overwrite"]) == 1
     assert "dev.txt holds 3 prompts but" in capsys.readouterr().err
+
+
+def test_a_rerun_baseline_is_told_to_overwrite_not_to_resume(tmp_path, monkeypatch, capsys):
+    """Issue 37: `run_sonnet.py --baseline prompts` run twice was told "--resume to continue the run that wrote
+    them", but a baseline (or a decoding) trains nothing: only --overwrite replaces its files."""
+    rng = random.Random(3)
+    dev = [make_sonnet(rng, 14) for _ in range(2)]
+    for name, text in (("train", course_file([make_sonnet(rng, 14) for _ in range(3)])), ("gold", course_file(dev)),
+                       ("dev", course_file(["\n".join(s.splitlines()[:3]) for s in dev]))):
+        (tmp_path / f"{name}.txt").write_text(text)
+    monkeypatch.chdir(tmp_path)
+    common = ["--baseline", "prompts", "--sonnet_path", "train.txt", "--dev_sonnet_path", "dev.txt",
+              "--dev_gold_path", "gold.txt", "--held_out_sonnet_path", "dev.txt"]
+    assert run_sonnet.main(common) == 0
+    for again in ([], ["--resume"]):
+        assert run_sonnet.main(common + again) == 1
+        err = capsys.readouterr().err
+        assert "pass --overwrite to replace them (this run trains nothing, so there is no run to --resume)" in err
+        assert "continue the run" not in err
+    assert run_sonnet.main(common + ["--overwrite"]) == 0

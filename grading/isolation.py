@@ -310,11 +310,42 @@ def _private_mounts(req: dict, keep: list[str], info: dict) -> None:
         except OSError as e:
             info.setdefault("tmpfs_errors", []).append(str(e))
     info["tmpfs"] = f"private {TMPFS_MB} MiB tmpfs on {', '.join(done)}" if done else "none"
+    # What stays writable once everything else is made read-only (_seal): the private tmpfs themselves (not what
+    # is bound back into them) and the check's own folder with its quota overlays.
+    if not os.path.ismount(req["outdir"]):  # a check folder outside the private tmpfs: made a mount of its own
+        _mount(req["outdir"], req["outdir"], None, MS_BIND | MS_REC, None, f"bind {req['outdir']}")
+    req["_writable_mounts"] = [(folder, False) for folder in done] + [(req["outdir"], True)]
     try:
         _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, "hidepid=2", "mount proc")
         info["proc"] = "private /proc" + (" (own PID namespace)" if info.get("pid") == "isolated" else " (hidepid=2)")
     except OSError as e:
         info["proc"] = f"host /proc: {e}"
+
+
+class _MountAttr(ctypes.Structure):
+    _fields_ = [("attr_set", ctypes.c_uint64), ("attr_clr", ctypes.c_uint64), ("propagation", ctypes.c_uint64),
+                ("userns_fd", ctypes.c_uint64)]
+
+
+SYS_MOUNT_SETATTR, AT_FDCWD, AT_RECURSIVE, MOUNT_ATTR_RDONLY = 442, -100, 0x8000, 1  # the same number on every arch
+
+
+def _mount_setattr(path: str, recursive: bool, set_: int = 0, clear: int = 0) -> None:
+    attr = _MountAttr(set_, clear, 0, 0)
+    _check(libc.syscall(SYS_MOUNT_SETATTR, AT_FDCWD, path.encode(), AT_RECURSIVE if recursive else 0,
+                        ctypes.byref(attr), ctypes.sizeof(attr)), f"mount_setattr {path}")
+
+
+def _seal(writable: list) -> str:
+    """In our own mount namespace: every mount read-only, then the check's own ones (`writable`: (path, with the
+    mounts under it)) writable again. Without root the check runs as the grader's own uid, so file permissions
+    alone would leave the grader's checkout, its venv and other students' copies writable; with root this closes
+    the world-writable folders outside the private tmpfs. Our stdout (output.txt) was opened before the mount
+    namespace was made, on the host's mount, so it stays writable and does not hold this one busy."""
+    _mount_setattr("/", True, set_=MOUNT_ATTR_RDONLY)
+    for path, recursive in writable:
+        _mount_setattr(path, recursive, clear=MOUNT_ATTR_RDONLY)
+    return "everything read-only but " + ", ".join(path for path, _ in writable)
 
 
 def python_paths() -> list[str]:
@@ -406,8 +437,11 @@ def _seccomp() -> str:
     for kind in (socket.SOCK_DGRAM, socket.SOCK_SEQPACKET):  # a datagram pair can still connect() elsewhere
         f.add_rule(deny, "socketpair", sc.Arg(0, sc.EQ, socket.AF_UNIX), sc.Arg(1, sc.MASKED_EQ, 0xF, kind))
     for call in ("io_uring_setup", "io_uring_enter", "io_uring_register", "unshare", "setns", "mount", "umount2",
-                 "pivot_root", "open_tree", "move_mount", "fsopen", "fsmount"):
-        f.add_rule(deny, call)
+                 "pivot_root", "open_tree", "move_mount", "fsopen", "fsmount", "mount_setattr"):
+        try:
+            f.add_rule(deny, call)
+        except Exception:  # noqa: BLE001  (a libseccomp older than the call: capabilities are dropped anyway)
+            pass
     f.add_rule(deny, "clone", sc.Arg(0, sc.MASKED_EQ, CLONE_NEWUSER, CLONE_NEWUSER))
     f.add_rule(sc.ERRNO(errno.ENOSYS), "clone3")  # its flags live in memory seccomp cannot read; libc falls back
     f.load()
@@ -468,6 +502,13 @@ def enter(req: dict, cgroup_dirs: dict | None) -> dict:
         except OSError as e:  # the sandbox user could not import anything new: keep the grader's uid
             info["python"] = f"not readable by a sandbox user ({e}); the check runs as the grader's user"
             uid = None
+    if info["mount"] == "isolated" and "_writable_mounts" in req:
+        try:
+            info["read_only"] = _seal(req["_writable_mounts"])
+        except OSError as e:
+            info["read_only"] = f"not sealed: {e}"
+    else:
+        info["read_only"] = "not sealed: no private mount namespace"
     if uid is not None:  # root: become a throw-away user, so writes outside the sandbox are refused
         os.setgroups([])
         os.setresgid(uid, uid, uid)

@@ -3,6 +3,7 @@ check's processes together, nothing left behind, nothing of other checks or the 
 that cannot point at the gold file or leak what they point at."""
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import shlex
@@ -16,8 +17,8 @@ import uuid
 from pathlib import Path
 
 import pytest
-from grading_submission import write_submission
 
+from grading.example import write_submission
 from grading.grader import Grader
 from grading.isolation import closed_ancestor, python_paths
 from grading.predictions import score_predictions
@@ -287,20 +288,59 @@ def exposing_python(tmp: Path, then: str) -> list[str]:
     return ["unshare", "-m", "sh", "-c", "; ".join(script), "sh"]
 
 
+WRITE_OUTSIDE = ("import sys\nfor path in ({target!r}, sys.modules['__main__'].__file__):\n    try:\n"
+                 "        open(path, 'a').write('forged')\n        print('WROTE', path)\n"
+                 "    except OSError as e:\n        print('REFUSED', e.strerror)")
+
+
+@contextlib.contextmanager
+def open_to_all():
+    """An empty file anyone may write, in a folder anyone may write, outside the check's private tmpfs (/run)."""
+    if not os.access("/run", os.W_OK):
+        pytest.skip("/run is not writable here (the file must sit outside the check's private folders)")
+    folder = Path(tempfile.mkdtemp(dir="/run", prefix="grading-test-"))
+    try:
+        os.chmod(folder, 0o777)
+        target = folder / "writable-by-all.txt"
+        target.write_text("")
+        os.chmod(target, 0o666)
+        yield target
+    finally:
+        subprocess.run(["rm", "-rf", str(folder)])
+
+
+def test_nothing_outside_the_checks_own_folder_is_writable(grader, tmp_path):
+    """World-writable files outside the private tmpfs, and the grader's own code (found from the check's
+    __main__), are refused: every mount but the check's own is read-only in its mount namespace."""
+    with open_to_all() as target:
+        report = grader.grade(attack(tmp_path, WRITE_OUTSIDE.format(target=str(target))), ("attention",))
+        assert target.read_text() == ""
+    (check,) = report.checks
+    if not report.sandbox.get("read_only", "").startswith("everything read-only"):
+        pytest.skip(f"no private mount namespace here: {report.sandbox.get('read_only')}")
+    assert "WROTE" not in check.output and check.output.count("REFUSED") == 2, check.output
+    assert check.score == check.max_score, check.messages
+
+
 @ROOT_ONLY
 def test_a_grader_without_root_isolates_the_check_in_a_user_namespace():
     if not Path("/usr/bin/setpriv").exists() or not Path("/usr/bin/unshare").exists():
         pytest.skip("needs setpriv and unshare (util-linux) to become an unprivileged user")
     tmp = Path(tempfile.mkdtemp(prefix="grading-nonroot-"))
     try:
-        report = run_grader_as(exposing_python(tmp, "setpriv --reuid=65534 --regid=65534 --clear-groups "
-                                                    "--inh-caps=-all --bounding-set=-all"), tmp)
+        with open_to_all() as target:  # a file the grader's own uid may write, as its checkout and venv are
+            report = run_grader_as(exposing_python(tmp, "setpriv --reuid=65534 --regid=65534 --clear-groups "
+                                                        "--inh-caps=-all --bounding-set=-all"), tmp,
+                                   WRITE_OUTSIDE.format(target=str(target)))
+            assert target.read_text() == "", "the check wrote outside its folder"
     finally:
         subprocess.run(["rm", "-rf", str(tmp)])
     sandbox = report["sandbox"]
     assert report["score"] == 16 and sandbox["uid"] == 65534, report
     if sandbox["user_namespace"] != "isolated":
         pytest.skip(f"this kernel refuses unprivileged user namespaces: {sandbox['user_namespace']}")
+    assert sandbox["read_only"].startswith("everything read-only"), sandbox
+    assert "WROTE" not in report["checks"][0]["output"], report["checks"][0]["output"]
     assert [sandbox[k] for k in ("network", "ipc", "mount", "pid")] == ["isolated"] * 4, sandbox
     assert sandbox["tmpfs"].startswith("private") and sandbox["disk"].startswith("quota"), sandbox
     assert sandbox["proc"].startswith("private") and sandbox["unix_sockets"].startswith("seccomp"), sandbox

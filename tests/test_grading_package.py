@@ -12,10 +12,10 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from grading_submission import write_submission
 
 from grading import environment, gradescope
 from grading.__main__ import main
+from grading.example import write_submission
 from models.hub import shared_dir
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -12,7 +12,8 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from grading_submission import write_submission
+
+from grading.example import write_submission
 
 ROOT = Path(__file__).resolve().parents[1]
 

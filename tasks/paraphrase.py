@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.hub import tokenizer_for
+from models.hub import shared_dir, tokenizer_for
 from tasks import distributed as dist
 from tasks import lora
 from tasks.data import (
@@ -127,8 +127,21 @@ def run(args: ParaphraseConfig) -> dict:
     return run_on(args, device)
 
 
+def missing_train(path) -> str:
+    """The error for a training file that is not there, naming the shared Quora pairs when they are there (the
+    course's data/quora-*.csv files are not shipped with the project)."""
+    shared = shared_dir() / "data" / "quora" / "quora-dev-minbert.csv"
+    if not shared.is_file():
+        return f"data file not found: {path}"
+    return (f"data file not found: {path}; the shared data holds labelled Quora pairs, one file that --split_dev "
+            f"cuts into train and dev (--skip_bad_rows: 2 rows are malformed): --train {shared} --split_dev 16000 "
+            f"--skip_bad_rows")
+
+
 def run_on(args, device: torch.device) -> dict:
     """Train, reload the best dev checkpoint, write the dev (and test) prediction files."""
+    if not str(args.train).startswith("hub:") and not Path(args.train).is_file():
+        raise FileNotFoundError(missing_train(args.train))
     train_ex = load_paraphrase(args.train, "train", args.skip_bad_rows)
     if args.split_dev:
         if args.dev:

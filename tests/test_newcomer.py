@@ -169,6 +169,23 @@ def test_the_offline_recipe_keeps_every_flag_the_user_gave(tmp_path, monkeypatch
     assert cfg.model.startswith("random:") and "gpt2 " not in recipe
 
 
+def test_a_missing_quora_file_names_the_shared_pairs_only_where_they_are(tmp_path, monkeypatch, capsys):
+    """Issue 37: `python run_paraphrase.py` said `data file not found: data/quora-train.csv` and nothing else."""
+    import run_paraphrase
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("GPT2_SHARED_DIR", str(tmp_path / "shared"))
+    assert run_paraphrase.main([]) == 1
+    assert capsys.readouterr().err == "error: data file not found: data/quora-train.csv\n"  # no shared copy: no hint
+    shared = tmp_path / "shared" / "data" / "quora" / "quora-dev-minbert.csv"
+    shared.parent.mkdir(parents=True)
+    shared.write_text("id\tsentence1\tsentence2\tis_duplicate\n")
+    assert run_paraphrase.main([]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: data file not found: data/quora-train.csv; the shared data holds")
+    assert f"--train {shared} --split_dev 16000 --skip_bad_rows" in err
+
+
 # ---- LoRA on a random base --------------------------------------------------------------------------------------
 
 def test_a_lora_run_on_a_random_base_saves_the_base_so_peft_loads_best(tmp_path, capsys):

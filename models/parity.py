@@ -132,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.random_init and preset not in PRESETS:
         p.error(f"--random-init needs a preset name ({', '.join(PRESETS)}), got {model!r}")
     t0 = time.perf_counter()
+    compared = f"weights from {model}"  # said on the verdict line, so a random-init check is not taken for more
     try:
         if args.random_init:
             raise FileNotFoundError("random init requested")
@@ -140,8 +141,10 @@ def main(argv: list[str] | None = None) -> int:
         if preset not in PRESETS or (args.no_fallback and not args.random_init):
             print(f"error: {e}", file=sys.stderr)
             return 2
+        compared = f"random-init {preset}, as --random-init asked"
         if not args.random_init:
             print(f"note: {e}\nnote: comparing on a random-init {preset} instead (same code path as official weights)")
+            compared = f"random-init {preset}, the official weights could not be fetched"
         model = str(make_random_reference(preset, args.random_dir / f"random-{preset}"))
         ours = GPT2LMHeadModel.from_pretrained(model)
     hf = transformers.GPT2LMHeadModel.from_pretrained(model, attn_implementation="eager").eval()
@@ -173,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{'identical' if same else 'DIFFERENT'}")
     if tokenizer is not None and len(tokenizer) <= cfg.vocab_size:
         print(f"  ours: {tokenizer.decode(ours_gen[0, ids.shape[1]:])!r}")
-    print(f"\ntolerance: logits atol {args.atol:g}, hidden states rtol {args.rtol:g} -> {'PASS' if ok else 'FAIL'}")
+    print(f"\ntolerance: logits atol {args.atol:g}, hidden states rtol {args.rtol:g} -> {'PASS' if ok else 'FAIL'} "
+          f"({compared})")
     return 0 if ok else 1
 
 

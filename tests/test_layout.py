@@ -71,3 +71,19 @@ def test_models_and_modules_do_not_import_tasks():
     wrong = {name: sorted(i for i in deps if i.startswith("tasks"))
              for name, deps in graph().items() if name.startswith(("models", "modules"))}
     assert not {k: v for k, v in wrong.items() if v}
+
+
+def test_what_the_documented_commands_write_in_the_root_is_ignored_by_git():
+    """Issue 37: `python -m grading package autograder.zip` left an untracked zip in the repository's root."""
+    import shutil
+    import subprocess
+
+    import pytest
+
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    written = ["autograder.zip", "checkpoints/sonnet/best/config.json", "predictions/para-dev-output.csv",
+               "runs/x/metrics.jsonl"]
+    ignored = subprocess.run(["git", "check-ignore", "--no-index", *written], cwd=ROOT, capture_output=True,
+                             text=True).stdout.split()
+    assert sorted(ignored) == sorted(written)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -93,7 +94,8 @@ def test_broken_submissions_get_a_results_file_with_the_reason(autograder, tmp_p
     (tmp_path / "empty").mkdir()
     (autograder / "venv" / "bin").mkdir(parents=True, exist_ok=True)  # where setup.sh puts its venv
     venv_python = autograder / "venv" / "bin" / "python"
-    venv_python.write_text(f"#!/bin/sh\ntouch {tmp_path / 'venv-used'}\nexec {sys.executable} \"$@\"\n")
+    venv_python.write_text(f"#!/bin/sh\ntouch {shlex.quote(str(tmp_path / 'venv-used'))}\n"
+                           f"exec {shlex.quote(sys.executable)} \"$@\"\n")  # a clone's path may hold spaces
     venv_python.chmod(0o755)
     rc, results = run_autograder(autograder, tmp_path / "empty", python=None)
     assert (tmp_path / "venv-used").exists()  # run_autograder runs setup.sh's venv when no PYTHON is given

@@ -226,6 +226,7 @@ def _is_number(v) -> bool:
 PANELS = (("loss", "loss", "loss"), ("metrics", "eval metrics", "value"), ("lr", "learning rate", "lr"),
           ("tokens_per_s", "throughput", "tokens/s"))
 _NOT_SERIES = {"kind", "step", "epoch", "wall_s", "unix", "seconds", "ms_per_step", "skipped", "fp16_overflows"}
+_SCHEDULE = {"lr"}  # values of the run at a step, not of a record kind: train and eval records make one series
 _X_LABEL = {"step": "step (optimizer steps)", "wall_s": "wall time (s)"}
 _EVAL_STYLES = (("--", "o"), (":", "s"), ("-.", "^"), ("--", "D"), (":", "v"), ("-.", "P"))
 
@@ -239,7 +240,9 @@ def _panel(kind: str, key: str) -> str | None:
 
 
 def series_of(records: list[dict], x: str = "step") -> dict[str, dict[tuple[str, str], tuple[list, list]]]:
-    """{panel: {(kind, key): (xs, ys)}} of one run's numeric values, against the record key `x`."""
+    """{panel: {(kind, key): (xs, ys)}} of one run's numeric values, against the record key `x`. The learning rate is
+    one schedule whichever record logged it: one ("train", "lr") series of every logged point in x order, so an eval
+    at step 0 and the next one far after the warm-up do not draw a straight line over it."""
     out: dict = {}
     for r in records:
         if r.get("kind") not in ("train", "eval") or not _is_number(r.get(x)):
@@ -248,9 +251,13 @@ def series_of(records: list[dict], x: str = "step") -> dict[str, dict[tuple[str,
             if (key in _NOT_SERIES or key.startswith("best_") or key == x or not _is_number(value)
                     or (panel := _panel(r["kind"], key)) is None):  # best_*: the running best, a copy of a series
                 continue
-            xs, ys = out.setdefault(panel, {}).setdefault((r["kind"], key), ([], []))
+            xs, ys = out.setdefault(panel, {}).setdefault(("train" if key in _SCHEDULE else r["kind"], key), ([], []))
             xs.append(r[x])
             ys.append(float(value))
+    for key in _SCHEDULE:
+        if (series := out.get(_panel("train", key), {}).get(("train", key))) is not None:
+            points = dict(sorted(zip(*series), key=lambda p: p[0]))  # one point per x (train and eval at one step)
+            series[0][:], series[1][:] = points.keys(), points.values()
     return out
 
 

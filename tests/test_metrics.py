@@ -222,3 +222,21 @@ def test_tensorboard_missing_names_the_install_command(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # as if the package were not installed
     with pytest.raises(ImportError, match="pip install tensorboard"):
         MetricsLog(tmp_path, tensorboard=True)
+
+
+def test_the_learning_rate_is_one_series_through_every_logged_point():
+    """Issue 37: pretraining logs lr on its evals (steps 0, 250, ...) and its train lines (50, 100, ...); the eval
+    points alone drew a straight line from step 0 to 250 over the warm-up that peaks at step 100."""
+    from tasks.metrics import series_of
+
+    def lr(step):
+        return 1e-3 * min(step / 100, 1 - (step - 100) / 400)
+
+    records = [{"kind": "eval", "step": 0, "lr": lr(0), "val_loss": 4.2}]
+    for step in range(50, 301, 50):
+        records.append({"kind": "train", "step": step, "lr": lr(step), "train_loss": 3.0})
+        if step % 250 == 0:
+            records.append({"kind": "eval", "step": step, "lr": lr(step), "val_loss": 2.5})
+    steps = [0, 50, 100, 150, 200, 250, 300]
+    assert series_of(records)["lr"] == {("train", "lr"): (steps, [lr(s) for s in steps])}
+    assert set(series_of(records)["loss"]) == {("train", "train_loss"), ("eval", "val_loss")}  # the others keep kinds

@@ -332,3 +332,54 @@ def test_machine_header_names_the_cpu_its_flags_and_the_date():
 def test_every_bench_script_prints_the_machine_header(script):
     assert "print_machine_header()" in (ROOT / "bench" / script).read_text(encoding="utf-8"), (
         f"bench/{script} does not print the machine header (bench/machine.py) before its figures")
+
+
+# ---- the README's commands from a fresh clone ------------------------------------------------------------------------
+
+INPUT_FLAGS = {"--model", "--data", "--nanogpt", "--tokenizer", "--batch", "--sonnet_path"}  # paths a command reads
+OUTPUT_FLAGS = {"--output_dir", "--out_dir", "--example"}  # folders a command makes
+TASK_CLIS = {"run_classifier.py", "run_paraphrase.py", "run_sonnet.py"}  # the official gpt2 unless --model
+NEEDS = re.compile(r"#.*\b(needs|after|on a GPU machine)\b")
+
+
+def fresh_clone_gaps(commands: list[tuple[int, str]]) -> list[str]:
+    """The commands (in page order) that read a path a fresh clone lacks, made by no earlier command, or that need
+    the hub, without saying so on their own line (a comment with 'needs', 'after' or 'on a GPU machine')."""
+    made, gaps = set(), []
+    for line, command in commands:
+        says = bool(NEEDS.search(command))
+        for words in segments(command):
+            found = entry_point(words)
+            if found is None:
+                continue
+            (kind, target), args = found
+            pairs = list(zip(args, args[1:]))
+            inputs = [value for flag, value in pairs if flag in INPUT_FLAGS]
+            if target == "grading" and args and not args[0].startswith("-") and args[0] != "package":
+                inputs.append(args[0])
+            for path in inputs:
+                if "/" not in path or path.startswith("../shared/"):  # a hub name; the shared data beside the clone
+                    continue
+                if (ROOT / path).exists() or any(path == m or path.startswith(m + "/") for m in made):
+                    continue
+                if not says:
+                    gaps.append(f"line {line}: {path} (not in a fresh clone, made by no earlier command): {command}")
+            if Path(target).name in TASK_CLIS and "--model" not in args and "--baseline" not in args and not says:
+                gaps.append(f"line {line}: the official gpt2 weights (the hub): {command}")
+            made |= {value.rstrip("/") for flag, value in pairs if flag in OUTPUT_FLAGS}
+    return gaps
+
+
+def test_readme_commands_run_from_a_fresh_clone_or_say_what_they_need():
+    assert fresh_clone_gaps(bash_commands(ROOT / "README.md")) == []
+
+
+def test_a_command_that_needs_what_a_fresh_clone_lacks_is_caught():
+    commands = [(1, "python run_pretrain.py --data ../shared/x.txt --output_dir checkpoints/a"),
+                (2, "python run_pretrain.py --sample --model checkpoints/a/best"),  # made above
+                (3, "python bench/speedrun.py --nanogpt ../nanoGPT"),
+                (4, "python -m grading path/to/submission"),
+                (5, "python run_classifier.py --task sst"),
+                (6, "python bench/speedrun.py --nanogpt ../nanoGPT   # needs nanoGPT's checkout")]
+    gaps = fresh_clone_gaps(commands)
+    assert [g.split(":")[0] for g in gaps] == ["line 3", "line 4", "line 5"], gaps

@@ -294,21 +294,27 @@ def plot(results: dict, path: Path) -> None:
     est = [results["rungs"][r]["curve"][-1][2] for r in rungs]
     full = [results["rungs"][r]["val_full"] for r in rungs]
     x = list(range(len(rungs)))
-    width = 0.27 if lecture else 0.38
-    at = [-width, 0.0] if lecture else [-width / 2, width / 2]  # each group of bars centred on its tick
-    bars = [left.bar([i + at[0] for i in x], est, width, label=f"ours, {n} random batches", color="tab:blue"),
-            left.bar([i + at[1] for i in x], full, width, label="ours, whole val split", color="tab:cyan")]
+    # dots, not bars: a bar's length reads as the value, so bars would need an axis from zero, which squeezes the
+    # differences between rungs (tenths of a nat) into slivers; a dot's position is honest on a zoomed axis
+    step = 0.22 if lecture else 0.15
+    at = [-step, 0.0] if lecture else [-step / 2, step / 2]  # each group of dots centred on its tick
+    groups = [([i + at[0] for i in x], est, "o", f"ours, {n} random batches", "tab:blue"),
+              ([i + at[1] for i in x], full, "s", "ours, whole val split", "tab:cyan")]
     shown = []
     if lecture:
         shown = [(i, LECTURE_LOSS[r]) for i, r in zip(x, rungs) if r in LECTURE_LOSS]
-        bars.append(left.bar([i + width for i, _ in shown], [v for _, v in shown], width, label="the lecture",
-                             color="tab:orange"))
-    for b in bars:
-        left.bar_label(b, fmt="%.3f", fontsize=7, rotation=90, padding=2)
+        groups.append(([i + step for i, _ in shown], [v for _, v in shown], "D", "the lecture", "tab:orange"))
+    for xs, ys, marker, label, colour in groups:
+        left.plot(xs, ys, linestyle="none", marker=marker, markersize=7, label=label, color=colour)
+        for xv, yv in zip(xs, ys):
+            left.annotate(f"{yv:.3f}", (xv, yv), xytext=(0, 6), textcoords="offset points", ha="center",
+                          fontsize=7, rotation=90)
     every = est + full + [v for _, v in shown]
     left.set_xticks(x, rungs, rotation=30, ha="right")
+    left.set_xlim(-0.6, len(rungs) - 0.4)
     left.set_ylabel("val loss (nats per character)")
-    left.set_ylim(min(every) - 0.3, max(every) + 0.2)
+    left.set_ylim(min(every) - 0.1, max(every) + 0.25)  # room above for the value labels
+    left.grid(True, axis="y", alpha=0.3)
     left.set_title("validation loss per rung")
     left.legend(fontsize=8, loc="upper right")
     for rung in rungs:

@@ -3,6 +3,7 @@
 import json
 import math
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -260,3 +261,23 @@ def test_ladder_trains_on_cuda(tmp_path):
     results = ladder.main(["--data", str(data), "--out_dir", str(tmp_path / "c"), "--no_plot", "--device", "cuda",
                            "--rungs", "bigram", "layernorm", *FAST])
     assert all(math.isfinite(r["val_full"]) for r in results["rungs"].values())
+
+
+def test_the_ladder_plot_draws_dots_not_bars_on_a_zoomed_axis(tmp_path, monkeypatch):
+    """Issue 37: ladder.png drew bars from 1.8, so a bar's length overstated the gaps between rungs. Bars must start
+    at zero; dots (where only the position carries the value) may use a zoomed axis."""
+    import matplotlib.pyplot as plt
+
+    results = json.loads((Path(ladder.__file__).parents[1] / "docs" / "ladder_lecture.json").read_text())
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)
+    ladder.plot(results, tmp_path / "ladder.png")
+    left = figures[0].axes[0]
+    assert not left.patches or left.get_ylim()[0] == 0  # no bars on an axis that starts above zero
+    drawn = sorted(round(y, 4) for line in left.get_lines() for y in line.get_ydata())
+    est = [r["curve"][-1][2] for r in results["rungs"].values()]
+    full = [r["val_full"] for r in results["rungs"].values()]
+    lecture = [ladder.LECTURE_LOSS[r] for r in results["rungs"] if r in ladder.LECTURE_LOSS]
+    assert drawn == sorted(round(y, 4) for y in est + full + lecture)
+    monkeypatch.undo()
+    plt.close(figures[0])

@@ -281,3 +281,11 @@ def test_the_ladder_plot_draws_dots_not_bars_on_a_zoomed_axis(tmp_path, monkeypa
     assert drawn == sorted(round(y, 4) for y in est + full + lecture)
     monkeypatch.undo()
     plt.close(figures[0])
+
+
+def test_the_lecture_docs_say_what_reproduces_across_cpus():
+    """Issue 37: learning-path.md promised `--preset lecture` "the same losses to the last digit"; an AVX2-only CPU
+    gives other losses from the feed-forward rung on (its matmul kernels round differently)."""
+    text = (Path(ladder.__file__).parents[1] / "docs" / "learning-path.md").read_text(encoding="utf-8")
+    paragraphs = [p for p in text.split("\n\n") if "last digit" in p]
+    assert paragraphs and all("same CPU class" in p and "AVX2" in p for p in paragraphs)

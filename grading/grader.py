@@ -175,7 +175,10 @@ class Grader:
                 broken[started[-1]] = Run(problem=f"importing {started[-1]}: {run.problem}", sandbox=run.sandbox,
                                           output=run.output)
             return broken
-        for mod, state in (run.info.get("values", {}).get("imports") or {}).items():
+        imports = run.info.get("values", {}).get("imports")
+        if not isinstance(imports, dict):  # malformed (the submission wrote it): each check imports for itself
+            return broken
+        for mod, state in imports.items():
             if mod in probes.IMPORT_ORDER and state != "ok":
                 status, _, message = str(state).partition(": ")
                 broken[mod] = Run(info={"status": status if status == "not_implemented" else "error",

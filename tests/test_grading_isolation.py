@@ -148,3 +148,33 @@ def test_corrupt_or_oversized_result_costs_one_check(grader, tmp_path, payload, 
     by = {c.name: c for c in report.checks}
     assert by["attention"].score == 0 and said in by["attention"].messages[0], by["attention"].messages
     assert by["embed"].score == FULL["embed"]
+
+
+FORGE_IMPORTS = '''
+import inspect as _inspect
+import json as _json
+import os as _os
+
+if any(f.function == "probe_imports" for f in _inspect.stack()):  # only while the imports probe runs
+    with open("../result/info.json", "w") as _fh:
+        _json.dump({"status": "ok", "message": "", "notes": [], "values": {"imports": "x"}}, _fh)
+    _os._exit(0)
+'''
+
+
+def test_a_malformed_imports_result_costs_no_crash_and_no_other_check(grader, tmp_path):
+    """Issue 36: the imports probe's result rewritten by the submission (values.imports = "x", then os._exit) made
+    the grader raise AttributeError; now the result is ignored and each check imports for itself."""
+    sub = write_submission(tmp_path / "sub", utils=[("import torch\n", "import torch\n" + FORGE_IMPORTS)])
+    report = grader.grade(sub, ("attention", "embed"))
+    assert {c.name: c.score for c in report.checks} == {"attention": FULL["attention"], "embed": FULL["embed"]}
+
+
+def test_a_hang_in_a_module_imported_by_another_names_the_module_that_hung(grader, tmp_path):
+    """Issue 36: config importing utils, utils looping forever at its end, was reported as "importing config"."""
+    sub = write_submission(tmp_path / "sub", config=[("from transformers import PretrainedConfig\n",
+                                                      "from transformers import PretrainedConfig\nimport utils\n")],
+                           utils=[("import torch\n", "import torch\nwhile True:\n    pass\n")])
+    report = grader.grade(sub, ("attention",), timeout=3)
+    (check,) = report.checks
+    assert check.score == 0 and "importing utils: timed out" in check.messages[0], check.messages

@@ -293,6 +293,11 @@ def _private_mounts(req: dict, keep: list[str], info: dict) -> None:
             info["disk"] = f"no quota: {e}"
     else:
         info["disk"] = "no quota: disabled"
+    # Each folder the check may write and each of its two result files is a mount of its own (the overlay, or a
+    # bind on itself), so that _seal leaves exactly these writable; carried along when /tmp is covered below.
+    result_files = [f for f in req.get("result_files", []) if os.path.isfile(f)]
+    for path in [d for d in writable if not os.path.ismount(d)] + result_files:
+        _mount(path, path, None, MS_BIND, None, f"bind {path}")
     # The check's own folder and the zygote's HOME (HF_HOME's link) live in /tmp: carried into the new tmpfs,
     # writable. A Python installation under one of them (a venv in /tmp) comes back read-only, and only its own
     # folders: the submission imports from it and must not change it for the checks after it, nor see what else
@@ -311,10 +316,9 @@ def _private_mounts(req: dict, keep: list[str], info: dict) -> None:
             info.setdefault("tmpfs_errors", []).append(str(e))
     info["tmpfs"] = f"private {TMPFS_MB} MiB tmpfs on {', '.join(done)}" if done else "none"
     # What stays writable once everything else is made read-only (_seal): the private tmpfs themselves (not what
-    # is bound back into them) and the check's own folder with its quota overlays.
-    if not os.path.ismount(req["outdir"]):  # a check folder outside the private tmpfs: made a mount of its own
-        _mount(req["outdir"], req["outdir"], None, MS_BIND | MS_REC, None, f"bind {req['outdir']}")
-    req["_writable_mounts"] = [(folder, False) for folder in done] + [(req["outdir"], True)]
+    # is bound back into them), the check's quota'd folders and its two result files.
+    req["_writable_mounts"] = [(folder, False) for folder in done] + [(d, True) for d in writable] + \
+        [(f, False) for f in result_files]
     try:
         _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, "hidepid=2", "mount proc")
         info["proc"] = "private /proc" + (" (own PID namespace)" if info.get("pid") == "isolated" else " (hidepid=2)")

@@ -696,8 +696,9 @@ def main(name, resultdir, args, given_path=None):
         if "memory" in str(e).lower() or "alloc" in str(e).lower():
             info["message"] += " (the sandbox's memory limit)"
     if info["status"] == "ok":
-        safetensors.torch.save_file({k: v.contiguous() for k, v in out.items()},
-                                    os.path.join(resultdir, "tensors.safetensors"))
+        # written into the file the grader made (the result folder is read-only: no temporary file and rename)
+        with open(os.path.join(resultdir, "tensors.safetensors"), "wb") as f:
+            f.write(safetensors.torch.save({k: v.contiguous() for k, v in out.items()}))
     with open(os.path.join(resultdir, "info.json"), "w") as f:
         json.dump(info, f)
     return 0

@@ -241,9 +241,16 @@ class Sandbox:
             link.unlink(missing_ok=True)
             link.symlink_to(home / "hf")
             env["HF_HOME"] = str(link)
+            # The result: two files made here, the only ones the check may write outside its quota'd folders (the
+            # folder is ours, and read-only in the check's mount namespace), each capped by the file-size limit.
+            result_files = [result / "info.json", result / "tensors.safetensors"]
+            for f in result_files:
+                f.touch(mode=0o644)
             if self.uid is not None:
-                for folder in (work, result, home):
+                for folder in (work, home):
                     _chown_tree(folder, self.uid)
+                for f in result_files:
+                    os.chown(f, self.uid, self.uid)
             _close_folders(tmp, (work, home), self.uid)
             given_path = tmp / "given.safetensors"  # ours, in the folder only the check's group may pass: read-only
             safetensors.torch.save_file(dict(given or {}), str(given_path))
@@ -252,7 +259,7 @@ class Sandbox:
                    "timeout": timeout, "cpu_s": int(timeout) + 5, "mem_mb": self.limits.mem_mb,
                    "max_file_mb": self.limits.max_file_mb, "max_procs": self.limits.max_procs, "uid": self.uid,
                    "isolate_network": self.isolate_network, "disk_mb": self.limits.disk_mb,
-                   "writable": [str(work), str(home)]}
+                   "writable": [str(work), str(home)], "result_files": [str(f) for f in result_files]}
             run = self._ask(req, timeout)
             run.given = dict(given or {})
             if left_out:
@@ -311,7 +318,7 @@ class Sandbox:
         if run.problem:  # e.g. a process that wrote its result and then hung: the result is not trusted
             return
         tensors_path = result / "tensors.safetensors"
-        if tensors_path.is_file() or tensors_path.is_symlink():
+        if tensors_path.is_symlink() or (tensors_path.is_file() and tensors_path.stat().st_size > 0):
             tensors, why = read_tensors(tensors_path)
             if tensors is None:
                 run.problem = why
@@ -337,7 +344,7 @@ def _read_capped(path: Path, cap: int) -> bytes | None:
 
 def read_info(path: Path) -> tuple[dict | None, str]:
     """(info, "") or (None, why): a JSON object with a status, message, notes and values of the expected types."""
-    if not path.exists() and not path.is_symlink():
+    if (not path.exists() or (path.is_file() and path.stat().st_size == 0)) and not path.is_symlink():
         return None, "the check's process ended without writing a result (os._exit or killed)"
     data = _read_capped(path, INFO_BYTES)
     if data is None:

@@ -69,6 +69,16 @@ def test_writes_in_its_own_folder_stop_at_the_disk_quota(grader, tmp_path):
     assert check.score == check.max_score, check.messages  # a contained write costs nothing
 
 
+def test_no_file_can_be_added_beside_the_checks_result(grader, tmp_path):
+    """Issue 36: 70 x 15 MiB written into the result folder landed 1050 MiB on the grader's disk (the folder was
+    outside the quota). Now the check may write only its two result files (each under the file-size limit)."""
+    code = ("for i in range(3):\n    try:\n        open(f'../result/extra-{i}', 'wb').write(b'x' * 2**20)\n"
+            "        print('WROTE')\n    except OSError as e:\n        print('REFUSED', e.strerror)")
+    check = grade_attention(grader, attack(tmp_path, code))
+    assert "WROTE" not in check.output and check.output.count("REFUSED") >= 3, check.output
+    assert check.score == check.max_score, check.messages
+
+
 def test_shared_memory_and_run_lock_do_not_outlive_the_check(grader, tmp_path):
     key = int(uuid.uuid4().int % 2**30) + 1
     lock = Path("/run/lock") / f"left-by-a-submission-{key}"

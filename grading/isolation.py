@@ -441,7 +441,8 @@ def _seccomp() -> str:
     for kind in (socket.SOCK_DGRAM, socket.SOCK_SEQPACKET):  # a datagram pair can still connect() elsewhere
         f.add_rule(deny, "socketpair", sc.Arg(0, sc.EQ, socket.AF_UNIX), sc.Arg(1, sc.MASKED_EQ, 0xF, kind))
     for call in ("io_uring_setup", "io_uring_enter", "io_uring_register", "unshare", "setns", "mount", "umount2",
-                 "pivot_root", "open_tree", "move_mount", "fsopen", "fsmount", "mount_setattr"):
+                 "pivot_root", "open_tree", "move_mount", "fsopen", "fsmount", "mount_setattr",
+                 "add_key", "request_key", "keyctl"):  # the kernel's keyrings outlive the check: a channel
         try:
             f.add_rule(deny, call)
         except Exception:  # noqa: BLE001  (a libseccomp older than the call: capabilities are dropped anyway)
@@ -449,7 +450,7 @@ def _seccomp() -> str:
     f.add_rule(deny, "clone", sc.Arg(0, sc.MASKED_EQ, CLONE_NEWUSER, CLONE_NEWUSER))
     f.add_rule(sc.ERRNO(errno.ENOSYS), "clone3")  # its flags live in memory seccomp cannot read; libc falls back
     f.load()
-    return "seccomp: no AF_UNIX sockets, io_uring, namespaces or mounts"
+    return "seccomp: no AF_UNIX sockets, io_uring, namespaces, mounts or keyrings"
 
 
 def enter(req: dict, cgroup_dirs: dict | None) -> dict:

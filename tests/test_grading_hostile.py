@@ -79,6 +79,19 @@ def test_no_file_can_be_added_beside_the_checks_result(grader, tmp_path):
     assert check.score == check.max_score, check.messages
 
 
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="the syscall numbers below are x86_64's")
+def test_the_kernel_keyrings_are_no_channel_between_checks(grader, tmp_path):
+    """Issue 36: submission A's add_key("user", ...) on the user keyring was read by submission B, and outlived the
+    grader. The key syscalls are refused in the check."""
+    name = f"grading-test-{uuid.uuid4().hex}"
+    code = ("import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+            f"r = libc.syscall(248, b'user', {name.encode()!r}, b'secret', 6, -4)\n"  # add_key, KEY_SPEC_USER_KEYRING
+            "print('ADDED' if r >= 0 else f'REFUSED {ctypes.get_errno()}')")
+    check = grade_attention(grader, attack(tmp_path, code))
+    assert "ADDED" not in check.output and "REFUSED 1" in check.output, check.output  # EPERM
+    assert check.score == check.max_score, check.messages
+
+
 def test_shared_memory_and_run_lock_do_not_outlive_the_check(grader, tmp_path):
     key = int(uuid.uuid4().int % 2**30) + 1
     lock = Path("/run/lock") / f"left-by-a-submission-{key}"

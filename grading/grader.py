@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -19,7 +20,7 @@ import torch
 
 from grading import checks, probes, questions
 from grading.environment import environment_findings
-from grading.sandbox import Limits, Run, Sandbox
+from grading.sandbox import Limits, Run, Sandbox, copy_submission
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_RUBRIC = Path(__file__).with_name("rubric.json")
@@ -146,6 +147,26 @@ class Grader:
         if not submission.is_dir():
             raise NotADirectoryError(f"submission folder not found: {submission}")
         report = Report(str(submission))
+        # One pruned copy for all checks (caps on files and bytes, links that leave it dropped): each check then
+        # copies that, so a folder of 30,000 files is looked at once, not once per check.
+        staged = Path(tempfile.mkdtemp(prefix="submission-", dir=self._tmp.name))
+        try:
+            found = copy_submission(submission, staged, self.sandbox.limits.max_files,
+                                     self.sandbox.limits.max_submission_mb)
+            self._grade_staged(report, staged, only, timeout)
+        finally:
+            shutil.rmtree(staged, ignore_errors=True)
+        if report.checks and found:
+            report.checks[0].messages[:0] = [f"finding: {f}" for f in found]
+        report.environment = environment_findings(report, self.rubric.get("allow_packages", ()))
+        if predictions is not None:
+            from grading.predictions import score_predictions
+
+            report.leaderboard, report.predictions = score_predictions(predictions, gold)
+        report.seconds = time.monotonic() - start
+        return report
+
+    def _grade_staged(self, report: Report, submission: Path, only: tuple[str, ...], timeout: float | None) -> None:
         broken = self._imports(submission, timeout) if only else {}
         for name in only:
             hf_home = self.hub()[0] if name == "from_pretrained" else None
@@ -156,13 +177,6 @@ class Grader:
                                                                given=questions.ask(name))
             report.sandbox = report.sandbox or run.sandbox
             report.checks.append(self._compare(name, run))
-        report.environment = environment_findings(report, self.rubric.get("allow_packages", ()))
-        if predictions is not None:
-            from grading.predictions import score_predictions
-
-            report.leaderboard, report.predictions = score_predictions(predictions, gold)
-        report.seconds = time.monotonic() - start
-        return report
 
     def _imports(self, submission: Path, timeout: float | None) -> dict:
         """module -> a Run carrying its import's failure, for each graded module whose import fails or hangs."""

@@ -43,6 +43,7 @@ RESULT_TENSORS = 256  # most tensors a result may hold (from_pretrained's has 4 
 RESULT_HEADER_BYTES = 64 * 2**10  # largest safetensors header parsed (from_pretrained's is about 4 KiB)
 INFO_BYTES = 256 * 2**10  # largest info.json read back (JSON parses into a few times its size in objects)
 LARGE_FILE = 20 * 2**20  # checkpoints and data a submission carries: no check reads them, and copying is per check
+SCAN_LIMIT = 20000  # files and folders of a submission looked at, at most (30,000 tiny files took 562 s to grade)
 
 
 @dataclass
@@ -52,6 +53,8 @@ class Limits:
     max_file_mb: int = 16  # largest file (captured output included) a check may write
     max_procs: int = 64  # processes + threads: the check's cgroup, and RLIMIT_NPROC of a sandbox uid
     disk_mb: int = 512  # what the check may write in its folders (a tmpfs under them, counted as memory too)
+    max_files: int = 2000  # files of a submission copied into a check (its Python files first)
+    max_submission_mb: int = 100  # bytes of a submission copied into a check (files over LARGE_FILE never are)
 
 
 @dataclass
@@ -67,22 +70,60 @@ class Run:
     given: dict = field(default_factory=dict)  # the grader's inputs and weights for this check (never read back)
 
 
-def _copy_submission(src: Path, dst: Path) -> list[str]:
-    """Copy the submission, leaving out VCS folders, caches and files over LARGE_FILE; returns what was left out."""
-    left_out = []
-
-    def ignore(folder, names):
-        skip = set(SKIP_NAMES(folder, names))
-        for name in names:
+def copy_submission(src: Path, dst: Path, max_files: int = 2000, max_mb: int = 100) -> list[str]:
+    """Copy the submission, leaving out VCS folders and caches, files over LARGE_FILE, links that leave it (another
+    student's files are not this one's code), and what lies past the caps on files and bytes (its Python files are
+    copied first); at most SCAN_LIMIT entries are looked at. Returns the findings, each naming what was left out."""
+    root = os.path.realpath(src)
+    files, large, outside, scanned = [], [], [], 0
+    for folder, dirs, names in os.walk(src):  # links to folders arrive in dirs, not followed
+        skip = set(SKIP_NAMES(folder, dirs + names))
+        for name in sorted(dirs + names):
             path = os.path.join(folder, name)
-            if name not in skip and os.path.isfile(path) and not os.path.islink(path) and \
-                    os.path.getsize(path) > LARGE_FILE:
-                skip.add(name)
-                left_out.append(os.path.relpath(path, src))
-        return skip
-
-    shutil.copytree(src, dst, symlinks=True, ignore=ignore)
-    return left_out
+            scanned += 1
+            if name in skip or scanned > SCAN_LIMIT:
+                continue
+            rel = os.path.relpath(path, src)
+            if os.path.islink(path):
+                target = os.path.realpath(path)
+                if target != root and not target.startswith(root + os.sep):
+                    outside.append(f"{rel} -> {os.readlink(path)}")
+                else:
+                    files.append((rel, 0))
+            elif os.path.isfile(path) and os.path.getsize(path) > LARGE_FILE:
+                large.append(rel)
+            elif os.path.isfile(path):
+                files.append((rel, os.path.getsize(path)))
+        dirs[:] = sorted(d for d in dirs if d not in skip and not os.path.islink(os.path.join(folder, d)))
+        if scanned > SCAN_LIMIT:
+            dirs[:] = []
+    files.sort(key=lambda f: (not f[0].endswith(".py"), f[0]))  # the course's code first
+    kept, total = [], 0
+    for rel, size in files:
+        if len(kept) >= max_files or total + size > max_mb * 2**20:
+            break
+        kept.append(rel)
+        total += size
+    dst.mkdir(parents=True, exist_ok=True)
+    for rel in kept:
+        source, target = os.path.join(src, rel), dst / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if os.path.islink(source):
+            os.symlink(os.readlink(source), target)
+        else:
+            shutil.copy2(source, target)
+    findings = []
+    if large:
+        findings.append(f"files over {LARGE_FILE >> 20} MiB not copied into the sandbox: {', '.join(large[:5])}")
+    if outside:
+        findings.append(f"links that leave the submission not copied (not graded as its code): "
+                        f"{', '.join(outside[:5])}" + (f" and {len(outside) - 5} more" if len(outside) > 5 else ""))
+    if len(kept) < len(files):
+        findings.append(f"the submission holds more than {max_files} files or {max_mb} MiB (the grader's limits): "
+                        f"{len(files) - len(kept)} files not copied into the sandbox (its Python files first)")
+    if scanned > SCAN_LIMIT:
+        findings.append(f"the submission holds more than {SCAN_LIMIT} files and folders: the rest were not looked at")
+    return findings
 
 
 def _snapshot(folder: Path) -> dict:
@@ -227,7 +268,7 @@ class Sandbox:
         tmp = Path(tempfile.mkdtemp(prefix="check-", dir=self.scratch))
         try:
             work, result, home = tmp / "submission", tmp / "result", tmp / "home"
-            left_out = _copy_submission(submission, work)
+            copied = copy_submission(submission, work, self.limits.max_files, self.limits.max_submission_mb)
             result.mkdir()
             home.mkdir()
             env = {"HOME": str(home), "TMPDIR": str(home), "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1",
@@ -262,8 +303,7 @@ class Sandbox:
                    "writable": [str(work), str(home)], "result_files": [str(f) for f in result_files]}
             run = self._ask(req, timeout)
             run.given = dict(given or {})
-            if left_out:
-                run.findings.append(f"files over {LARGE_FILE >> 20} MiB not copied into the sandbox: {', '.join(left_out[:5])}")
+            run.findings += copied
             run.output, size = _read_output(tmp / "output.txt")
             if size >= self.limits.max_file_mb * 2**20 and not run.problem.startswith("timed out"):
                 run.problem = (f"output limit: the check wrote {self.limits.max_file_mb} MiB or more and was stopped "

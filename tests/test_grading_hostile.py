@@ -92,6 +92,34 @@ def test_the_kernel_keyrings_are_no_channel_between_checks(grader, tmp_path):
     assert check.score == check.max_score, check.messages
 
 
+def test_links_that_leave_the_submission_are_not_graded_as_its_code(grader, tmp_path):
+    """Issue 36: a starter whose model files were absolute links into another student's folder scored 100/100."""
+    other = write_submission(tmp_path / "another-student")
+    sub = write_submission(tmp_path / "sub")
+    (sub / "modules" / "attention.py").unlink()
+    (sub / "modules" / "attention.py").symlink_to(other / "modules" / "attention.py")
+    (sub / "notes.txt").symlink_to("config.py")  # a link inside the submission stays
+    report = grader.grade(sub, ("attention",))
+    (check,) = report.checks
+    assert check.score == 0, check.messages
+    assert any("links that leave the submission not copied" in m and "modules/attention.py" in m
+               for m in check.messages), check.messages
+
+
+def test_a_submission_of_many_files_is_copied_up_to_the_cap_its_code_first(tmp_path):
+    """Issue 36: 30,000 one-byte files made a correct submission take 562 s (each check copied and scanned them).
+    Now one pruned copy serves every check: past the cap, files are left out (the Python files first) and said."""
+    sub = write_submission(tmp_path / "sub")
+    (sub / "zz").mkdir()
+    for i in range(60):
+        (sub / "zz" / f"f{i:03d}.txt").write_text("x")
+    with Grader(limits=Limits(timeout=30, max_files=40)) as small:
+        report = small.grade(sub, ("attention",))
+    (check,) = report.checks
+    assert check.score == check.max_score, check.messages
+    assert any("more than 40 files" in m and "not copied" in m for m in check.messages), check.messages
+
+
 def test_shared_memory_and_run_lock_do_not_outlive_the_check(grader, tmp_path):
     key = int(uuid.uuid4().int % 2**30) + 1
     lock = Path("/run/lock") / f"left-by-a-submission-{key}"

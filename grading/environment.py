@@ -73,11 +73,18 @@ def check_environment() -> None:
         raise GraderEnvironmentError(missing)
 
 
-def classify_missing(module: str, allowed=()) -> str:
-    """The finding for a submission whose import of `module` failed with ModuleNotFoundError."""
+def classify_missing(module: str, allowed=(), sandbox_missing=None) -> str:
+    """The finding for a submission whose import of `module` failed with ModuleNotFoundError. `sandbox_missing`: the
+    course packages the check's sandbox could not find, looked up before the submission ran (None: not known, the
+    grader's own Python stands in); a package the sandbox has is never called the grader's gap on the check's word."""
     top = module.split(".")[0]
     if top in SUBMISSION_MODULES:
         return f"imports {module}, which is not in the submission (a file of the course's layout is missing)"
+    if top in COURSE_PACKAGES or top in allowed:
+        have = top not in sandbox_missing if sandbox_missing is not None else _findable(top)
+        if have:
+            return (f"reports that {top} could not be imported, but the grader's sandbox has it (looked up before "
+                    f"the submission ran): not a grader-side gap; the submission's own code or output says so")
     if top in allowed:
         return (f"imports {top}, which the staff allowed, but the grader does not have it: grader-side gap, "
                 f"install it where the grader runs (pip install {top})")
@@ -99,14 +106,24 @@ def missing_modules(texts) -> list[str]:
     return list(dict.fromkeys(found))
 
 
+def _findable(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
 def environment_findings(report, allowed=()) -> list[str]:
     """One finding per module a submission failed to import, said once: in the report and in the first check it
-    broke (the other checks' "No module named" errors then need no second explanation)."""
+    broke (the other checks' "No module named" errors then need no second explanation). Whether a course package
+    is missing is the sandbox's own report (Report.sandbox['packages_missing']), not the check's output."""
     findings = {}
+    missing = report.sandbox.get("packages_missing") if isinstance(report.sandbox, dict) else None
+    missing = set(missing) if isinstance(missing, list) else None
     for c in report.checks:
         texts = [c.output, *c.messages, *(p.message for p in c.parts)]
         for module in missing_modules(texts):
-            finding = f"environment: {classify_missing(module, allowed)}"
+            finding = f"environment: {classify_missing(module, allowed, missing)}"
             if finding not in findings:
                 findings[finding] = None
                 c.messages.insert(0, finding)

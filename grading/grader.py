@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from grading import checks, probes, questions
-from grading.environment import environment_findings
+from grading.environment import COURSE_PACKAGES, environment_findings
 from grading.sandbox import Limits, Run, Sandbox, copy_submission
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -99,6 +99,7 @@ class Grader:
         self.rubric = rubric or load_rubric()
         self.scorer = checks.Scorer(self.rubric)
         self.sandbox = Sandbox(limits)
+        self.sandbox.packages = sorted({*COURSE_PACKAGES, *self.rubric.get("allow_packages", ())})
         shared = Path(shared_dir or os.environ.get("GPT2_SHARED_DIR", ROOT.parent / "shared"))
         self.course_npy = shared / "data" / "cs224n" / "optimizer_test.npy"
         self._hub: tuple[str, dict] | None = None

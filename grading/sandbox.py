@@ -208,6 +208,7 @@ class Sandbox:
         self._forget_scratch = weakref.finalize(self, shutil.rmtree, self.scratch, True)  # also at exit
         self._proc: subprocess.Popen | None = None
         self._home = ""
+        self.packages: list[str] = []  # looked up in each check's sandbox before the submission runs (Run.sandbox)
 
     # ---- the warm fork server ----------------------------------------------------------------------------------
     def _start(self) -> None:
@@ -300,7 +301,8 @@ class Sandbox:
                    "timeout": timeout, "cpu_s": int(timeout) + 5, "mem_mb": self.limits.mem_mb,
                    "max_file_mb": self.limits.max_file_mb, "max_procs": self.limits.max_procs, "uid": self.uid,
                    "isolate_network": self.isolate_network, "disk_mb": self.limits.disk_mb,
-                   "writable": [str(work), str(home)], "result_files": [str(f) for f in result_files]}
+                   "writable": [str(work), str(home)], "result_files": [str(f) for f in result_files],
+                   "packages": list(self.packages)}
             run = self._ask(req, timeout)
             run.given = dict(given or {})
             run.findings += copied

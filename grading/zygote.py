@@ -58,6 +58,9 @@ def child(req: dict, report_fd: int, ack_fd: int) -> None:
         os.dup2(ack_fd, 4)
         os.closerange(5, 65536)  # the zygote's pipes and anything else inherited
         info = isolation.enter(req, req.get("cgroup_dirs"))  # namespaces, mounts, cgroup, limits, uid, seccomp
+        # Which of the course's packages this sandbox cannot find, looked up before any of the submission's code
+        # runs (its folder is not on the path yet): the grader's evidence for a grader-side gap, not the check's words.
+        info["packages_missing"] = [name for name in req.get("packages", []) if not _findable(name)]
         os.write(3, (json.dumps(info) + "\n").encode())
         os.close(3)
         os.read(4, 1)  # the zygote has the report
@@ -83,6 +86,13 @@ def child(req: dict, report_fd: int, ack_fd: int) -> None:
         except BaseException:  # noqa: BLE001
             pass
         os._exit(code)
+
+
+def _findable(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def kill_all_of(uid: int) -> None:

@@ -82,11 +82,28 @@ def test_environment_cli(monkeypatch, capsys):
     ("loralib", "imports loralib, which is not part of the course's environment"),
     ("peft.tuners", "imports peft, which is not part of the course's environment"),
     ("torchvision", "grader-side gap"),
-    ("importlib_metadata", "grader-side gap (pip install importlib-metadata=="),
     ("modules.rotary", "a file of the course's layout is missing"),
 ])
 def test_a_missing_module_is_classified(module, says):
     assert says in environment.classify_missing(module)
+
+
+def test_a_course_package_is_the_graders_gap_only_where_the_sandbox_lacks_it():
+    said = environment.classify_missing("importlib_metadata", sandbox_missing={"importlib_metadata"})
+    assert "grader-side gap (pip install importlib-metadata==" in said
+    for sandbox_missing in (set(), None):  # the sandbox has it; not known (the grader's own Python has it)
+        said = environment.classify_missing("importlib_metadata", sandbox_missing=sandbox_missing)
+        assert "not a grader-side gap" in said and "pip install" not in said
+
+
+def test_a_printed_missing_module_line_does_not_blame_the_grader(grader, tmp_path):
+    """Issue 36: printing "No module named 'transformers'" made the report blame the grader's environment."""
+    sub = write_submission(tmp_path / "sub", attention=[("import math\n", "import math\n"
+                                                         "print(\"No module named 'transformers'\")\n")])
+    report = grader.grade(sub, ("attention",))
+    assert report.total == report.max_total, report.checks[0].messages
+    assert "transformers" not in report.sandbox["packages_missing"]
+    assert all("grader-side gap (pip" not in f for f in report.environment), report.environment
 
 
 def test_allowed_package_is_the_graders_gap():

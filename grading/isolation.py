@@ -171,6 +171,33 @@ class Cgroup:
             errors.append("no cgroup filesystem mounted")
         return None, "; ".join(errors) or "no cgroup hierarchy with the memory and pids controllers"
 
+    def limit_cpu(self, cpus: float, mounts=None, own=None) -> str:
+        """At most `cpus` cores for all the check's processes together (a fork of spinning processes then slows its
+        own check, not its neighbours'): cpu.max (v2) or the CFS quota of a v1 cpu group. Says what held."""
+        period, quota = 100000, max(1000, int(cpus * 100000))
+        try:
+            if self.version == 2:
+                path = self.dirs["memory"]
+                parent = os.path.dirname(path)
+                with open(os.path.join(parent, "cgroup.subtree_control")) as f:
+                    if "cpu" not in f.read().split():
+                        _write(os.path.join(parent, "cgroup.subtree_control"), "+cpu")
+                _write(os.path.join(path, "cpu.max"), f"{quota} {period}")
+            else:
+                mounts = _mounts() if mounts is None else mounts
+                own = _own_paths() if own is None else own
+                point = next((p for p, fstype, opts in mounts if fstype == "cgroup" and "cpu" in opts), None)
+                if point is None:
+                    return "no cpu limit: no v1 cpu controller mounted"
+                path = os.path.join(point + own.get("cpu", "/").rstrip("/"), os.path.basename(self.dirs["memory"]))
+                os.mkdir(path)
+                self.dirs["cpu"] = path
+                _write(os.path.join(path, "cpu.cfs_period_us"), str(period))
+                _write(os.path.join(path, "cpu.cfs_quota_us"), str(quota))
+        except OSError as e:
+            return f"no cpu limit: {e.strerror} ({e.filename})"
+        return f"cpu {quota / period:g} core(s)"
+
     def finish(self) -> dict:
         """Kill what is left in the group, remove it, and say whether a limit was hit."""
         import time

@@ -54,6 +54,7 @@ class Limits:
     max_procs: int = 64  # processes + threads: the check's cgroup, and RLIMIT_NPROC of a sandbox uid
     disk_mb: int = 512  # what the check may write in its folders (a tmpfs under them, counted as memory too)
     max_files: int = 2000  # files of a submission copied into a check (its Python files first)
+    cpus: float = 1.0  # cores all of a check's processes may use together (the cgroup's CPU quota), where one exists
     max_submission_mb: int = 100  # bytes of a submission copied into a check (files over LARGE_FILE never are)
 
 
@@ -302,7 +303,7 @@ class Sandbox:
                    "max_file_mb": self.limits.max_file_mb, "max_procs": self.limits.max_procs, "uid": self.uid,
                    "isolate_network": self.isolate_network, "disk_mb": self.limits.disk_mb,
                    "writable": [str(work), str(home)], "result_files": [str(f) for f in result_files],
-                   "packages": list(self.packages)}
+                   "packages": list(self.packages), "cpus": self.limits.cpus}
             run = self._ask(req, timeout)
             run.given = dict(given or {})
             run.findings += copied

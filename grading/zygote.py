@@ -164,6 +164,8 @@ def run(req: dict) -> dict:
     start = time.monotonic()
     name = f"grading-check-{os.getpid()}-{next(COUNTER)}"
     cgroup, why = isolation.Cgroup.create(name, req["mem_mb"] * 2**20, req["max_procs"])
+    if cgroup is not None and req.get("cpus"):
+        cgroup.status += f"; {cgroup.limit_cpu(req['cpus'])}"
     req["cgroup_dirs"], req["cgroup_status"] = (cgroup.dirs, cgroup.status) if cgroup else (None, why)
     (report_r, report_w), (ack_r, ack_w) = os.pipe(), os.pipe()
     pid = os.fork()

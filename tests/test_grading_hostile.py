@@ -120,6 +120,23 @@ def test_a_submission_of_many_files_is_copied_up_to_the_cap_its_code_first(tmp_p
     assert any("more than 40 files" in m and "not copied" in m for m in check.messages), check.messages
 
 
+def test_a_checks_processes_together_get_at_most_one_core(grader, tmp_path):
+    """Issue 36: 58 spinning processes in one check of a --jobs 2 batch slowed the other student's check (78 s
+    instead of 31-47 s). The check's cgroup has a CPU quota of one core (Limits.cpus) where the controller exists."""
+    code = ("import os, time\npids = []\nfor _ in range(3):\n    pid = os.fork()\n    if pid == 0:\n"
+            "        end = time.time() + 1.5\n        while time.time() < end:\n            pass\n"
+            "        os._exit(0)\n    pids.append(pid)\nfor pid in pids:\n    os.waitpid(pid, 0)\n"
+            "t = os.times()\nprint('CHILD_CPU', round(t.children_user + t.children_system, 2))")
+    report = grader.grade(attack(tmp_path, code), ("attention",))
+    (check,) = report.checks
+    if "cpu 1 core" not in report.sandbox.get("cgroup", ""):
+        pytest.skip(f"no CPU quota for the checks here: {report.sandbox.get('cgroup')}")
+    spent = [float(line.split()[1]) for line in check.output.splitlines() if line.startswith("CHILD_CPU")]
+    # three spinners for 1.5 s of wall time: 4.5 s of CPU unbounded, at most ~1.5 s on one core
+    assert spent and max(spent) <= 1.9, check.output
+    assert check.score == check.max_score, check.messages
+
+
 def test_shared_memory_and_run_lock_do_not_outlive_the_check(grader, tmp_path):
     key = int(uuid.uuid4().int % 2**30) + 1
     lock = Path("/run/lock") / f"left-by-a-submission-{key}"

@@ -76,14 +76,20 @@ def copy_submission(src: Path, dst: Path, max_files: int = 2000, max_mb: int = 1
     student's files are not this one's code), and what lies past the caps on files and bytes (its Python files are
     copied first); at most SCAN_LIMIT entries are looked at. Returns the findings, each naming what was left out."""
     root = os.path.realpath(src)
-    files, large, outside, scanned = [], [], [], 0
+    files, large, outside, scanned, unlisted = [], [], [], 0, 0
     for folder, dirs, names in os.walk(src):  # links to folders arrive in dirs, not followed
         skip = set(SKIP_NAMES(folder, dirs + names))
-        for name in sorted(dirs + names):
-            path = os.path.join(folder, name)
+        # folders first (the course's layout lives in them), then Python files; no more than max_files looked at in
+        # one folder and SCAN_LIMIT in all, so a folder of 30,000 files neither hides the code nor costs minutes
+        entries = sorted(d for d in dirs if d not in skip) + \
+            sorted((n for n in names if n not in skip), key=lambda n: (not n.endswith(".py"), n))
+        descend = []
+        for i, name in enumerate(entries):
+            if i >= max_files or scanned >= SCAN_LIMIT:
+                unlisted += len(entries) - i
+                break
             scanned += 1
-            if name in skip or scanned > SCAN_LIMIT:
-                continue
+            path = os.path.join(folder, name)
             rel = os.path.relpath(path, src)
             if os.path.islink(path):
                 target = os.path.realpath(path)
@@ -91,13 +97,13 @@ def copy_submission(src: Path, dst: Path, max_files: int = 2000, max_mb: int = 1
                     outside.append(f"{rel} -> {os.readlink(path)}")
                 else:
                     files.append((rel, 0))
+            elif os.path.isdir(path):
+                descend.append(name)
             elif os.path.isfile(path) and os.path.getsize(path) > LARGE_FILE:
                 large.append(rel)
             elif os.path.isfile(path):
                 files.append((rel, os.path.getsize(path)))
-        dirs[:] = sorted(d for d in dirs if d not in skip and not os.path.islink(os.path.join(folder, d)))
-        if scanned > SCAN_LIMIT:
-            dirs[:] = []
+        dirs[:] = descend
     files.sort(key=lambda f: (not f[0].endswith(".py"), f[0]))  # the course's code first
     kept, total = [], 0
     for rel, size in files:
@@ -122,8 +128,9 @@ def copy_submission(src: Path, dst: Path, max_files: int = 2000, max_mb: int = 1
     if len(kept) < len(files):
         findings.append(f"the submission holds more than {max_files} files or {max_mb} MiB (the grader's limits): "
                         f"{len(files) - len(kept)} files not copied into the sandbox (its Python files first)")
-    if scanned > SCAN_LIMIT:
-        findings.append(f"the submission holds more than {SCAN_LIMIT} files and folders: the rest were not looked at")
+    if unlisted:
+        findings.append(f"{unlisted} files and folders of the submission were not looked at (the grader looks at no more "
+                        f"than {max_files} in one folder and {SCAN_LIMIT} in all)")
     return findings
 
 

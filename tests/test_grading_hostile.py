@@ -106,18 +106,24 @@ def test_links_that_leave_the_submission_are_not_graded_as_its_code(grader, tmp_
                for m in check.messages), check.messages
 
 
-def test_a_submission_of_many_files_is_copied_up_to_the_cap_its_code_first(tmp_path):
+def test_a_submission_of_many_files_is_copied_up_to_the_cap_its_code_first(tmp_path, monkeypatch):
     """Issue 36: 30,000 one-byte files made a correct submission take 562 s (each check copied and scanned them).
-    Now one pruned copy serves every check: past the cap, files are left out (the Python files first) and said."""
+    Now one pruned copy serves every check: no more than max_files looked at in one folder and SCAN_LIMIT in all
+    (a big folder sorted before models/ must not hide the code), past the caps files are left out, the Python
+    files first, and the findings say so."""
+    import grading.sandbox
+
+    monkeypatch.setattr(grading.sandbox, "SCAN_LIMIT", 60)
     sub = write_submission(tmp_path / "sub")
-    (sub / "zz").mkdir()
+    (sub / "aaa").mkdir()  # listed before models/ and modules/
     for i in range(60):
-        (sub / "zz" / f"f{i:03d}.txt").write_text("x")
+        (sub / "aaa" / f"f{i:03d}.txt").write_text("x")
     with Grader(limits=Limits(timeout=30, max_files=40)) as small:
         report = small.grade(sub, ("attention",))
     (check,) = report.checks
     assert check.score == check.max_score, check.messages
     assert any("more than 40 files" in m and "not copied" in m for m in check.messages), check.messages
+    assert any("20 files and folders of the submission were not looked at" in m for m in check.messages)
 
 
 def test_a_checks_processes_together_get_at_most_one_core(grader, tmp_path):

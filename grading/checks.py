@@ -379,9 +379,10 @@ def layer_training(result, training, t, g, v, act, eps, forward_ok, bugs=()) -> 
     layer's output, once."""
     failed = str((v.get("parts") if isinstance(v.get("parts"), dict) else {}).get("training", ""))
     mask = MASKS["nopad"]
-    if failed.startswith("error: skipped:"):
-        training.status, training.message = "skipped", "skipped: the dropout modules could not be found by name " \
-                                                        f"({failed[len('error: skipped: '):]})"
+    if failed.startswith("error: skipped:"):  # the part stays in the maximum: a check never decides what is graded
+        training.status, training.points = "error", 0.0
+        training.message = ("training mode not graded: the residual dropouts could not be found by the course's "
+                            f"names ({failed[len('error: skipped: '):]})")
         return
     training.status = "fail"
     if failed:

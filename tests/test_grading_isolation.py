@@ -178,3 +178,16 @@ def test_a_hang_in_a_module_imported_by_another_names_the_module_that_hung(grade
     report = grader.grade(sub, ("attention",), timeout=3)
     (check,) = report.checks
     assert check.score == 0 and "importing utils: timed out" in check.messages[0], check.messages
+
+
+def test_a_check_cannot_take_a_part_out_of_the_maximum(grader, tmp_path):
+    """Issue 36: the probe's word that the layer's dropouts could not be found made the training part "skipped",
+    which took it out of the maximum (a layer with a dropout bug then scored 98 of 98). Now it scores 0 of its
+    points with the reason, and the layer's maximum stays the rubric's."""
+    renamed = [("self.attention_dropout = nn.Dropout", "self.attn_drop = nn.Dropout"),
+               ("self.attention_dense, self.attention_dropout)", "self.attention_dense, self.attn_drop)")]
+    report, parts = points(grader, tmp_path, layer=renamed)
+    layer = next(c for c in report.checks if c.name == "layer")
+    assert layer.max_score == FULL["layer"], layer.messages
+    training = parts[("layer", "training")]
+    assert training.points == 0 and "not graded" in training.message and "attention_dropout" in training.message

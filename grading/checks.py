@@ -226,6 +226,22 @@ def reference_probs(g: dict, route: str, bugs=()) -> torch.Tensor:
     return ref.f_probs(q, k, MASKS["right"], bugs)
 
 
+KEPT_Z = 6.0  # standard deviations of the binomial kept count allowed (a false alarm about once in 10^9 checks)
+
+
+def kept_fraction_problem(kept: int, n: int, p: float) -> str:
+    """"" when `kept` of `n` entries surviving dropout with probability p is consistent with Binomial(n, 1 - p) (within
+    KEPT_Z standard deviations), else what is wrong: dropping everything (or a scale of 0) passes every check of the
+    values alone."""
+    if n == 0:
+        return "no entry to judge the dropout on"
+    sd = math.sqrt(n * p * (1 - p))
+    if abs(kept - n * (1 - p)) <= KEPT_Z * sd:
+        return ""
+    return (f"{kept} of {n} entries kept where dropout with p={p} keeps {n * (1 - p):.0f} +- {KEPT_Z * sd:.0f} "
+            f"({KEPT_Z:g} standard deviations)")
+
+
 def training_properties(result: CheckResult, part: Part, t: dict, g: dict, values: dict) -> None:
     """Dropout on: no masked key gets probability, and each probability is dropped (0) or scaled by 1/(1-p) of the
     reference's (the eval-mode probabilities must be the reference's, on the grader's inputs)."""
@@ -257,6 +273,10 @@ def training_properties(result: CheckResult, part: Part, t: dict, g: dict, value
             result.diagnosis_key or "no_attention_dropout"
     elif off_pattern > 1e-5:
         problems.append("dropout is not applied to the probabilities after the softmax (kept entries are not p/(1-p))")
+    else:
+        live = kept & (pe.abs() > 1e-12)
+        if why := kept_fraction_problem(int((pt[live] != 0).sum()), int(live.sum()), p):
+            problems.append(f"in training mode the attention probabilities are not dropped out at rate p: {why}")
     if leak > 1e-6 and off_pattern > 1e-5 and not result.diagnosis_key:
         result.diagnosis, result.diagnosis_key = BUGS["dropout_before_softmax"], "dropout_before_softmax"
     if problems:
@@ -429,6 +449,9 @@ def check_embed(run: Run, scorer: Scorer) -> CheckResult:
     elif float(torch.minimum(pt.abs(), (pt - want / (1 - p)).abs()).max()) > tol or not bool((pt == 0).any()):
         training.status = "fail"
         training.message = f"training mode: embed() output is not the eval output dropped out once with p={p}"
+    elif why := kept_fraction_problem(int((pt[want != 0] != 0).sum()), int((want != 0).sum()), p):
+        training.status = "fail"
+        training.message = f"training mode: embed_dropout does not drop at rate p: {why}"
     else:
         training.points, training.status = training.max, "pass"
     return finish(result)

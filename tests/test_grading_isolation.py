@@ -191,3 +191,33 @@ def test_a_check_cannot_take_a_part_out_of_the_maximum(grader, tmp_path):
     assert layer.max_score == FULL["layer"], layer.messages
     training = parts[("layer", "training")]
     assert training.points == 0 and "not graded" in training.message and "attention_dropout" in training.message
+
+
+@pytest.mark.parametrize("replace, check", [
+    # issue 36: training-mode probabilities x 0, and embeddings x 0, got full marks for both training parts
+    (dict(attention=[("        probs = self.dropout(probs)\n",
+                      "        probs = self.dropout(probs) * (0.0 if self.training else 1.0)\n")]), "attention"),
+    (dict(model=[("        return self.embed_dropout(self.word_embedding(input_ids) + self.pos_embedding(pos_ids))",
+                  "        out = self.embed_dropout(self.word_embedding(input_ids) + self.pos_embedding(pos_ids))\n"
+                  "        return out * (0.0 if self.training else 1.0)")]), "embed"),
+])
+def test_a_dropout_that_drops_everything_fails_its_training_part(grader, tmp_path, replace, check):
+    report = grader.grade(write_submission(tmp_path / "sub", **replace), (check,))
+    (result,) = report.checks
+    training = next(p for p in result.parts if p.name == "training")
+    assert training.points == 0 and "entries kept where dropout with p=" in training.message, training.message
+    assert all(p.points == p.max for p in result.parts if p.name != "training"), result.messages
+
+
+def test_the_kept_fraction_bound_passes_real_dropout_and_fails_all_or_nothing():
+    import torch
+
+    from grading.checks import kept_fraction_problem
+
+    g = torch.Generator().manual_seed(0)
+    for n in (64, 512, 4096):
+        for _ in range(200):  # real masks at p=0.5 are never refused
+            kept = int(torch.bernoulli(torch.full((n,), 0.5), generator=g).sum())
+            assert kept_fraction_problem(kept, n, 0.5) == ""
+        assert kept_fraction_problem(0, n, 0.5) and kept_fraction_problem(n, n, 0.5)
+    assert kept_fraction_problem(0, 0, 0.5)  # nothing to judge on is a problem, not a pass

@@ -12,11 +12,13 @@ A projection that is not a plain nn.Linear (a LoRA wrapper, say) is replaced by 
 so it grades like the course's nn.Linear. The weights a loader puts in place (from_pretrained) are read back as
 *effective affine maps* (each projection probed with zeros and the identity).
 """
+import contextlib
 import importlib
 import inspect
 import json
 import math
 import os
+import signal
 import sys
 import traceback
 
@@ -41,6 +43,30 @@ class NotImplementedProbe(Exception):
 
 class Deviation(Exception):
     """An interface the grader cannot drive as the course defines it (signature, shape, missing name)."""
+
+
+LAYOUT_CAP_S, INFORMATION_CAP_S = 2.0, 5.0  # runs of the submission's code that grade nothing: never wait longer
+
+
+class OverCap(BaseException):
+    """A run of the submission's code that grades nothing went past its cap (BaseException: an `except Exception`
+    in the submission does not swallow it)."""
+
+
+@contextlib.contextmanager
+def capped(seconds: float):
+    """Raise OverCap in this (the main) thread after `seconds` of wall time: a Python loop in the submission stops
+    here instead of spending the check's deadline on a run whose result costs or earns nothing."""
+    def stop(signum, frame):
+        raise OverCap(f"did not return within {seconds:g} s")
+
+    old = signal.signal(signal.SIGALRM, stop)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
 
 
 def gen(seed):
@@ -297,9 +323,11 @@ def with_reference_attention(layer, given, notes, prefix=""):
          if k.startswith(prefix + "self_attention.")}
     unmerged = False
     try:  # keep the layout the layer expects from its attention: (B, T, D) or the heads unmerged
-        with torch.no_grad():
+        with torch.no_grad(), capped(LAYOUT_CAP_S):
             y = att.eval()(torch.randn(1, T, D, generator=gen(98)), torch.zeros(1, 1, 1, T))
         unmerged = torch.is_tensor(y) and y.dim() == 4
+    except OverCap as e:  # a hanging attention costs the attention check, not this one
+        notes.append(f"its attention {e} (the layout probe): the course's layout assumed")
     except Exception:  # noqa: BLE001  (a broken attention: the course's layout)
         pass
     setattr(layer, name, RefAttention(w, unmerged))
@@ -581,7 +609,13 @@ def probe_from_pretrained(given, out, notes, values):
     model.eval()
     loaded_weights(model, out)
     ids = given["ids"].long()
-    part(values, "outputs", lambda: run_model(model, ids, masks()["right"], out, ""))  # information only
+    def outputs():  # information only: capped, so a hang elsewhere in the model costs this check nothing
+        try:
+            with capped(INFORMATION_CAP_S):
+                run_model(model, ids, masks()["right"], out, "")
+        except OverCap as e:
+            raise Deviation(f"the loaded model's forward {e} (information only, not graded)") from None
+    part(values, "outputs", outputs)
 
 
 def probe_adamw(given, out, notes, values):

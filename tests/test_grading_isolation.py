@@ -221,3 +221,17 @@ def test_the_kept_fraction_bound_passes_real_dropout_and_fails_all_or_nothing():
             assert kept_fraction_problem(kept, n, 0.5) == ""
         assert kept_fraction_problem(0, n, 0.5) and kept_fraction_problem(n, n, 0.5)
     assert kept_fraction_problem(0, 0, 0.5)  # nothing to judge on is a problem, not a pass
+
+
+def test_a_hang_in_attention_costs_the_attention_check_only(grader, tmp_path):
+    """Issue 36: one infinite loop in attention() cost attention, layer and from_pretrained (48 points, 185 s): the
+    layer probe ran the submission's attention to learn its layout, and from_pretrained ran the model for
+    information. Both runs are capped now and grade nothing: the hang costs the attention check alone."""
+    sub = write_submission(tmp_path / "sub", attention=[(
+        "        scores = torch.matmul(query, key.transpose(-1, -2))  # (B, h, T, T)\n",
+        "        while True:\n            pass\n")])
+    report = grader.grade(sub, ("attention", "layer", "from_pretrained"), timeout=15)
+    by = {c.name: c for c in report.checks}
+    assert by["attention"].score == 0
+    assert by["layer"].score == FULL["layer"], by["layer"].messages
+    assert by["from_pretrained"].score == FULL["from_pretrained"], by["from_pretrained"].messages

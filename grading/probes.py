@@ -334,6 +334,22 @@ def with_reference_attention(layer, given, notes, prefix=""):
     notes.append("graded with the reference attention in place of the submission's (the attention check grades it)")
 
 
+def raised_at(e: BaseException) -> str:
+    """Where in the submission an exception came from: its innermost frame in the submission's folder (the check's
+    working directory) and, when the error came from a library call there, that line: " (at models/gpt2.py:120, in
+    `torch.load(...)`)". A bare "IndexError: pop from empty list" from unpickling a garbage checkpoint named no file."""
+    frames = traceback.extract_tb(e.__traceback__)
+    here = os.getcwd() + os.sep
+    own = [f for f in frames if os.path.abspath(f.filename).startswith(here)]
+    if not own:
+        return ""
+    last = own[-1]
+    where = f" (at {os.path.relpath(last.filename)}:{last.lineno}"
+    if frames[-1] is not last and last.line:
+        where += f", in `{last.line.strip()[:120]}`"
+    return where + ")"
+
+
 def part(values, name, fn):
     """Run one graded part; a TODO or a deviation there costs that part only (recorded in values['parts'])."""
     try:
@@ -345,7 +361,8 @@ def part(values, name, fn):
     except MemoryError:
         raise
     except Exception as e:  # noqa: BLE001  (the submission's error in this part is this part's finding)
-        values.setdefault("parts", {})[name] = f"error: the submission raised {type(e).__name__}: {e}"[:2000]
+        values.setdefault("parts", {})[name] = \
+            f"error: the submission raised {type(e).__name__}: {e}{raised_at(e)}"[:2000]
 
 
 def heads(x):
@@ -724,7 +741,7 @@ def main(name, resultdir, args, given_path=None):
         info.update(status="error", message="out of memory (the sandbox's memory limit)")
     except BaseException as e:  # noqa: BLE001  (whatever the submission raises is a finding, not our crash)
         tb = traceback.format_exception(type(e), e, e.__traceback__)
-        info.update(status="error", message=f"{type(e).__name__}: {e}", traceback="".join(tb)[-4000:])
+        info.update(status="error", message=f"{type(e).__name__}: {e}{raised_at(e)}", traceback="".join(tb)[-4000:])
         if "cuda" in str(e).lower():
             info["device"] = "a hard-coded CUDA device: the code asks for 'cuda' on a machine without a GPU"
         if "memory" in str(e).lower() or "alloc" in str(e).lower():

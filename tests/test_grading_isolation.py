@@ -235,3 +235,20 @@ def test_a_hang_in_attention_costs_the_attention_check_only(grader, tmp_path):
     assert by["attention"].score == 0
     assert by["layer"].score == FULL["layer"], by["layer"].messages
     assert by["from_pretrained"].score == FULL["from_pretrained"], by["from_pretrained"].messages
+
+
+def test_an_error_inside_a_library_call_names_the_submissions_line(grader, tmp_path):
+    """Issue 36: a garbage .pt loaded in from_pretrained read only "IndexError: pop from empty list"."""
+    sub = write_submission(tmp_path / "sub", model=[("import torch\n", "import torch\n")])
+    (sub / "weights.pt").write_bytes(b"\x80\x02garbage")
+    gpt2 = (sub / "models" / "gpt2.py").read_text()
+    marker = "    def from_pretrained("
+    assert gpt2.count(marker) == 1
+    at = gpt2.index(marker)
+    body = gpt2.index("\n", gpt2.index("):", at)) + 1  # the first line of its body
+    (sub / "models" / "gpt2.py").write_text(gpt2[:body] + "        torch.load('weights.pt', weights_only=False)\n"
+                                            + gpt2[body:])
+    report = grader.grade(sub, ("from_pretrained",))
+    (check,) = report.checks
+    said = " ".join(check.messages + [p.message for p in check.parts])
+    assert "at models/gpt2.py:" in said and "torch.load('weights.pt'" in said, said

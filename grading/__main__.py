@@ -49,6 +49,9 @@ def parse_args(argv):
                         "allow_packages): its import is then no finding against the student")
     g = p.add_argument_group("sandbox")
     g.add_argument("--timeout", type=float, default=60.0, help="wall-clock seconds per check (default 60)")
+    g.add_argument("--submission-timeout", type=float, default=300.0,
+                   help="wall-clock seconds for all of a submission's checks together (default 300): the checks left "
+                        "when it is spent score 0 and say so")
     g.add_argument("--memory", type=int, default=3072, help="MiB per check: address space of each process beyond the interpreter's, and the total of all its processes (tmpfs and shared memory included) where a cgroup can be made")
     g = p.add_argument_group("batch")
     g.add_argument("--batch", metavar="DIR|ZIP", help="grade every folder in DIR (one CSV row each), or Gradescope's "
@@ -75,8 +78,8 @@ def parse_args(argv):
         p.error("give either a SUBMISSION_DIR or --batch DIR (or --example DIR to write a sample submission)")
     if args.batch and not args.csv:
         p.error("--batch needs --csv FILE")
-    if args.jobs < 1 or args.timeout <= 0 or args.memory < 256:
-        p.error("--jobs must be >= 1, --timeout > 0 and --memory >= 256")
+    if args.jobs < 1 or args.timeout <= 0 or args.submission_timeout <= 0 or args.memory < 256:
+        p.error("--jobs must be >= 1, --timeout and --submission-timeout > 0 and --memory >= 256")
     args.checks = tuple(c.strip() for c in args.checks.split(",") if c.strip())
     unknown = set(args.checks) - set(CHECKS)
     if unknown or not args.checks:
@@ -166,7 +169,7 @@ def main(argv=None) -> int:
                 write_json(path, {"score": 0, "execution_time": 0, "tests": [],
                                   "output": f"The grader's environment is incomplete ({e}); not a grade."})
         return EXIT_ENVIRONMENT
-    limits = Limits(timeout=args.timeout, mem_mb=args.memory)
+    limits = Limits(timeout=args.timeout, mem_mb=args.memory, submission_timeout=args.submission_timeout)
     if args.batch:
         return batch(args, rubric, limits)
     try:

@@ -154,7 +154,7 @@ class Grader:
         try:
             found = copy_submission(submission, staged, self.sandbox.limits.max_files,
                                      self.sandbox.limits.max_submission_mb)
-            self._grade_staged(report, staged, only, timeout)
+            self._grade_staged(report, staged, only, timeout, start + self.sandbox.limits.submission_timeout)
         finally:
             shutil.rmtree(staged, ignore_errors=True)
         if report.checks and found:
@@ -167,9 +167,19 @@ class Grader:
         report.seconds = time.monotonic() - start
         return report
 
-    def _grade_staged(self, report: Report, submission: Path, only: tuple[str, ...], timeout: float | None) -> None:
-        broken = self._imports(submission, timeout) if only else {}
+    def _grade_staged(self, report: Report, submission: Path, only: tuple[str, ...], timeout: float | None,
+                      deadline: float) -> None:
+        """Every check of `only`, none past `deadline` (the whole submission's, besides each check's own)."""
+        per_check = timeout or self.sandbox.limits.timeout
+        broken = self._imports(submission, min(per_check, max(1.0, deadline - time.monotonic()))) if only else {}
         for name in only:
+            left = deadline - time.monotonic()
+            if left < 1.0:  # the whole submission's time is spent: the checks left score 0 and say why
+                run = Run(problem=f"not run: the submission's {self.sandbox.limits.submission_timeout:g} s for all its "
+                                  f"checks were spent (Limits.submission_timeout, --submission-timeout)")
+                report.checks.append(self._compare(name, run))
+                continue
+            timeout = min(per_check, left)
             hf_home = self.hub()[0] if name == "from_pretrained" else None
             bad = next((broken[m] for m in IMPORTS[name] if m in broken), None)
             # an import found failing or hanging once is reported for every check that needs it, without waiting again

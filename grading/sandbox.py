@@ -49,6 +49,7 @@ SCAN_LIMIT = 20000  # files and folders of a submission looked at, at most (30,0
 @dataclass
 class Limits:
     timeout: float = 60.0  # wall-clock seconds per check
+    submission_timeout: float = 300.0  # wall-clock seconds for all of a submission's checks together
     mem_mb: int = 3072  # per process: address space beyond the warm interpreter; all processes together: the cgroup
     max_file_mb: int = 16  # largest file (captured output included) a check may write
     max_procs: int = 64  # processes + threads: the check's cgroup, and RLIMIT_NPROC of a sandbox uid

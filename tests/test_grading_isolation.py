@@ -252,3 +252,19 @@ def test_an_error_inside_a_library_call_names_the_submissions_line(grader, tmp_p
     (check,) = report.checks
     said = " ".join(check.messages + [p.message for p in check.parts])
     assert "at models/gpt2.py:" in said and "torch.load('weights.pt'" in said, said
+
+
+def test_the_whole_submission_has_a_deadline_besides_each_checks(tmp_path):
+    """Issue 36: a deadline for all of a submission's checks together; the checks left when it is spent score 0
+    and say why (the per-check deadline alone let seven slow checks take seven times it)."""
+    from grading.sandbox import Limits
+
+    sub = write_submission(tmp_path / "sub", attention=[(
+        "        scores = torch.matmul(query, key.transpose(-1, -2))  # (B, h, T, T)\n",
+        "        while True:\n            pass\n")])
+    with Grader(limits=Limits(timeout=5, submission_timeout=6)) as g:
+        report = g.grade(sub, ("attention", "layer"))
+    by = {c.name: c for c in report.checks}
+    assert by["attention"].score == 0 and "timed out" in " ".join(by["attention"].messages)
+    assert by["layer"].score == 0 and "not run: the submission's 6 s" in " ".join(by["layer"].messages)
+    assert report.seconds < 30

@@ -83,7 +83,8 @@ def test_what_the_documented_commands_write_in_the_root_is_ignored_by_git():
     if shutil.which("git") is None or not (ROOT / ".git").exists():
         pytest.skip("not a git checkout")
     written = ["autograder.zip", "checkpoints/sonnet/best/config.json", "predictions/para-dev-output.csv",
-               "runs/x/metrics.jsonl"]
+               "runs/x/metrics.jsonl", "results.json", "scores.csv",  # the README's grading commands
+               "venv/bin/python", ".venv/bin/python"]  # a venv made in the clone, as newcomers do
     ignored = subprocess.run(["git", "check-ignore", "--no-index", *written], cwd=ROOT, capture_output=True,
                              text=True).stdout.split()
     assert sorted(ignored) == sorted(written)

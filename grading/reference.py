@@ -182,8 +182,12 @@ def mis_loaded(w, bug, n_layer):
 
 # ---- AdamW -------------------------------------------------------------------------------------------------------
 
-def adamw_variant(params, grads_fn, groups, steps, bug=None, betas=(0.9, 0.99), eps=1e-8):
-    """Hand-rolled AdamW replay for the variants (the reference itself is torch.optim.AdamW)."""
+def adamw_variant(params, grads_fn, groups, steps, bug=None, betas=(0.9, 0.99), eps=1e-8, form="torch"):
+    """Hand-rolled AdamW replay for the variants (the reference itself is torch.optim.AdamW). form="handout": the
+    course handout's correct form, the bias corrections folded into the step size (eps added to sqrt(v) before
+    them) and the decay after the update; over 200 steps it drifts from torch's form by up to ~3e-5 on a few
+    questions in a thousand, past the course's tolerance, so a correct submission of either form is compared with
+    its own."""
     state = {id(p): (torch.zeros_like(p), torch.zeros_like(p)) for p in params}
     b1, b2 = betas
     for t in range(1, steps + 1):
@@ -195,6 +199,11 @@ def adamw_variant(params, grads_fn, groups, steps, bug=None, betas=(0.9, 0.99), 
                     m, v = state[id(p)]
                     m.mul_(b1).add_(grad, alpha=1 - b1)
                     v.mul_(b2).addcmul_(grad, grad, value=1 - b2)
+                    if form == "handout" and bug is None:
+                        step = g["lr"] * math.sqrt(1 - b2 ** t) / (1 - b1 ** t)
+                        p.addcdiv_(m, v.sqrt() + eps, value=-step)
+                        p.add_(p, alpha=-g["lr"] * g["weight_decay"])
+                        continue
                     if bug == "no_bias_correction":
                         mh, vh = m, v
                     else:

@@ -4,15 +4,19 @@ Loaded by grading/zygote.py by file path (never imported by the grader). Each la
 in one line, so a kernel or container that refuses one (Docker without CAP_SYS_ADMIN refuses every namespace) still
 gets the others, and the report says which held:
 
-- cgroup (v2, or v1 memory + pids): one group per check bounds the memory of all its processes together (tmpfs and
-  shared memory pages included) and their number; the zygote kills the group and reads its OOM count afterwards.
+- cgroup (v2, or v1 memory + pids (+ cpu)): one group per check bounds the memory of all its processes together
+  (tmpfs and shared memory pages included), their number and the cores they use together; the zygote kills the group
+  and reads its OOM count afterwards.
 - namespaces: network (no interfaces), IPC (SysV shared memory dies with the check), PID (the check sees only its
   own processes; its first process is the namespace's init, so everything it starts dies with it), mount.
 - mounts, in the private mount namespace: size-capped tmpfs on /tmp, /var/tmp, /dev/shm, /run/lock (nothing there
   outlives the check, nothing of the host's is visible), a fresh /proc (hidepid), the check's writable folders as
-  overlays on a size-capped tmpfs (a disk quota: writes beyond it fail with ENOSPC and cost memory, not disk).
+  overlays on a size-capped tmpfs (a disk quota: writes beyond it fail with ENOSPC and cost memory, not disk), the
+  Python installation visible wherever it lives (only its own folders, read-only), and then every mount read-only
+  but the check's own (the seal: without root the check runs as the grader's uid, so permissions alone protect
+  nothing of the grader's).
 - seccomp (pyseccomp, when libseccomp is installed): no AF_UNIX sockets (no connecting to the host's filesystem
-  sockets), no io_uring, no new namespaces or mounts.
+  sockets), no io_uring, no new namespaces or mounts, no kernel keyrings.
 - rlimits and, when the grader runs as root, a uid of its own.
 """
 import ctypes

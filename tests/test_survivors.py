@@ -1,0 +1,35 @@
+"""Behaviour that mutation testing found unpinned (issue 40): each test checks a reference, a round trip or an
+invariant that a plausible slip in the code would break."""
+import torch
+from conftest import padded_batch, tiny_config
+
+from models.gpt2 import GPT2LMHeadModel
+from models.lora import apply_lora, merge_lora, unmerge_lora
+
+# ---- LoRA: merge and unmerge are idempotent ----------------------------------------------------------------------
+
+def test_merging_an_already_merged_adapter_changes_nothing_and_unmerging_twice_restores_the_base():
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(tiny_config("h3-inner")).eval()
+    base = {k: v.clone() for k, v in model.state_dict().items()}
+    apply_lora(model, rank=3, alpha=6, targets="all")
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # a fresh adapter has B = 0: a doubled delta would still be zero
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    ids, mask = padded_batch([7, 4], 8, model.config.vocab_size, "left")
+    with torch.no_grad():
+        adapted = model(ids, mask)["logits"]  # the adapters applied in the forward pass: the reference
+        merge_lora(model)
+        once = {k: v.clone() for k, v in model.state_dict().items()}
+        merge_lora(model)
+        twice = model(ids, mask)["logits"]
+    for k, v in once.items():
+        assert torch.equal(model.state_dict()[k], v), k
+    torch.testing.assert_close(twice, adapted, atol=1e-5, rtol=0)
+    unmerge_lora(model)
+    unmerge_lora(model)
+    after = model.state_dict()
+    for k, v in base.items():
+        torch.testing.assert_close(after[k], v, atol=1e-6, rtol=0, msg=k)

@@ -5,6 +5,7 @@ from conftest import padded_batch, tiny_config
 
 from models.gpt2 import GPT2LMHeadModel
 from models.lora import apply_lora, merge_lora, unmerge_lora
+from tasks.char_tokenizer import CharTokenizer
 
 # ---- LoRA: merge and unmerge are idempotent ----------------------------------------------------------------------
 
@@ -33,3 +34,17 @@ def test_merging_an_already_merged_adapter_changes_nothing_and_unmerging_twice_r
     after = model.state_dict()
     for k, v in base.items():
         torch.testing.assert_close(after[k], v, atol=1e-6, rtol=0, msg=k)
+
+
+# ---- character tokenizer: ids are the vocabulary's, whatever its order --------------------------------------------
+
+def test_an_unsorted_saved_vocabulary_encodes_to_its_own_ids_and_round_trips(tmp_path):
+    chars = ["z", "\n", "a", " ", "Q", "é", "m", "!"]  # deliberately not in code-point order
+    CharTokenizer(chars).save_pretrained(tmp_path)
+    tok = CharTokenizer.from_pretrained(tmp_path)
+    assert tok.chars == chars
+    text = "mazé! Q\nz a"
+    ids = tok.encode(text)
+    assert ids == [chars.index(c) for c in text]
+    assert tok.decode(ids) == text
+    assert tok.encode("".join(chars)) == list(range(len(chars)))

@@ -1,10 +1,12 @@
 """Behaviour that mutation testing found unpinned (issue 40): each test checks a reference, a round trip or an
 invariant that a plausible slip in the code would break."""
+import pytest
 import torch
 from conftest import padded_batch, tiny_config
 
-from models.gpt2 import GPT2LMHeadModel
+from models.gpt2 import GPT2LMHeadModel, GPT2Model
 from models.lora import apply_lora, merge_lora, unmerge_lora
+from modules.norms import make_norm
 from tasks.char_tokenizer import CharTokenizer
 
 # ---- LoRA: merge and unmerge are idempotent ----------------------------------------------------------------------
@@ -48,3 +50,42 @@ def test_an_unsorted_saved_vocabulary_encodes_to_its_own_ids_and_round_trips(tmp
     assert ids == [chars.index(c) for c in text]
     assert tok.decode(ids) == text
     assert tok.encode("".join(chars)) == list(range(len(chars)))
+
+
+# ---- RMSNorm eps from the config, block norms and q/k norms --------------------------------------------------------
+
+def llama_rmsnorm(dim, eps, weight):
+    LlamaRMSNorm = pytest.importorskip("transformers.models.llama.modeling_llama").LlamaRMSNorm
+    ref = LlamaRMSNorm(dim, eps=eps)
+    with torch.no_grad():
+        ref.weight.copy_(weight)
+    return ref
+
+
+@pytest.mark.parametrize("eps", [1e-2, 0.5])
+def test_rmsnorm_eps_from_the_config_matches_llama_rmsnorm_in_block_and_qk_norms(eps):
+    config = tiny_config("h4-wide", norm="rmsnorm", qk_norm=True, layer_norm_epsilon=eps)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 5, config.n_embd, generator=g) * 0.05  # mean(x^2) ~ eps: eps changes the output a lot
+
+    norm = make_norm(config)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(config.n_embd, generator=g) + 0.5)
+    ref = llama_rmsnorm(config.n_embd, eps, norm.weight)
+    torch.testing.assert_close(norm(x), ref(x), atol=1e-6, rtol=1e-5)
+    assert not torch.allclose(ref(x), llama_rmsnorm(config.n_embd, 1e-6, norm.weight)(x), atol=1e-3)  # eps matters
+
+    model = GPT2Model(config)
+    for layer in model.gpt_layers:
+        for block_norm in (layer.attention_layer_norm, layer.out_layer_norm):
+            torch.testing.assert_close(block_norm(x), llama_rmsnorm(config.n_embd, eps, block_norm.weight)(x),
+                                       atol=1e-6, rtol=1e-5)
+        attn = layer.self_attention
+        hs = attn.attention_head_size
+        heads = torch.randn(2, config.n_head, 5, hs, generator=g) * 0.05  # (B, nh, T, hs)
+        for qk in (attn.q_norm, attn.k_norm):
+            with torch.no_grad():
+                qk.weight.copy_(torch.rand(hs, generator=g) + 0.5)
+            torch.testing.assert_close(qk(heads), llama_rmsnorm(hs, eps, qk.weight)(heads), atol=1e-6, rtol=1e-5)
+    final = model.final_layer_norm
+    torch.testing.assert_close(final(x), llama_rmsnorm(config.n_embd, eps, final.weight)(x), atol=1e-6, rtol=1e-5)

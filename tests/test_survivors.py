@@ -89,3 +89,27 @@ def test_rmsnorm_eps_from_the_config_matches_llama_rmsnorm_in_block_and_qk_norms
             torch.testing.assert_close(qk(heads), llama_rmsnorm(hs, eps, qk.weight)(heads), atol=1e-6, rtol=1e-5)
     final = model.final_layer_norm
     torch.testing.assert_close(final(x), llama_rmsnorm(config.n_embd, eps, final.weight)(x), atol=1e-6, rtol=1e-5)
+
+
+# ---- generation: a finished row is padded with eos by default -----------------------------------------------------
+
+def test_a_row_that_finishes_early_is_padded_with_eos_like_transformers(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    config = tiny_config("h4-wide")
+    torch.manual_seed(0)
+    hf = transformers.GPT2LMHeadModel(config.to_hf(attn_implementation="eager")).eval()
+    with torch.no_grad():  # larger token embeddings: each prompt then continues with a token of its own
+        hf.transformer.wte.weight.mul_(20)
+    hf.generation_config.pad_token_id = None  # transformers then pads with eos, as ours should
+    hf.save_pretrained(tmp_path / "hf")
+    ours = GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()
+    assert ours.config.pad_token_id is None
+    ids, mask = padded_batch([7, 3, 5], 7, config.vocab_size, "left", seed=4)
+    free = ours.generate(ids, mask, max_new_tokens=12)
+    eos = int(free[0, 7])  # row 0's first new token becomes "end of sequence"
+    assert eos != 0 and not (free[1:, 7:] == eos).any()  # the other rows never emit it
+    got = ours.generate(ids, mask, max_new_tokens=12, eos_token_id=eos)
+    expected = hf.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, eos_token_id=eos)
+    assert torch.equal(got, expected)
+    assert got.shape == (3, 19) and torch.all(got[0, 7:] == eos)  # row 0: eos, then eos as padding
+    assert torch.equal(got[1:], free[1:])

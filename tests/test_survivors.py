@@ -2,9 +2,10 @@
 invariant that a plausible slip in the code would break."""
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import padded_batch, tiny_config
 
-from models.gpt2 import GPT2LMHeadModel, GPT2Model
+from models.gpt2 import GPT2LMHeadModel, GPT2Model, lm_loss
 from models.lora import apply_lora, merge_lora, unmerge_lora
 from modules.norms import make_norm
 from tasks.char_tokenizer import CharTokenizer
@@ -113,3 +114,35 @@ def test_a_row_that_finishes_early_is_padded_with_eos_like_transformers(tmp_path
     assert torch.equal(got, expected)
     assert got.shape == (3, 19) and torch.all(got[0, 7:] == eos)  # row 0: eos, then eos as padding
     assert torch.equal(got[1:], free[1:])
+
+
+# ---- sparse token gradient: an embedding with a padding_idx stays on the dense path -------------------------------
+
+def test_the_padding_row_gets_no_lookup_gradient_with_a_padding_idx():
+    """A tied embedding with a padding_idx (as a course model may build it): the lookup of the padding token adds
+    nothing to its row, so the training forward's gradient equals the body and head called apart, and the padding
+    row's gradient is the LM head's alone."""
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(tiny_config("h4-wide")).train()
+    ids = torch.randint(0, 1000, (3, 12), generator=torch.Generator().manual_seed(1))
+    pad = int(ids[0, 0])
+    ids[:, -3:] = pad  # the padding token appears in every row
+    model.gpt.word_embedding.padding_idx = pad
+
+    model(ids, labels=ids)["loss"].backward()
+    fused = model.gpt.word_embedding.weight.grad.clone()
+    assert fused.layout == torch.strided
+
+    model.zero_grad(set_to_none=True)
+    hidden = model.gpt(ids)["last_hidden_state"]  # body and head apart: the dense nn.Embedding path
+    lm_loss(model.gpt.hidden_state_to_token(hidden), ids, None, ids.shape[1], F.cross_entropy).backward()
+    dense = model.gpt.word_embedding.weight.grad.clone()
+    torch.testing.assert_close(fused, dense, atol=1e-6, rtol=0)
+
+    model.zero_grad(set_to_none=True)  # the head's gradient alone: embeddings looked up from a detached copy
+    body = model.gpt
+    emb = F.embedding(ids, body.word_embedding.weight.detach()) + body.pos_embedding(body.position_ids[:, :12])
+    hidden = body.final_layer_norm(body.encode(body.embed_dropout(emb)))
+    lm_loss(model.gpt.hidden_state_to_token(hidden), ids, None, ids.shape[1], F.cross_entropy).backward()
+    head_only = model.gpt.word_embedding.weight.grad
+    torch.testing.assert_close(fused[pad], head_only[pad], atol=1e-6, rtol=0)

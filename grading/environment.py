@@ -56,14 +56,7 @@ def pinned(dist: str) -> str:
 
 def missing_course_packages(packages=COURSE_PACKAGES) -> list[str]:
     """Course packages this Python cannot import (found without importing them: the check costs milliseconds)."""
-    missing = []
-    for name in packages:
-        try:
-            if importlib.util.find_spec(name) is None:
-                missing.append(name)
-        except (ImportError, ValueError):
-            missing.append(name)
-    return missing
+    return [name for name in packages if not _findable(name)]
 
 
 def check_environment() -> None:

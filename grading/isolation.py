@@ -383,16 +383,20 @@ def _seal(writable: list) -> str:
     return "everything read-only but " + ", ".join(path for path, _ in writable)
 
 
-def python_paths() -> list[str]:
-    """The folders this Python imports from: the installation (a venv's and its base's), site-packages and every
-    other entry of sys.path, as real paths, none inside another."""
-    paths = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
-                                           *site.getsitepackages(), *sys.path) if p}
+def outermost(paths) -> list[str]:
+    """The existing real paths among `paths`, none inside another (an outer one stands for what it holds)."""
     kept = []
-    for p in sorted(p for p in paths if os.path.exists(p)):
+    for p in sorted({os.path.realpath(p) for p in paths if p and os.path.exists(p)}):
         if not any(p == k or p.startswith(k.rstrip(os.sep) + os.sep) for k in kept):
             kept.append(p)
     return kept
+
+
+def python_paths() -> list[str]:
+    """The folders this Python imports from: the installation (a venv's and its base's), site-packages and every
+    other entry of sys.path, as real paths, none inside another."""
+    return outermost([sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix, *site.getsitepackages(),
+                      *sys.path])
 
 
 def closed_ancestor(path: str) -> str | None:
@@ -438,16 +442,22 @@ def _locked_flags(path: str) -> int:
     return flags | (MS_RELATIME if st & ST_RELATIME else 0)
 
 
+def closed_folders(paths) -> dict[str, list[str]]:
+    """{outermost folder closed to others: the paths (outermost() of them) it holds} for the paths under one."""
+    closed = {}
+    for path in outermost(paths):
+        folder = closed_ancestor(path)
+        if folder is not None:
+            closed.setdefault(folder, []).append(path)
+    return closed
+
+
 def expose_python(private_mounts: bool) -> str:
     """Let the sandbox user read the Python installation where it lives under folders others cannot enter (a pyenv
     in /root, a venv in a `mktemp -d` folder): an empty tmpfs covers each such folder (hiding the rest of it, a home
     directory's secrets included) and only the installation's own folders are bound back, read-only. Needs the
     private mount namespace."""
-    closed = {}
-    for path in python_paths():
-        folder = closed_ancestor(path)
-        if folder is not None:
-            closed.setdefault(folder, []).append(path)
+    closed = closed_folders(python_paths())
     if not closed:
         return "readable"
     if not private_mounts:

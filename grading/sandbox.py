@@ -100,10 +100,12 @@ def copy_submission(src: Path, dst: Path, max_files: int = 2000, max_mb: int = 1
                     files.append((rel, 0))
             elif os.path.isdir(path):
                 descend.append(name)
-            elif os.path.isfile(path) and os.path.getsize(path) > LARGE_FILE:
-                large.append(rel)
             elif os.path.isfile(path):
-                files.append((rel, os.path.getsize(path)))
+                size = os.path.getsize(path)
+                if size > LARGE_FILE:
+                    large.append(rel)
+                else:
+                    files.append((rel, size))
         dirs[:] = descend
     files.sort(key=lambda f: (not f[0].endswith(".py"), f[0]))  # the course's code first
     kept, total = [], 0

@@ -20,7 +20,7 @@ import pytest
 
 from grading.example import write_submission
 from grading.grader import Grader
-from grading.isolation import closed_ancestor, python_paths
+from grading.isolation import closed_folders, python_paths
 from grading.predictions import score_predictions
 from grading.sandbox import Limits, Sandbox
 
@@ -346,11 +346,7 @@ def exposing_python(tmp: Path, then: str) -> list[str]:
     """A command prefix: a private mount namespace where each folder closed to others above the project or this
     Python (a pyenv in /root, the `mktemp -d` folder a clone and its venv live in) is covered by an empty tmpfs with
     only those bound back, then `then` (a setpriv line that takes the rest of the arguments)."""
-    closed = {}
-    for path in sorted([str(ROOT), *python_paths()]):
-        folder = closed_ancestor(path)
-        if folder and not any(path.startswith(p + os.sep) for p in closed.get(folder, [])):
-            closed.setdefault(folder, []).append(path)
+    closed = closed_folders([str(ROOT), *python_paths()])
     stage, script = lambda i, j: shlex.quote(str(tmp / f"stage-{i}-{j}")), ["set -e"]
     for i, (folder, paths) in enumerate(sorted(closed.items())):
         for j, path in enumerate(paths):

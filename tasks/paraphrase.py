@@ -127,22 +127,22 @@ def run(args: ParaphraseConfig) -> dict:
     return run_on(args, device)
 
 
-def missing_train(path) -> str:
-    """The error for a training file that is not there, naming the shared Quora pairs when they are there (the
-    course's data/quora-*.csv files are not shipped with the project)."""
+def shared_pairs_hint() -> str:
+    """What to add to the error for a training file that is not there: the shared Quora pairs, when they are there
+    (the course's data/quora-*.csv files are not shipped with the project)."""
     shared = shared_dir() / "data" / "quora" / "quora-dev-minbert.csv"
     if not shared.is_file():
-        return f"data file not found: {path}"
-    return (f"data file not found: {path}; the shared data holds labelled Quora pairs, one file that --split_dev "
-            f"cuts into train and dev (--skip_bad_rows: 2 rows are malformed): --train {shared} --split_dev 16000 "
-            f"--skip_bad_rows")
+        return ""
+    return (f"; the shared data holds labelled Quora pairs, one file that --split_dev cuts into train and dev "
+            f"(--skip_bad_rows: 2 rows are malformed): --train {shared} --split_dev 16000 --skip_bad_rows")
 
 
 def run_on(args, device: torch.device) -> dict:
     """Train, reload the best dev checkpoint, write the dev (and test) prediction files."""
-    if not str(args.train).startswith("hub:") and not Path(args.train).is_file():
-        raise FileNotFoundError(missing_train(args.train))
-    train_ex = load_paraphrase(args.train, "train", args.skip_bad_rows)
+    try:
+        train_ex = load_paraphrase(args.train, "train", args.skip_bad_rows)
+    except FileNotFoundError as e:  # read_table's "data file not found: PATH", with where the data is
+        raise FileNotFoundError(f"{e}{shared_pairs_hint()}") from None
     if args.split_dev:
         if args.dev:
             raise ValueError("give either --dev or --split_dev, not both")

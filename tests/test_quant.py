@@ -38,6 +38,22 @@ def test_quantize_int8_rounds_each_row_to_half_a_step():
     assert w8.dequantize(torch.bfloat16).dtype == torch.bfloat16
 
 
+def test_rows_of_very_different_magnitudes_each_keep_their_own_precision():
+    """Per-row scales: a row 1000x smaller than another is quantized as finely as the large one, relative to its
+    own size (one scale for the whole tensor would round the small rows to a few levels or to zero)."""
+    g = torch.Generator().manual_seed(0)
+    magnitudes = torch.tensor([1e3, 1.0, 1e-3, 30.0, 1e-1])
+    w = torch.randn(5, 64, generator=g) * magnitudes[:, None]
+    w8 = quantize_int8(w)
+    assert torch.equal(w8.q.abs().amax(dim=1), torch.full((5,), 127, dtype=torch.int8))  # every row uses the range
+    row_err = (w8.dequantize() - w).abs().amax(dim=1) / w.abs().amax(dim=1)
+    assert bool((row_err <= 0.5 / 127 + 1e-6).all()), row_err  # half a step of its own row's range, on every row
+    x = torch.randn(1, 64, generator=g)
+    y, exact = int8_linear(x, w8, compiled=False), F.linear(x, w)
+    bound = x.abs().sum() * w8.scale / 2  # each output: half a step of its own row per product term, at most
+    assert bool(((y - exact).abs() <= bound * 1.001 + 1e-6).all()), ((y - exact).abs(), bound)
+
+
 def test_quantize_int8_rejects_bad_weights():
     with pytest.raises(ValueError, match="2-d"):
         quantize_int8(torch.randn(4))

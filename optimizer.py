@@ -88,8 +88,9 @@ class AdamW(_GroupwiseOptimizer):
         theta <- theta - lr * m_hat / (sqrt(v_hat) + eps)
 
     These are the operations of ``torch.optim.AdamW`` in the same order and rounding, so the two agree to the last
-    bit on torch 2.13 (the tests ask for 1e-6). As in PyTorch and Hugging Face, and unlike the paper (which scales
-    the decay by the schedule multiplier alone), the decay is multiplied by the current learning rate.
+    bit on torch 2.13 (the tests ask for equality: tests/tolerances.py). As in PyTorch and Hugging Face, and unlike
+    the paper (which scales the decay by the schedule multiplier alone), the decay is multiplied by the current
+    learning rate.
     With ``correct_bias=False`` the moments are used as they are (``m_hat = m_t``, ``v_hat = v_t``), which makes the
     first steps smaller because both moments start at zero.
 
@@ -370,7 +371,7 @@ class Muon(_GroupwiseOptimizer):
     torch's docstring writes the momentum as a sum (B_t = momentum * B_{t-1} + g_t, U_t = g_t + momentum * B_t);
     its code, and this class, keep the average above, which is the same up to the factor 1 - momentum that the
     orthogonalisation divides away (except within eps of zero). These are the operations of ``torch.optim.Muon`` in
-    the same order and dtypes, so the two agree to the last bit on torch 2.13 (the tests ask for 1e-6), and state
+    the same order and dtypes, so the two agree to the last bit on torch 2.13 (the tests ask for equality: tests/tolerances.py), and state
     dicts load into each other.
 
     Muon is for the hidden layers' matrices: embeddings, the output head, gains and biases belong to AdamW

@@ -179,12 +179,18 @@ def build(rung: str, vocab: int, s: argparse.Namespace) -> torch.nn.Module:
                       s.dropout, style)
 
 
-def train_rung(model, corpus, s: argparse.Namespace) -> dict:
-    """Train one rung; returns its curve of (step, train, val) estimates, whole-split val loss and timings."""
+def optimizer_for(model, s: argparse.Namespace):
+    """AdamW and its schedule for one rung: eps 1e-8 and beta1 0.9 as torch.optim.AdamW's defaults (the lecture's
+    optimizer), the flags' lr, beta2 and weight decay (on every parameter, or on the matrices only)."""
     groups = (param_groups_for_weight_decay(model, s.weight_decay) if s.decay == "matrices" else
               [{"params": list(model.parameters()), "weight_decay": s.weight_decay}])
     optimizer = AdamW(groups, lr=s.lr, betas=(0.9, s.beta2), eps=1e-8)
-    scheduler = make_lr_scheduler(optimizer, s.warmup_iters, s.max_iters, s.min_lr / s.lr)
+    return optimizer, make_lr_scheduler(optimizer, s.warmup_iters, s.max_iters, s.min_lr / s.lr)
+
+
+def train_rung(model, corpus, s: argparse.Namespace) -> dict:
+    """Train one rung; returns its curve of (step, train, val) estimates, whole-split val loss and timings."""
+    optimizer, scheduler = optimizer_for(model, s)
     params = [p for p in model.parameters() if p.requires_grad]
     train_gen = torch.Generator().manual_seed(s.seed)
     eval_gen = torch.Generator().manual_seed(s.seed + 1)

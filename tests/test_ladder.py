@@ -1,5 +1,6 @@
 """The learning path: the bigram baseline (models/bigram.py, run_pretrain.py --arch bigram) and the ladder of
 "Let's build GPT" (models/ladder.py, python -m tasks.ladder)."""
+import copy
 import json
 import math
 import re
@@ -9,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from tolerances import assert_same_update
 
 import run_pretrain
 from models.bigram import BigramConfig, BigramLM, load_lm
@@ -236,6 +238,36 @@ def test_lecture_preset_sets_the_lectures_settings_and_flags_override_it(tmp_pat
     with pytest.raises(SystemExit):
         ladder.parse_args(["--data", str(data), "--rungs", "scaled"])
     assert "--rungs scaled is the lecture's scaled-up model" in capsys.readouterr().err
+
+
+def test_the_lecture_preset_steps_like_the_lectures_adamw_and_its_scaled_model_drops_out_0_2(tmp_path):
+    """gpt.py's optimizer is torch.optim.AdamW(model.parameters(), lr=learning_rate) with its defaults (betas
+    (0.9, 0.999), eps 1e-8, weight decay 0.01 on every parameter) at a constant rate: the preset's steps equal its
+    steps, with gradients small enough that eps shapes them. gpt.py's scaled model: dropout = 0.2 on the attention
+    probabilities and each residual branch."""
+    data = tmp_path / "corpus.txt"
+    data.write_text(ENGLISH, encoding="utf-8")
+    args = ladder.parse_args(["--preset", "lecture", "--data", str(data)])
+    s = ladder.rung_settings(args, "layernorm")
+    torch.manual_seed(0)
+    model = ladder.build("layernorm", 65, s)
+    reference = copy.deepcopy(model)
+    ours, schedule = ladder.optimizer_for(model, s)
+    lecture = torch.optim.AdamW(reference.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(5):
+        for p, q in zip(model.parameters(), reference.parameters()):
+            p.grad = torch.randn(p.shape, generator=g) * 1e-7  # |g| ~ 1e-7: eps 1e-8 and 1e-6 step very apart
+            q.grad = p.grad.clone()
+        ours.step()
+        schedule.step()
+        lecture.step()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert_same_update(p, q, msg=lambda m: f"{name}: {m}")
+
+    scaled = ladder.build("scaled", 65, ladder.rung_settings(args, "scaled"))
+    rates = [m.p for m in scaled.modules() if isinstance(m, torch.nn.Dropout)]
+    assert len(rates) == 6 * 3 and set(rates) == {0.2}  # per block: attention probabilities, two residual branches
 
 
 def test_lecture_preset_runs_end_to_end_with_the_lectures_column(tmp_path, capsys):

@@ -5,8 +5,10 @@ import torch
 import torch.nn.functional as F
 from conftest import padded_batch, tiny_config
 
+from models.generation import decode_lm_head
 from models.gpt2 import GPT2LMHeadModel, GPT2Model, lm_loss
 from models.lora import apply_lora, merge_lora, unmerge_lora
+from modules import rows as row_kernel
 from modules.norms import make_norm
 from tasks.char_tokenizer import CharTokenizer
 
@@ -146,3 +148,64 @@ def test_the_padding_row_gets_no_lookup_gradient_with_a_padding_idx():
     lm_loss(model.gpt.hidden_state_to_token(hidden), ids, None, ids.shape[1], F.cross_entropy).backward()
     head_only = model.gpt.word_embedding.weight.grad
     torch.testing.assert_close(fused[pad], head_only[pad], atol=1e-6, rtol=0)
+
+
+# ---- decoding's LM head: every product it takes gives the model's own (soft-capped) logits -------------------------
+
+def spread_model(seed=0, **variant):
+    """A tiny model whose biases are not zero and whose raw logits are large (a soft cap then changes them a lot)."""
+    torch.manual_seed(seed)
+    model = GPT2LMHeadModel(tiny_config("h4-wide", **variant)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0.0, 0.5)
+        model.gpt.lm_head_weight.mul_(100)
+    return model
+
+
+def force_rows_kernel(monkeypatch, on: bool):
+    """The rows kernel on every product of 1 to 8 rows (on), or on none, whatever rows.pays measured for this CPU."""
+    if on and not row_kernel.available():
+        pytest.skip("the rows kernel cannot be built here (needs an x86 CPU with AVX2 and FMA on Linux, and g++)")
+    monkeypatch.setattr(row_kernel, "pays", lambda dtype, n: on and 1 <= n <= row_kernel.MAX_ROWS)
+
+
+SOFTCAP_VARIANTS = {"softcap": dict(logit_softcap=3.0), "softcap-untied": dict(logit_softcap=3.0, tie_word_embeddings=False),
+                    "plain": {}}
+
+
+@pytest.mark.parametrize("variant", sorted(SOFTCAP_VARIANTS))
+@pytest.mark.parametrize("kernel", [True, False], ids=["rows-kernel", "torch"])
+def test_the_decode_lm_head_gives_the_models_own_logits(monkeypatch, variant, kernel):
+    force_rows_kernel(monkeypatch, kernel)
+    model = spread_model(**SOFTCAP_VARIANTS[variant])
+    g = torch.Generator().manual_seed(2)
+    for batch in (1, 3):
+        hidden = torch.randn(batch, model.config.n_embd, generator=g)
+        with torch.no_grad():
+            expected = model.gpt.hidden_state_to_token(hidden)
+            got = decode_lm_head(model.gpt, batch)(hidden)
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-5)
+        if model.config.logit_softcap:  # the cap binds: raw logits reach well past it
+            raw = F.linear(hidden, model.gpt.lm_head_weight)
+            assert raw.abs().max() > 10 and got.abs().max() <= 3.0
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["rows-kernel", "torch"])
+def test_sampling_a_soft_capped_model_draws_what_full_forwards_draw(monkeypatch, kernel):
+    """Greedy tokens cannot show a dropped cap (tanh keeps the order); sampled ones can: generate with a seeded
+    generator against full forwards of the whole sequence (no cache, no decode kernels) drawing from the same one."""
+    force_rows_kernel(monkeypatch, kernel)
+    model = spread_model(seed=1, logit_softcap=3.0)
+    ids, mask = padded_batch([6, 4, 5], 6, model.config.vocab_size, "left", seed=3)
+    got = model.generate(ids, mask, max_new_tokens=6, do_sample=True, generator=torch.Generator().manual_seed(4))
+
+    g = torch.Generator().manual_seed(4)
+    seq, seq_mask = ids, mask
+    with torch.no_grad():
+        for _ in range(6):
+            logits = model(seq, seq_mask)["logits"][:, -1]
+            next_ids = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=g)
+            seq, seq_mask = torch.cat([seq, next_ids], 1), torch.cat([seq_mask, torch.ones_like(next_ids)], 1)
+    assert torch.equal(got, seq)

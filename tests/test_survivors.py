@@ -209,3 +209,32 @@ def test_sampling_a_soft_capped_model_draws_what_full_forwards_draw(monkeypatch,
             next_ids = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=g)
             seq, seq_mask = torch.cat([seq, next_ids], 1), torch.cat([seq_mask, torch.ones_like(next_ids)], 1)
     assert torch.equal(got, seq)
+
+
+# ---- decode products prepared for one generate call: none outlives it ---------------------------------------------
+
+def same_weights(model):
+    """A fresh model holding a copy of `model`'s weights: the reference for what `model` must compute now."""
+    fresh = GPT2LMHeadModel(model.config).eval()
+    fresh.load_state_dict({k: v.clone() for k, v in model.state_dict().items()})
+    return fresh
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["rows-kernel", "torch"])
+def test_after_generate_the_model_computes_with_its_weights_replaced_or_edited_in_place(monkeypatch, kernel):
+    force_rows_kernel(monkeypatch, kernel)
+    model = spread_model(seed=2)
+    ids, mask = padded_batch([6, 4, 5], 6, model.config.vocab_size, "left", seed=5)
+    step = ids[:, -1:]  # one token per row: the shape of a decode step's products
+    model.generate(ids, mask, max_new_tokens=3)
+    # replaced: new tensors, as a checkpoint loaded with assign=True (or onto a meta model) gives
+    model.load_state_dict({k: v.clone() for k, v in spread_model(seed=3).state_dict().items()}, assign=True)
+    with torch.no_grad():
+        torch.testing.assert_close(model(step)["logits"], same_weights(model)(step)["logits"], atol=1e-4, rtol=1e-5)
+    model.generate(ids, mask, max_new_tokens=3)
+    with torch.no_grad():  # edited in place, as an optimizer step does
+        for p in model.parameters():
+            p.mul_(1.0 + 0.5 * torch.rand(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+        fresh = same_weights(model)
+        torch.testing.assert_close(model(step)["logits"], fresh(step)["logits"], atol=1e-4, rtol=1e-5)
+    assert torch.equal(model.generate(ids, mask, max_new_tokens=4), fresh.generate(ids, mask, max_new_tokens=4))

@@ -238,3 +238,46 @@ def test_after_generate_the_model_computes_with_its_weights_replaced_or_edited_i
         fresh = same_weights(model)
         torch.testing.assert_close(model(step)["logits"], fresh(step)["logits"], atol=1e-4, rtol=1e-5)
     assert torch.equal(model.generate(ids, mask, max_new_tokens=4), fresh.generate(ids, mask, max_new_tokens=4))
+
+
+# ---- the rows kernel's build cache: a build is reused only for the same source, flags and compiler ----------------
+
+FAKE_CXX = """#!/bin/sh
+# A stand-in C++ compiler: the "library" it builds is a copy of the source it was given; it logs each build.
+if [ "$1" = "--version" ]; then echo "fake-c++ ${FAKE_CXX_VERSION:-1.0}"; exit 0; fi
+out=""; src=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    -o) out="$2"; shift 2;;
+    *.cpp) src="$1"; shift;;
+    *) shift;;
+  esac
+done
+echo "$src" >> "$(dirname "$0")/builds.log"
+cp "$src" "$out"
+"""
+
+
+def test_the_kernel_cache_builds_an_edited_source_and_reuses_a_build_only_for_the_same_inputs(tmp_path, monkeypatch):
+    cxx = tmp_path / "fake-c++"
+    cxx.write_text(FAKE_CXX)
+    cxx.chmod(0o755)
+    source = tmp_path / "rows.cpp"
+    source.write_text(row_kernel.SOURCE.read_text())
+    monkeypatch.setenv("CXX", str(cxx))
+    monkeypatch.setenv("GPT2_KERNEL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(row_kernel, "SOURCE", source)
+
+    def builds():
+        log = tmp_path / "builds.log"
+        return len(log.read_text().splitlines()) if log.exists() else 0
+
+    first = row_kernel._build()
+    assert first.read_text() == source.read_text() and builds() == 1
+    assert row_kernel._build() == first and builds() == 1  # the same inputs: the cached build
+    source.write_text(source.read_text().replace("int rows_vector_width", "int /* edited */ rows_vector_width"))
+    edited = row_kernel._build()
+    assert edited.read_text() == source.read_text() and builds() == 2  # what runs is what the source now says
+    assert row_kernel._build(row_kernel.AVX2).read_text() == source.read_text() and builds() == 3  # other flags
+    monkeypatch.setenv("FAKE_CXX_VERSION", "2.0")
+    assert row_kernel._build() not in (first, edited) and builds() == 4  # another compiler

@@ -10,7 +10,9 @@ Cost: a second copy of every weight used so (gpt2 in bf16: about 250 MB), kept f
 copy.deepcopy of a model sees none). Outputs: the same
 oneDNN products in another layout, equal to F.linear's for a layer (the fused q/k/v product may round differently).
 Taken only on CPUs whose flags show AMX-BF16, where it was measured (docs/performance.md); GPT2_PACKED_BF16=0 turns
-it off. Decoding (one row per step) is not affected: it takes modules/rows.py's kernel or torch's products.
+it off, GPT2_PACKED_BF16=force turns it on wherever oneDNN has bf16 kernels (AVX512-BF16 CPUs too, where its
+speed is not measured: how tests/test_packed.py checks its outputs on a CPU without AMX). Decoding (one row per
+step) is not affected: it takes modules/rows.py's kernel or torch's products.
 """
 from __future__ import annotations
 
@@ -35,9 +37,16 @@ def _amx_bf16() -> bool:
     return "amx_bf16" in cpu_flags().split() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
+@functools.cache
+def _bf16_kernels() -> bool:
+    return torch.ops.mkldnn._is_mkldnn_bf16_supported() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
 def available() -> bool:
-    """Whether packed bf16 products are used here: a CPU with AMX-BF16 and GPT2_PACKED_BF16 not 0."""
-    return os.environ.get(ENV, "1") != "0" and _amx_bf16()
+    """Whether packed bf16 products are used here: a CPU with AMX-BF16 and GPT2_PACKED_BF16 not 0, or any CPU with
+    oneDNN bf16 kernels where GPT2_PACKED_BF16=force."""
+    setting = os.environ.get(ENV, "1")
+    return _bf16_kernels() if setting == "force" else setting != "0" and _amx_bf16()
 
 
 def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:

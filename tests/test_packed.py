@@ -1,6 +1,6 @@
 """modules/packed.py: bf16 inference of many rows with the weights kept in oneDNN's blocked layout (and q/k/v as one
-packed product). The path is taken on AMX CPUs only; here it is switched on wherever oneDNN has bf16 kernels, so its
-correctness is tested on AVX512-BF16 CPUs too. Against the same model with the path off: a layer equals F.linear to
+packed product). The path is taken on AMX CPUs only; here it is switched on (GPT2_PACKED_BF16=force) wherever oneDNN
+has bf16 kernels, so its correctness is tested on AVX512-BF16 CPUs too. Against the same model with the path off: a layer equals F.linear to
 bf16 rounding (rtol 1.6e-2), a whole model's logits to a few bf16 steps of the logits' scale, greedy tokens equal."""
 import copy
 
@@ -12,16 +12,17 @@ from conftest import tiny_config
 from models.gpt2 import GPT2LMHeadModel
 from modules import packed
 from modules.linear import Linear
+from optimizer import AdamW
 
-pytestmark = pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
+pytestmark = pytest.mark.skipif(not packed._bf16_kernels(),
                                 reason="oneDNN has no bf16 kernels on this CPU (needs AVX512-BF16 or AMX)")
 
 
 @pytest.fixture
 def packing(monkeypatch):
-    """The packed path on, whatever the CPU's AMX flag says; `off()` turns it off for a reference run."""
-    monkeypatch.setattr(packed, "_amx_bf16", lambda: True)
-    monkeypatch.setenv(packed.ENV, "1")
+    """The packed path on, whatever the CPU's AMX flag says (GPT2_PACKED_BF16=force); `off()` turns it off for a
+    reference run."""
+    monkeypatch.setenv(packed.ENV, "force")
 
     class Switch:
         @staticmethod
@@ -30,7 +31,7 @@ def packing(monkeypatch):
 
         @staticmethod
         def on():
-            monkeypatch.setenv(packed.ENV, "1")
+            monkeypatch.setenv(packed.ENV, "force")
     return Switch
 
 
@@ -105,3 +106,50 @@ def test_clear_drops_the_copies_and_the_switch_turns_the_path_off(packing):
     assert kept(model) != [] and kept(copy.deepcopy(model)) == []  # opaque oneDNN tensors stay out of copies
     with pytest.raises(ValueError, match="a bias or none"):
         packed.weights(torch.nn.Module(), (torch.ones(2, 2).bfloat16(),) * 2, (torch.ones(2).bfloat16(), None), "_p", 64)
+
+
+@pytest.mark.parametrize("overrides", [{}, {"n_kv_head": 2}], ids=["gpt2", "gqa"])
+def test_the_fused_qkv_product_gives_each_projection_its_own_weight_and_bias(packing, overrides):
+    model = bf16_model(**overrides)
+    attention = model.gpt.gpt_layers[0].self_attention
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(2, 40, 64, generator=g).bfloat16()
+    with torch.no_grad():
+        for layer in (attention.query, attention.key, attention.value):
+            layer.bias.copy_(torch.randn(layer.bias.shape, generator=g) * 2)  # large and distinct per projection
+        assert attention.fused_qkv_applies(x)
+        fused = attention.fused_qkv(x)
+        packing.off()
+        for got, layer in zip(fused, (attention.query, attention.key, attention.value)):
+            expected = attention.split_heads(F.linear(x, layer.weight, layer.bias))
+            torch.testing.assert_close(got, expected, rtol=1.6e-2, atol=2e-2)
+
+
+MODEL_VARIANTS = {"gpt2": {}, "gqa": {"n_kv_head": 2}, "no-bias": {"bias": False},
+                  "untied-softcap": {"tie_word_embeddings": False, "logit_softcap": 5.0},
+                  "rmsnorm-rope-qk-norm": {"norm": "rmsnorm", "position_embedding": "rope", "qk_norm": True}}
+
+
+@pytest.mark.parametrize("variant", sorted(MODEL_VARIANTS))
+def test_packed_forwards_equal_the_plain_path_before_and_after_a_training_step(packing, variant):
+    """An AdamW step changes every weight in place (same storage, a new version): the packed copies follow."""
+    model = bf16_model(seed=5, **MODEL_VARIANTS[variant])
+    ids = torch.randint(0, 1000, (4, 20), generator=torch.Generator().manual_seed(6))
+
+    def packed_and_plain():
+        with torch.no_grad():
+            packing.on()
+            got = model(ids)["logits"].float()
+            assert "_packed_qkv" in kept(model)
+            packing.off()
+            expected = model(ids)["logits"].float()
+        torch.testing.assert_close(got, expected, rtol=0, atol=expected.abs().max().item() / 32)  # a few bf16 steps
+        assert (got.argmax(-1) == expected.argmax(-1)).float().mean() > 0.9
+        return got
+
+    before = packed_and_plain()
+    optimizer = AdamW(model.parameters(), lr=1e-2)
+    model(ids, labels=ids)["loss"].backward()
+    optimizer.step()
+    after = packed_and_plain()
+    assert not torch.allclose(before, after, atol=0.1)  # the step changed the outputs, and the packed path saw it

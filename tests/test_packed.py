@@ -1,7 +1,8 @@
 """modules/packed.py: bf16 inference of many rows with the weights kept in oneDNN's blocked layout (and q/k/v as one
 packed product). The path is taken on AMX CPUs only; here it is switched on (GPT2_PACKED_BF16=force) wherever oneDNN
-has bf16 kernels, so its correctness is tested on AVX512-BF16 CPUs too. Against the same model with the path off: a layer equals F.linear to
-bf16 rounding (rtol 1.6e-2), a whole model's logits to a few bf16 steps of the logits' scale, greedy tokens equal."""
+has bf16 kernels, so its correctness is tested on AVX512-BF16 CPUs too. Against the same model with the path off: a
+layer equals F.linear to bf16 rounding (rtol 1.6e-2), a whole model's logits to a few bf16 steps of the logits'
+scale, greedy tokens equal."""
 import copy
 
 import pytest

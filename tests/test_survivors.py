@@ -171,8 +171,8 @@ def force_rows_kernel(monkeypatch, on: bool):
     monkeypatch.setattr(row_kernel, "pays", lambda dtype, n: on and 1 <= n <= row_kernel.MAX_ROWS)
 
 
-SOFTCAP_VARIANTS = {"softcap": dict(logit_softcap=3.0), "softcap-untied": dict(logit_softcap=3.0, tie_word_embeddings=False),
-                    "plain": {}}
+SOFTCAP_VARIANTS = {"softcap": dict(logit_softcap=3.0), "plain": {},
+                    "softcap-untied": dict(logit_softcap=3.0, tie_word_embeddings=False)}
 
 
 @pytest.mark.parametrize("variant", sorted(SOFTCAP_VARIANTS))

@@ -117,6 +117,22 @@ def test_mutation_loses_its_checks_and_is_named(grader, tmp_path, bug):
             assert c.diagnosis_key == bug, (c.name, c.diagnosis)
 
 
+# The head keeps a copy of word_embedding taken at its first call: right logits, but not tied to the embedding.
+SNAPSHOT_HEAD = [("return hidden_state @ self.word_embedding.weight.t()",
+                  "if not hasattr(self, 'head_copy'):\n"
+                  "            self.head_copy = self.word_embedding.weight.detach().clone()\n"
+                  "        return hidden_state @ self.head_copy.t()")]
+
+
+def test_a_head_with_a_copy_of_word_embedding_gets_right_logits_but_loses_the_head_as_untied(grader, tmp_path):
+    (check,) = grade(grader, tmp_path, ("model",), model=SNAPSHOT_HEAD).checks
+    head = next(p for p in check.parts if p.name == "hidden_state_to_token")
+    assert head.error is not None and head.error < 1e-5  # the logits themselves are right
+    assert head.points == 0 and "not tied" in head.message, vars(head)
+    assert check.diagnosis_key == "untied_head", check.diagnosis
+    assert check.score == FULL["model"] - head.max  # the other parts keep their points
+
+
 @pytest.mark.parametrize("bug", sorted(ADAMW_MUTATIONS))
 def test_adamw_mutation(grader, tmp_path, bug):
     (check,) = grade(grader, tmp_path, ("adamw",), optimizer=ADAMW_MUTATIONS[bug]).checks

@@ -15,12 +15,8 @@ Python lacks a package of the course's environment (nothing graded; the message 
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import sys
-import time
-from concurrent.futures import ProcessPoolExecutor, as_completed
-from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
 from grading import example
@@ -58,6 +54,12 @@ def parse_args(argv):
                    "'Export Submissions' folder or zip (submission_metadata.yml: rows keyed by student ids and names)")
     g.add_argument("--csv", metavar="FILE", help="the batch's scores (required with --batch)")
     g.add_argument("--jobs", type=int, default=1, help="submissions graded in parallel (default 1)")
+    g.add_argument("--reports", metavar="DIR", help="where each submission's report is kept as it finishes (default: "
+                   "beside the CSV, <csv name>-reports/); a rerun grades only what is not there")
+    g.add_argument("--report", metavar="DIR", help="also write the class report: DIR/index.html (scores, the bugs "
+                   "ranked, similar pairs, a page per student; opens from disk)")
+    g.add_argument("--starter", metavar="DIR", help="the course's starter code: what every student was given is no "
+                   "evidence of copying (with --report)")
     g = p.add_argument_group("a sample submission (to try the grader)")
     g.add_argument("--example", metavar="DIR", help="write a small correct submission in the course's layout into DIR "
                    "(new or empty), then print the command that grades it")
@@ -78,13 +80,17 @@ def parse_args(argv):
         p.error("give either a SUBMISSION_DIR or --batch DIR (or --example DIR to write a sample submission)")
     if args.batch and not args.csv:
         p.error("--batch needs --csv FILE")
+    if not args.batch and (args.report or args.reports or args.starter):
+        p.error("--report, --reports and --starter go with --batch")
+    if args.starter and not args.report:
+        p.error("--starter is for the class report's similarity table: give --report DIR too")
     if args.jobs < 1 or args.timeout <= 0 or args.submission_timeout <= 0 or args.memory < 256:
         p.error("--jobs must be >= 1, --timeout and --submission-timeout > 0 and --memory >= 256")
     args.checks = tuple(c.strip() for c in args.checks.split(",") if c.strip())
     unknown = set(args.checks) - set(CHECKS)
     if unknown or not args.checks:
         p.error(f"unknown check(s) {sorted(unknown)}; choose from {','.join(CHECKS)}")
-    for flag in ("submission", "batch", "predictions", "gold", "shared"):
+    for flag in ("submission", "batch", "predictions", "gold", "shared", "starter"):
         value = getattr(args, flag)
         if value is not None and not Path(value).is_dir() and not (flag == "batch" and Path(value).is_file()
                                                                    and value.endswith(".zip")):
@@ -171,6 +177,8 @@ def main(argv=None) -> int:
         return EXIT_ENVIRONMENT
     limits = Limits(timeout=args.timeout, mem_mb=args.memory, submission_timeout=args.submission_timeout)
     if args.batch:
+        from grading.batch import batch
+
         return batch(args, rubric, limits)
     try:
         with Grader(rubric, limits, args.shared) as grader:
@@ -192,34 +200,7 @@ def main(argv=None) -> int:
     return 0
 
 
-# ---- batch ---------------------------------------------------------------------------------------------------------
-
-_GRADER: Grader | None = None
-
-
-def _init_worker(rubric, limits, shared):
-    from multiprocessing.util import Finalize
-
-    global _GRADER
-    _GRADER = Grader(rubric, limits, shared)
-    Finalize(_GRADER, _GRADER.close, exitpriority=10)  # pool workers leave by os._exit: close the sandbox first
-
-
-def _grade_row(folder: str, checks) -> dict:
-    from grading.gradescope import find_layout
-
-    row = {"submission": Path(folder).name}
-    try:
-        report = _GRADER.grade(find_layout(Path(folder)) or folder, checks)  # an upload zipped inside a folder too
-        row.update(score=round(report.total, 4), max_score=report.max_total, seconds=round(report.seconds, 1))
-        row.update({c.name: round(c.score, 4) for c in report.checks})
-        row["notes"] = "; ".join(f"{c.name}: {c.diagnosis or c.verdict}" for c in report.checks if c.verdict != "pass")
-        row["environment"] = "; ".join(report.environment)
-        row["error"] = ""
-    except Exception as e:  # noqa: BLE001  (one broken submission is a row, never an abort)
-        row["error"] = f"{type(e).__name__}: {e}"
-    return row
-
+# ---- batch (grading/batch.py) -----------------------------------------------------------------------------------
 
 def batch_entries(path: str, unpack_to: str) -> list[dict]:
     """Submissions to grade: Gradescope's export (ids and names from submission_metadata.yml) or plain folders."""
@@ -231,55 +212,6 @@ def batch_entries(path: str, unpack_to: str) -> list[dict]:
         raise ValueError(f"{path} is a file but not Gradescope's export (no submission_metadata.yml in the zip)")
     return [{"folder": str(p), "submission": p.name, "sids": "", "names": "", "emails": ""}
             for p in sorted(Path(path).iterdir()) if p.is_dir() and not p.name.startswith(".")]
-
-
-def batch(args, rubric, limits) -> int:
-    import tempfile
-
-    from tqdm import tqdm
-
-    unpack = tempfile.TemporaryDirectory(prefix="grading-batch-")
-    try:
-        entries = batch_entries(args.batch, unpack.name)
-    except (ValueError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        unpack.cleanup()
-        return 2
-    folders = [e["folder"] for e in entries]
-    fields = ["submission", "sids", "names", "emails", "score", "max_score", *args.checks, "seconds", "environment",
-              "notes", "error"]
-    rows, start = {}, time.monotonic()
-    pending = list(folders)
-    with tqdm(total=len(folders), desc="grading", unit="submission") as bar:
-        while pending:  # a worker that dies takes its pool down: the rest is resubmitted to a fresh pool
-            with ProcessPoolExecutor(args.jobs, initializer=_init_worker,
-                                     initargs=(rubric, limits, args.shared)) as pool:
-                futures = {pool.submit(_grade_row, f, args.checks): f for f in pending}
-                try:
-                    for fut in as_completed(futures):
-                        rows[futures[fut]] = fut.result()
-                        bar.update()
-                except BrokenProcessPool:
-                    pass
-            lost = [f for f in pending if f not in rows]
-            if lost == pending:  # nothing finished: mark the first one broken and go on without it
-                rows[lost[0]] = {"submission": Path(lost[0]).name, "error": "the grading worker died on this submission"}
-                bar.update()
-            pending = [f for f in pending if f not in rows]
-    for e in entries:  # the export's keys: student ids, names, emails (a group submission lists each, '; ')
-        rows[e["folder"]].update(submission=e["submission"], sids=e["sids"], names=e["names"], emails=e["emails"])
-    path = Path(args.csv)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
-        writer.writeheader()
-        for folder in folders:
-            writer.writerow(rows[folder])
-    minutes = (time.monotonic() - start) / 60
-    unpack.cleanup()
-    print(f"graded {len(folders)} submissions in {minutes * 60:.1f} s "
-          f"({len(folders) / max(minutes, 1e-9):.1f} per minute, --jobs {args.jobs}); wrote {path}")
-    return 0
 
 
 if __name__ == "__main__":

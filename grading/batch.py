@@ -1,0 +1,251 @@
+"""Grade a whole class: every submission of a folder or of Gradescope's export, a CSV row each, a report each.
+
+    python -m grading --batch submissions/ --csv scores.csv --jobs 2 [--report class/ --starter starter/]
+
+Each finished submission's report is written at once (atomically) to the reports folder (default: beside the CSV,
+`<csv name>-reports/`), named by a key of the submission's content, the grader's own code and the rubric, checks
+and limits. A rerun of the same command (after a crash, `kill -9`, a lost connection) grades only the submissions
+without a report under their key and writes the same CSV; a changed submission, rubric or grader is graded again.
+Identical submissions (the same files) are graded once. batch.log in the reports folder says which submissions were
+graded and which were taken from an earlier run.
+"""
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+import os
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import asdict
+from pathlib import Path
+
+from grading.grader import Grader
+from grading.report import write_json
+
+GRADING = Path(__file__).resolve().parent
+FORMAT = 1  # of a stored report; a change makes earlier reports stale
+
+
+def grader_version() -> str:
+    """A hash of the grader's own code (grading/*.py) and its default rubric."""
+    h = hashlib.sha256()
+    for path in sorted(GRADING.glob("*.py")) + [GRADING / "rubric.json"]:
+        h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
+
+
+def content_hash(folder: Path) -> str:
+    """A hash of a submission's files: relative paths and bytes (links by their target's text), caches left out."""
+    from grading.sandbox import SCAN_LIMIT, SKIP_NAMES
+
+    h, seen = hashlib.sha256(), 0
+    for root, dirs, names in os.walk(folder):
+        skip = set(SKIP_NAMES(root, dirs + names))
+        dirs[:] = sorted(d for d in dirs if d not in skip)
+        for name in sorted(n for n in names if n not in skip):
+            seen += 1
+            if seen > SCAN_LIMIT:
+                h.update(b"...more")
+                return h.hexdigest()
+            path = os.path.join(root, name)
+            rel = os.path.relpath(path, folder).encode()
+            if os.path.islink(path):
+                h.update(b"L" + rel + b"\0" + os.readlink(path).encode() + b"\0")
+            elif os.path.isfile(path):
+                h.update(b"F" + rel + b"\0" + str(os.path.getsize(path)).encode() + b"\0")
+                with open(path, "rb") as f:
+                    for block in iter(lambda: f.read(1 << 20), b""):
+                        h.update(block)
+    return h.hexdigest()
+
+
+def report_key(content: str, version: str, rubric: dict, checks, limits) -> str:
+    spec = json.dumps({"format": FORMAT, "content": content, "grader": version, "rubric": rubric,
+                       "checks": list(checks), "limits": asdict(limits)}, sort_keys=True, default=str)
+    return hashlib.sha256(spec.encode()).hexdigest()[:24]
+
+
+# ---- the workers ---------------------------------------------------------------------------------------------------
+
+_GRADER: Grader | None = None
+
+
+def _init_worker(rubric, limits, shared):
+    from multiprocessing.util import Finalize
+
+    global _GRADER
+    _GRADER = Grader(rubric, limits, shared)
+    Finalize(_GRADER, _GRADER.close, exitpriority=10)  # pool workers leave by os._exit: close the sandbox first
+
+
+def _grade_one(folder: str, checks, store: str, key: str) -> dict:
+    """Grade one submission and write its record to store/key.json at once; returns the record."""
+    from grading.gradescope import find_layout
+
+    started = time.time()
+    try:
+        report = _GRADER.grade(find_layout(Path(folder)) or folder, checks)  # an upload zipped inside a folder too
+        record = {"key": key, "format": FORMAT, "report": report.to_dict(), "error": "",
+                  "graded_at": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(started))}
+        write_json(Path(store) / f"{key}.json", record)
+    except Exception as e:  # noqa: BLE001  (one broken submission is a row, never an abort; not stored: regraded)
+        record = {"key": key, "format": FORMAT, "report": None, "error": f"{type(e).__name__}: {e}"}
+    return record
+
+
+# ---- rows ----------------------------------------------------------------------------------------------------------
+
+def csv_fields(checks) -> list[str]:
+    return ["submission", "sids", "names", "emails", "score", "max_score", *checks, "seconds", "environment", "notes",
+            "error"]
+
+
+def row(entry: dict, record: dict) -> dict:
+    """The CSV row of one submission: the export's keys and what its report says."""
+    out = {k: entry.get(k, "") for k in ("submission", "sids", "names", "emails")}
+    report = record.get("report")
+    if not report:
+        out["error"] = record.get("error") or "not graded"
+        return out
+    out.update(score=round(report["score"], 4), max_score=report["max_score"], seconds=round(report["seconds"], 1))
+    out.update({c["name"]: round(c["score"], 4) for c in report["checks"]})
+    out["notes"] = "; ".join(f"{c['name']}: {c['diagnosis'] or c['verdict']}" for c in report["checks"]
+                             if c["verdict"] != "pass")
+    out["environment"] = "; ".join(report.get("environment", []))
+    out["error"] = ""
+    return out
+
+
+def write_csv(path: Path, fields: list[str], rows: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+    os.replace(tmp, path)
+
+
+def load_record(store: Path, key: str) -> dict | None:
+    path = store / f"{key}.json"
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None  # absent, or cut short by a crash before os.replace (never: replace is atomic), or edited
+    if not isinstance(record, dict) or record.get("key") != key or not isinstance(record.get("report"), dict):
+        return None
+    return record
+
+
+class Log:
+    """batch.log in the reports folder: one line per event, flushed at once (what a rerun after a crash reads)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.file = open(path, "a", buffering=1)
+
+    def __call__(self, event: str, **fields) -> None:
+        words = " ".join(f"{k}={v}" for k, v in fields.items())
+        self.file.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {event} {words}\n")
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def grade_batch(entries: list[dict], checks, rubric: dict, limits, shared, jobs: int, store: Path,
+                progress: bool = True) -> tuple[list[dict], dict]:
+    """Each entry's record (its report, or the error), grading only what store lacks; and counts for the summary."""
+    from tqdm import tqdm
+
+    store.mkdir(parents=True, exist_ok=True)
+    log = Log(store / "batch.log")
+    version = grader_version()
+    keys = {}
+    for e in entries:
+        keys[e["folder"]] = report_key(content_hash(Path(e["folder"])), version, rubric, checks, limits)
+    records = {k: r for k in set(keys.values()) if (r := load_record(store, k)) is not None}
+    todo = {}  # key -> the first folder holding it (identical submissions are graded once)
+    for e in entries:
+        if keys[e["folder"]] not in records:
+            todo.setdefault(keys[e["folder"]], e)
+    reused = len({keys[e["folder"]] for e in entries} - set(todo))
+    log("start", submissions=len(entries), to_grade=len(todo), from_earlier_runs=reused, grader=version,
+        jobs=jobs, store=store)
+    for e in entries:
+        if keys[e["folder"]] in records:
+            log("reused", submission=e["submission"], key=keys[e["folder"]])
+    graded = died = 0
+    pending = list(todo)
+    with tqdm(total=len(todo), desc="grading", unit="submission", disable=not progress) as bar:
+        while pending:  # a worker that dies takes its pool down: the rest is resubmitted to a fresh pool
+            with ProcessPoolExecutor(jobs, initializer=_init_worker, initargs=(rubric, limits, shared)) as pool:
+                futures = {}
+                for key in pending:
+                    log("queued", submission=todo[key]["submission"], key=key)
+                    futures[pool.submit(_grade_one, todo[key]["folder"], checks, str(store), key)] = key
+                try:
+                    for fut in as_completed(futures):
+                        key, record = futures[fut], fut.result()
+                        records[key] = record
+                        graded += 1
+                        if record["report"]:
+                            log("graded", submission=todo[key]["submission"], key=key,
+                                score=f"{record['report']['score']:g}/{record['report']['max_score']:g}",
+                                seconds=f"{record['report']['seconds']:.1f}")
+                        else:
+                            log("error", submission=todo[key]["submission"], key=key, error=json.dumps(record["error"]))
+                        bar.update()
+                except BrokenProcessPool:
+                    pass
+            lost = [k for k in pending if k not in records]
+            if lost and lost == pending:  # nothing finished: mark the first one broken and go on without it
+                records[lost[0]] = {"key": lost[0], "report": None, "error": "the grading worker died on this submission"}
+                log("error", submission=todo[lost[0]]["submission"], key=lost[0], error="worker died")
+                died += 1
+                bar.update()
+            pending = [k for k in pending if k not in records]
+    log("done", graded=graded, from_earlier_runs=reused, worker_deaths=died)
+    log.close()
+    out = []
+    for e in entries:
+        out.append({"entry": {k: e.get(k, "") for k in ("submission", "sids", "names", "emails", "folder")},
+                    **records[keys[e["folder"]]]})
+    return out, {"graded": graded, "reused": reused, "identical": len(entries) - len(set(keys.values())),
+                 "grader": version}
+
+
+def batch(args, rubric, limits) -> int:
+    """--batch: grade, write the CSV (and with --report the class report), say what was done."""
+    import tempfile
+
+    from grading.__main__ import batch_entries
+
+    unpack = tempfile.TemporaryDirectory(prefix="grading-batch-")
+    try:
+        try:
+            entries = batch_entries(args.batch, unpack.name)
+        except (ValueError, OSError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        csv_path = Path(args.csv)
+        store = Path(args.reports) if args.reports else csv_path.with_name(csv_path.stem + "-reports")
+        start = time.monotonic()
+        records, counts = grade_batch(entries, args.checks, rubric, limits, args.shared, args.jobs, store)
+        write_csv(csv_path, csv_fields(args.checks), [row(r["entry"], r) for r in records])
+        seconds = time.monotonic() - start
+        print(f"{len(records)} submissions: {counts['graded']} graded in {seconds:.1f} s (--jobs {args.jobs}), "
+              f"{counts['reused']} reports taken from an earlier run of this grader and rubric"
+              + (f", {counts['identical']} identical to another" if counts["identical"] else "")
+              + f"; wrote {csv_path} (reports and batch.log in {store})")
+        if args.report:
+            from grading.classreport import write_class_report
+
+            index = write_class_report(Path(args.report), records, args.checks, rubric, starter=args.starter,
+                                       meta={**counts, "seconds": seconds, "jobs": args.jobs, "csv": str(csv_path)})
+            print(f"wrote the class report: {index} (open it in a browser)")
+        return 0
+    finally:
+        unpack.cleanup()

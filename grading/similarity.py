@@ -1,0 +1,216 @@
+"""Pairs of submissions whose own code is alike: copydetect's winnowing fingerprints (the MOSS method), with the
+course's starter as boilerplate.
+
+    pairs = similar_pairs({"alice": Path("subs/alice"), "bob": Path("subs/bob")}, starter=Path("starter"))
+
+Each submission's .py files are tokenised by copydetect (names become V, F, O; strings S; comments and layout
+dropped: renaming variables or rewording comments changes nothing) and cut into every run of `noise` characters of
+that normalised code; runs the starter also holds are boilerplate and dropped, so what every student was given is
+never evidence. A submission's *own code* is what is left. For a pair, each side's *matched* code is the part of its
+own code that also occurs anywhere in the other's files (the order of functions and files does not matter), and the
+pair's *share* is the larger of matched / own over the two sides: near 1 when one submission holds the other's code.
+A pair is flagged when its share is at least `share` and its matched code is at least `chars` characters.
+
+The defaults (share 0.8, 1000 characters, noise 25, copydetect's default) come from the real corpus
+(bench/grading_class.py): there, pairs of independent submissions reach a share of 0.76 on fewer than 1000 matched
+characters (two short submissions that write the same canonical attention and residual code) and at most 0.28 above
+that; a disguised copy (locals renamed, functions reordered, comments rewritten: grading/disguise.py) of a
+submission with 1,400 characters of its own code matches 93% of it. The limit that follows: a submission with less
+than ~1000 characters of its own code cannot be told apart from independent work on this assignment, and is never
+flagged. The flag is a pointer for a person to read both sides, not a verdict.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+SHARE = 0.8
+CHARS = 1000
+NOISE = 25  # copydetect's default noise threshold: runs of this many normalised characters are fingerprinted
+MAX_FILE = 256 * 1024  # a .py file larger than this is not read (not a student's hand-written code)
+MAX_FILES = 300  # .py files read per submission, at most
+SKIP = {".git", ".hg", ".svn", "__pycache__", ".ipynb_checkpoints", "venv", ".venv", "env", "site-packages",
+        "node_modules"}
+
+
+@dataclass
+class FileMatch:
+    file_a: str
+    file_b: str
+    chars: int  # matched characters of normalised code between these two files
+    html_a: str = ""  # the file with the matched code marked (escaped HTML)
+    html_b: str = ""
+
+
+@dataclass
+class Pair:
+    a: str
+    b: str
+    own_a: int  # characters of own (non-starter) normalised code
+    own_b: int
+    matched_a: int  # of which found in the other submission
+    matched_b: int
+    flagged: bool = False
+    files: list[FileMatch] = field(default_factory=list)
+
+    @property
+    def share(self) -> float:
+        return max(self.matched_a / max(self.own_a, 1), self.matched_b / max(self.own_b, 1))
+
+    @property
+    def chars(self) -> int:
+        return min(self.matched_a, self.matched_b)
+
+    def to_dict(self) -> dict:
+        return {"a": self.a, "b": self.b, "share": round(self.share, 3), "chars": self.chars, "own_a": self.own_a,
+                "own_b": self.own_b, "matched_a": self.matched_a, "matched_b": self.matched_b, "flagged": self.flagged,
+                "files": [{"file_a": f.file_a, "file_b": f.file_b, "chars": f.chars} for f in self.files]}
+
+
+def python_files(folder: Path) -> list[Path]:
+    """The submission's .py files (no links, no caches or environments, none over MAX_FILE; at most MAX_FILES)."""
+    found = []
+    for root, dirs, names in os.walk(folder):  # links to folders are listed in dirs and not followed
+        dirs[:] = sorted(d for d in dirs if d not in SKIP and not os.path.islink(os.path.join(root, d)))
+        for name in sorted(names):
+            path = Path(root, name)
+            if name.endswith(".py") and not path.is_symlink() and path.is_file() and path.stat().st_size <= MAX_FILE:
+                found.append(path)
+                if len(found) >= MAX_FILES:
+                    return found
+    return found
+
+
+def _fingerprint(path: Path, boilerplate: np.ndarray | None, noise: int):
+    from copydetect.detector import CodeFingerprint
+
+    try:
+        return CodeFingerprint(str(path), noise, 1, boilerplate, language="python", encoding="utf-8")
+    except (UnicodeDecodeError, OSError, ValueError):
+        return None  # not text: not code a person reads
+
+
+def boilerplate_hashes(starter: Path | None, noise: int = NOISE) -> np.ndarray:
+    hashes = []
+    for path in python_files(starter) if starter else []:
+        fp = _fingerprint(path, None, noise)
+        if fp is not None:
+            hashes.extend(fp.hashes)
+    return np.unique(np.array(hashes, dtype=np.int64))
+
+
+def _covered(fp, hashes: set | None) -> np.ndarray:
+    """Slices (2, n) of fp's normalised code covered by its fingerprints that are in `hashes` (all when None)."""
+    from copydetect.utils import get_copied_slices
+
+    keep = fp.hashes if hashes is None else fp.hashes & hashes
+    if not keep:
+        return np.zeros((2, 0), dtype=np.int64)
+    idx = np.concatenate([np.asarray(fp.hash_idx[h]) for h in keep])
+    return get_copied_slices(idx, fp.k)
+
+
+def _chars(slices: np.ndarray) -> int:
+    return int(np.sum(slices[1] - slices[0])) if slices.size else 0
+
+
+class Submission:
+    def __init__(self, name: str, folder: Path, boilerplate: np.ndarray, noise: int):
+        self.name, self.folder = name, Path(folder)
+        self.files = {}
+        for path in python_files(self.folder):
+            fp = _fingerprint(path, boilerplate, noise)
+            if fp is not None and fp.hashes:
+                self.files[str(path.relative_to(self.folder))] = fp
+        self.hashes = set().union(*(fp.hashes for fp in self.files.values())) if self.files else set()
+        self.own = sum(_chars(_covered(fp, None)) for fp in self.files.values())
+
+    def drop(self, common: set) -> None:
+        """Treat `common` fingerprints as boilerplate too (code most of the class holds)."""
+        for fp in self.files.values():
+            gone = fp.hashes & common
+            fp.hashes -= gone
+            for h in gone:
+                del fp.hash_idx[h]
+        self.hashes -= common
+        self.own = sum(_chars(_covered(fp, None)) for fp in self.files.values())
+
+    def matched(self, other: "Submission") -> int:
+        common = self.hashes & other.hashes
+        if not common:
+            return 0
+        return sum(_chars(_covered(fp, common)) for fp in self.files.values() if fp.hashes & common)
+
+
+def _file_matches(a: Submission, b: Submission, limit: int = 8) -> list[FileMatch]:
+    """The file pairs that carry the match, largest first, with both sides' matched code marked."""
+    from copydetect.detector import compare_files
+    from copydetect.utils import highlight_overlap
+
+    found = []
+    for (fa, pa), (fb, pb) in itertools.product(a.files.items(), b.files.items()):
+        if not pa.hashes & pb.hashes:
+            continue
+        chars, _, (sa, sb) = compare_files(pa, pb)
+        if chars:
+            found.append((int(chars), fa, fb, pa, pb, sa, sb))
+    found.sort(key=lambda m: -m[0])
+    out = []
+    for chars, fa, fb, pa, pb, sa, sb in found[:limit]:
+        mark = ('<mark>', '</mark>')
+        ha = highlight_overlap(pa.raw_code, sa, *mark, truncate=3, escape_html=True)[0]
+        hb = highlight_overlap(pb.raw_code, sb, *mark, truncate=3, escape_html=True)[0]
+        out.append(FileMatch(fa, fb, chars, ha, hb))
+    return out
+
+
+def similar_pairs(folders: dict[str, Path], starter: Path | None = None, share: float = SHARE, chars: int = CHARS,
+                  noise: int = NOISE, keep: int = 20, common: float | None = None,
+                  progress: bool = False) -> tuple[list[Pair], dict[str, int], str]:
+    """(pairs, own, given): every flagged pair and at least the `keep` closest others, closest first, with the
+    matched files of the flagged ones; each submission's own code in characters; and what was taken as given code.
+
+    `common`: code held by more than this fraction of the submissions (at least 4 of them) is boilerplate too, as
+    MOSS's -m; the default is 0.5 without a starter (the starter is then what most of the class holds) and off with
+    one (a canonical solution many students wrote alike still counts, and is weighed by the thresholds)."""
+    from tqdm import tqdm
+
+    logging.getLogger().setLevel(max(logging.getLogger().level, logging.ERROR))  # copydetect warns per odd file
+    boiler = boilerplate_hashes(starter, noise)
+    subs = [Submission(name, folder, boiler, noise)
+            for name, folder in tqdm(sorted(folders.items()), desc="similarity: fingerprints", unit="submission",
+                                     disable=not progress)]
+    if common is None and starter is None:
+        common = 0.5
+    given = f"the starter's code ({starter})" if starter else "nothing (no starter given)"
+    if common is not None and len(subs) >= 4:
+        counts = Counter(h for s in subs for h in s.hashes)
+        held = {h for h, n in counts.items() if n > common * len(subs)}
+        for s in subs:
+            s.drop(held)
+        given = (given if starter else "no starter given") + f"; and code more than {common:.0%} of the class holds"
+    elif common is not None:
+        given += f" (code most of the class holds is taken as given from 4 submissions on; there are {len(subs)})"
+    pairs = []
+    total = len(subs) * (len(subs) - 1) // 2
+    for a, b in tqdm(itertools.combinations(subs, 2), total=total, desc="similarity: pairs", unit="pair",
+                     disable=not progress, mininterval=1.0):
+        if not a.hashes & b.hashes:
+            continue
+        pair = Pair(a.name, b.name, a.own, b.own, a.matched(b), b.matched(a))
+        pair.flagged = pair.share >= share and pair.chars >= chars
+        pairs.append(pair)
+    pairs.sort(key=lambda p: (not p.flagged, -p.share, -p.chars))
+    flagged = sum(p.flagged for p in pairs)
+    pairs = pairs[:max(keep, flagged)]
+    by_name = {s.name: s for s in subs}
+    for p in pairs:
+        if p.flagged:
+            p.files = _file_matches(by_name[p.a], by_name[p.b])
+    return pairs, {s.name: s.own for s in subs}, given

@@ -24,6 +24,7 @@ import csv
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -117,13 +118,12 @@ def main(argv=None) -> int:
         src = real[i % len(real)]
         i += 1
         dst = subs / f"{src}~{i}"
-        shutil.copytree(subs / src, dst)
+        shutil.copytree(subs / src, dst, symlinks=True)  # as extracted: a repository's links stay links
         (dst / "NOTE.txt").write_text(f"copy {i} of {src}\n")
         repo_of[dst.name] = repo_of[src]
     n = len(repo_of)
     print(f"class: {n} submissions ({len(manifest['submissions'])} real, "
-          f"{len([r for r in repo_of if r.startswith('copy-of-')])} disguised copies, "
-          f"{n - len(real)} copies with a note); starter {manifest['starter']['repo']}@{manifest['starter']['commit'][:7]}")
+          f"{len(real) - len(manifest['submissions'])} disguised copies, {n - len(real)} copies with a note); starter {manifest['starter']['repo']}@{manifest['starter']['commit'][:7]}")
     result = {"machine": machine_header(), "submissions": n, "runs": [], "load_before": os.getloadavg()}
     last = None
     for jobs in [int(j) for j in args.jobs.split(",")]:
@@ -134,9 +134,12 @@ def main(argv=None) -> int:
         load = os.getloadavg()[0]
         run = run_batch(cmd)
         run.update(jobs=jobs, load_before=load, load_after=os.getloadavg()[0], per_minute=n / (run["seconds"] / 60))
-        print(f"--jobs {jobs}: {n} submissions in {run['seconds'] / 60:.1f} min ({run['per_minute']:.1f} per minute), "
-              f"peak memory of the batch's processes {run['peak_mb']:.0f} MB, exit {run['exit']}, load "
-              f"{load:.2f} -> {run['load_after']:.2f}")
+        graded = re.search(r"(\d+) graded in ([\d.]+) s", run["output"])
+        run["grading_s"] = float(graded.group(2)) if graded else None  # the rest: start-up, CSV, the class report
+        print(f"--jobs {jobs}: {n} submissions in {run['seconds'] / 60:.1f} min ({run['per_minute']:.1f} per minute; "
+              f"grading {run['grading_s'] or 0:.0f} s, the rest start-up, CSV" + (" and the class report" if
+              "--report" in cmd else "") + f"), peak memory of the batch's processes {run['peak_mb']:.0f} MB, exit "
+              f"{run['exit']}, load {load:.2f} -> {run['load_after']:.2f}")
         if run["exit"]:
             print(run["output"][-3000:])
             return 1
@@ -148,12 +151,15 @@ def main(argv=None) -> int:
         def author(s):
             return repo_of.get(s, s).replace("disguised copy of ", "")
         independent = [f for f in flagged if author(f[0]) != author(f[1])]
-        copies = [name for name in repo_of if name.startswith("copy-of-")]
+        copies = [name for name in real if name.startswith("copy-of-")]
         caught = [c for c in copies if any({c, c[len("copy-of-"):]} == {a, b} for a, b, *_ in flagged)]
         print(f"similarity: {len(flagged)} pairs flagged; disguised copies flagged against their original: "
               f"{len(caught)}/{len(copies)}; pairs of different authors flagged: {len(independent)}")
-        for a, b, share, chars in flagged:
+        shown = [f for f in flagged if f in independent or f[0] in copies or f[1] in copies]
+        for a, b, share, chars in shown[:12]:
             print(f"  flagged {a} / {b}: share {share:.0%}, {chars} matched characters")
+        print(f"  ({len(data['groups'])} groups of flagged submissions; the copies with a note are flagged against "
+              "their original, as they should be)")
         result["similarity"] = {"flagged": flagged, "copies_caught": caught, "copies": copies,
                                 "independent_flagged": independent, "given": data.get("similarity_given")}
     if args.kill and last:
@@ -172,7 +178,8 @@ def main(argv=None) -> int:
         graded = [line.split("submission=")[1].split()[0] for line in log if " graded " in line]
         twice = sorted({g for g in graded if graded.count(g) > 1})
         same = rows(cut_csv) == rows(whole_csv)
-        differ = [a["submission"] for a, b in zip(rows(cut_csv), rows(whole_csv)) if a != b]
+        differ = [f"{a['submission']} ({', '.join(k for k in a if a[k] != b.get(k))})"
+                  for a, b in zip(rows(cut_csv), rows(whole_csv)) if a != b]
         print(f"kill -9 after {at:.0f} s ({done} reports written), rerun: {rerun['seconds']:.0f} s, exit "
               f"{rerun['exit']}; CSV equal to the uninterrupted run's (seconds aside): {same}"
               + (f" (rows differing: {differ})" if differ else "")

@@ -15,6 +15,7 @@ import csv
 import hashlib
 import json
 import os
+import re
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -27,6 +28,7 @@ from grading.report import write_json
 
 GRADING = Path(__file__).resolve().parent
 FORMAT = 1  # of a stored report; a change makes earlier reports stale
+MAX_ERROR = re.compile(r",? max error [0-9.eE+-]+")
 
 
 def grader_version() -> str:
@@ -81,8 +83,9 @@ def _init_worker(rubric, limits, shared):
     Finalize(_GRADER, _GRADER.close, exitpriority=10)  # pool workers leave by os._exit: close the sandbox first
 
 
-def _grade_one(folder: str, checks, store: str, key: str) -> dict:
-    """Grade one submission and write its record to store/key.json at once; returns the record."""
+def _grade_one(folder: str, checks, store: str, key: str, name: str) -> dict:
+    """Grade one submission, write its record to store/key.json at once and say so in store/batch.log (from here, not
+    from the batch's process: a batch killed between the two still has a log that names each graded submission)."""
     from grading.gradescope import find_layout
 
     started = time.time()
@@ -91,6 +94,8 @@ def _grade_one(folder: str, checks, store: str, key: str) -> dict:
         record = {"key": key, "format": FORMAT, "report": report.to_dict(), "error": "",
                   "graded_at": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(started))}
         write_json(Path(store) / f"{key}.json", record)
+        log_line(Path(store) / "batch.log", "graded", submission=name, key=key,
+                 score=f"{report.total:g}/{report.max_total:g}", seconds=f"{report.seconds:.1f}")
     except Exception as e:  # noqa: BLE001  (one broken submission is a row, never an abort; not stored: regraded)
         record = {"key": key, "format": FORMAT, "report": None, "error": f"{type(e).__name__}: {e}"}
     return record
@@ -112,11 +117,21 @@ def row(entry: dict, record: dict) -> dict:
         return out
     out.update(score=round(report["score"], 4), max_score=report["max_score"], seconds=round(report["seconds"], 1))
     out.update({c["name"]: round(c["score"], 4) for c in report["checks"]})
-    out["notes"] = "; ".join(f"{c['name']}: {c['diagnosis'] or c['verdict']}" for c in report["checks"]
-                             if c["verdict"] != "pass")
+    out["notes"] = "; ".join(f"{c['name']}: {_stable(c)}" for c in report["checks"] if c["verdict"] != "pass")
     out["environment"] = "; ".join(report.get("environment", []))
     out["error"] = ""
     return out
+
+
+def _stable(check: dict) -> str:
+    """A check's diagnosis as the CSV gives it: what every run on the same submission says. The measured error and,
+    where no bug matches exactly, the closest one change with the grader's fresh inputs on each run (the report
+    pages keep both), so a rerun's CSV equals the first."""
+    if check.get("diagnosis_key"):
+        return MAX_ERROR.sub("", check["diagnosis"])
+    if check.get("diagnosis"):
+        return f"{check['verdict']}, no typical bug matches exactly"
+    return check["verdict"]
 
 
 def write_csv(path: Path, fields: list[str], rows: list[dict]) -> None:
@@ -140,19 +155,14 @@ def load_record(store: Path, key: str) -> dict | None:
     return record
 
 
-class Log:
-    """batch.log in the reports folder: one line per event, flushed at once (what a rerun after a crash reads)."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        self.file = open(path, "a", buffering=1)
-
-    def __call__(self, event: str, **fields) -> None:
-        words = " ".join(f"{k}={v}" for k, v in fields.items())
-        self.file.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {event} {words}\n")
-
-    def close(self) -> None:
-        self.file.close()
+def log_line(path: Path, event: str, **fields) -> None:
+    """One line of batch.log, appended in one write (O_APPEND: lines from the batch and its workers never mix)."""
+    words = " ".join(f"{k}={v}" for k, v in fields.items())
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {event} {words}\n".encode())
+    finally:
+        os.close(fd)
 
 
 def grade_batch(entries: list[dict], checks, rubric: dict, limits, shared, jobs: int, store: Path,
@@ -161,7 +171,9 @@ def grade_batch(entries: list[dict], checks, rubric: dict, limits, shared, jobs:
     from tqdm import tqdm
 
     store.mkdir(parents=True, exist_ok=True)
-    log = Log(store / "batch.log")
+    def log(event, **fields):
+        log_line(store / "batch.log", event, **fields)
+
     version = grader_version()
     keys = {}
     for e in entries:
@@ -185,17 +197,14 @@ def grade_batch(entries: list[dict], checks, rubric: dict, limits, shared, jobs:
                 futures = {}
                 for key in pending:
                     log("queued", submission=todo[key]["submission"], key=key)
-                    futures[pool.submit(_grade_one, todo[key]["folder"], checks, str(store), key)] = key
+                    futures[pool.submit(_grade_one, todo[key]["folder"], checks, str(store), key,
+                                        todo[key]["submission"])] = key
                 try:
                     for fut in as_completed(futures):
                         key, record = futures[fut], fut.result()
                         records[key] = record
                         graded += 1
-                        if record["report"]:
-                            log("graded", submission=todo[key]["submission"], key=key,
-                                score=f"{record['report']['score']:g}/{record['report']['max_score']:g}",
-                                seconds=f"{record['report']['seconds']:.1f}")
-                        else:
+                        if not record["report"]:  # a graded one is logged by its worker
                             log("error", submission=todo[key]["submission"], key=key, error=json.dumps(record["error"]))
                         bar.update()
                 except BrokenProcessPool:
@@ -208,7 +217,6 @@ def grade_batch(entries: list[dict], checks, rubric: dict, limits, shared, jobs:
                 bar.update()
             pending = [k for k in pending if k not in records]
     log("done", graded=graded, from_earlier_runs=reused, worker_deaths=died)
-    log.close()
     out = []
     for e in entries:
         out.append({"entry": {k: e.get(k, "") for k in ("submission", "sids", "names", "emails", "folder")},
@@ -223,7 +231,7 @@ def batch(args, rubric, limits) -> int:
 
     from grading.__main__ import batch_entries
 
-    unpack = tempfile.TemporaryDirectory(prefix="grading-batch-")
+    unpack = tempfile.TemporaryDirectory(prefix=f"grading-batch-{os.getpid()}-")
     try:
         try:
             entries = batch_entries(args.batch, unpack.name)

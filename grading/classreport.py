@@ -116,6 +116,24 @@ def summarise(records: list[dict], checks) -> dict:
     }
 
 
+def clusters(edges: list[tuple[str, str]]) -> list[list[str]]:
+    """The connected groups of a list of pairs, largest first, each sorted."""
+    parent = {}
+
+    def root(x):
+        while parent.setdefault(x, x) != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    for a, b in edges:
+        parent[root(a)] = root(b)
+    groups = defaultdict(list)
+    for x in parent:
+        groups[root(x)].append(x)
+    return sorted((sorted(g) for g in groups.values()), key=lambda g: (-len(g), g))
+
+
 # ---- plots ---------------------------------------------------------------------------------------------------------
 
 def _plots(out: Path, records: list[dict], summary: dict) -> list[str]:
@@ -311,6 +329,11 @@ def write_class_report(out: Path, records: list[dict], checks, rubric: dict, sta
                 if rows else "<p>No pair shares any code beyond the starter.</p>")
     if pairs:
         body.append(f'<p class="muted">{len(flagged)} flagged; the closest unflagged pairs are listed for scale.</p>')
+    groups = clusters([(slug_of[p.a], slug_of[p.b]) for p in flagged])
+    if groups:
+        body.append(f"<p>The flagged pairs join {len(groups)} group(s) of submissions (each linked to another in its "
+                    "group by a flagged pair), largest first:</p><ul>"
+                    + "".join(f"<li>{len(g)}: {_links(g, names)}</li>" for g in groups) + "</ul>")
 
     body.append("<h2>Environment findings</h2>")
     if summary["environment"]:
@@ -337,7 +360,7 @@ def write_class_report(out: Path, records: list[dict], checks, rubric: dict, sta
     body.append(_table(["student", "ids", "score", "max", *checks, "seconds", "error"], rows, 'id="students"'))
 
     (out / "index.html").write_text(_page("Class report", "".join(body)))
-    data = {"summary": summary, "meta": meta, "similarity_given": given, "pairs": [p.to_dict() for p in pairs], "own_chars": own,
+    data = {"summary": summary, "meta": meta, "similarity_given": given, "groups": groups, "pairs": [p.to_dict() for p in pairs], "own_chars": own,
             "students": {r["slug"]: {"submission": r["entry"]["submission"], "names": r["entry"].get("names", ""),
                                      "score": r["report"]["score"] if r.get("report") else None,
                                      "error": r.get("error", "")} for r in records}}

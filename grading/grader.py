@@ -20,7 +20,7 @@ import torch
 
 from grading import checks, probes, questions
 from grading.environment import COURSE_PACKAGES, environment_findings
-from grading.sandbox import Limits, Run, Sandbox, copy_submission
+from grading.sandbox import Limits, Run, Sandbox, copy_submission, sweep_leftovers
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_RUBRIC = Path(__file__).with_name("rubric.json")
@@ -103,7 +103,8 @@ class Grader:
         shared = Path(shared_dir or os.environ.get("GPT2_SHARED_DIR", ROOT.parent / "shared"))
         self.course_npy = shared / "data" / "cs224n" / "optimizer_test.npy"
         self._hub: tuple[str, dict] | None = None
-        self._tmp = tempfile.TemporaryDirectory(prefix="grading-hub-")
+        sweep_leftovers()  # what graders killed here before left in the temporary folder
+        self._tmp = tempfile.TemporaryDirectory(prefix=f"grading-hub-{os.getpid()}-")
 
     def close(self) -> None:
         self.sandbox.release()

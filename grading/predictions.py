@@ -154,7 +154,7 @@ def score_predictions(pred_dir, gold_dir) -> tuple[list[dict], list[str]]:
     board, messages = [], []
     try:
         names = set(os.listdir(folder))
-        with tempfile.TemporaryDirectory(prefix="grading-predictions-") as private:
+        with tempfile.TemporaryDirectory(prefix=f"grading-predictions-{os.getpid()}-") as private:
             for name, task, pred_names, gold_names in FILES:
                 pred = next((n for n in pred_names if n in names), None)
                 gold = next((gold_dir / n for n in gold_names if (gold_dir / n).is_file()), None)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import select
 import shutil
 import signal
@@ -206,6 +207,55 @@ def claim_uid(first: int) -> tuple[int, int]:
     raise RuntimeError(f"no free sandbox uid in {UID_BASE}..{UID_BASE + UID_SPAN} after 100 tries")
 
 
+LEFTOVER = re.compile(r"grading-(?:(?:hub|zygote|batch|predictions)-)?(\d+)-")  # the temporary folders a grader makes
+
+
+def temp_folder(kind: str = "") -> str:
+    """A new private temporary folder named grading-[KIND-]PID-...: the pid lets a later grader tell a folder whose
+    grader was killed (SIGKILL runs no cleanup) from one in use (sweep_leftovers)."""
+    return tempfile.mkdtemp(prefix=f"grading-{kind + '-' if kind else ''}{os.getpid()}-")
+
+
+def _alive(pid: int) -> bool:
+    """Whether pid runs (a zombie, killed and not yet reaped, does not: it will clean nothing up)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def sweep_leftovers(folder: str | None = None) -> list[str]:
+    """Remove this user's grading temporary folders whose grader process is gone (a grader or batch worker killed
+    with SIGKILL leaves its scratch, hub cache and unpacked export behind); returns what was removed. A folder whose
+    pid is alive (or reused by another live process) is left alone."""
+    folder = folder or tempfile.gettempdir()
+    removed = []
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return removed
+    for name in names:
+        match = LEFTOVER.match(name)
+        if not match:
+            continue
+        path = os.path.join(folder, name)
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or _alive(int(match.group(1))):
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
 class Sandbox:
     def __init__(self, limits: Limits | None = None, isolate_network: bool = True):
         self.limits = limits or Limits()
@@ -214,7 +264,7 @@ class Sandbox:
         # and "refuse writes" exact.
         self.uid, self._uid_lock = claim_uid(UID_BASE + os.getpid()) if os.geteuid() == 0 else (None, -1)
         # This sandbox's checks get their folders in a folder of its own: another grader's never sit beside them.
-        self.scratch = tempfile.mkdtemp(prefix=f"grading-{os.getpid()}-")
+        self.scratch = temp_folder()
         os.chmod(self.scratch, 0o711)
         self._forget_scratch = weakref.finalize(self, shutil.rmtree, self.scratch, True)  # also at exit
         self._proc: subprocess.Popen | None = None
@@ -225,7 +275,7 @@ class Sandbox:
     def _start(self) -> None:
         # huggingface_hub reads HF_HOME once, at import in the zygote; every child sees it through this link, which
         # each check points at its own copy of the cache.
-        self._home = tempfile.mkdtemp(prefix="grading-zygote-")
+        self._home = temp_folder("zygote")
         os.chmod(self._home, 0o755)
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                "HF_HOME": os.path.join(self._home, "hf"), "HOME": self._home, "OMP_NUM_THREADS": "1",

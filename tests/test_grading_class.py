@@ -8,6 +8,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from html.parser import HTMLParser
 from pathlib import Path
@@ -18,6 +19,7 @@ from grading.__main__ import main
 from grading.batch import content_hash
 from grading.disguise import disguise, disguise_source
 from grading.example import BUGS, write_submission
+from grading.sandbox import LEFTOVER, _alive, sweep_leftovers
 from grading.similarity import similar_pairs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -235,14 +237,39 @@ def test_a_rerun_after_kill_9_grades_only_what_is_missing_and_writes_the_same_cs
         time.sleep(0.05)
     os.killpg(proc.pid, signal.SIGKILL)  # the batch and its workers, mid-run
     proc.wait()
+    gone = time.monotonic() + 30
+    while time.monotonic() < gone:  # the workers die too (a rerun minutes later never sees them dying)
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
     done = len(list(store.glob("*.json")))
-    assert 2 <= done < 4 and not cut.exists()
+    assert 2 <= done < 4 and not cut.exists(), (done, cut.exists())
     assert main(["--batch", str(subs), "--csv", str(cut), "--checks", "embed"]) == 0
     assert without_seconds(cut) == without_seconds(whole)
     log = (store / "batch.log").read_text().splitlines()
     graded = [line.split("submission=")[1].split()[0] for line in log if " graded " in line]
     assert sorted(graded) == ["s0", "s1", "s2", "s3"]  # each finished once, across both runs
     assert sum(" reused " in line for line in log) == done
+    # the killed batch's scratch, hub cache and unpacked folders were swept by the rerun's graders
+    tmp = Path(tempfile.gettempdir())
+    left = [p.name for p in tmp.iterdir() if LEFTOVER.match(p.name) and not _alive(int(LEFTOVER.match(p.name)[1]))]
+    assert left == [], left
+
+
+def test_leftovers_of_a_dead_grader_are_swept_and_a_live_ones_kept(tmp_path):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()
+    for name in (f"grading-{dead}-x", f"grading-hub-{dead}-y", f"grading-batch-{dead}-z", f"grading-{os.getpid()}-w",
+                 "grading-uids", "grading-test-1", f"other-{dead}-v"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "file").write_text("x")
+    removed = sweep_leftovers(str(tmp_path))
+    assert sorted(Path(r).name for r in removed) == sorted([f"grading-{dead}-x", f"grading-hub-{dead}-y",
+                                                            f"grading-batch-{dead}-z"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([f"grading-{os.getpid()}-w", "grading-uids",
+                                                                 "grading-test-1", f"other-{dead}-v"])
 
 
 def test_a_changed_submission_or_rubric_is_regraded(tmp_path):

@@ -13,7 +13,7 @@ different repositories may be (the same student's repository at two commits is o
 so every copy is graded (identical files would be graded once) and scores as its original. Each `--jobs` value
 grades the class once, from an empty reports folder: minutes, submissions per minute and the peak memory of the
 batch's whole process tree (sampled every 0.2 s). `--kill` then starts the last `--jobs` run again, kills it with
-SIGKILL at a random point (uniform over 20-80% of the uninterrupted run's time), reruns the same command and checks
+SIGKILL at a random point (uniform over 20-80% of the uninterrupted run's grading time), reruns the same command and checks
 that the CSV equals the uninterrupted one (the seconds column aside) and that batch.log shows each submission graded
 once. Results go to --out (JSON) and the terminal.
 """
@@ -144,7 +144,7 @@ def main(argv=None) -> int:
             print(run["output"][-3000:])
             return 1
         result["runs"].append({k: v for k, v in run.items() if k != "output"})
-        last = (jobs, cmd, csv_path, run["seconds"])
+        last = (jobs, cmd, csv_path, run["grading_s"] or run["seconds"])
     if args.report:
         data = json.loads((Path(args.report) / "class.json").read_text())
         flagged = [(p["a"], p["b"], p["share"], p["chars"]) for p in data["pairs"] if p["flagged"]]

@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.grading_real import extract  # noqa: E402
-from bench.machine import machine_header  # noqa: E402
+from bench.machine import machine_header, print_machine_header  # noqa: E402
 
 
 def tree_rss(pid: int) -> int:
@@ -96,7 +96,7 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(ROOT / "runs" / "grading_class.json"))
     args = p.parse_args(argv)
-    print(machine_header())
+    print_machine_header()
     manifest = json.loads(Path(args.manifest).read_text())
     tmp = Path(tempfile.mkdtemp(prefix="grading-class-"))
     mirror = Path(args.mirror)

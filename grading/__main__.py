@@ -200,20 +200,6 @@ def main(argv=None) -> int:
     return 0
 
 
-# ---- batch (grading/batch.py) -----------------------------------------------------------------------------------
-
-def batch_entries(path: str, unpack_to: str) -> list[dict]:
-    """Submissions to grade: Gradescope's export (ids and names from submission_metadata.yml) or plain folders."""
-    from grading.gradescope import is_export, read_export
-
-    if is_export(path):
-        return read_export(path, unpack_to)
-    if Path(path).is_file():
-        raise ValueError(f"{path} is a file but not Gradescope's export (no submission_metadata.yml in the zip)")
-    return [{"folder": str(p), "submission": p.name, "sids": "", "names": "", "emails": ""}
-            for p in sorted(Path(path).iterdir()) if p.is_dir() and not p.name.startswith(".")]
-
-
 if __name__ == "__main__":
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     sys.exit(main())

@@ -225,11 +225,21 @@ def grade_batch(entries: list[dict], checks, rubric: dict, limits, shared, jobs:
                  "grader": version}
 
 
+def batch_entries(path: str, unpack_to: str) -> list[dict]:
+    """Submissions to grade: Gradescope's export (ids and names from submission_metadata.yml) or plain folders."""
+    from grading.gradescope import is_export, read_export
+
+    if is_export(path):
+        return read_export(path, unpack_to)
+    if Path(path).is_file():
+        raise ValueError(f"{path} is a file but not Gradescope's export (no submission_metadata.yml in the zip)")
+    return [{"folder": str(p), "submission": p.name, "sids": "", "names": "", "emails": ""}
+            for p in sorted(Path(path).iterdir()) if p.is_dir() and not p.name.startswith(".")]
+
+
 def batch(args, rubric, limits) -> int:
     """--batch: grade, write the CSV (and with --report the class report), say what was done."""
     import tempfile
-
-    from grading.__main__ import batch_entries
 
     unpack = tempfile.TemporaryDirectory(prefix=f"grading-batch-{os.getpid()}-")
     try:

@@ -177,9 +177,10 @@ def main(argv=None) -> int:
         log = (store / "batch.log").read_text().splitlines()
         graded = [line.split("submission=")[1].split()[0] for line in log if " graded " in line]
         twice = sorted({g for g in graded if graded.count(g) > 1})
-        same = rows(cut_csv) == rows(whole_csv)
+        cut_rows, whole_rows = rows(cut_csv), rows(whole_csv)
+        same = cut_rows == whole_rows
         differ = [f"{a['submission']} ({', '.join(k for k in a if a[k] != b.get(k))})"
-                  for a, b in zip(rows(cut_csv), rows(whole_csv)) if a != b]
+                  for a, b in zip(cut_rows, whole_rows) if a != b]
         print(f"kill -9 after {at:.0f} s ({done} reports written), rerun: {rerun['seconds']:.0f} s, exit "
               f"{rerun['exit']}; CSV equal to the uninterrupted run's (seconds aside): {same}"
               + (f" (rows differing: {differ})" if differ else "")

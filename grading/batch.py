@@ -15,7 +15,6 @@ import csv
 import hashlib
 import json
 import os
-import re
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -24,11 +23,10 @@ from dataclasses import asdict
 from pathlib import Path
 
 from grading.grader import Grader
-from grading.report import write_json
+from grading.report import atomic_open, stable_diagnosis, write_json
 
 GRADING = Path(__file__).resolve().parent
 FORMAT = 1  # of a stored report; a change makes earlier reports stale
-MAX_ERROR = re.compile(r",? max error [0-9.eE+-]+")
 
 
 def grader_version() -> str:
@@ -117,31 +115,18 @@ def row(entry: dict, record: dict) -> dict:
         return out
     out.update(score=round(report["score"], 4), max_score=report["max_score"], seconds=round(report["seconds"], 1))
     out.update({c["name"]: round(c["score"], 4) for c in report["checks"]})
-    out["notes"] = "; ".join(f"{c['name']}: {_stable(c)}" for c in report["checks"] if c["verdict"] != "pass")
+    out["notes"] = "; ".join(f"{c['name']}: {stable_diagnosis(c)}" for c in report["checks"]
+                             if c["verdict"] != "pass")
     out["environment"] = "; ".join(report.get("environment", []))
     out["error"] = ""
     return out
 
 
-def _stable(check: dict) -> str:
-    """A check's diagnosis as the CSV gives it: what every run on the same submission says. The measured error and,
-    where no bug matches exactly, the closest one change with the grader's fresh inputs on each run (the report
-    pages keep both), so a rerun's CSV equals the first."""
-    if check.get("diagnosis_key"):
-        return MAX_ERROR.sub("", check["diagnosis"])
-    if check.get("diagnosis"):
-        return f"{check['verdict']}, no typical bug matches exactly"
-    return check["verdict"]
-
-
 def write_csv(path: Path, fields: list[str], rows: list[dict]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", newline="") as f:
+    with atomic_open(path, newline="") as f:
         writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         writer.writeheader()
         writer.writerows(rows)
-    os.replace(tmp, path)
 
 
 def load_record(store: Path, key: str) -> dict | None:
@@ -261,7 +246,7 @@ def batch(args, rubric, limits) -> int:
         if args.report:
             from grading.classreport import write_class_report
 
-            index = write_class_report(Path(args.report), records, args.checks, rubric, starter=args.starter,
+            index = write_class_report(Path(args.report), records, args.checks, starter=args.starter,
                                        meta={**counts, "seconds": seconds, "jobs": args.jobs, "csv": str(csv_path)})
             print(f"wrote the class report: {index} (open it in a browser)")
         return 0

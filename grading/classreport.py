@@ -18,7 +18,7 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-from grading.checks import BUGS
+from grading.report import stable_diagnosis
 
 STYLE = """
 body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 72em; color: #222; line-height: 1.4 }
@@ -54,7 +54,7 @@ def _page(title: str, body: str, up: str = "") -> str:
 
 def _table(header: list[str], rows: list[list[str]], attrs: str = "") -> str:
     head = "".join(f"<th>{h}</th>" for h in header)
-    body = "".join("<tr>" + "".join(rows_cell for rows_cell in r) + "</tr>" for r in rows)
+    body = "".join("<tr>" + "".join(r) + "</tr>" for r in rows)
     return f"<table {attrs}><tr>{head}</tr>{body}</table>"
 
 
@@ -76,7 +76,7 @@ def _part_state(part: dict) -> str:
 
 # ---- what the pages show, from the records -------------------------------------------------------------------------
 
-def summarise(records: list[dict], checks) -> dict:
+def summarise(records: list[dict]) -> dict:
     graded = [r for r in records if r.get("report")]
     scores = [r["report"]["score"] for r in graded]
     parts = {}  # "check.part" -> state -> count
@@ -91,7 +91,7 @@ def summarise(records: list[dict], checks) -> dict:
                 counts[_part_state(p)] += 1
             key, text = c.get("diagnosis_key") or "", c.get("diagnosis") or ""
             if key:  # one named bug: grouped by its key, whatever numbers its text carries
-                bugs[(c["name"], key, BUGS.get(key, text))].append(r["slug"])
+                bugs[(c["name"], key, stable_diagnosis(c))].append(r["slug"])
             elif c["score"] < c["max_score"] - 1e-9:
                 closest = re.search(r"closest: (.*?)(?:, max error [^)]*)?\)$", text)
                 why = f"{c['verdict']}; no single bug matches (closest: {closest.group(1)})" if closest else \
@@ -191,11 +191,11 @@ def _plots(out: Path, records: list[dict], summary: dict) -> list[str]:
 
 # ---- pages ---------------------------------------------------------------------------------------------------------
 
-def _links(slugs: list[str], names: dict, up: str = "") -> str:
-    return ", ".join(f'<a href="{up}students/{s}.html">{_e(names[s])}</a>' for s in slugs)
+def _links(slugs: list[str], names: dict) -> str:
+    return ", ".join(f'<a href="students/{s}.html">{_e(names[s])}</a>' for s in slugs)
 
 
-def student_page(r: dict, checks) -> str:
+def student_page(r: dict) -> str:
     e, report = r["entry"], r.get("report")
     body = [f"<h1>{_e(_display(e))}</h1>", '<table class="summary">']
     for label, value in (("submission", e["submission"]), ("student ids", e.get("sids", "")),
@@ -249,8 +249,7 @@ def pair_page(pair, names: dict, slugs: dict) -> str:
     return _page(f"{names[a]} / {names[b]}", "".join(body), "../")
 
 
-def write_class_report(out: Path, records: list[dict], checks, rubric: dict, starter=None,
-                       meta: dict | None = None) -> Path:
+def write_class_report(out: Path, records: list[dict], checks, starter=None, meta: dict | None = None) -> Path:
     """Write out/index.html, out/students/*.html, out/pairs/*.html, the PNGs and class.json; returns index.html."""
     from grading.similarity import CHARS, SHARE, similar_pairs
 
@@ -264,7 +263,7 @@ def write_class_report(out: Path, records: list[dict], checks, rubric: dict, sta
         r["slug"] = _slug(r["entry"]["submission"], taken)
         names[r["slug"]] = _display(r["entry"])
         slug_of[r["entry"]["submission"]] = r["slug"]
-    summary = summarise(records, checks)
+    summary = summarise(records)
     plots = _plots(out, records, summary)
     from grading.gradescope import find_layout
 
@@ -272,10 +271,11 @@ def write_class_report(out: Path, records: list[dict], checks, rubric: dict, sta
                for r in records if Path(r["entry"].get("folder", "")).is_dir()}
     pairs, own, given = similar_pairs(folders, Path(starter) if starter else None, progress=True)
     for r in records:
-        (out / "students" / f"{r['slug']}.html").write_text(student_page(r, checks))
+        (out / "students" / f"{r['slug']}.html").write_text(student_page(r))
     flagged = [p for p in pairs if p.flagged]
-    for i, p in enumerate(flagged):
-        (out / "pairs" / f"{i + 1}.html").write_text(pair_page(p, names, slug_of))
+    page_of = {id(p): f"pairs/{i + 1}.html" for i, p in enumerate(flagged)}
+    for p in flagged:
+        (out / page_of[id(p)]).write_text(pair_page(p, names, slug_of))
 
     meta = meta or {}
     graded = summary["graded"]
@@ -316,13 +316,13 @@ def write_class_report(out: Path, records: list[dict], checks, rubric: dict, sta
     body.append(_table(["check.part", "points", "full", "partial", "zero", "not implemented"], rows))
 
     body.append("<h2>Similar submissions</h2>")
-    body.append(f"<p>Pairs whose own code is alike (copydetect's winnowing). Left out as given: {_e(given)}. Flagged: share &ge; {SHARE:.0%} and &ge; {CHARS} matched characters. "
-                "The share is the larger side's fraction of its own code found in the other's files. A flag points a "
+    body.append(f"<p>Pairs whose own code is alike (copydetect's winnowing). Left out as given: {_e(given)}. "
+                f"Flagged: share &ge; {SHARE:.0%} and &ge; {CHARS} matched characters. The share is the larger side's fraction of its own code found in the other's files. A flag points a "
                 "person at both sides' code; it is not a verdict (see docs/grading.md for the limits).</p>")
     rows = []
-    for i, p in enumerate(pairs):
+    for p in pairs:
         a, b = slug_of[p.a], slug_of[p.b]
-        label = f'<a href="pairs/{flagged.index(p) + 1}.html">flagged: read both</a>' if p.flagged else "-"
+        label = f'<a href="{page_of[id(p)]}">flagged: read both</a>' if p.flagged else "-"
         rows.append([_td(_links([a], names)), _td(_links([b], names)), _td(f"{p.share:.0%}", "n"),
                      _td(p.chars, "n"), _td(f"{p.own_a} / {p.own_b}", "n"), _td(label, "flag" if p.flagged else "")])
     body.append(_table(["submission", "submission", "share", "matched chars", "own chars", ""], rows, 'id="pairs"')
@@ -360,7 +360,8 @@ def write_class_report(out: Path, records: list[dict], checks, rubric: dict, sta
     body.append(_table(["student", "ids", "score", "max", *checks, "seconds", "error"], rows, 'id="students"'))
 
     (out / "index.html").write_text(_page("Class report", "".join(body)))
-    data = {"summary": summary, "meta": meta, "similarity_given": given, "groups": groups, "pairs": [p.to_dict() for p in pairs], "own_chars": own,
+    data = {"summary": summary, "meta": meta, "similarity_given": given, "groups": groups,
+            "pairs": [p.to_dict() for p in pairs], "own_chars": own,
             "students": {r["slug"]: {"submission": r["entry"]["submission"], "names": r["entry"].get("names", ""),
                                      "score": r["report"]["score"] if r.get("report") else None,
                                      "error": r.get("error", "")} for r in records}}

@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import json
 import os
+from contextlib import contextmanager
 from pathlib import Path
 
+from grading.checks import BUGS
 from grading.grader import Report
 
 
@@ -40,6 +42,18 @@ def check_output(c) -> str:
     return "\n".join(lines)
 
 
+def stable_diagnosis(check: dict) -> str:
+    """A check's diagnosis as the CSV and the class report's bug ranking give it: what every run on the same
+    submission says, the named bug's own text. The measured error and, where no bug matches exactly, the closest
+    one change with the grader's fresh inputs on each run (the student pages keep both), so a rerun's CSV equals the
+    first."""
+    if check.get("diagnosis_key"):
+        return BUGS.get(check["diagnosis_key"], check["diagnosis"])
+    if check.get("diagnosis"):
+        return f"{check['verdict']}, no typical bug matches exactly"
+    return check["verdict"]
+
+
 def gradescope(report: Report) -> dict:
     """Gradescope's results.json: score, execution_time, tests (name, score, max_score, output, visibility),
     leaderboard."""
@@ -59,10 +73,17 @@ def gradescope(report: Report) -> dict:
     return out
 
 
-def write_json(path: str | os.PathLike, data: dict) -> None:
-    """Write through a temporary name, so a reader never sees half a file."""
+@contextmanager
+def atomic_open(path: str | os.PathLike, newline: str | None = None):
+    """A text file written through a temporary name and renamed at the end, so a reader never sees half a file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1, default=str) + "\n")
+    with open(tmp, "w", newline=newline) as f:
+        yield f
     os.replace(tmp, path)
+
+
+def write_json(path: str | os.PathLike, data: dict) -> None:
+    with atomic_open(path) as f:
+        f.write(json.dumps(data, indent=1, default=str) + "\n")

@@ -122,14 +122,18 @@ def _chars(slices: np.ndarray) -> int:
 
 class Submission:
     def __init__(self, name: str, folder: Path, boilerplate: np.ndarray, noise: int):
-        self.name, self.folder = name, Path(folder)
+        self.name = name
         self.files = {}
-        for path in python_files(self.folder):
+        for path in python_files(Path(folder)):
             fp = _fingerprint(path, boilerplate, noise)
             if fp is not None and fp.hashes:
-                self.files[str(path.relative_to(self.folder))] = fp
+                self.files[str(path.relative_to(folder))] = fp
         self.hashes = set().union(*(fp.hashes for fp in self.files.values())) if self.files else set()
-        self.own = sum(_chars(_covered(fp, None)) for fp in self.files.values())
+        self.own = self._own()
+
+    def _own(self) -> int:
+        """Characters of normalised code its fingerprints cover (what is left after the boilerplate)."""
+        return sum(_chars(_covered(fp, None)) for fp in self.files.values())
 
     def drop(self, common: set) -> None:
         """Treat `common` fingerprints as boilerplate too (code most of the class holds)."""
@@ -139,7 +143,7 @@ class Submission:
             for h in gone:
                 del fp.hash_idx[h]
         self.hashes -= common
-        self.own = sum(_chars(_covered(fp, None)) for fp in self.files.values())
+        self.own = self._own()
 
     def matched(self, other: "Submission") -> int:
         common = self.hashes & other.hashes
@@ -162,8 +166,8 @@ def _file_matches(a: Submission, b: Submission, limit: int = 8) -> list[FileMatc
             found.append((int(chars), fa, fb, pa, pb, sa, sb))
     found.sort(key=lambda m: -m[0])
     out = []
+    mark = ("<mark>", "</mark>")
     for chars, fa, fb, pa, pb, sa, sb in found[:limit]:
-        mark = ('<mark>', '</mark>')
         ha = highlight_overlap(pa.raw_code, sa, *mark, truncate=3, escape_html=True)[0]
         hb = highlight_overlap(pb.raw_code, sb, *mark, truncate=3, escape_html=True)[0]
         out.append(FileMatch(fa, fb, chars, ha, hb))
@@ -179,9 +183,18 @@ def similar_pairs(folders: dict[str, Path], starter: Path | None = None, share: 
     `common`: code held by more than this fraction of the submissions (at least 4 of them) is boilerplate too, as
     MOSS's -m; the default is 0.5 without a starter (the starter is then what most of the class holds) and off with
     one (a canonical solution many students wrote alike still counts, and is weighed by the thresholds)."""
+    root = logging.getLogger()
+    level = root.level
+    root.setLevel(max(level, logging.ERROR))  # copydetect warns on the root logger for each odd file
+    try:
+        return _similar_pairs(folders, starter, share, chars, noise, keep, common, progress)
+    finally:
+        root.setLevel(level)
+
+
+def _similar_pairs(folders, starter, share, chars, noise, keep, common, progress):
     from tqdm import tqdm
 
-    logging.getLogger().setLevel(max(logging.getLogger().level, logging.ERROR))  # copydetect warns per odd file
     boiler = boilerplate_hashes(starter, noise)
     subs = [Submission(name, folder, boiler, noise)
             for name, folder in tqdm(sorted(folders.items()), desc="similarity: fingerprints", unit="submission",

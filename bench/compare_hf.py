@@ -48,6 +48,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 from bench.machine import print_machine_header  # noqa: E402
+from bench.results import Recorder  # noqa: E402
 from config import GPT2Config  # noqa: E402
 from models.gpt2 import GPT2LMHeadModel  # noqa: E402
 from models.hub import shared_dir  # noqa: E402
@@ -71,6 +72,7 @@ PROMPT_LENGTHS_B8 = [16, 13, 10, 16, 7, 12, 15, 9]  # the batch-8 prompts, left-
 SHARED = shared_dir()
 DEVICE = torch.device("cpu")  # --device; the inputs and every contender live there
 CPU_ONLY_SECTIONS = ("memory", "xl", "checkpointing")  # they measure the process's RSS
+RECORDS = Recorder("compare_hf")  # every printed row also goes to bench/results/compare_hf.jsonl (bench/results.py)
 
 
 # ---- models and inputs -------------------------------------------------------------------------------------------
@@ -248,6 +250,13 @@ class Report:
                                       f"{'met' if value >= minimum else 'NOT met'}" for what, value, minimum in checks)
         self.rows.append(row)
         self.print_row(row)
+        targets = "; ".join(f"{'ours fp32' if what == 'ours-fp32' else 'transformers'} >= {minimum}x"
+                            for what, _, minimum in checks)
+        RECORDS.add(f"{case} {dtype}", rates, unit, ratio=row.get("vs_same_dtype"),
+                    ratio_of="ours / best transformers, same dtype" if "vs_same_dtype" in row else None,
+                    target=targets or None, met=all(v >= m for _, v, m in checks) if checks else None,
+                    vs_hf_fp32=row.get("vs_hf_fp32") if dtype != "fp32" else None,
+                    vs_ours_fp32=row.get("vs_ours_fp32") if dtype != "fp32" else None)
 
     @staticmethod
     def print_row(row: dict) -> None:
@@ -294,6 +303,8 @@ def section_train(args, state: dict, report: Report) -> None:
                 loss = step()
             losses["bf16" if bf16 else "fp32"] = loss
         rel = abs(losses["bf16"] - losses["fp32"]) / losses["fp32"]
+        RECORDS.add(f"train loss after {args.loss_steps} steps, fp32 vs bf16", losses, "loss", target="<= 2%",
+                    met=rel <= 0.02, difference=rel)
         print(f"train loss after {args.loss_steps} steps (ours, same batch, same start): fp32 {losses['fp32']:.4f}  "
               f"bf16 autocast {losses['bf16']:.4f}  difference {100 * rel:.2f}% (target <= 2%: "
               f"{'met' if rel <= 0.02 else 'NOT met'})", flush=True)
@@ -364,6 +375,7 @@ def _print_match(outs: dict, what: str) -> None:
     if ref:
         same = (outs["ours"] == outs[ref]).all(1).float().mean().item()
         print(f"{'':<12} {'':<5} {what} rows identical to {ref}: {100 * same:.0f}%", flush=True)
+        RECORDS.note(f"{what} rows identical to {ref}: {100 * same:.0f}%")
 
 
 def _print_bandwidth_share(ours, rates: dict) -> None:
@@ -375,6 +387,9 @@ def _print_bandwidth_share(ours, rates: dict) -> None:
     dtype = "bf16" if next(ours.parameters()).dtype == torch.bfloat16 else "fp32"
     target, share = BANDWIDTH_TARGETS.get(dtype), rates["ours"] / limit
     verdict = f" (target ours >= {100 * target:.0f}%: {'met' if share >= target else 'NOT met'})" if target else ""
+    RECORDS.note(f"ours {100 * share:.0f}% of the read-bandwidth limit (best transformers "
+                 f"{100 * max((v for k, v in rates.items() if k.startswith('hf')), default=0) / limit:.0f}%)"
+                 + (f", target >= {100 * target:.0f}%" if target else ""))
     print(f"{'':<12} {'':<5} of the bandwidth limit ({step_bytes / 1e6:.0f} MB of weights per token at "
           f"{read_bandwidth():.1f} GB/s: {limit:.1f} tokens/s): {shares}{verdict}", flush=True)
 
@@ -394,6 +409,13 @@ def _print_int8(ours, rates: dict, outs: dict) -> None:
     same = (outs["ours-int8"] == outs["ours"]).all(1).float().mean().item()
     ratio = f"ours-int8/best-HF-fp32 {rates['ours-int8'] / best_hf:.2f}x (target >= {INT8_TARGET}x: " \
         f"{'met' if rates['ours-int8'] / best_hf >= INT8_TARGET else 'NOT met'})  " if best_hf else ""
+    if best_hf:
+        RECORDS.add("generate b1 int8", {"ours-int8": rates["ours-int8"], "best transformers fp32": best_hf},
+                    "new tokens/s", ratio=rates["ours-int8"] / best_hf, ratio_of="ours int8 / best transformers fp32",
+                    target=f"transformers fp32 >= {INT8_TARGET}x", met=rates["ours-int8"] / best_hf >= INT8_TARGET,
+                    vs_ours_fp32=rates["ours-int8"] / rates["ours"],
+                    notes=f"{100 * rates['ours-int8'] / limit:.0f}% of the int8 read-bandwidth limit; greedy tokens "
+                          f"equal to ours fp32: {100 * same:.0f}% of rows")
     print(f"{'':<12} {'int8':<5} {ratio}ours-int8/ours-fp32 {rates['ours-int8'] / rates['ours']:.2f}x; "
           f"{100 * rates['ours-int8'] / limit:.0f}% of the int8 bandwidth limit ({limit:.1f} tokens/s); greedy "
           f"tokens equal to ours fp32: {100 * same:.0f}% of rows; int8 copies kept: {int8_bytes / 1e6:.0f} MB "
@@ -461,22 +483,30 @@ def section_memory(args) -> None:
     cases = [("train", "fp32"), ("train", "bf16"), ("forward", "fp32"), ("forward", "bf16"),
              ("generate b1", "fp32"), ("generate b8", "fp32"), ("generate b1", "bf16")]
     for case, dtype in [c for c in cases if c[1] in args.dtypes]:
-        cells = []
+        cells, peaks = [], {}
         for impl in ["ours"] + [f"hf-{i}" for i in args.hf_impls]:
             r = run_child(dict(case=case, dtype=dtype, impl=impl, preset="gpt2", new_tokens=args.new_tokens),
                           args.threads)
+            peaks[impl] = r["peak_mb"]
             cells.append(f"{impl} model {r['model_mb']:6.0f} peak {r['peak_mb']:6.0f} work {r['peak_mb'] - r['model_mb']:6.0f}")
         print(f"{case:<12} {dtype:<5} MB  " + "  |  ".join(cells), flush=True)
+        hf = [v for k, v in peaks.items() if k.startswith("hf")]
+        RECORDS.add(f"peak RSS {case} {dtype}", peaks, "MB", ratio=peaks["ours"] / min(hf) if hf else None,
+                    ratio_of="ours / smallest transformers" if hf else None)
 
 
 def section_xl(args) -> None:
     print(f"gpt2-xl (1.5B) at random init, bf16 weights, greedy, 16-token prompt + {args.xl_new_tokens} new tokens, "
           "each in a fresh process:", flush=True)
+    rates, peaks = {}, {}
     for impl in ("ours", "hf-sdpa"):
         r = run_child(dict(case="generate b1", dtype="bf16", impl=impl, preset="gpt2-xl", new_tokens=args.xl_new_tokens),
                       args.threads)
+        rates[impl], peaks[impl] = r["tokens_per_s"], r["peak_mb"]
         print(f"  {impl:<8} {r['tokens_per_s']:6.2f} new tokens/s   model {r['model_mb'] / 1024:5.2f} GiB   "
               f"peak {r['peak_mb'] / 1024:5.2f} GiB", flush=True)
+    RECORDS.add("gpt2-xl generate b1 bf16", rates, "new tokens/s", ratio=rates["ours"] / rates["hf-sdpa"],
+                ratio_of="ours / transformers sdpa", notes="peak RSS MB: " + ", ".join(f"{k} {v:.0f}" for k, v in peaks.items()))
 
 
 def section_checkpointing(args) -> None:
@@ -488,6 +518,10 @@ def section_checkpointing(args) -> None:
         print(f"  gradient checkpointing {'on ' if on else 'off'}  {r['tokens_per_s']:6.1f} tokens/s   "
               f"peak {r['peak_mb']:6.0f} MB   work {r['peak_mb'] - r['model_mb']:6.0f} MB", flush=True)
     saved = (results[False]["peak_mb"] - results[True]["peak_mb"])
+    RECORDS.add("gpt2-medium train fp32, gradient checkpointing", {
+        "off": results[False]["tokens_per_s"], "on": results[True]["tokens_per_s"]}, "tokens/s",
+        ratio=results[True]["tokens_per_s"] / results[False]["tokens_per_s"], ratio_of="on / off",
+        notes=f"peak RSS off {results[False]['peak_mb']:.0f} MB, on {results[True]['peak_mb']:.0f} MB")
     print(f"  checkpointing saves {saved:.0f} MB of peak RSS and costs "
           f"{100 * (results[False]['tokens_per_s'] / results[True]['tokens_per_s'] - 1):.0f}% more time per step",
           flush=True)
@@ -534,9 +568,12 @@ def describe_machine() -> None:
         else "glibc's default"
     print(f"torch's CPU capability {caps}, native bf16 GEMM: {'yes' if native_bf16 else 'no'}; transformers "
           f"{transformers.__version__}; malloc: {malloc}", flush=True)
-    print(f"matmul 1024x768x3072: fp32 {gemm_gflops(torch.float32):.0f} GFLOP/s, "
-          f"bf16 {gemm_gflops(torch.bfloat16):.0f} GFLOP/s; memory reads (sum of 512 MB) {read_bandwidth():.1f} GB/s",
-          flush=True)
+    fp32, bf16 = gemm_gflops(torch.float32), gemm_gflops(torch.bfloat16)
+    print(f"matmul 1024x768x3072: fp32 {fp32:.0f} GFLOP/s, bf16 {bf16:.0f} GFLOP/s; memory reads (sum of 512 MB) "
+          f"{read_bandwidth():.1f} GB/s", flush=True)
+    RECORDS.add("machine", {"fp32 GEMM GFLOP/s": fp32, "bf16 GEMM GFLOP/s": bf16, "reads GB/s": read_bandwidth()},
+                "GFLOP/s, GB/s", notes=f"torch CPU capability {caps}; native bf16 GEMM {'yes' if native_bf16 else 'no'}"
+                f"; transformers {transformers.__version__}; malloc: {malloc}")
 
 
 def main() -> None:
@@ -580,8 +617,9 @@ def main() -> None:
                          "turns it off)")
     if args.child:
         return child_main(json.loads(args.child))
-    global DEVICE
+    global DEVICE, RECORDS
     DEVICE = torch.device(args.device)
+    RECORDS = Recorder("compare_hf", args.device)
     if DEVICE.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: CUDA is not available on this machine")
     sections = [s for s in (args.only or SECTIONS) if not (s == "xl" and args.skip_xl)]
@@ -594,12 +632,15 @@ def main() -> None:
     state = hf_reference("gpt2", args.seed)
     report = Report()
     started = time.perf_counter()
-    for name in sections:
-        print(f"\n== {name} ==", flush=True)
-        if name in ("train", "forward", "generate"):
-            globals()[f"section_{name}"](args, state, report)
-        else:
-            globals()[f"section_{name}"](args)
+    try:
+        for name in sections:
+            print(f"\n== {name} ==", flush=True)
+            if name in ("train", "forward", "generate"):
+                globals()[f"section_{name}"](args, state, report)
+            else:
+                globals()[f"section_{name}"](args)
+    finally:  # the rows measured so far, also when a later section fails or is interrupted
+        RECORDS.write()
     print(f"\ndone in {time.perf_counter() - started:.0f} s; load average now "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
 

@@ -25,6 +25,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from bench.machine import print_machine_header  # noqa: E402
+from bench.results import Recorder  # noqa: E402
 from config import GPT2Config  # noqa: E402
 from models.gpt2 import GPT2LMHeadModel  # noqa: E402
 from optimizer import AdamW, param_groups_for_weight_decay  # noqa: E402
@@ -114,6 +115,10 @@ def main() -> None:
         print(f"{name:32s} median {medians[name]:6.2f} ms/step  (blocks: {', '.join(f'{v:.1f}' for v in t)})")
     a, b = medians.values()
     print(f"engine / flat: {a / b:.3f} (> 1.10 would mean flat parameters pay 10% or more)")
+    rec = Recorder("flat_params")
+    rec.add(f"step, {args.threads} threads, {'split batch' if workers > 1 else 'intra-op'}", medians, "ms/step (median)",
+            ratio=a / b, ratio_of="engine / flat parameters", notes=f"{args.blocks} blocks of {args.steps} steps")
+    rec.write()
 
 
 if __name__ == "__main__":

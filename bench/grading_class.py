@@ -38,6 +38,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.grading_real import extract  # noqa: E402
 from bench.machine import machine_header, print_machine_header  # noqa: E402
+from bench.results import Recorder  # noqa: E402
 
 
 def tree_rss(pid: int) -> int:
@@ -144,6 +145,11 @@ def main(argv=None) -> int:
             print(run["output"][-3000:])
             return 1
         result["runs"].append({k: v for k, v in run.items() if k != "output"})
+        rec = Recorder("grading_class")
+        rec.add(f"a class of {n} submissions, --jobs {jobs}" + (", with the class report" if "--report" in cmd else ""),
+                {"seconds": run["seconds"], "per minute": run["per_minute"], "peak MB": run["peak_mb"]},
+                "s, submissions per minute, MB")
+        rec.write()
         last = (jobs, cmd, csv_path, run["grading_s"] or run["seconds"])
     if args.report:
         data = json.loads((Path(args.report) / "class.json").read_text())

@@ -173,6 +173,14 @@ def main(argv=None) -> int:
                 print(f"  {r['name']} {comp}: hand {v['hand']}, grader {v['grader']}: {v['why'][:400]}")
     out = {"cpu": cpu(), "load_before": load, "manifest": args.manifest, "agreement": table,
            "total": {"agree": total[0], "n": total[1]}, "submissions": results}
+    from bench.results import Recorder
+
+    rec = Recorder("grading_real")
+    if total[1]:
+        rec.add(f"components agreeing with a hand reading, {len(results)} real submissions",
+                {"agree": total[0], "components": total[1], "median s per submission": seconds[len(seconds) // 2]},
+                "components, s", ratio=total[0] / total[1], ratio_of="share of components agreeing",
+                notes=f"manifest {Path(args.manifest).name}")
     if args.batch_jobs:
         export = export_layout(subs, Path(tmp.name) / "export")
         csv_path = Path(args.out).with_suffix(".csv")
@@ -187,6 +195,10 @@ def main(argv=None) -> int:
               f"= {out['batch']['per_minute']} per minute (process start included); exit {proc.returncode}; {csv_path}")
         if proc.returncode:
             print(proc.stderr[-2000:])
+        else:
+            rec.add(f"batch of {len(subs)} submissions, --jobs {args.batch_jobs}", {
+                "seconds": wall, "per minute": len(subs) / (wall / 60)}, "s, submissions per minute")
+    rec.write()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
     print(f"wrote {args.out}")

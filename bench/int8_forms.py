@@ -19,6 +19,7 @@ sys.path.insert(0, str(ROOT))
 
 import bench.compare_hf as compare  # noqa: E402
 from bench.machine import print_machine_header  # noqa: E402
+from bench.results import Recorder  # noqa: E402
 from modules import quant  # noqa: E402
 
 MODES = ("fp32", "int8-bytes", "int8-packed")
@@ -61,6 +62,13 @@ def main() -> None:
     print(f"load {load:.2f} -> {os.getloadavg()[0]:.2f}; packed form chosen on this CPU: {chosen()}")
     for mode, v in rates.items():
         print(f"{mode:12s} {statistics.median(v):6.1f} tok/s (median; rounds {', '.join(f'{x:.1f}' for x in v)})")
+    medians = {mode: statistics.median(v) for mode, v in rates.items()}
+    rec = Recorder("int8_forms")
+    rec.add("greedy b1, gpt2: fp32 and the two int8 loops", medians, "new tokens/s",
+            ratio=max(medians["int8-bytes"], medians["int8-packed"]) / medians["fp32"],
+            ratio_of="the faster int8 loop / fp32", notes=f"packed form chosen on this CPU: {chosen()}; leading tokens "
+            f"equal fp32 vs int8-bytes {lead(outs['fp32'], outs['int8-bytes'])} of {args.new_tokens}")
+    rec.write()
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ import torch.nn.functional as F  # noqa: E402
 import transformers  # noqa: E402
 
 from bench.machine import print_machine_header  # noqa: E402
+from bench.results import Recorder  # noqa: E402
 from models.gpt2 import GPT2LMHeadModel  # noqa: E402
 from modules.linear import Linear  # noqa: E402
 from modules.quant import int8_linear, quantize_int8  # noqa: E402
@@ -87,6 +88,13 @@ def main() -> None:
         first_diff.append(int(diff[0]) if diff.numel() else args.new_tokens)
     print(f"greedy: first {args.new_tokens} tokens identical on {same} of {args.prompts} prompts; tokens before "
           f"the first difference: {first_diff}", flush=True)
+    rec = Recorder("int8_quality")
+    rec.add(f"perplexity, {Path(args.model).name} ({model.num_parameters() / 1e6:.1f}M)", ppl, "perplexity",
+            ratio=ppl["int8"] / ppl["fp32"], ratio_of="int8 / fp32", target="within 1%",
+            met=abs(ppl["int8"] / ppl["fp32"] - 1) <= 0.01,
+            notes=f"{ids.numel()} validation tokens; greedy: first {args.new_tokens} tokens identical on {same} of "
+                  f"{args.prompts} prompts")
+    rec.write()
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from bench.machine import print_machine_header  # noqa: E402
+from bench.results import Recorder  # noqa: E402
 from config import GPT2Config  # noqa: E402
 from models.gpt2 import GPT2Model  # noqa: E402
 from models.lora import apply_lora  # noqa: E402
@@ -138,7 +139,7 @@ def main() -> None:
 
     print_machine_header()
     print(f"{BATCH} x {SEQ} tokens, fp32, {args.threads} threads, torch {torch.__version__}; load before: {load()}")
-    rows = []
+    rows, rec = [], Recorder("lora")
     for size in args.sizes:
         t = time_size(size, args.rounds) if args.only != "memory" else None
         if t:
@@ -160,9 +161,16 @@ def main() -> None:
             print(f"| {size} | {times} | {errors or '-'} | - | - |")
             continue
         f, l = mem["full"], mem["lora"]
+        rec.add(f"{size} LoRA r=8 vs full fine-tuning, {BATCH} x {SEQ}", {
+            "grad + optimizer MB full": f["grad_optim_mb"], "grad + optimizer MB LoRA": l["grad_optim_mb"],
+            "peak RSS MB full": f["peak_rss_mb"], "peak RSS MB LoRA": l["peak_rss_mb"],
+            **({"step s full": t["full"], "step s LoRA": t["lora"]} if t else {})}, "MB, s",
+            ratio=l["grad_optim_mb"] / f["grad_optim_mb"], ratio_of="LoRA's gradient + AdamW memory / full's",
+            notes=f"speed-up {t['full'] / t['lora']:.2f}x" if t else None)
         print(f"| {size} | {times} | {f['peak_rss_mb']:.0f} / {l['peak_rss_mb']:.0f} MB | {f['grad_optim_mb']:.0f} / "
               f"{l['grad_optim_mb']:.1f} MB ({l['grad_optim_mb'] / f['grad_optim_mb']:.1%}) | "
               f"{l['trainable'] / 1e6:.2f}M of {l['params'] / 1e6:.1f}M |")
+    rec.write()
     if not args.no_large and args.only != "time":
         large = run_child("gpt2-large", "lora", 1, args.threads, args.timeout)
         print(f"\ngpt2-large LoRA, one step (load {load()}): {json.dumps(large)}")

@@ -29,6 +29,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from bench.machine import print_machine_header  # noqa: E402
+from bench.results import Recorder  # noqa: E402
 from config import GPT2Config  # noqa: E402
 from models.gpt2 import GPT2LMHeadModel  # noqa: E402
 from optimizer import AdamW  # noqa: E402
@@ -100,6 +101,7 @@ def main() -> None:
         return rss_child(args.rss_child[0], int(args.rss_child[1]), int(args.rss_child[2]))
     print_machine_header()
     print(f"uptime: {os.popen('uptime').read().strip()}; torch {torch.__version__}, {args.threads} thread(s)")
+    rec = Recorder("manual_backward")
     for block in args.blocks:
         runs = {name: build(name, block, args.batch) for name in CONTENDERS}
         losses = {name: [step(*r)] for name, r in runs.items()}  # warm-up step (first-call costs)
@@ -123,6 +125,10 @@ def main() -> None:
             ms = [1000 * t for t in times[name]]
             print(f"| {name} | {statistics.median(ms):.1f} ({min(ms):.1f}-{max(ms):.1f}) | "
                   f"{saved_bytes(model, x, y) / 2**20:.1f} | {rss:.0f} |")
+            rec.add(f"batch {args.batch} x block {block}: {name}", {
+                "step ms (median)": statistics.median(ms), "saved for backward MB": saved_bytes(model, x, y) / 2**20,
+                "peak RSS MB": rss}, "ms, MB", notes=f"manual vs autograd losses within {drift:.1e}")
+    rec.write()
     print(f"\nuptime: {os.popen('uptime').read().strip()}")
 
 

@@ -20,6 +20,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.machine import print_machine_header  # noqa: E402
+from bench.results import Recorder  # noqa: E402
 from optimizer import AdamW  # noqa: E402
 
 
@@ -89,6 +90,11 @@ def main() -> None:
         print(f"  {name:5s}  median {ms[0]:8.1f} ms   min {ms[1]:8.1f} ms   max {ms[2]:8.1f} ms")
     print(f"ratio ours/torch: {median['ours'] / median['torch']:.3f} (median)  "
           f"{min(times['ours']) / min(times['torch']):.3f} (min)")
+    rec = Recorder("optimizer")
+    rec.add(f"AdamW step, {n_params / 1e6:.1f}M {args.dtype} parameters ({len(params)} tensors)",
+            {name: 1e3 * m for name, m in median.items()}, "ms (median)", ratio=median["ours"] / median["torch"],
+            ratio_of="ours' time / torch's foreach time", notes=f"median of {args.repeats} steps")
+    rec.write()
 
 
 if __name__ == "__main__":

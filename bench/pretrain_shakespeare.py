@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.machine import print_machine_header  # noqa: E402
+from bench.results import Recorder  # noqa: E402
 from models.hub import shared_dir  # noqa: E402
 
 SHARED = shared_dir()
@@ -104,6 +105,13 @@ def main() -> None:
     print(f"val loss at step {args.max_iters}: " + ", ".join(f"{r['val']:.4f}" for r in runs)
           + f" (nanoGPT {NANOGPT['val_loss']}); whole val split: " + ", ".join(f"{r['precise']:.4f}" for r in runs))
     print(f"sample from the fastest run:\n{best['sample']}")
+    rec = Recorder("pretrain_shakespeare")
+    rec.add("wall to final val loss, nanoGPT's CPU configuration" + (f" ({' '.join(args.extra)})" if args.extra else ""),
+            {"ours s (median)": statistics.median(times), "ours s (best)": min(times), "nanoGPT s": NANOGPT["seconds"],
+             "val (whole split)": statistics.median(r["precise"] for r in runs), "nanoGPT val": NANOGPT["val_loss"]},
+            "s, loss", ratio=min(times) / NANOGPT["seconds"], ratio_of="ours' best time / nanoGPT's documented time",
+            notes=f"{len(runs)} runs, {args.max_iters} steps; val estimates " + ", ".join(f"{r['val']:.4f}" for r in runs))
+    rec.write()
 
 
 if __name__ == "__main__":

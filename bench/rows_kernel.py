@@ -20,6 +20,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from bench.machine import print_machine_header  # noqa: E402
+from bench.results import Recorder  # noqa: E402
 from modules import rows  # noqa: E402
 from modules.linear import blocked_linear, weight_first  # noqa: E402
 from modules.quant import int8_linear, quantize_int8  # noqa: E402
@@ -51,6 +52,7 @@ def main() -> None:
     print(f"rows kernel vector width {rows.library().rows_vector_width()} floats; GB/s of weights read (median of "
           f"{args.repeats} rounds over {WEIGHTS} weights)")
     torch.set_grad_enabled(False)
+    rec = Recorder("rows_kernel")
     for dtype in ("fp32", "bf16", "int8"):
         for batch in (1, 4, 8):
             for out_f, in_f in SHAPES:
@@ -76,6 +78,12 @@ def main() -> None:
                 rates = "  ".join(f"{name} {WEIGHTS * nbytes / statistics.median(t) / 1e9:5.1f}"
                                   for name, t in times.items())
                 print(f"{dtype:<5} rows {batch}  {out_f:>4} x {in_f:<4}  {rates}", flush=True)
+                gbs = {name: WEIGHTS * nbytes / statistics.median(t) / 1e9 for name, t in times.items()}
+                others = [v for k, v in gbs.items() if k != "rows"]
+                rec.add(f"{dtype} rows {batch} {out_f} x {in_f}", gbs, "GB/s of weights read",
+                        ratio=gbs["rows"] / max(others) if others else None,
+                        ratio_of="the kernel / the best of torch's products")
+    rec.write()
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.machine import print_machine_header  # noqa: E402
+from bench.results import Recorder  # noqa: E402
 from models.hub import shared_dir  # noqa: E402
 
 # name -> (what it changes, run_pretrain.py flags on top of the defaults)
@@ -246,6 +247,15 @@ def main() -> None:
         print(f"| {name} | {what} | {final:.4f} | {steps if steps is not None else 'not reached'} | "
               f"{f'{secs:.1f}' if secs is not None else '-'} | "
               + " | ".join(f"{r:.2f}" if r is not None else "-" for r in ratios.values()) + " |")
+    rec = Recorder("speedrun")
+    for s in summary:
+        if s["seconds_to_target"] is not None:
+            rec.add(f"time to {reference}'s val loss: {s['name']}", {
+                "seconds to target": s["seconds_to_target"], "final val": s["final_val"],
+                **{f"{n} s": v for n, v in seconds.items()}}, "s, loss",
+                ratio=s["ratios"].get(reference), ratio_of=f"its time / {reference}'s training time",
+                notes=f"target {target:.4f}; {args.repeats} repeats")
+    rec.write()
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"target": target, "reference": reference, "seconds": seconds,

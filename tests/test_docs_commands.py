@@ -328,10 +328,15 @@ def test_machine_header_names_the_cpu_its_flags_and_the_date():
     assert "flags unknown" in machine_header("")
 
 
-@pytest.mark.parametrize("script", sorted(p.name for p in (ROOT / "bench").glob("*.py") if p.name != "machine.py"))
-def test_every_bench_script_prints_the_machine_header(script):
-    assert "print_machine_header()" in (ROOT / "bench" / script).read_text(encoding="utf-8"), (
+BENCH_LIBRARIES = {"machine.py", "results.py", "report.py"}  # what the benchmarks use, not benchmarks
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in (ROOT / "bench").glob("*.py") if p.name not in BENCH_LIBRARIES))
+def test_every_bench_script_prints_the_machine_header_and_records_its_results(script):
+    text = (ROOT / "bench" / script).read_text(encoding="utf-8")
+    assert "print_machine_header()" in text, (
         f"bench/{script} does not print the machine header (bench/machine.py) before its figures")
+    assert "Recorder(" in text, f"bench/{script} does not record its results (bench/results.py: Recorder)"
 
 
 # ---- the README's commands from a fresh clone ------------------------------------------------------------------------

@@ -1,0 +1,423 @@
+"""The tables of README.md and docs/*.md that hold measured figures, generated from bench/results/*.jsonl.
+
+    python -m bench.report            # rewrite every marked table from the records
+    python -m bench.report --check    # exit 1, naming each table, where a page differs from what the records give
+    python -m bench.report --show "compare-hf class=AMX"   # print one table
+
+A generated table sits between two markers in a page; everything between them is replaced:
+
+    <!-- results: compare-hf class=AVX512-BF16 -->
+    | row | ... |
+    <!-- /results -->
+
+Tables (the spec after `results:`):
+- `machines`: each CPU measured, with its GEMM and memory-read figures (compare_hf's header), ranges over runs.
+- `compare-hf class=<CPU class>` or `compare-hf device=cuda`: bench/compare_hf.py's rows, the latest run of each row
+  on that class, with the range of its ratio over every run there, the date, load and commit.
+- `commands`: the README's two commands (bench/commands.py), the latest per CPU class.
+- `claims`: the README's Results, one row per claim (CLAIMS below), each naming its machine.
+- `bench=<name> [class=<CPU class>]`: every row of one benchmark, the latest of each, in the order first recorded.
+A figure typed by hand into a generated table is overwritten by the next `python -m bench.report` and fails
+`--check` (tests/test_results.py runs it), so the pages cannot drift from the records.
+"""
+from __future__ import annotations
+
+import argparse
+import difflib
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench.results import CLASSES, load  # noqa: E402
+
+PAGES = ("README.md", "docs/*.md")
+MARK = re.compile(r"(<!-- results: (?P<spec>[^>]*?) -->\n)(?P<body>.*?)(<!-- /results -->)", re.S)
+
+# compare_hf's rows in the order a reader wants them, with what each measures
+COMPARE_ROWS = {
+    "train fp32": "training step fp32, 4 x 128, torch's AdamW for both",
+    "train bf16": "training step, bf16 autocast",
+    "train loss after 20 steps, fp32 vs bf16": "loss after 20 steps, fp32 against bf16 autocast",
+    "forward fp32": "inference forward fp32, 8 x 128",
+    "forward bf16": "inference forward, bf16 weights",
+    "generate b1 fp32": "greedy batch 1 fp32, 16-token prompt + 64 new",
+    "generate b1 bf16": "greedy batch 1, bf16 weights",
+    "generate b1 int8": "greedy batch 1, int8 weights (`quantize=\"int8\"`)",
+    "generate b8 fp32": "greedy batch 8 fp32, left-padded",
+    "generate b8 bf16": "greedy batch 8, bf16 weights",
+    "sample b1 fp32": "sampling batch 1 fp32 (top-p 0.9, T 0.8)",
+    "beam4 b1 fp32": "beam search, 4 beams, fp32",
+    "ttft p512 fp32": "time to first token, 512-token prompt (1/s)",
+}
+
+
+# ---- formatting ---------------------------------------------------------------------------------------------------
+
+def num(x: float | None) -> str:
+    """Three significant figures or so: 1146, 262.0 -> 262, 40.9, 2.81, 0.330, 2.3e-06."""
+    if x is None:
+        return ""
+    a = abs(x)
+    if a >= 100 or a == 0:
+        return f"{x:.0f}"
+    if a >= 10:
+        return f"{x:.1f}"
+    if a >= 1:
+        return f"{x:.2f}"
+    if a >= 0.01:
+        return f"{x:.3f}"
+    return f"{x:.1e}"
+
+
+def span(values: list[float], fmt=num) -> str:
+    """'351-427' over several runs, '420' for one; empty for none."""
+    values = [v for v in values if v is not None]
+    if not values:
+        return ""
+    lo, hi = fmt(min(values)), fmt(max(values))
+    return lo if lo == hi else f"{lo}-{hi}"
+
+
+def percent(x: float) -> str:
+    return f"{x:.2f}%"
+
+
+def times(x: float | None) -> str:
+    return "" if x is None else f"{x:.2f}x"
+
+
+def when(r: dict) -> str:
+    """The date (and time where recorded), the load and the commit of a record."""
+    date = r["date"].replace("T", " ").replace("Z", " UTC")
+    load = f", load {r['load']:.1f}" if r.get("load") is not None else ""
+    commit = f", {r['commit']}" if r.get("commit") else ", commit not recorded"
+    return f"{date}{load}{commit}" + (" (transcribed)" if r.get("source") == "transcribed" else "")
+
+
+def machine_name(m: dict) -> str:
+    if m.get("device", "cpu") != "cpu":
+        return f"{m['device']} (host: {m['cpu']}, {m['cores']} cores)"
+    return f"{m['class']}: {m['cpu']}, {m['cores']} cores"
+
+
+def table(header: list[str], rows: list[list[str]]) -> str:
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    out += ["| " + " | ".join(c.replace("|", "/").replace("\n", " ") for c in row) + " |" for row in rows]
+    return "\n".join(out) + "\n"
+
+
+# ---- selecting records --------------------------------------------------------------------------------------------
+
+def matching(records: list[dict], bench: str | None = None, row: str | None = None, cls: str | None = None,
+             device: str | None = None) -> list[dict]:
+    out = []
+    for r in records:
+        m = r["machine"]
+        on_cpu = m.get("device", "cpu") == "cpu"
+        if bench and r["bench"] != bench or row and r["row"] != row:
+            continue
+        if device == "cuda" and on_cpu or device in (None, "cpu") and not on_cpu:
+            continue
+        if cls and m.get("class") != cls:
+            continue
+        out.append(r)
+    return out
+
+
+def latest(records: list[dict]) -> dict | None:
+    """The most recent record (by date; the later line on a tie)."""
+    best = None
+    for r in records:
+        if best is None or r["date"] >= best["date"]:
+            best = r
+    return best
+
+
+def best_other(values: dict) -> tuple[str | None, float | None]:
+    others = {k: v for k, v in values.items() if k.startswith(("hf", "best transformers", "transformers"))}
+    if not others:
+        return None, None
+    key = max(others, key=others.get)
+    return key, others[key]
+
+
+# ---- tables -------------------------------------------------------------------------------------------------------
+
+def machines(records: list[dict], **_) -> str:
+    seen: dict[tuple, list[dict]] = {}
+    for r in matching(records, bench="compare_hf", row="machine"):
+        seen.setdefault((CLASSES.index(r["machine"]["class"]), r["machine"]["cpu"]), []).append(r)
+    rows = []
+    for (_, cpu), rs in sorted(seen.items()):
+        m = rs[-1]["machine"]
+        dates = sorted({r["date"][:10] for r in rs})
+        rows.append([m["class"], f"{cpu}, {m['cores']} cores", " ".join(m["flags"]) or "-",
+                     span([r["values"].get("fp32 GEMM GFLOP/s") for r in rs]),
+                     span([r["values"].get("bf16 GEMM GFLOP/s") for r in rs]),
+                     span([r["values"].get("reads GB/s") for r in rs]),
+                     f"{len(rs)} ({', '.join(dates)})"])
+    return table(["class", "CPU", "flags", "fp32 GEMM GFLOP/s", "bf16 GEMM GFLOP/s", "memory reads GB/s",
+                  "runs (dates)"], rows)
+
+
+def compare_row(r: dict, runs: list[dict]) -> list[str]:
+    values, unit = r["values"], r["unit"]
+    if r["row"].startswith("train loss"):
+        diff = r.get("difference")
+        return [COMPARE_ROWS.get(r["row"], r["row"]), f"fp32 {values['fp32']:.4f}, bf16 {values['bf16']:.4f}", "",
+                f"{100 * diff:.2f}% apart" if diff is not None else "", r.get("target") or "",
+                {True: "yes", False: "no", None: ""}[r.get("met")],
+                f"{span([100 * x['difference'] for x in runs if x.get('difference') is not None], percent)} "
+                f"({len(runs)} runs)" if len(runs) > 1 else "one run", r.get("notes") or "", when(r)]
+    ours = values.get("ours", values.get("ours-int8"))
+    other_key, other = best_other(values)
+    ratio = times(r.get("ratio"))
+    extra = [f"{times(r['vs_ours_fp32'])} ours fp32" if r.get("vs_ours_fp32") else "",
+             f"{times(r['vs_hf_fp32'])} transformers fp32" if r.get("vs_hf_fp32") else ""]
+    ratio = "; ".join(x for x in [ratio, *extra] if x)
+    return [COMPARE_ROWS.get(r["row"], r["row"]), f"{num(ours)} {unit}" if ours is not None else "",
+            f"{num(other)}" + (f" ({other_key[3:]})" if other_key.startswith("hf-") else "") if other is not None else "",
+            ratio, r.get("target") or "", {True: "yes", False: "no", None: ""}[r.get("met")],
+            f"{span([x.get('ratio') for x in runs], times)} ({len(runs)} runs)" if len(runs) > 1 else "one run",
+            r.get("notes") or "", when(r)]
+
+
+def compare_hf(records: list[dict], cls: str | None = None, device: str | None = None, **_) -> str:
+    chosen = matching(records, bench="compare_hf", cls=cls, device=device or "cpu")
+    rows = []
+    for name in COMPARE_ROWS:
+        runs = [r for r in chosen if r["row"] == name]
+        if runs:
+            rows.append(compare_row(latest(runs), runs))
+    if not rows:
+        return f"(no compare_hf records for {cls or device} yet: run `python bench/compare_hf.py` there)\n"
+    machine = latest(chosen)["machine"]
+    return (f"Machine: {machine_name(machine)}; torch {machine['torch']}, {machine['threads']} threads.\n\n"
+            + table(["row (gpt2 124M)", "ours", "transformers (best)", "ratio", "target", "met?", "ratio over runs",
+                     "notes", "date, load, commit"], rows))
+
+
+def commands(records: list[dict], **_) -> str:
+    rows = []
+    for cls in CLASSES:
+        main = matching(records, bench="commands", row="main job", cls=cls)
+        suite = matching(records, bench="commands", row="test suite", cls=cls)
+        if not main and not suite:
+            continue
+        cells = [cls]
+        m = latest(main)
+        if m:
+            v = m["values"]
+            val = f"; val {v['val']:.4f}" if "val" in v else ""
+            runs = f" ({len(main)} runs: {span([x['values']['wall s'] for x in main], minutes)})" if len(main) > 1 else ""
+            cells.append(f"**{minutes(v['wall s'])}**, {v['ms/step']:.1f} ms/step, {v['peak RSS MB']:.0f} MB peak RSS"
+                         f"{val}{runs}; {when(m)}")
+        else:
+            cells.append("not measured")
+        s = latest(suite)
+        if s:
+            v = s["values"]
+            skipped = f", {v['skipped']:.0f} skipped" if "skipped" in v else ""
+            runs = f" ({len(suite)} runs: {span([x['values']['wall s'] for x in suite], minutes)})" if len(suite) > 1 else ""
+            cells.append(f"{minutes(v['wall s'])}, {v.get('passed', 0):.0f} passed{skipped}{runs}; {when(s)}")
+        else:
+            cells.append("not measured")
+        cells.append((m or s)["machine"]["cpu"])
+        rows.append(cells)
+    return table(["CPU class", "main job (encoding, 2000 steps, 8 evaluations, checkpoints, a sample)",
+                  "tests (`ruff check . && python -m pytest -q`)", "CPU"], rows)
+
+
+def minutes(seconds: float) -> str:
+    m, s = divmod(round(seconds), 60)
+    return f"{m} min {s} s" if m else f"{s} s"
+
+
+def one_bench(records: list[dict], bench: str, cls: str | None = None, device: str | None = None, **_) -> str:
+    chosen = matching(records, bench=bench, cls=cls, device=device or "cpu")
+    order = list(dict.fromkeys(r["row"] for r in chosen))
+    rows = []
+    for name in order:
+        runs = [r for r in chosen if r["row"] == name]
+        r = latest(runs)
+        values = ", ".join(f"{k} {num(v)}" for k, v in r["values"].items())
+        rows.append([name, f"{values} ({r['unit']})", times(r.get("ratio")) + (f" {r['ratio_of']}" if r.get("ratio_of")
+                     else ""), span([x.get("ratio") for x in runs], times) + (f" ({len(runs)} runs)" if len(runs) > 1
+                                                                              else ""),
+                     r.get("notes") or "", f"{machine_name(r['machine'])}; {when(r)}"])
+    if not rows:
+        return f"(no {bench} records{' for ' + cls if cls else ''} yet)\n"
+    return table(["row", "values", "ratio", "ratio over runs", "notes", "machine; date, load, commit"], rows)
+
+
+# README's Results: one row per claim. Each: the text, the page, and how to read the latest matching record(s).
+def _ratio_per_class(bench: str, row: str, suffix: str = "transformers") -> callable:
+    def read(records: list[dict]) -> tuple[str, list[dict]]:
+        parts, used = [], []
+        for cls in CLASSES:
+            r = latest(matching(records, bench=bench, row=row, cls=cls))
+            if r and r.get("ratio") is not None:
+                parts.append(f"{times(r['ratio'])} {suffix} ({cls})")
+                used.append(r)
+        return "; ".join(parts), used
+    return read
+
+
+def _values(bench: str, row: str, fmt: callable) -> callable:
+    def read(records: list[dict]) -> tuple[str, list[dict]]:
+        r = latest(matching(records, bench=bench, row=row))
+        return (fmt(r), [r]) if r else ("", [])
+    return read
+
+
+def _latest(bench: str, row: str, fmt: callable) -> callable:
+    def read(records: list[dict]) -> tuple[str, list[dict]]:
+        r = latest(matching(records, bench=bench, row=row))
+        return (fmt(r), [r]) if r else ("", [])
+    return read
+
+
+def _gemm_ratio(records: list[dict]) -> tuple[str, list[dict]]:
+    parts, used = [], []
+    for cls in CLASSES:
+        runs = [r for r in matching(records, bench="compare_hf", row="machine", cls=cls)
+                if r["values"].get("fp32 GEMM GFLOP/s") and r["values"].get("bf16 GEMM GFLOP/s")]
+        if runs:
+            ratios = [r["values"]["bf16 GEMM GFLOP/s"] / r["values"]["fp32 GEMM GFLOP/s"] for r in runs]
+            parts.append(f"{span(ratios, times)} ({cls})")
+            used.append(latest(runs))
+    return "; ".join(parts), used
+
+
+def _v(r: dict, key: str, fmt: str = "{:g}") -> str:
+    return fmt.format(r["values"][key])
+
+
+CLAIMS = [
+    ("parity: logits vs transformers, random-init gpt2 ([parity](docs/parity.md))",
+     _latest("parity", "gpt2 random init", lambda r: f"max logits difference {_v(r, 'logits max diff', '{:.1e}')}; "
+             f"every layer within {_v(r, 'hidden max relative', '{:.1e}')} relative; {r['notes']}")),
+    ("inference forward fp32, gpt2 8 x 128 ([performance](docs/performance.md))",
+     _ratio_per_class("compare_hf", "forward fp32")),
+    ("inference forward, bf16 weights", _ratio_per_class("compare_hf", "forward bf16", "transformers bf16")),
+    ("training step fp32, gpt2 4 x 128", _ratio_per_class("compare_hf", "train fp32")),
+    ("training step bf16 autocast", _ratio_per_class("compare_hf", "train bf16", "transformers bf16")),
+    ("greedy generation fp32, batch 1", _ratio_per_class("compare_hf", "generate b1 fp32")),
+    ("greedy generation fp32, batch 8", _ratio_per_class("compare_hf", "generate b8 fp32")),
+    ("greedy batch 1, int8 weights ([int8](docs/performance.md#weight-only-int8-decoding))",
+     _ratio_per_class("compare_hf", "generate b1 int8", "transformers fp32")),
+    ("beam search, 4 beams", _ratio_per_class("compare_hf", "beam4 b1 fp32")),
+    ("time to first token, 512-token prompt", _ratio_per_class("compare_hf", "ttft p512 fp32")),
+    ("bf16 GEMM against fp32 ([machines](docs/performance.md#machines))", _gemm_ratio),
+    ("AdamW step over gpt2's 124M parameters ([variants](docs/variants.md#adamw))",
+     _latest("optimizer", "AdamW step, 124.4M fp32 parameters (148 tensors)",
+             lambda r: f"{times(r['ratio'])} `torch.optim.AdamW(foreach=True)`'s time")),
+    ("pretraining, nanoGPT's CPU configuration, 2000 steps ([pretraining](docs/pretraining.md))",
+     _latest("pretrain_shakespeare", "wall to final val loss, nanoGPT's CPU configuration",
+             lambda r: f"{_v(r, 'ours s (best)', '{:.1f}')} s vs nanoGPT's {_v(r, 'nanoGPT s', '{:.1f}')} s; whole-split "
+                       f"val {_v(r, 'val (whole split)', '{:.4f}')} vs {_v(r, 'nanoGPT val', '{:.4f}')}")),
+    ("the race: nanoGPT's loss with the modern variants + Muon",
+     _latest("speedrun", "time to nanogpt's val loss: best",
+             lambda r: f"in {times(r['ratio'])} nanoGPT's training time ({_v(r, 'seconds to target', '{:.1f}')} vs "
+                       f"{_v(r, 'nanogpt s', '{:.1f}')} s)")),
+    ("sonnets, dev chrF ([tasks](docs/tasks.md#sonnet-generation))",
+     _latest("tasks", "sonnets, dev chrF, 4 x 256 BPE model pretrained here",
+             lambda r: f"{_v(r, 'chrF', '{:.2f}')} ({r['notes']})")),
+    ("SST-5 / CFIMDB / Quora dev, small random-init models ([tasks](docs/tasks.md))",
+     _latest("tasks", "SST-5 / CFIMDB / Quora dev, small random-init models",
+             lambda r: f"acc {_v(r, 'SST-5 acc', '{:.3f}')} / {_v(r, 'CFIMDB acc', '{:.3f}')} / "
+                       f"{_v(r, 'Quora acc', '{:.3f}')} (the pipeline end to end, not the course's numbers)")),
+    ("LoRA r=8 vs full fine-tuning, gpt2 ([lora](docs/lora.md))",
+     _latest("lora", "gpt2 LoRA r=8 vs full fine-tuning, 8 x 128",
+             lambda r: f"{100 * r['ratio']:.2f}% of the gradient + AdamW memory; step "
+                       f"{r['values']['step s full'] / r['values']['step s LoRA']:.2f}x faster")),
+    ("the lecture's losses, `--preset lecture` ([learning path](docs/learning-path.md))",
+     _latest("ladder", "the lecture's losses, --preset lecture", lambda r: r["notes"])),
+    ("grading 29 real submissions ([grading](docs/grading.md))",
+     _latest("grading_real", "components agreeing with a hand reading, 29 real submissions",
+             lambda r: f"{_v(r, 'agree', '{:.0f}')} of {_v(r, 'components', '{:.0f}')} components agree with a hand "
+                       f"reading ({100 * r['ratio']:.1f}%); median {_v(r, 'median s per submission', '{:.1f}')} s a "
+                       "submission")),
+    ("grading a class of 200 submissions ([grading](docs/grading.md))",
+     _latest("grading_class", "a class of 200 submissions, --jobs 2",
+             lambda r: f"{minutes(r['values']['seconds'])} with `--jobs 2` ({_v(r, 'per minute', '{:.1f}')} a minute), "
+                       f"peak {r['values']['peak MB'] / 1000:.1f} GB")),
+]
+
+
+def claims(records: list[dict], **_) -> str:
+    rows = []
+    for text, read in CLAIMS:
+        result, used = read(records)
+        if not used:
+            continue
+        machines_ = "; ".join(dict.fromkeys(
+            f"{r['machine']['cpu']} ({r['machine']['class']}), {r['date'][:10]}" if r["machine"]["class"] != "other"
+            else f"CPU not recorded, {r['date'][:10]}" for r in used))
+        rows.append([text, result, machines_])
+    return table(["what", "result", "machine, date"], rows)
+
+
+TABLES = {"machines": machines, "compare-hf": compare_hf, "commands": commands, "claims": claims}
+
+
+def render(spec: str, records: list[dict]) -> str:
+    """The table for a marker's spec ('compare-hf class=AMX', 'bench=optimizer', ...)."""
+    words = spec.split()
+    options = dict(w.split("=", 1) for w in words if "=" in w)
+    names = [w for w in words if "=" not in w]
+    kwargs = {"cls": options.get("class"), "device": options.get("device")}
+    if not names and "bench" in options:
+        return one_bench(records, options["bench"], **kwargs)
+    if len(names) != 1 or names[0] not in TABLES:
+        raise ValueError(f"unknown results table {spec!r}: expected one of {sorted(TABLES)} or bench=<name>")
+    return TABLES[names[0]](records, **kwargs)
+
+
+def pages(root: Path = ROOT) -> list[Path]:
+    return [p for pattern in PAGES for p in sorted(root.glob(pattern))]
+
+
+def regenerate(text: str, records: list[dict]) -> str:
+    return MARK.sub(lambda m: m.group(1) + render(m.group("spec"), records) + m.group(4), text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--check", action="store_true", help="change nothing; exit 1 where a page's table differs")
+    parser.add_argument("--show", metavar="SPEC", help="print the table of one spec and exit")
+    parser.add_argument("--results", type=Path, default=None, help="the records' folder (default bench/results)")
+    parser.add_argument("--root", type=Path, default=ROOT, help="the project whose pages are read")
+    args = parser.parse_args(argv)
+    records = load(args.results)
+    if args.show:
+        print(render(args.show, records), end="")
+        return 0
+    stale = []
+    for page in pages(args.root):
+        text = page.read_text()
+        new = regenerate(text, records)
+        if new == text:
+            continue
+        if args.check:
+            diff = difflib.unified_diff(text.splitlines(), new.splitlines(), str(page), "from bench/results", lineterm="",
+                                        n=0)
+            stale.append(f"{page.relative_to(args.root)}:\n" + "\n".join(list(diff)[:40]))
+        else:
+            page.write_text(new)
+            print(f"rewrote the tables of {page.relative_to(args.root)}")
+    if stale:
+        print("these pages' generated tables differ from bench/results (run `python -m bench.report`; a figure in a "
+              "generated table is never edited by hand):\n" + "\n\n".join(stale), file=sys.stderr)
+        return 1
+    if args.check:
+        print(f"every generated table matches bench/results ({len(records)} records)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

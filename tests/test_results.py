@@ -1,0 +1,125 @@
+"""Benchmark results as data (bench/results.py) and the pages' tables generated from them (bench/report.py).
+
+The check that matters most: every generated table in README.md and docs/ equals what bench/results/ gives, so a
+figure typed by hand into one fails here (and `python -m bench.report` rewrites it)."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from bench import report, results
+
+
+def record(row="forward fp32", cls="AMX", date="2026-11-25T12:00Z", ratio=1.1, ours=100.0, hf=None, **extra):
+    flags = {"AMX": ["avx2", "avx512f", "avx512_bf16", "amx_bf16"], "AVX2": ["avx2"]}[cls]
+    return {"bench": "compare_hf", "row": row, "values": {"ours": ours, "hf-sdpa": hf or ours / ratio},
+            "unit": "tokens/s", "ratio": ratio, "ratio_of": "ours / best transformers, same dtype", "target": None,
+            "met": None, "notes": None, "machine": {"cpu": f"cpu-{cls}", "class": cls, "flags": flags, "cores": 2,
+                                                   "torch": "2.13.0+cpu", "threads": 2, "device": "cpu"},
+            "commit": "abc1234", "date": date, "load": 1.0, "source": "run", **extra}
+
+
+def test_every_generated_table_matches_the_records():
+    assert report.main(["--check"]) == 0, "run `python -m bench.report` and commit the pages"
+
+
+def test_the_pages_have_generated_tables():
+    marked = {str(p.relative_to(report.ROOT)): report.MARK.findall(p.read_text()) for p in report.pages()}
+    assert marked["README.md"] and marked["docs/performance.md"] and marked["docs/gpu.md"], \
+        "README.md, docs/performance.md and docs/gpu.md hold generated tables"
+    for page, marks in marked.items():
+        for _, spec, _, _ in marks:
+            report.render(spec, results.load())  # every spec is one the report knows
+
+
+def test_a_figure_edited_by_hand_fails_the_check(tmp_path, capsys):
+    shutil.copy(report.ROOT / "README.md", tmp_path / "README.md")
+    (tmp_path / "docs").mkdir()
+    page = tmp_path / "README.md"
+    text = page.read_text()
+    start = text.index("<!-- results: claims -->")
+    cut = text.index("x transformers", start)  # the first ratio in the claims table, e.g. "1.06x transformers"
+    page.write_text(text[:cut - 1] + "9" + text[cut:])
+    assert report.main(["--check", "--root", str(tmp_path)]) == 1
+    assert "README.md" in capsys.readouterr().err
+    assert report.main(["--root", str(tmp_path)]) == 0  # the rewrite restores the figure
+    assert page.read_text() == text
+
+
+def test_recorder_appends_records_with_machine_commit_date_and_load(tmp_path, monkeypatch):
+    monkeypatch.setenv("GPT2_BENCH_RESULTS", str(tmp_path))
+    rec = results.Recorder("demo")
+    rec.add("row one", {"ours": 2.0, "theirs": 1.0}, "tokens/s", ratio=2.0)
+    rec.note("tokens identical")
+    rec.write()
+    rec.add("row two", {"ours": 3}, "s")
+    rec.write()
+    lines = (tmp_path / "demo.jsonl").read_text().splitlines()
+    assert len(lines) == 2
+    first = json.loads(lines[0])
+    assert first["notes"] == "tokens identical" and first["source"] == "run"
+    assert set(first["machine"]) >= {"cpu", "class", "flags", "cores", "device"}
+    assert first["machine"]["class"] in results.CLASSES
+    assert first["date"].endswith("Z") and "load" in first
+    assert [r["row"] for r in results.load(tmp_path)] == ["row one", "row two"]
+
+
+def test_recording_can_be_turned_off(tmp_path, monkeypatch):
+    monkeypatch.setenv("GPT2_BENCH_RESULTS", "off")
+    rec = results.Recorder("demo")
+    rec.add("row", {"ours": 1.0}, "s")
+    assert rec.write() is None
+
+
+def test_recorder_refuses_values_that_are_not_numbers():
+    with pytest.raises(ValueError, match="values must be"):
+        results.Recorder("demo").add("row", {"ours": "fast"}, "s")
+
+
+def test_a_malformed_record_is_named_by_file_and_line(tmp_path):
+    (tmp_path / "x.jsonl").write_text(json.dumps(record()) + "\n{not json\n")
+    with pytest.raises(ValueError, match=r"x.jsonl:2"):
+        results.load(tmp_path)
+    (tmp_path / "x.jsonl").write_text(json.dumps({"bench": "x"}) + "\n")
+    with pytest.raises(ValueError, match=r"x.jsonl:1: record lacks"):
+        results.load(tmp_path)
+
+
+@pytest.mark.parametrize("flags, cls", [({"avx2", "avx512f", "avx512_bf16", "amx_bf16"}, "AMX"),
+                                        ({"avx2", "avx512f", "avx512_bf16"}, "AVX512-BF16"),
+                                        ({"avx2", "avx512f"}, "AVX512"), ({"avx2", "fma"}, "AVX2"), (set(), "other")])
+def test_cpu_class(flags, cls):
+    assert results.cpu_class(flags) == cls
+
+
+def test_compare_table_takes_the_latest_run_per_class_and_the_range_of_all():
+    recs = [record(date="2026-11-25T10:00Z", ratio=1.20), record(date="2026-11-25T12:00Z", ratio=1.05),
+            record(date="2026-11-24T12:00Z", ratio=1.50), record(cls="AVX2", ratio=0.90)]
+    amx = report.render("compare-hf class=AMX", recs)
+    assert "| 1.05x |" in amx and "1.05x-1.50x (3 runs)" in amx and "0.90x" not in amx
+    assert "2026-11-25 12:00 UTC, load 1.0, abc1234" in amx
+    avx2 = report.render("compare-hf class=AVX2", recs)
+    assert "0.90x" in avx2 and "1.05x" not in avx2
+    assert "no compare_hf records" in report.render("compare-hf class=AVX512", recs)
+
+
+def test_gpu_rows_stay_out_of_the_cpu_tables():
+    gpu = record(ratio=1.3)
+    gpu["machine"] = dict(gpu["machine"], device="NVIDIA H200")
+    assert "1.30x" in report.render("compare-hf device=cuda", [gpu])
+    assert "1.30x" not in report.render("compare-hf class=AMX", [gpu])
+
+
+def test_unknown_table_is_an_error_naming_it():
+    with pytest.raises(ValueError, match="unknown results table 'nonsense'"):
+        report.render("nonsense", [])
+
+
+def test_one_bench_table_lists_each_row_once():
+    recs = [record(row="a", ratio=1.0), record(row="b", ratio=2.0), record(row="a", ratio=3.0, date="2026-11-26T00:00Z")]
+    for r in recs:
+        r["bench"] = "optimizer"
+    out = report.render("bench=optimizer", recs)
+    assert out.count("| a |") == 1 and "3.00x" in out and "1.00x-3.00x (2 runs)" in out

@@ -16,6 +16,7 @@ commit (its run's commit was not recorded there). `GPT2_BENCH_RESULTS=<folder>` 
 from __future__ import annotations
 
 import datetime
+import importlib.metadata
 import json
 import os
 import subprocess
@@ -50,9 +51,13 @@ def results_dir() -> Path | None:
 
 def machine_info(device: str = "cpu") -> dict:
     model, flags = cpu_model_and_flags()
-    torch = sys.modules.get("torch")
+    torch = sys.modules.get("torch")  # a benchmark that ran its contenders in subprocesses has not imported it
+    try:
+        version = torch.__version__ if torch is not None else importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        version = None
     info = {"cpu": model, "class": cpu_class(flags), "flags": [f for f in FLAGS if flags and f in flags],
-            "cores": os.cpu_count(), "torch": getattr(torch, "__version__", None),
+            "cores": os.cpu_count(), "torch": version,
             "threads": torch.get_num_threads() if torch is not None else None, "device": device}
     if device.startswith("cuda") and torch is not None and torch.cuda.is_available():
         info["device"] = torch.cuda.get_device_name(0)

@@ -9,7 +9,9 @@ as a share of the read-bandwidth limit, int8 against transformers fp32.
 
 Sections (`--only`, several allowed; default all):
   train          training step (forward, backward, AdamW step), batch 4 x 128, fp32 and bf16 autocast (fp32
-                 master weights); plus the loss after --loss-steps steps of fp32 vs bf16 from the same start
+                 master weights), with each contender's model FLOPs utilisation (MFU: 6 x parameters + attention
+                 FLOPs a token, against the GEMM peak measured here in the dtype in use); plus the loss after
+                 --loss-steps steps of fp32 vs bf16 from the same start
   forward        inference forward (logits at every position), batch 8 x 128, fp32 and bf16 weights
   generate       greedy, 16-token prompts + 64 new tokens, batch 1 and batch 8 (left-padded), fp32 and bf16 weights;
                  greedy b1 also as % of the memory-bandwidth limit (weight bytes per step / measured read bandwidth);
@@ -292,7 +294,9 @@ def section_train(args, state: dict, report: Report) -> None:
         models = contenders(args, state, torch.float32, bf16, args.compile)  # fp32 master weights under autocast
         fns = {name: make_train_step(m, ids, bf16, args.optimizer) for name, m in models.items()}
         sec = time_contenders(fns, args.repeats)
-        report.add("train", "bf16" if bf16 else "fp32", {k: ids.numel() / v for k, v in sec.items()}, "tokens/s")
+        rates = {k: ids.numel() / v for k, v in sec.items()}
+        report.add("train", "bf16" if bf16 else "fp32", rates, "tokens/s")
+        _print_utilisation(models["ours"], ids, rates, torch.bfloat16 if bf16 else torch.float32)
         del fns
     if args.loss_steps and "bf16" in args.dtypes:
         losses = {}
@@ -368,6 +372,31 @@ def _generate_fp32_extras(args, models: dict, report: Report, rows: list[str]) -
         print(f"{'':<12} {'':<5} time to first token: " + "  ".join(f"{k} {v:.3f} s" for k, v in sec.items()),
               flush=True)
         _print_match(outs, "first-token")
+
+
+def train_flops_per_token(model, seq_len: int) -> float:
+    """A training step's FLOPs per token: 6 per parameter (forward 2, backward 4; the tied embedding counted once,
+    as the LM head's product) plus the attention's scores and weighted sum, 12 x layers x T x C (PaLM's appendix B)."""
+    config = model.config
+    n = sum(p.numel() for name, p in model.named_parameters() if "pos_embedding" not in name)
+    return 6 * n + 12 * config.n_layer * seq_len * config.n_embd
+
+
+def _print_utilisation(ours, ids: torch.Tensor, rates: dict, dtype: torch.dtype) -> None:
+    """Model FLOPs utilisation (MFU): each contender's model arithmetic per second as a share of the GEMM peak
+    measured on this machine for the dtype its products run in (fp32, or bf16 under autocast)."""
+    if DEVICE.type != "cpu":
+        return
+    peak = _GEMM.get(dtype) or _GEMM.setdefault(dtype, gemm_gflops(dtype))
+    per_token = train_flops_per_token(ours, ids.shape[1])
+    mfu = {k: v * per_token / 1e9 / peak for k, v in rates.items()}
+    name = _name(dtype)
+    print(f"{'':<12} {'':<5} model FLOPs {per_token * ids.numel() / 1e12:.2f} T a step ({per_token / 1e6:.0f} M a token); "
+          f"{name} GEMM peak measured here {peak:.0f} GFLOP/s; utilisation (MFU): "
+          + "  ".join(f"{k} {100 * v:.0f}%" for k, v in mfu.items()), flush=True)
+    RECORDS.note(f"MFU ours {100 * mfu['ours']:.0f}% of the {name} GEMM peak measured here ({peak:.0f} GFLOP/s; "
+                 f"{per_token / 1e6:.0f} MFLOP a token)")
+    RECORDS.rows[-1]["mfu"] = mfu
 
 
 def _print_match(outs: dict, what: str) -> None:
@@ -540,6 +569,7 @@ def gemm_gflops(dtype: torch.dtype, seconds: float = 1.0) -> float:
 
 
 _READ_BANDWIDTH: list[float] = []
+_GEMM: dict[torch.dtype, float] = {}  # GFLOP/s of a 1024 x 768 x 3072 product per dtype, measured once
 
 
 def read_bandwidth() -> float:
@@ -568,7 +598,7 @@ def describe_machine() -> None:
         else "glibc's default"
     print(f"torch's CPU capability {caps}, native bf16 GEMM: {'yes' if native_bf16 else 'no'}; transformers "
           f"{transformers.__version__}; malloc: {malloc}", flush=True)
-    fp32, bf16 = gemm_gflops(torch.float32), gemm_gflops(torch.bfloat16)
+    fp32, bf16 = (_GEMM.setdefault(dtype, gemm_gflops(dtype)) for dtype in (torch.float32, torch.bfloat16))
     print(f"matmul 1024x768x3072: fp32 {fp32:.0f} GFLOP/s, bf16 {bf16:.0f} GFLOP/s; memory reads (sum of 512 MB) "
           f"{read_bandwidth():.1f} GB/s", flush=True)
     RECORDS.add("machine", {"fp32 GEMM GFLOP/s": fp32, "bf16 GEMM GFLOP/s": bf16, "reads GB/s": read_bandwidth()},

@@ -1,17 +1,21 @@
-"""Time one AdamW step over GPT-2 (124M) sized parameters: ours against torch.optim.AdamW(foreach=True).
+"""Time one AdamW step over GPT-2 (124M) sized parameters: ours (multi-tensor and fused) against
+torch.optim.AdamW (foreach and fused).
 
 The parameters are plain tensors with the shapes of the `gpt2` preset (no model needed) and random gradients.
-Both optimizers update the same tensors with their own state; steps alternate (ours, torch, ours, ...) so that
-load from other processes hits both alike, and the medians are compared.
+The optimizers update the same tensors with their own state; steps alternate (ours, torch, torch fused, ours, ...)
+so that load from other processes hits all alike, and the medians are compared. `--busy N` starts N processes that
+spin on a core each for the whole run, to measure a busy machine (a laptop with a browser open).
 
     python bench/optimizer.py                      # 20 timed steps each, torch's default thread count
     python bench/optimizer.py --repeats 50 --threads 2
+    python bench/optimizer.py --busy 1             # with one competing busy process
     python bench/optimizer.py --weight-decay 0 --no-correct-bias
 """
 
 import argparse
 import os
 import statistics
+import subprocess
 import sys
 import time
 
@@ -55,9 +59,19 @@ def main() -> None:
     group.add_argument("--lr", type=float, default=1e-4, help="learning rate")
     group.add_argument("--weight-decay", type=float, default=0.01, help="decoupled weight decay for all tensors")
     group.add_argument("--no-correct-bias", action="store_true", help="ours without bias correction (torch unchanged)")
+    group.add_argument("--busy", type=int, default=0, help="processes spinning on a core each during the run")
     args = parser.parse_args()
     print_machine_header()
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)]
+    try:
+        run(args)
+    finally:
+        for proc in spinners:
+            proc.kill()
+            proc.wait()
 
+
+def run(args) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -71,7 +85,9 @@ def main() -> None:
     hyper = dict(lr=args.lr, betas=(0.9, 0.999), eps=1e-6, weight_decay=args.weight_decay)
     optimizers = {
         "ours": AdamW(params, correct_bias=not args.no_correct_bias, **hyper),
+        "ours-fused": AdamW(params, correct_bias=not args.no_correct_bias, fused=True, **hyper),
         "torch": torch.optim.AdamW(params, foreach=True, **hyper),
+        "torch-fused": torch.optim.AdamW(params, fused=True, **hyper),
     }
     with torch.no_grad():
         for _ in range(args.warmup):
@@ -87,13 +103,22 @@ def main() -> None:
           f"threads {torch.get_num_threads()}, torch {torch.__version__}, median of {args.repeats} steps")
     for name, t in times.items():
         ms = [x * 1e3 for x in (median[name], min(t), max(t))]
-        print(f"  {name:5s}  median {ms[0]:8.1f} ms   min {ms[1]:8.1f} ms   max {ms[2]:8.1f} ms")
-    print(f"ratio ours/torch: {median['ours'] / median['torch']:.3f} (median)  "
-          f"{min(times['ours']) / min(times['torch']):.3f} (min)")
+        print(f"  {name:11s}  median {ms[0]:8.1f} ms   min {ms[1]:8.1f} ms   max {ms[2]:8.1f} ms")
+    for mine, other in (("ours", "torch"), ("ours-fused", "torch"), ("ours-fused", "torch-fused")):
+        print(f"ratio {mine}/{other}: {median[mine] / median[other]:.3f} (median)  "
+              f"{min(times[mine]) / min(times[other]):.3f} (min)")
+    state_mb = {name: sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values()
+                          if torch.is_tensor(t)) / 2**20 for name, opt in optimizers.items()}
+    print("optimizer state: " + ", ".join(f"{name} {mb:.0f} MB" for name, mb in state_mb.items()))
     rec = Recorder("optimizer")
-    rec.add(f"AdamW step, {n_params / 1e6:.1f}M {args.dtype} parameters ({len(params)} tensors)",
+    busy = f", {args.busy} busy process{'es' if args.busy > 1 else ''} beside it" if args.busy else ""
+    rec.add(f"AdamW step, {n_params / 1e6:.1f}M {args.dtype} parameters ({len(params)} tensors){busy}",
             {name: 1e3 * m for name, m in median.items()}, "ms (median)", ratio=median["ours"] / median["torch"],
-            ratio_of="ours' time / torch's foreach time", notes=f"median of {args.repeats} steps")
+            ratio_of="ours' time / torch's foreach time",
+            fused_vs_torch_fused=median["ours-fused"] / median["torch-fused"],
+            notes=f"median of {args.repeats} steps, {torch.get_num_threads()} threads; ours fused / torch fused "
+                  f"{median['ours-fused'] / median['torch-fused']:.2f}x; state MB: "
+                  + ", ".join(f"{name} {mb:.0f}" for name, mb in state_mb.items()))
     rec.write()
 
 

@@ -56,19 +56,21 @@ NATIVE = ("-march=native",)
 AVX2 = ("-march=x86-64-v3", "-mno-avx512f")  # the AVX2 + FMA path, for testing it on a CPU that also has AVX512
 
 
-def _build(target_flags: tuple[str, ...] = NATIVE) -> Path:
-    """Compile rows.cpp into the cache (once per source, flags, compiler and CPU); returns the shared library."""
+def _build(target_flags: tuple[str, ...] = NATIVE, source: Path | None = None, extra: tuple[str, ...] = ()) -> Path:
+    """Compile `source` (default rows.cpp) into the cache (once per source, flags, compiler and CPU); returns the
+    shared library. modules/adamw.py builds its kernel here too."""
+    source = source or SOURCE
     compiler = os.environ.get("CXX", "g++")
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(target_flags).encode() + version.encode()
+    key = hashlib.sha256(source.read_bytes() + " ".join(target_flags + extra).encode() + version.encode()
                          + cpu_flags().encode()).hexdigest()[:16]
-    target = _cache_dir() / f"rows-{key}.so"
+    target = _cache_dir() / f"{source.stem}-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
-        cmd = [compiler, "-O3", *target_flags, "-fopenmp", "-shared", "-fPIC", "-std=c++17", str(SOURCE),
+        cmd = [compiler, "-O3", *target_flags, *extra, "-fopenmp", "-shared", "-fPIC", "-std=c++17", str(source),
                "-o", str(built)]
         result = subprocess.run(cmd, capture_output=True, text=True)
         if result.returncode != 0:

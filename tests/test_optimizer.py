@@ -13,10 +13,12 @@ from torch import nn
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tolerances import ADAMW_VS_COURSE, assert_same_update  # noqa: E402
+from tolerances import ADAMW_FUSED_VS_TORCH, ADAMW_VS_COURSE, assert_same_update  # noqa: E402
 
 import optimizer as optimizer_module  # noqa: E402
 from models.hub import shared_dir  # noqa: E402
+from modules import adamw as fused_kernel  # noqa: E402
+from modules import rows  # noqa: E402
 from optimizer import (  # noqa: E402
     AdamW,
     make_lr_scheduler,
@@ -362,3 +364,123 @@ def test_make_lr_scheduler_drives_the_learning_rate():
         opt.step()
         sched.step()
     assert seen == pytest.approx([0.5, 1.0, 1.0, 0.625, 0.25, 0.25])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# AdamW(fused=True): the one-pass C++ kernel (modules/adamw.cpp)
+
+needs_fused_kernel = pytest.mark.skipif(not fused_kernel.available(),
+                                        reason="the fused AdamW kernel cannot be built here (no g++ or not x86-64)")
+
+
+def fixed_gradient_run(opt_factory, steps: int = 200):
+    """Parameters of several shapes (one above the kernel's one-thread limit, so its OpenMP loop runs) updated from
+    the same gradient sequence whatever the parameters are: differences cannot feed back through the gradients."""
+    torch.manual_seed(0)
+    shapes = [(3000, 77), (5,), (128, 130), (fused_kernel.SMALL + 1001,)]
+    params = [nn.Parameter(torch.randn(s)) for s in shapes]
+    opt = opt_factory(params)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g)
+        opt.step()
+    return params, opt
+
+
+@needs_fused_kernel
+@pytest.mark.parametrize("correct_bias", [True, False])
+def test_fused_moments_equal_torch_and_parameters_within_a_rounding(correct_bias):
+    hyper = dict(lr=1e-3, eps=EPS, weight_decay=0.01)
+    fused, fused_opt = fixed_gradient_run(lambda ps: AdamW(ps, fused=True, correct_bias=correct_bias, **hyper))
+    if correct_bias:
+        ref, ref_opt = fixed_gradient_run(lambda ps: torch.optim.AdamW(ps, foreach=True, **hyper))
+    else:  # torch has no correct_bias=False: there the reference is our multi-tensor path (torch's own operations)
+        ref, ref_opt = fixed_gradient_run(lambda ps: AdamW(ps, correct_bias=False, **hyper))
+    start, _ = fixed_gradient_run(lambda ps: AdamW(ps, lr=0.0), steps=0)
+    for p, q, p0 in zip(fused, ref, start):
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert_same_update(fused_opt.state[p][key], ref_opt.state[q][key])
+        torch.testing.assert_close(p, q, **ADAMW_FUSED_VS_TORCH)
+        assert (p - p0).abs().max() > 100 * ADAMW_FUSED_VS_TORCH["atol"]  # the run moved them far beyond it
+
+
+@needs_fused_kernel
+def test_fused_really_runs_the_kernel(monkeypatch):
+    calls = []
+    real = fused_kernel.step
+    monkeypatch.setattr(fused_kernel, "step", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    params, _ = fixed_gradient_run(lambda ps: AdamW(ps, lr=1e-3, fused=True), steps=2)
+    assert calls == [p.shape for p in params] * 2
+
+
+@needs_fused_kernel
+def test_fused_leaves_what_it_cannot_take_to_the_multi_tensor_path():
+    """bf16 and non-contiguous parameters take the foreach path: the same bits as AdamW(fused=False)."""
+    def params():
+        torch.manual_seed(3)
+        return [nn.Parameter(torch.randn(40, 30).t()), nn.Parameter(torch.randn(50).bfloat16()),
+                nn.Parameter(torch.randn(20, 20))]
+    a, b = params(), params()
+    opt_a, opt_b = AdamW(a, lr=1e-2, weight_decay=0.1, fused=True), AdamW(b, lr=1e-2, weight_decay=0.1)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(5):
+        for x, y in zip(a, b):
+            x.grad = torch.randn(x.shape, generator=g).to(x.dtype)
+            y.grad = x.grad.clone()
+        opt_a.step()
+        opt_b.step()
+    assert not a[0].is_contiguous()
+    for x, y in zip(a[:2], b[:2]):
+        assert torch.equal(x, y)
+    torch.testing.assert_close(a[2], b[2], **ADAMW_FUSED_VS_TORCH)
+
+
+@needs_fused_kernel
+def test_fused_without_the_kernel_is_the_multi_tensor_path(monkeypatch):
+    nets = [make_net(), make_net()]
+    monkeypatch.setattr(fused_kernel, "_library", False)  # as with GPT2_FUSED_ADAMW=0 or no compiler
+    train(nets[0], AdamW(nets[0].parameters(), lr=1e-2, fused=True), batches(10))
+    train(nets[1], AdamW(nets[1].parameters(), lr=1e-2), batches(10))
+    assert_params_close(*nets)
+
+
+@needs_fused_kernel
+def test_fused_kernel_avx2_form_equals_the_native_one():
+    """The kernel built for AVX2 + FMA (as on a Zen 3) gives the native build's bits (here AVX512 where present)."""
+    torch.manual_seed(0)
+    n = fused_kernel.SMALL + 1001
+    start = [torch.randn(n), torch.randn(n) * 1e-2, torch.randn(n) * 1e-3, torch.rand(n) * 1e-4]
+    out = []
+    for lib in (fused_kernel.library(), fused_kernel.library(rows.AVX2)):
+        p, g, m, v = (t.clone() for t in start)
+        fused_kernel.step(p, g, m, v, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-6, weight_decay=0.01,
+                          bias_correction1=1 - 0.9**3, bias_correction2_sqrt=(1 - 0.999**3) ** 0.5, lib=lib)
+        out.append((p, m, v))
+    for a, b in zip(*out):
+        assert torch.equal(a, b)
+
+
+@needs_fused_kernel
+def test_fused_state_dict_resumes_exactly_and_loads_from_torch():
+    data = batches(30)
+    net, again = make_net(), make_net()
+    run = AdamW(net.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    train(net, run, data)
+    first = AdamW(again.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    train(again, first, data[:12])
+    resumed = AdamW(again.parameters(), lr=0.5, fused=True)
+    resumed.load_state_dict(copy.deepcopy(first.state_dict()))
+    train(again, resumed, data[12:])
+    for p, q in zip(net.parameters(), again.parameters()):
+        assert torch.equal(p, q)
+    ref_net, ours_net = make_net(), make_net()
+    ref = torch.optim.AdamW(ref_net.parameters(), lr=1e-2, eps=EPS, foreach=True)
+    train(ref_net, ref, data[:5])
+    ours_net.load_state_dict(ref_net.state_dict())
+    ours = AdamW(ours_net.parameters(), lr=1.0, eps=EPS)
+    ours.load_state_dict(copy.deepcopy(ref.state_dict()))  # torch says fused=None: ours continues unfused, to the bit
+    assert not ours.param_groups[0]["fused"]
+    train(ours_net, ours, data[5:])
+    train(ref_net, ref, data[5:])
+    assert_params_close(ours_net, ref_net)

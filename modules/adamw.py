@@ -1,0 +1,69 @@
+"""AdamW's step as one pass over memory: the C++ kernel modules/adamw.cpp, for optimizer.AdamW(fused=True).
+
+torch's CPU AdamW (and optimizer.AdamW's default path, which repeats torch's operations to the bit) reads and
+writes every parameter, gradient and moment once per elementwise operation: for gpt2's 124M parameters about eight
+passes over 2 GB a step. The kernel reads each element once and writes it once, on every core (OpenMP). It is built
+like the decoding kernel (modules/rows.py: the machine's compiler, once, cached by source, compiler and CPU flags).
+`available()` is False where it cannot be built (no compiler, not x86-64 Linux) or GPT2_FUSED_ADAMW=0 is set; the
+optimizer then keeps its multi-tensor path.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+
+from modules import rows
+
+SOURCE = Path(__file__).with_name("adamw.cpp")
+SMALL = 1 << 16  # elements under which a tensor is updated by one thread (a parallel region costs more than it saves)
+_library = None  # the loaded ctypes library; False once building or loading failed here
+
+
+def library(target_flags: tuple[str, ...] = rows.NATIVE):
+    lib = ctypes.CDLL(str(rows._build(target_flags, SOURCE, ("-ffp-contract=off", "-fno-math-errno"))))
+    lib.adamw_step_f32.restype = None
+    lib.adamw_step_f32.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                   ctypes.c_void_p, *[ctypes.c_float] * 7, ctypes.c_int]
+    return lib
+
+
+def _load():
+    global _library
+    if _library is None:
+        if (os.environ.get("GPT2_FUSED_ADAMW", "1") == "0" or sys.platform != "linux"
+                or platform.machine() not in ("x86_64", "AMD64")):
+            _library = False
+            return _library
+        try:
+            _library = library()
+        except Exception as err:  # no compiler, a failed build: the multi-tensor path from here on
+            warnings.warn(f"the fused AdamW kernel modules/adamw.cpp could not be built ({type(err).__name__}: "
+                          f"{str(err)[:500]}); AdamW(fused=True) runs the multi-tensor path", stacklevel=3)
+            _library = False
+    return _library
+
+
+def available() -> bool:
+    return bool(_load())
+
+
+def applies(*tensors: torch.Tensor) -> bool:
+    """CPU fp32 tensors of one shape, each contiguous (parameter, gradient, moments): what the kernel updates."""
+    shape = tensors[0].shape
+    return all(t.is_cpu and t.dtype == torch.float32 and t.is_contiguous() and t.shape == shape for t in tensors)
+
+
+def step(p, g, m, v, *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
+         bias_correction1: float, bias_correction2_sqrt: float, lib=None) -> None:
+    """One AdamW step of p (and its moments m, v) from gradient g, in place: the update of optimizer.AdamW."""
+    lib = lib or _load()
+    n = p.numel()
+    threads = 1 if n < SMALL else torch.get_num_threads()
+    lib.adamw_step_f32(n, p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), 1 - lr * weight_decay, 1 - beta1,
+                       beta2, 1 - beta2, bias_correction2_sqrt, eps, -lr / bias_correction1, threads)

@@ -23,7 +23,7 @@ from models.lora import (
     save_adapter,
     save_base,
 )
-from tasks.checkpoint import save_checkpoint
+from training.checkpoint import save_checkpoint
 
 DEFAULT_TARGETS_FLAG = ",".join(DEFAULT_TARGETS)
 DEFAULT_LR = 2e-4  # the LoRA paper's for GPT-2 (E2E); --lr overrides

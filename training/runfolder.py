@@ -1,5 +1,5 @@
 """A run's folder: OUT/last (everything an exact resume needs) and OUT/best (the weights, with tokenizer and metrics),
-each a checkpoint folder of tasks/checkpoint.py; what a new run, a resumed one and --overwrite do with the folder;
+each a checkpoint folder of training/checkpoint.py; what a new run, a resumed one and --overwrite do with the folder;
 the weights of a model, its task head and its LoRA adapters (tasks/lora.py) in and out of a checkpoint."""
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from pathlib import Path
 
 from torch import nn
 
-from tasks import distributed as dist
 from tasks import lora
-from tasks.checkpoint import (
+from training import distributed as dist
+from training.checkpoint import (
     Checkpoint,
     CorruptCheckpointError,
     capture_rng,
@@ -21,7 +21,7 @@ from tasks.checkpoint import (
     restore_rng,
     save_checkpoint,
 )
-from tasks.train_config import ArchitectureMismatchError, TrainConfig
+from training.train_config import ArchitectureMismatchError, TrainConfig
 
 CHECKPOINTS = ("best", "last")
 RUN_FILES = ("metrics.jsonl", "curves.png", "tensorboard")

@@ -213,7 +213,8 @@ def config_from_args(args: argparse.Namespace):
 def main(argv=None) -> dict:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     args = parse_args(argv)
-    from tasks import distributed, pretrain
+    from tasks import pretrain
+    from training import distributed
 
     if args.sample:
         model, tokenizer = pretrain.load_for_sampling(args.model or os.path.join(args.output_dir, "best"),
@@ -243,7 +244,7 @@ def main(argv=None) -> dict:
 
 def files_line(output_dir, checkpoint: str | None) -> str:
     """The run's files: the best checkpoint (and how to sample from it), the metrics log and the curves."""
-    from tasks.metrics import FILENAME
+    from training.metrics import FILENAME
 
     out = Path(output_dir)
     parts = [f"checkpoint {checkpoint} (sample: python run_pretrain.py --sample --model {checkpoint})"] \

@@ -55,8 +55,8 @@ from config import GPT2Config  # noqa: E402
 from models.gpt2 import GPT2LMHeadModel  # noqa: E402
 from models.hub import shared_dir  # noqa: E402
 from models.loading import hf_to_ours  # noqa: E402
-from tasks.allocator import in_effect as allocator_in_effect  # noqa: E402
-from tasks.allocator import keep_freed_memory  # noqa: E402
+from training.allocator import in_effect as allocator_in_effect  # noqa: E402
+from training.allocator import keep_freed_memory  # noqa: E402
 
 SECTIONS = ("train", "forward", "generate", "memory", "xl", "checkpointing")
 # (case, dtype) -> [(ratio, minimum)] (issue 25; beam and time to first token: issue 15). Ratios: "same" = ours / the
@@ -623,7 +623,7 @@ def main() -> None:
     g.add_argument("--optimizer", choices=("torch", "ours"), default="torch",
                    help="training optimizer for ours: torch.optim.AdamW(foreach) as for HF, or optimizer.AdamW")
     g.add_argument("--keep-freed-memory", action="store_true",
-                   help="glibc malloc keeps freed memory for reuse (tasks/allocator.py, what fit() does when training "
+                   help="glibc malloc keeps freed memory for reuse (training/allocator.py, what fit() does when training "
                         "on the CPU) in this process, so for every contender alike; default: glibc's own behaviour")
     g = parser.add_argument_group("how")
     g.add_argument("--repeats", type=int, default=5, help="timed calls per contender (the median is reported)")

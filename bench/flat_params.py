@@ -6,7 +6,7 @@ the engine: one AdamW tensor per group, one clipping norm, gradients zeroed by o
     python bench/flat_params.py                  # 2 threads, the batch split across them as the engine does
     python bench/flat_params.py --no-split --blocks 15 --steps 20
 
-Both contenders run the same forward and backward (`tasks.backward.Backward`) and our foreach AdamW; only the
+Both contenders run the same forward and backward (`training.backward.Backward`) and our foreach AdamW; only the
 parameter layout and what follows from it differ. Prints the median ms per step of each and their ratio.
 """
 from __future__ import annotations
@@ -29,10 +29,10 @@ from bench.results import Recorder  # noqa: E402
 from config import GPT2Config  # noqa: E402
 from models.gpt2 import GPT2LMHeadModel  # noqa: E402
 from optimizer import AdamW, param_groups_for_weight_decay  # noqa: E402
-from tasks.backward import Backward, LossOf  # noqa: E402
-from tasks.batches import MicroBatch  # noqa: E402
 from tasks.pretrain import window_loss  # noqa: E402
-from tasks.steps import grad_norm  # noqa: E402
+from training.backward import Backward, LossOf  # noqa: E402
+from training.batches import MicroBatch  # noqa: E402
+from training.steps import grad_norm  # noqa: E402
 
 
 def flatten(groups: list[dict]) -> tuple[list[dict], list[torch.Tensor]]:

@@ -21,8 +21,10 @@ from grading.environment import EXIT_ENVIRONMENT, GraderEnvironmentError, check_
 
 ROOT = Path(__file__).resolve().parents[1]
 ROOT_ENV = "AUTOGRADER_ROOT"  # the /autograder root is a setting, so the zip can be run anywhere (tests, a laptop)
-# what the grader imports from the project: its own package and the reference model's code
-SOURCES = ("grading", "models", "modules", "tasks", "config.py", "optimizer.py", "requirements.txt", "LICENSE")
+# what the grader imports from the project: its own package and the reference model's code (and training/, which the
+# tasks/ modules shipped beside tasks/evaluate.py import)
+SOURCES = ("grading", "models", "modules", "tasks", "training", "config.py", "optimizer.py", "requirements.txt",
+           "LICENSE")
 METADATA = "submission_metadata.yml"
 LAYOUT_MARK = Path("models") / "gpt2.py"
 

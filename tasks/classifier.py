@@ -15,10 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.hub import shared_dir, tokenizer_for
-from tasks import distributed as dist
 from tasks import lora
 from tasks.data import NUM_LABELS, check_vocab, collate, encode, load_sentiment, load_task_tokenizer
-from tasks.engine import load_weights
 from tasks.evaluate import classification_metrics, write_predictions
 from tasks.outputs import claim_outputs, predictions_folder
 from tasks.training import (
@@ -31,6 +29,8 @@ from tasks.training import (
     train,
     train_config,
 )
+from training import distributed as dist
+from training.engine import load_weights
 
 MODES = ("last-linear-layer", "full-model")
 

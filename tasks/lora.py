@@ -1,6 +1,7 @@
 """LoRA in the task CLIs: the --lora_* flags and their checks (made while parsing, before any data is read),
-adapters on a task model, and what a LoRA run's checkpoints hold: the adapter in PEFT's format (plus the task head,
-optimizer and training state), never the frozen base, which --model already names.
+adapters on a task model, and the merged checkpoint written at the end. What a LoRA run's checkpoints hold (the
+adapter in PEFT's format plus the task head, optimizer and training state, never the frozen base, which --model
+already names) is the engine's part: training/runfolder.py.
 """
 from __future__ import annotations
 
@@ -10,20 +11,15 @@ from pathlib import Path
 from torch import nn
 
 from models.lora import (
-    CONFIG_FILE,
     DEFAULT_TARGETS,
     TARGET_NAMES,
     apply_lora,
     body_of,
     check_hyperparameters,
-    has_lora,
-    load_adapter,
     merge_lora,
     resolve_targets,
-    save_adapter,
-    save_base,
 )
-from tasks.checkpoint import save_checkpoint
+from training.checkpoint import save_checkpoint
 
 DEFAULT_TARGETS_FLAG = ",".join(DEFAULT_TARGETS)
 DEFAULT_LR = 2e-4  # the LoRA paper's for GPT-2 (E2E); --lr overrides
@@ -90,49 +86,6 @@ def run_info(args) -> dict:
         return {}
     return {"lora": {"rank": args.lora_rank, "alpha": args.lora_alpha, "dropout": args.lora_dropout,
                      "targets": list(resolve_targets(args.lora_targets))}}
-
-
-BASE_DIR = "base"  # OUTPUT_DIR/base: the frozen base of a LoRA run on a random init, which --model cannot rebuild
-
-
-class _AdapterWriter:
-    """What save_checkpoint writes for a LoRA model: its adapter, in PEFT's format, in place of the whole model.
-    On a `random:` base the adapter's base_model_name_or_path names OUTPUT_DIR/base, where the base weights are
-    written (once per process, so a run restarted with --overwrite writes its own), so PEFT can load the adapter."""
-
-    def __init__(self, model: nn.Module):
-        self.model = model
-
-    def save_pretrained(self, directory) -> None:
-        body = body_of(self.model)
-        spec = str(getattr(body, "lora_base_model", None) or "")
-        if not spec.startswith("random:"):
-            save_adapter(self.model, directory)
-            return
-        base = (Path(directory).parent / BASE_DIR).resolve()  # directory is a temporary sibling of last/ and best/
-        if getattr(body, "lora_base_saved", None) != base:
-            save_base(self.model, base)
-            body.lora_base_saved = base
-        save_adapter(self.model, directory, base_model=str(base))
-
-
-def checkpoint_part(model: nn.Module) -> _AdapterWriter | None:
-    """For tasks/training.py: the adapter writer of a LoRA model, None for a model without adapters."""
-    return _AdapterWriter(model) if has_lora(model) else None
-
-
-def load_if_adapter(model: nn.Module, folder: Path) -> bool:
-    """For tasks/training.py: load a LoRA checkpoint's adapter into `model` and return True, or return False for a
-    whole-model checkpoint into a model without adapters. A mix of the two is an error naming the fix."""
-    is_adapter, lora = (Path(folder) / CONFIG_FILE).is_file(), has_lora(model)
-    if is_adapter and not lora:
-        raise ValueError(f"checkpoint {folder} holds a LoRA adapter, not a whole model: give the --lora_* flags it "
-                         f"was trained with (its {CONFIG_FILE} lists them)")
-    if lora and not is_adapter:
-        raise ValueError(f"checkpoint {folder} holds a whole model, but this run trains LoRA adapters (--lora_rank)")
-    if lora:
-        load_adapter(model, folder)
-    return lora
 
 
 def write_merged(model: nn.Module, folder: str | Path, tokenizer=None) -> Path:

@@ -15,7 +15,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.hub import shared_dir, tokenizer_for
-from tasks import distributed as dist
 from tasks import lora
 from tasks.data import (
     Example,
@@ -27,7 +26,6 @@ from tasks.data import (
     single_token_id,
     split_head,
 )
-from tasks.engine import load_weights
 from tasks.evaluate import NO_ID, YES_ID, classification_metrics, write_predictions
 from tasks.outputs import claim_outputs, predictions_folder
 from tasks.training import (
@@ -40,6 +38,8 @@ from tasks.training import (
     train,
     train_config,
 )
+from training import distributed as dist
+from training.engine import load_weights
 
 MODES = ("full-model", "last-linear-layer")
 

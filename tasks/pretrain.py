@@ -1,5 +1,5 @@
 """Train a GPT-2 from scratch on a text file ("Let's build GPT"): text -> token ids on disk -> random windows ->
-the training engine (tasks/engine.py: AdamW, or Muon with AdamW, with warmup and cosine decay, periodic loss
+the training engine (training/engine.py: AdamW, or Muon with AdamW, with warmup and cosine decay, periodic loss
 estimates, checkpoints, metrics) -> samples.
 
     tokenizer = tokenizer_for("gpt2" | folder)                     # "char" tokenizers are built from the corpus
@@ -39,11 +39,11 @@ from models.generation import process_logits
 from models.gpt2 import GPT2LMHeadModel
 from models.hub import expand, load_tokenizer
 from modules.cross_entropy import cross_entropy
-from tasks import distributed as dist
 from tasks.char_tokenizer import VOCAB_FILE, CharTokenizer
-from tasks.checkpoint import check_resume_settings, resolve
-from tasks.engine import MicroBatch, Step, TrainConfig, autocast, check_architecture, fit, open_run
-from tasks.steps import micro_weight
+from training import distributed as dist
+from training.checkpoint import check_resume_settings, resolve
+from training.engine import MicroBatch, Step, TrainConfig, autocast, check_architecture, fit, open_run
+from training.steps import micro_weight
 
 CHUNK_BYTES = 1 << 22  # the corpus is read, checked and encoded 4 MiB at a time
 
@@ -400,7 +400,7 @@ class PretrainConfig:
 # Settings that shape the saved state (optimizer moments, schedule, batches, model): --resume refuses a change to any of
 # them. --max_iters may grow (the cosine then stretches to the new end unless --lr_decay_iters pins it); the
 # architecture flags (sizes, --depth, --activation and the variants) are checked against the checkpoint's config
-# where given (tasks/runfolder.py's ARCHITECTURE), and the tokenizer is the checkpoint's own.
+# where given (training/runfolder.py's ARCHITECTURE), and the tokenizer is the checkpoint's own.
 RESUME_FIXED = ("val_fraction", "block_size", "dropout", "batch_size", "grad_accum", "optimizer", "lr", "muon_lr",
                 "min_lr", "warmup_iters", "lr_decay_iters", "weight_decay", "decay_embeddings", "beta1", "beta2",
                 "adam_eps", "max_grad_norm", "dtype", "seed")

@@ -22,10 +22,8 @@ from torch import nn
 
 from models.gpt2 import GPT2LMHeadModel
 from models.hub import shared_dir, tokenizer_for
-from tasks import distributed as dist
 from tasks import lora
 from tasks.data import Encoded, check_vocab, collate, load_task_tokenizer
-from tasks.engine import autocast, load_weights
 from tasks.outputs import claim_outputs, predictions_folder
 from tasks.training import (
     FineTuneConfig,
@@ -37,6 +35,8 @@ from tasks.training import (
     train,
     train_config,
 )
+from training import distributed as dist
+from training.engine import autocast, load_weights
 
 # The course splits on \n\s*\d+\s*\n; the lookahead leaves the closing newline unconsumed, so two number lines in a
 # row give an (refused) empty sonnet instead of the second number becoming the first line of a sonnet.

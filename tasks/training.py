@@ -7,9 +7,9 @@ A task supplies the model, a way to make batches, a loss and an evaluation:
                    loss_fn=lambda model, batch: F.cross_entropy(model(...), batch["labels"]),
                    evaluate_fn=lambda model: {"acc": ...}, cfg=TrainConfig(...), run_info={...})
 
-Per epoch a seeded shuffle cut into batches (tasks/batches.py's EpochBatches), an evaluation at each epoch's end with
+Per epoch a seeded shuffle cut into batches (training/batches.py's EpochBatches), an evaluation at each epoch's end with
 one summary line, OUT/best when the selected dev metric improves; everything else (the step, checkpoints and exact
-resume, the non-finite guard, DDP, metrics.jsonl and curves.png) is the engine's (tasks/engine.py).
+resume, the non-finite guard, DDP, metrics.jsonl and curves.png) is the engine's (training/engine.py).
 """
 from __future__ import annotations
 
@@ -29,9 +29,9 @@ from tqdm import tqdm
 from config import PRESETS, GPT2Config
 from models.gpt2 import GPT2Model
 from models.loading import load_pretrained
-from tasks import distributed as dist
-from tasks.engine import DTYPES, EpochBatches, NonFiniteError, TrainConfig, autocast, fit
 from tasks.lora import DEFAULT_TARGETS_FLAG
+from training import distributed as dist
+from training.engine import DTYPES, EpochBatches, NonFiniteError, TrainConfig, autocast, fit
 
 
 @dataclass

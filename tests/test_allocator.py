@@ -1,4 +1,4 @@
-"""tasks/allocator.py: keep_freed_memory() makes glibc's malloc keep a freed big tensor's pages (the process's RSS
+"""training/allocator.py: keep_freed_memory() makes glibc's malloc keep a freed big tensor's pages (the process's RSS
 stays up after the tensor is freed) where by default they go back to the system; GPT2_KEEP_FREED_MEMORY=0 leaves
 malloc alone; fit() applies it when it trains on the CPU. The malloc settings are per process: each case runs in a
 fresh interpreter."""
@@ -16,7 +16,7 @@ pytestmark = pytest.mark.skipif(sys.platform != "linux" or platform.libc_ver()[0
 FREE_A_BIG_TENSOR = """
 import sys
 import torch
-from tasks.allocator import keep_freed_memory, in_effect
+from training.allocator import keep_freed_memory, in_effect
 
 def rss_mb():
     return int(next(l for l in open('/proc/self/status') if l.startswith('VmRSS')).split()[1]) // 1024
@@ -55,7 +55,7 @@ def test_the_environment_variable_turns_it_off():
 def test_fit_keeps_freed_memory_when_it_trains_on_the_cpu(tmp_path, monkeypatch):
     from test_engine_parts import lm_batches, lm_loss, run_cfg, tiny_lm, token_rows
 
-    from tasks import engine
+    from training import engine
 
     calls = []
     monkeypatch.setattr(engine, "keep_freed_memory", lambda: calls.append(1) or True)

@@ -1,4 +1,4 @@
-"""Atomic, verified training checkpoints (tasks/checkpoint.py)."""
+"""Atomic, verified training checkpoints (training/checkpoint.py)."""
 import random
 from pathlib import Path
 
@@ -8,7 +8,7 @@ import torch
 from conftest import tiny_config
 
 from models.gpt2 import GPT2LMHeadModel
-from tasks import checkpoint as ck
+from training import checkpoint as ck
 
 
 def _model_and_optimizer():

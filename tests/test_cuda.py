@@ -181,7 +181,7 @@ def test_pretraining_on_the_device_resumes_there_and_loads_on_the_cpu(tmp_path, 
 def test_nccl_collectives_take_the_cpu_tensors_the_loops_hand_them(monkeypatch):
     import torch.distributed as tdist
 
-    from tasks import distributed as dist
+    from training import distributed as dist
 
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(29500 + os.getpid() % 1000))

@@ -14,7 +14,7 @@ from test_task_data import make_tokenizer, write_sentiment
 
 import run_classifier
 import run_pretrain
-from tasks import distributed as dist
+from training import distributed as dist
 
 ROOT = Path(__file__).resolve().parents[1]
 NO_DROPOUT = "random:n_layer=2,n_head=2,n_embd=16,n_positions=64,vocab_size=64,resid_pdrop=0,embd_pdrop=0,attn_pdrop=0"

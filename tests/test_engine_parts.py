@@ -1,4 +1,4 @@
-"""The training loop's decisions, each tested where it is made (tasks/steps.py, tasks/batches.py) and through fit():
+"""The training loop's decisions, each tested where it is made (training/steps.py, training/batches.py) and through fit():
 which evaluation OUT/best keeps, clipping, micro-batch weights, the shuffle per epoch."""
 import json
 import math
@@ -10,9 +10,9 @@ from conftest import tiny_config
 
 from models.gpt2 import GPT2LMHeadModel
 from tasks import pretrain
-from tasks.batches import EpochBatches
-from tasks.engine import TrainConfig, fit, load_weights
-from tasks.steps import grad_norm, improved, micro_weight
+from training.batches import EpochBatches
+from training.engine import TrainConfig, fit, load_weights
+from training.steps import grad_norm, improved, micro_weight
 
 SCORES = [0.5, 0.7, 0.6, 0.7]  # evaluations after steps 1-4: the best is step 2's, tied at step 4
 

@@ -40,7 +40,7 @@ def autograder(tmp_path_factory):
             if mode:
                 os.chmod(root / "source" / info.filename, mode)
     assert {"setup.sh", "run_autograder", "requirements.txt", "rubric.json", "grading/gradescope.py",
-            "models/gpt2.py", "modules/attention.py", "config.py"} <= set(names)
+            "models/gpt2.py", "modules/attention.py", "config.py", "tasks/evaluate.py", "training/engine.py"} <= set(names)
     assert not any("__pycache__" in n or n.startswith("tests/") for n in names)
     packed = json.loads((root / "source" / "rubric.json").read_text())
     assert packed["checks"]["adamw"] == {"course_test": 10, "torch_adamw": 20}

@@ -1,10 +1,11 @@
 """The layout's promises: no import circle between the project's modules (imports inside functions included), and
-models/ and modules/ never import tasks/."""
+imports go down the floors, never up: CLI (run_*.py) -> tasks/ -> training/ -> models/ -> modules/ (models/ and
+modules/ never import tasks/ or training/; training/ never imports tasks/)."""
 import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("models", "modules", "tasks", "grading")
+PACKAGES = ("models", "modules", "training", "tasks", "grading")
 
 
 def project_modules() -> dict[str, Path]:
@@ -67,10 +68,28 @@ def test_no_import_circles():
     assert find_cycle(edges) is None, " -> ".join(find_cycle(edges))
 
 
-def test_models_and_modules_do_not_import_tasks():
-    wrong = {name: sorted(i for i in deps if i.startswith("tasks"))
-             for name, deps in graph().items() if name.startswith(("models", "modules"))}
-    assert not {k: v for k, v in wrong.items() if v}
+def imports_up(edges: dict[str, set[str]], floors: tuple[str, ...], above: tuple[str, ...]) -> dict[str, list[str]]:
+    """Modules on `floors` (top-level packages) that import anything in `above`, with what they import there."""
+    wrong = {name: sorted(i for i in deps if i.split(".")[0] in above)
+             for name, deps in edges.items() if name.split(".")[0] in floors}
+    return {k: v for k, v in wrong.items() if v}
+
+
+def test_the_floor_check_sees_an_import_up():
+    edges = {"training.engine": {"tasks.data", "training.steps"}, "tasks.data": {"training.steps"}, "tasks": set()}
+    assert imports_up(edges, ("training",), ("tasks",)) == {"training.engine": ["tasks.data"]}
+
+
+def test_models_and_modules_do_not_import_tasks_or_training():
+    assert not imports_up(graph(), ("models", "modules"), ("tasks", "training"))
+
+
+def test_training_does_not_import_tasks():
+    """Issue 41: the engine is a floor below the tasks; what a task adds (data, model, loss, LoRA flags) it passes in."""
+    edges = graph()
+    assert {"training", "training.engine", "training.runfolder"} <= set(edges)  # the walk sees the package
+    assert "training.checkpoint" in edges["training.runfolder"]
+    assert not imports_up(edges, ("training",), ("tasks",))
 
 
 def test_what_the_documented_commands_write_in_the_root_is_ignored_by_git():

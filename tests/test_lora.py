@@ -155,8 +155,8 @@ def test_training_with_lora_changes_only_adapters_and_head_and_checkpoints_hold_
     from models.gpt2 import GPT2Model
     from tasks.classifier import GPT2SentimentClassifier, loss_fn
     from tasks.data import Encoded, collate
-    from tasks.engine import TrainConfig, load_weights
     from tasks.training import train
+    from training.engine import TrainConfig, load_weights
 
     torch.manual_seed(0)
     model = GPT2SentimentClassifier(GPT2Model(tiny_config()), 3, 0.0, "full-model")

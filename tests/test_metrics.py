@@ -1,4 +1,4 @@
-"""The metrics log of training runs (tasks/metrics.py) and the overlay plot CLI (tasks/plot.py)."""
+"""The metrics log of training runs (training/metrics.py) and the overlay plot CLI (training/plot.py)."""
 import json
 import math
 import sys
@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from matplotlib.image import imread
 
-from tasks import plot as plot_cli
-from tasks.metrics import MetricsLog, read_metrics
+from training import plot as plot_cli
+from training.metrics import MetricsLog, read_metrics
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -227,7 +227,7 @@ def test_tensorboard_missing_names_the_install_command(tmp_path, monkeypatch):
 def test_the_learning_rate_is_one_series_through_every_logged_point():
     """Issue 37: pretraining logs lr on its evals (steps 0, 250, ...) and its train lines (50, 100, ...); the eval
     points alone drew a straight line from step 0 to 250 over the warm-up that peaks at step 100."""
-    from tasks.metrics import series_of
+    from training.metrics import series_of
 
     def lr(step):
         return 1e-3 * min(step / 100, 1 - (step - 100) / 400)

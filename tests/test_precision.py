@@ -10,8 +10,8 @@ from test_task_data import make_tokenizer, write_sentiment
 
 import run_classifier
 import run_pretrain
-from tasks import engine
-from tasks.checkpoint import load_checkpoint
+from training import engine
+from training.checkpoint import load_checkpoint
 
 
 @pytest.fixture

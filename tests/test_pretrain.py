@@ -117,8 +117,8 @@ def test_gradient_checkpointing_trains_the_same_model(corpus_file, tmp_path, mon
 
 def test_batch_split_across_threads_gives_the_gradient_of_the_whole_batch(corpus_file, tmp_path):
     """The engine's split_batch: slices of a micro-batch on separate threads add up to the whole batch's gradient."""
-    from tasks.backward import Backward, LossOf
-    from tasks.batches import MicroBatch
+    from training.backward import Backward, LossOf
+    from training.batches import MicroBatch
 
     corpus = pretrain.prepare_corpus(corpus_file, "char", tmp_path / "cache")
     x, y = pretrain.get_batch(corpus.train, 5, 16, torch.Generator().manual_seed(0))

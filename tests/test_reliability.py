@@ -19,13 +19,13 @@ from test_task_data import make_tokenizer, write_sentiment
 import run_classifier
 import run_pretrain
 from models.gpt2 import GPT2LMHeadModel, GPT2Model
-from tasks import checkpoint as ck
 from tasks import pretrain
 from tasks.classifier import GPT2SentimentClassifier
 from tasks.classifier import loss_fn as sentiment_loss
 from tasks.data import Encoded, collate
-from tasks.engine import ArchitectureMismatchError, NonFiniteError, TrainConfig, load_weights
 from tasks.training import train
+from training import checkpoint as ck
+from training.engine import ArchitectureMismatchError, NonFiniteError, TrainConfig, load_weights
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "random:n_layer=2,n_head=2,n_embd=16,n_positions=64,vocab_size=64"
@@ -93,7 +93,7 @@ import sys, torch
 sys.path.insert(0, {root!r})
 from conftest import tiny_config
 from models.gpt2 import GPT2LMHeadModel
-from tasks.checkpoint import save_checkpoint
+from training.checkpoint import save_checkpoint
 model = GPT2LMHeadModel(tiny_config("h4-wide"))
 for step in range(1, 100000):
     with torch.no_grad():

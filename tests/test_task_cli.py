@@ -119,7 +119,7 @@ def test_dropout_flags_mean_one_thing_on_every_cli(setup, capsys):
     the classifier's head has its own --head_dropout."""
     import json
 
-    from tasks.checkpoint import load_checkpoint
+    from training.checkpoint import load_checkpoint
 
     tmp, common = setup
     paths = write_sentiment(tmp, "sst", 16)
@@ -171,7 +171,7 @@ def test_every_cli_flag_is_a_config_field_with_the_same_default(cli):
 
 def test_the_classifier_runs_from_python_with_a_config_and_writes_metrics(setup, capsys):
     from tasks.classifier import ClassifierConfig, run
-    from tasks.metrics import read_metrics
+    from training.metrics import read_metrics
 
     tmp, _ = setup
     paths = write_sentiment(tmp, "sst", 24)

@@ -1,16 +1,16 @@
-"""Task heads (GPT2SentimentClassifier, ParaphraseGPT) and fine-tuning on the training engine (tasks/training.py, tasks/engine.py)."""
+"""Task heads (GPT2SentimentClassifier, ParaphraseGPT) and fine-tuning on the training engine (tasks/training.py, training/engine.py)."""
 import pytest
 import torch
 from conftest import padded_batch, tiny_config
 
 from models.gpt2 import GPT2Model
-from tasks import engine as E
 from tasks import training as T
 from tasks.classifier import GPT2SentimentClassifier
 from tasks.classifier import loss_fn as classifier_loss
 from tasks.data import Encoded, Example, collate
 from tasks.paraphrase import ParaphraseGPT, prompt_for_test, prompt_for_train
 from tasks.paraphrase import loss_fn as paraphrase_loss
+from training import engine as E
 
 
 def body(seed=0, **overrides):

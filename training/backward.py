@@ -7,9 +7,9 @@ from typing import Callable
 import torch
 from torch import nn
 
-from tasks import distributed as dist
-from tasks.batches import MicroBatch
-from tasks.train_config import TrainConfig
+from training import distributed as dist
+from training.batches import MicroBatch
+from training.train_config import TrainConfig
 
 
 class LossOf(nn.Module):

@@ -8,8 +8,8 @@ from typing import Callable, NamedTuple, Protocol
 
 import torch
 
-from tasks import distributed as dist
-from tasks.steps import micro_weight
+from training import distributed as dist
+from training.steps import micro_weight
 
 
 class MicroBatch(NamedTuple):

@@ -1,9 +1,9 @@
 """Overlay the curves of several training runs in one figure: one colour per run, the panels of each run's own
 curves.png (losses, eval metrics, learning rate, tokens/s), read from each run folder's metrics.jsonl.
 
-    python -m tasks.plot checkpoints/sst-lr1e-3 checkpoints/sst-lr3e-4                  # -> ./curves.png
-    python -m tasks.plot runs/a runs/b --labels "lr 1e-3" "lr 3e-4" --out compare.png
-    python -m tasks.plot runs/a runs/b --keys val_loss dev_acc --x wall_s --out dev.png
+    python -m training.plot checkpoints/sst-lr1e-3 checkpoints/sst-lr3e-4                  # -> ./curves.png
+    python -m training.plot runs/a runs/b --labels "lr 1e-3" "lr 3e-4" --out compare.png
+    python -m training.plot runs/a runs/b --keys val_loss dev_acc --x wall_s --out dev.png
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from tasks.metrics import metrics_file, plot_records, read_metrics
+from training.metrics import metrics_file, plot_records, read_metrics
 
 
 def plot_runs(run_dirs: list, out, labels=None, keys=None, x: str = "step") -> Path:
@@ -37,7 +37,7 @@ def plot_runs(run_dirs: list, out, labels=None, keys=None, x: str = "step") -> P
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tasks.plot", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m training.plot", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run folders holding metrics.jsonl")
     parser.add_argument("--out", default="curves.png", help="the PNG to write (default: curves.png here)")

@@ -2,20 +2,20 @@
 
     result = fit(model, batches, loss_fn, evaluate_fn, TrainConfig(output_dir="out", lr=1e-3, ...), run_info)
 
-A task supplies the model, a source of batches (tasks/batches.py's EpochBatches for a set of examples; pretraining's
+A task supplies the model, a source of batches (training/batches.py's EpochBatches for a set of examples; pretraining's
 random windows), a loss and an evaluation. fit() composes the parts, each in its own file:
-- tasks/train_config.py: TrainConfig, the run's settings, and the errors the engine raises;
-- tasks/optimization.py: the optimizer (AdamW, or Muon for the blocks' matrices with AdamW for the rest) and schedule;
-- tasks/backward.py: forward and backward of the step's micro-batches under autocast (tasks/precision.py), DDP's
+- training/train_config.py: TrainConfig, the run's settings, and the errors the engine raises;
+- training/optimization.py: the optimizer (AdamW, or Muon for the blocks' matrices with AdamW for the rest) and schedule;
+- training/backward.py: forward and backward of the step's micro-batches under autocast (training/precision.py), DDP's
   no_sync until the last; with `split_batch` each micro-batch is cut row-wise across the CPU threads;
-- tasks/steps.py: the step's decisions as small functions: micro-batch weights, clipping, the non-finite check, the
+- training/steps.py: the step's decisions as small functions: micro-batch weights, clipping, the non-finite check, the
   update, and whether an evaluation is the new best (a tie keeps the earlier one);
-- tasks/runfolder.py: OUT/last, everything an exact resume needs, at every evaluation and every `save_every` steps;
+- training/runfolder.py: OUT/last, everything an exact resume needs, at every evaluation and every `save_every` steps;
   OUT/best, the weights (with tokenizer and metrics), when the selected metric improves; `resume=True` continues
   OUT/last and ends with the weights of an uninterrupted run (a changed setting in run_info is refused by name, only
   `epochs` / `max_iters` may grow); model, head and adapter weights in and out of checkpoints;
-- tasks/records.py: OUT/metrics.jsonl records (one per log interval and per evaluation; resumes append), the lines
-  printed, the --max_steps benchmark; tasks/metrics.py draws OUT/curves.png at each evaluation.
+- training/records.py: OUT/metrics.jsonl records (one per log interval and per evaluation; resumes append), the lines
+  printed, the --max_steps benchmark; training/metrics.py draws OUT/curves.png at each evaluation.
 The cadence is fit's own: a metrics record every `log_interval` steps, an evaluation where the batch source ends an
 epoch or every `eval_interval` steps, and at the end. A non-finite loss or gradient stops the run (NonFiniteError
 naming the step; the checkpoints on disk are the last good ones), or with skip_nonfinite the step is skipped and
@@ -32,16 +32,16 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from tasks import distributed as dist
-from tasks.allocator import keep_freed_memory
-from tasks.backward import Backward, LossOf, set_gradient_checkpointing, split_workers
-from tasks.batches import BatchSource, EpochBatches, MicroBatch, Step
-from tasks.checkpoint import Checkpoint, resolve
-from tasks.metrics import MetricsLog
-from tasks.optimization import build_optimizer, build_scheduler
-from tasks.precision import DTYPES, autocast, bf16_matmul_is_fast
-from tasks.records import INTERVAL_RATES, Meter, benchmark_report, epoch_number, log_line, rates, summary_line
-from tasks.runfolder import (
+from training import distributed as dist
+from training.allocator import keep_freed_memory
+from training.backward import Backward, LossOf, set_gradient_checkpointing, split_workers
+from training.batches import BatchSource, EpochBatches, MicroBatch, Step
+from training.checkpoint import Checkpoint, resolve
+from training.metrics import MetricsLog
+from training.optimization import build_optimizer, build_scheduler
+from training.precision import DTYPES, autocast, bf16_matmul_is_fast
+from training.records import INTERVAL_RATES, Meter, benchmark_report, epoch_number, log_line, rates, summary_line
+from training.runfolder import (
     ARCHITECTURE,
     CHECKPOINTS,
     RunState,
@@ -54,8 +54,8 @@ from tasks.runfolder import (
     save_model,
     save_run,
 )
-from tasks.steps import MAX_SKIPPED_IN_A_ROW, grad_norm, improved, nonfinite, nonfinite_error, optimizer_step
-from tasks.train_config import ArchitectureMismatchError, NonFiniteError, TrainConfig
+from training.steps import MAX_SKIPPED_IN_A_ROW, grad_norm, improved, nonfinite, nonfinite_error, optimizer_step
+from training.train_config import ArchitectureMismatchError, NonFiniteError, TrainConfig
 
 __all__ = [  # the engine's public names, wherever they live, so callers import them from here
     "ARCHITECTURE", "CHECKPOINTS", "DTYPES", "ArchitectureMismatchError", "BatchSource", "EpochBatches", "MicroBatch",
@@ -154,7 +154,7 @@ def fit(model: nn.Module, batches: BatchSource, loss_fn: Callable, evaluate_fn: 
     t_start = time.perf_counter()
     device = torch.device(cfg.device)
     if device.type == "cpu":
-        keep_freed_memory()  # no page faults for the same big tensors every step (tasks/allocator.py)
+        keep_freed_memory()  # no page faults for the same big tensors every step (training/allocator.py)
     model.to(device)
     set_gradient_checkpointing(model, cfg.gradient_checkpointing)
     out = Path(cfg.output_dir)

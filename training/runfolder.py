@@ -1,6 +1,7 @@
 """A run's folder: OUT/last (everything an exact resume needs) and OUT/best (the weights, with tokenizer and metrics),
-each a checkpoint folder of tasks/checkpoint.py; what a new run, a resumed one and --overwrite do with the folder;
-the weights of a model, its task head and its LoRA adapters (tasks/lora.py) in and out of a checkpoint."""
+each a checkpoint folder of training/checkpoint.py; what a new run, a resumed one and --overwrite do with the folder;
+the weights of a model, its task head and its LoRA adapters (models/lora.py; the --lora_* flags are tasks/lora.py's)
+in and out of a checkpoint."""
 from __future__ import annotations
 
 import shutil
@@ -9,9 +10,9 @@ from pathlib import Path
 
 from torch import nn
 
-from tasks import distributed as dist
-from tasks import lora
-from tasks.checkpoint import (
+from models.lora import CONFIG_FILE, body_of, has_lora, load_adapter, save_adapter, save_base
+from training import distributed as dist
+from training.checkpoint import (
     Checkpoint,
     CorruptCheckpointError,
     capture_rng,
@@ -21,7 +22,7 @@ from tasks.checkpoint import (
     restore_rng,
     save_checkpoint,
 )
-from tasks.train_config import ArchitectureMismatchError, TrainConfig
+from training.train_config import ArchitectureMismatchError, TrainConfig
 
 CHECKPOINTS = ("best", "last")
 RUN_FILES = ("metrics.jsonl", "curves.png", "tensorboard")
@@ -52,7 +53,7 @@ def load_weights(model: nn.Module, folder: str | Path) -> Checkpoint:
     """Load a checkpoint folder's weights into `model` (verified against its manifest); returns the Checkpoint."""
     ck = load_checkpoint(folder)
     body, head_keys = split_model(model)
-    if not lora.load_if_adapter(model, ck.path):  # a LoRA run's checkpoint holds the adapter, not the frozen base
+    if not load_if_adapter(model, ck.path):  # a LoRA run's checkpoint holds the adapter, not the frozen base
         loaded = type(body).from_pretrained(ck.path)
         check_architecture(loaded.config, body.config, ck.path)
         body.load_state_dict(loaded.state_dict())
@@ -67,8 +68,54 @@ def load_weights(model: nn.Module, folder: str | Path) -> Checkpoint:
 def save_model(folder: Path, model: nn.Module, *, state: dict, optimizer=None, scheduler=None, tokenizer=None) -> None:
     body, head_keys = split_model(model)
     sd = model.state_dict()
-    save_checkpoint(folder, lora.checkpoint_part(model) or body, optimizer=optimizer, scheduler=scheduler, state=state,
+    save_checkpoint(folder, checkpoint_part(model) or body, optimizer=optimizer, scheduler=scheduler, state=state,
                     extra_tensors={k: sd[k] for k in head_keys}, tokenizer=tokenizer)
+
+
+# ---- a LoRA model's checkpoint: its adapter (PEFT's format), never the frozen base --------------------------------
+
+BASE_DIR = "base"  # OUTPUT_DIR/base: the frozen base of a LoRA run on a random init, which --model cannot rebuild
+
+
+class _AdapterWriter:
+    """What save_checkpoint writes for a LoRA model: its adapter, in PEFT's format, in place of the whole model.
+    On a `random:` base the adapter's base_model_name_or_path names OUTPUT_DIR/base, where the base weights are
+    written (once per process, so a run restarted with --overwrite writes its own), so PEFT can load the adapter."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def save_pretrained(self, directory) -> None:
+        body = body_of(self.model)
+        spec = str(getattr(body, "lora_base_model", None) or "")
+        if not spec.startswith("random:"):
+            save_adapter(self.model, directory)
+            return
+        base = (Path(directory).parent / BASE_DIR).resolve()  # directory is a temporary sibling of last/ and best/
+        if getattr(body, "lora_base_saved", None) != base:
+            save_base(self.model, base)
+            body.lora_base_saved = base
+        save_adapter(self.model, directory, base_model=str(base))
+
+
+def checkpoint_part(model: nn.Module) -> _AdapterWriter | None:
+    """What save_checkpoint writes in place of the body: the adapter writer of a LoRA model, None for a model without
+    adapters."""
+    return _AdapterWriter(model) if has_lora(model) else None
+
+
+def load_if_adapter(model: nn.Module, folder: Path) -> bool:
+    """Load a LoRA checkpoint's adapter into `model` and return True, or return False for a whole-model checkpoint
+    into a model without adapters. A mix of the two is an error naming the fix."""
+    is_adapter, lora = (Path(folder) / CONFIG_FILE).is_file(), has_lora(model)
+    if is_adapter and not lora:
+        raise ValueError(f"checkpoint {folder} holds a LoRA adapter, not a whole model: give the --lora_* flags it "
+                         f"was trained with (its {CONFIG_FILE} lists them)")
+    if lora and not is_adapter:
+        raise ValueError(f"checkpoint {folder} holds a whole model, but this run trains LoRA adapters (--lora_rank)")
+    if lora:
+        load_adapter(model, folder)
+    return lora
 
 
 def exists(folder: Path) -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from tasks.train_config import NonFiniteError
+from training.train_config import NonFiniteError
 
 MAX_SKIPPED_IN_A_ROW = 20  # with skip_nonfinite: this many bad optimizer steps in a row means the run is broken
 

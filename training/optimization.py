@@ -5,9 +5,9 @@ import torch
 from torch import nn
 
 from optimizer import AdamW, MuonWithAdamW, make_lr_scheduler, muon_param_groups, param_groups_for_weight_decay
-from tasks import distributed as dist
-from tasks.precision import bf16_matmul_is_fast
-from tasks.train_config import TrainConfig
+from training import distributed as dist
+from training.precision import bf16_matmul_is_fast
+from training.train_config import TrainConfig
 
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig, groups: list | None = None) -> torch.optim.Optimizer:

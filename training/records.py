@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from tasks import distributed as dist
-from tasks.train_config import TrainConfig
+from training import distributed as dist
+from training.train_config import TrainConfig
 
 INTERVAL_RATES = ("train_loss", "ms_per_step", "tokens_per_s", "seconds")  # in train records, left out of eval ones
 

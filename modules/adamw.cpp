@@ -8,6 +8,9 @@
 // torch's vectorised sqrt is one ulp away in about one entry in six, which moves the update by a float32 rounding
 // (tests/tolerances.py: ADAMW_FUSED_VS_TORCH).
 //
+// Chunks of 16384 elements go to the threads as they free up (a core taken by another process then takes fewer)
+// rather than in two fixed halves that wait for the slower one.
+//
 // Built with -ffp-contract=off (the compiler must not fuse a multiply and an add that torch keeps apart) and
 // -fno-math-errno (so that sqrt vectorises; it is still the correctly rounded one).
 #include <cmath>
@@ -17,7 +20,7 @@ extern "C" void adamw_step_f32(int64_t n, float* __restrict p, const float* __re
                                float* __restrict v, float decay, float one_minus_beta1, float beta2,
                                float one_minus_beta2, float bias_correction2_sqrt, float eps, float step_size,
                                int threads) {
-#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 16384) if (threads > 1)
     for (int64_t i = 0; i < n; ++i) {
         const float gi = g[i];
         const float pi = p[i] * decay;                                  // p.mul_(1 - lr * weight_decay)

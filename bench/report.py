@@ -314,8 +314,10 @@ CLAIMS = [
     ("time to first token, 512-token prompt", _ratio_per_class("compare_hf", "ttft p512 fp32")),
     ("bf16 GEMM against fp32 ([machines](docs/performance.md#machines))", _gemm_ratio),
     ("AdamW step over gpt2's 124M parameters ([variants](docs/variants.md#adamw))",
-     _latest("optimizer", "AdamW step, 124.4M fp32 parameters (148 tensors)",
-             lambda r: f"{times(r['ratio'])} `torch.optim.AdamW(foreach=True)`'s time")),
+     _latest("optimizer", "AdamW step, 124.4M float32 parameters (148 tensors)",
+             lambda r: f"{times(r['ratio'])} `torch.optim.AdamW(foreach=True)`'s time" + (
+                 f"; `AdamW(fused=True)` {times(r['fused_vs_torch_fused'])} `torch.optim.AdamW(fused=True)`'s"
+                 if r.get("fused_vs_torch_fused") else ""))),
     ("pretraining, nanoGPT's CPU configuration, 2000 steps ([pretraining](docs/pretraining.md))",
      _latest("pretrain_shakespeare", "wall to final val loss, nanoGPT's CPU configuration",
              lambda r: f"{_v(r, 'ours s (best)', '{:.1f}')} s vs nanoGPT's {_v(r, 'nanoGPT s', '{:.1f}')} s; whole-split "

@@ -71,7 +71,8 @@ def current_commit() -> str | None:
                               text=True, timeout=10)
         if head.returncode != 0:
             return None
-        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
+        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no", "--", ".",
+                                ":(exclude)bench/results"],  # records appended by an earlier run change no code
                                capture_output=True, text=True, timeout=10).stdout.strip()
         return head.stdout.strip() + ("+changes" if dirty else "")
     except (OSError, subprocess.SubprocessError):

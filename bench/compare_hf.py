@@ -36,6 +36,7 @@ import contextlib
 import copy
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -387,7 +388,9 @@ def _print_utilisation(ours, ids: torch.Tensor, rates: dict, dtype: torch.dtype)
     measured on this machine for the dtype its products run in (fp32, or bf16 under autocast)."""
     if DEVICE.type != "cpu":
         return
-    peak = _GEMM.get(dtype) or _GEMM.setdefault(dtype, gemm_gflops(dtype))
+    # the best of the header's measurement and one taken now, beside the rows: on a shared machine a peak measured
+    # while another process ran would understate it (and overstate the utilisation)
+    peak = _GEMM[dtype] = max(_GEMM.get(dtype, 0.0), gemm_gflops(dtype))
     per_token = train_flops_per_token(ours, ids.shape[1])
     mfu = {k: v * per_token / 1e9 / peak for k, v in rates.items()}
     name = _name(dtype)
@@ -606,6 +609,10 @@ def describe_machine() -> None:
                 f"; transformers {transformers.__version__}; malloc: {malloc}")
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = parser.add_argument_group("what to measure")
@@ -662,6 +669,7 @@ def main() -> None:
     state = hf_reference("gpt2", args.seed)
     report = Report()
     started = time.perf_counter()
+    signal.signal(signal.SIGTERM, _interrupt)  # kill (or a timeout) still writes the rows measured so far
     try:
         for name in sections:
             print(f"\n== {name} ==", flush=True)

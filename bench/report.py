@@ -90,10 +90,19 @@ def times(x: float | None) -> str:
     return "" if x is None else f"{x:.2f}x"
 
 
+def over_runs(runs: list[dict], value, fmt) -> str:
+    """The range of a value over the quiet runs ('1.05x-1.15x (3 runs)'), and how many busy runs are left out."""
+    calm = [r for r in runs if quiet(r)]
+    busy = len(runs) - len(calm)
+    shown = span([value(r) for r in calm or runs], fmt)
+    text = f"{shown} ({len(calm)} runs)" if len(calm) > 1 else ("one run" if calm else f"{shown} (busy)")
+    return text + (f"; {busy} busy run{'s' if busy > 1 else ''} apart" if busy and calm else "")
+
+
 def when(r: dict) -> str:
     """The date (and time where recorded), the load and the commit of a record."""
     date = r["date"].replace("T", " ").replace("Z", " UTC")
-    load = f", load {r['load']:.1f}" if r.get("load") is not None else ""
+    load = f", load {r['load']:.1f}" + ("" if quiet(r) else " (busy)") if r.get("load") is not None else ""
     commit = f", {r['commit']}" if r.get("commit") else ", commit not recorded"
     return f"{date}{load}{commit}" + (" (transcribed)" if r.get("source") == "transcribed" else "")
 
@@ -128,10 +137,16 @@ def matching(records: list[dict], bench: str | None = None, row: str | None = No
     return out
 
 
+def quiet(r: dict) -> bool:
+    """Measured alone: the load average at most the cores + 1 (the benchmark's own threads count in it). A busier
+    run stays a record, but a table's headline row is the latest quiet one where there is one."""
+    return r.get("load") is None or r["load"] <= (r["machine"].get("cores") or 1) + 1
+
+
 def latest(records: list[dict]) -> dict | None:
-    """The most recent record (by date; the later line on a tie)."""
+    """The most recent quiet record (by date; the later line on a tie), else the most recent one."""
     best = None
-    for r in records:
+    for r in [r for r in records if quiet(r)] or records:
         if best is None or r["date"] >= best["date"]:
             best = r
     return best
@@ -171,8 +186,8 @@ def compare_row(r: dict, runs: list[dict]) -> list[str]:
         return [COMPARE_ROWS.get(r["row"], r["row"]), f"fp32 {values['fp32']:.4f}, bf16 {values['bf16']:.4f}", "",
                 f"{100 * diff:.2f}% apart" if diff is not None else "", r.get("target") or "",
                 {True: "yes", False: "no", None: ""}[r.get("met")],
-                f"{span([100 * x['difference'] for x in runs if x.get('difference') is not None], percent)} "
-                f"({len(runs)} runs)" if len(runs) > 1 else "one run", r.get("notes") or "", when(r)]
+                over_runs(runs, lambda x: 100 * x["difference"] if x.get("difference") is not None else None, percent),
+                r.get("notes") or "", when(r)]
     ours = values.get("ours", values.get("ours-int8"))
     other_key, other = best_other(values)
     ratio = times(r.get("ratio"))
@@ -182,7 +197,7 @@ def compare_row(r: dict, runs: list[dict]) -> list[str]:
     return [COMPARE_ROWS.get(r["row"], r["row"]), f"{num(ours)} {unit}" if ours is not None else "",
             f"{num(other)}" + (f" ({other_key[3:]})" if other_key.startswith("hf-") else "") if other is not None else "",
             ratio, r.get("target") or "", {True: "yes", False: "no", None: ""}[r.get("met")],
-            f"{span([x.get('ratio') for x in runs], times)} ({len(runs)} runs)" if len(runs) > 1 else "one run",
+            over_runs(runs, lambda x: x.get("ratio"), times),
             r.get("notes") or "", when(r)]
 
 
@@ -246,8 +261,7 @@ def one_bench(records: list[dict], bench: str, cls: str | None = None, device: s
         r = latest(runs)
         values = ", ".join(f"{k} {num(v)}" for k, v in r["values"].items())
         rows.append([name, f"{values} ({r['unit']})", times(r.get("ratio")) + (f" {r['ratio_of']}" if r.get("ratio_of")
-                     else ""), span([x.get("ratio") for x in runs], times) + (f" ({len(runs)} runs)" if len(runs) > 1
-                                                                              else ""),
+                     else ""), over_runs(runs, lambda x: x.get("ratio"), times),
                      r.get("notes") or "", f"{machine_name(r['machine'])}; {when(r)}"])
     if not rows:
         return f"(no {bench} records{' for ' + cls if cls else ''} yet)\n"

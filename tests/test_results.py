@@ -12,13 +12,14 @@ import pytest
 from bench import report, results
 
 
-def record(row="forward fp32", cls="AMX", date="2026-11-25T12:00Z", ratio=1.1, ours=100.0, hf=None, **extra):
+def record(row="forward fp32", cls="AMX", date="2026-11-25T12:00Z", ratio=1.1, ours=100.0, hf=None, load=1.0,
+           **extra):
     flags = {"AMX": ["avx2", "avx512f", "avx512_bf16", "amx_bf16"], "AVX2": ["avx2"]}[cls]
     return {"bench": "compare_hf", "row": row, "values": {"ours": ours, "hf-sdpa": hf or ours / ratio},
             "unit": "tokens/s", "ratio": ratio, "ratio_of": "ours / best transformers, same dtype", "target": None,
             "met": None, "notes": None, "machine": {"cpu": f"cpu-{cls}", "class": cls, "flags": flags, "cores": 2,
                                                    "torch": "2.13.0+cpu", "threads": 2, "device": "cpu"},
-            "commit": "abc1234", "date": date, "load": 1.0, "source": "run", **extra}
+            "commit": "abc1234", "date": date, "load": load, "source": "run", **extra}
 
 
 def test_every_generated_table_matches_the_records():
@@ -123,3 +124,13 @@ def test_one_bench_table_lists_each_row_once():
         r["bench"] = "optimizer"
     out = report.render("bench=optimizer", recs)
     assert out.count("| a |") == 1 and "3.00x" in out and "1.00x-3.00x (2 runs)" in out
+
+
+def test_a_busy_run_does_not_replace_the_quiet_headline():
+    """A run at a load above the cores + 1 (another process competing) is kept, but the table's row is the latest
+    quiet run, and the busy one is counted apart."""
+    recs = [record(ratio=1.20, date="2026-11-25T10:00Z"), record(ratio=0.70, date="2026-11-26T10:00Z", load=3.5)]
+    out = report.render("compare-hf class=AMX", recs)
+    assert "| 1.20x |" in out and "one run; 1 busy run apart" in out and "0.70x" not in out
+    only_busy = report.render("compare-hf class=AMX", recs[1:])
+    assert "| 0.70x |" in only_busy and "load 3.5 (busy)" in only_busy

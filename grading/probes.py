@@ -23,7 +23,6 @@ import sys
 import traceback
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 # Tiny sizes: head dim 8 >= T, so a one-hot value per key position reads the attention probabilities out directly.
@@ -44,6 +43,11 @@ class NotImplementedProbe(Exception):
 class Deviation(Exception):
     """An interface the grader cannot drive as the course defines it (signature, shape, missing name)."""
 
+
+# The stand-ins this check grades with (grading/standins.py: the layer check's attention, the model check's layers and
+# embed()), set by the fork server for the checks that need them; None in the others, so the submission's code in the
+# attention or embed check finds no stand-in to call.
+STANDINS = None
 
 LAYOUT_CAP_S, INFORMATION_CAP_S = 2.0, 5.0  # runs of the submission's code that grade nothing: never wait longer
 
@@ -266,56 +270,6 @@ def attention_module(layer, with_name=False):
     raise Deviation("GPT2Layer has no `self_attention` module")
 
 
-class RefAttention(nn.Module):
-    """The course's attention on given (W, b): stands in for the submission's when another component is graded."""
-
-    def __init__(self, w, unmerged=False):
-        super().__init__()
-        self.w, self.unmerged = w, unmerged  # unmerged: return (B, h, T, hd), as the submission's attention does
-
-    def forward(self, hidden_states, attention_mask, *args, **kwargs):  # course names; extra flags ignored
-        x, mask = hidden_states, attention_mask
-        q, k, v = (heads(x @ self.w[f"{n}.weight"].t() + self.w[f"{n}.bias"]) for n in ("query", "key", "value"))
-        if mask.dim() == 2:  # a submission that hands its layers the (B, T) mask
-            mask = (1.0 - mask[:, None, None, :].float()) * -10000.0
-        elif mask.dtype == torch.bool:
-            mask = (~mask).float() * -10000.0
-        s = q @ k.transpose(-1, -2) / math.sqrt(HD)
-        s = s.masked_fill(~torch.ones(x.shape[1], x.shape[1], dtype=torch.bool).tril(), float("-inf")) + mask
-        y = torch.softmax(s, dim=-1) @ v
-        if self.unmerged:
-            return y
-        return y.transpose(1, 2).reshape(x.shape[0], x.shape[1], D)
-
-
-class RefLayer(nn.Module):
-    """The course's pre-LN layer on the submission's effective weights, eps and GELU (eval mode)."""
-
-    def __init__(self, w, info):
-        super().__init__()
-        self.w, self.info = w, info
-        self.att = RefAttention({k[len("self_attention."):]: x for k, x in w.items() if k.startswith("self_attention.")})
-
-    def forward(self, hidden_states, attention_mask, *args, **kwargs):
-        x, mask, w = hidden_states, attention_mask, self.w
-        ln = lambda y, n, e: F.layer_norm(y, (D,), w[f"{n}.weight"], w[f"{n}.bias"], e)  # noqa: E731
-        x = x + F.linear(self.att(ln(x, "attention_layer_norm", self.info["eps_attn"]), mask),
-                         w["attention_dense.weight"], w["attention_dense.bias"])
-        approx = "tanh" if self.info.get("activation") == "tanh" else "none"
-        h = F.gelu(F.linear(ln(x, "out_layer_norm", self.info["eps_mlp"]), w["interm_dense.weight"],
-                            w["interm_dense.bias"]), approximate=approx)
-        return x + F.linear(h, w["out_dense.weight"], w["out_dense.bias"])
-
-
-def ref_embed(model):
-    """The course's embed() on the submission's own embedding tables (no dropout: the model is probed in eval)."""
-    we, pe = model.word_embedding.weight.detach(), model.pos_embedding.weight.detach()
-
-    def embed(input_ids):  # the course's argument name: the starter calls self.embed(input_ids=...)
-        return F.embedding(input_ids, we) + pe[: input_ids.shape[1]]
-    return embed
-
-
 def with_reference_attention(layer, given, notes, prefix=""):
     """Replace the layer's attention by the reference on the grader's weights, so the layer is graded on its own."""
     name, att = attention_module(layer, with_name=True)
@@ -330,7 +284,7 @@ def with_reference_attention(layer, given, notes, prefix=""):
         notes.append(f"its attention {e} (the layout probe): the course's layout assumed")
     except Exception:  # noqa: BLE001  (a broken attention: the course's layout)
         pass
-    setattr(layer, name, RefAttention(w, unmerged))
+    setattr(layer, name, STANDINS.RefAttention(w, H, unmerged))
     notes.append("graded with the reference attention in place of the submission's (the attention check grades it)")
 
 
@@ -555,8 +509,8 @@ def probe_model(given, out, notes, values):
     own = list(layers)
     for i in range(len(layers)):
         w = {k[len(f"gpt_layers.{i}."):]: x for k, x in given.items() if k.startswith(f"gpt_layers.{i}.")}
-        layers[i] = RefLayer(w, STAND_IN)
-    model.embed = ref_embed(model)
+        layers[i] = STANDINS.RefLayer(w, STAND_IN, H)
+    model.embed = STANDINS.ref_embed(model)
     notes.append("graded with reference layers and a reference embed() in place of the submission's "
                  "(the layer and embed checks grade those)")
     ids, mask = given["ids"].long(), masks()["right"]

@@ -320,8 +320,9 @@ class Sandbox:
 
     # ---- one check ---------------------------------------------------------------------------------------------
     def run(self, probe: str, submission: str | os.PathLike, hf_home: str | os.PathLike | None = None,
-            timeout: float | None = None, given: dict | None = None) -> Run:
-        """Run one probe; `given` (name -> tensor) is handed to it read-only and kept on the Run for the comparison."""
+            timeout: float | None = None, given: dict | None = None, forbidden: list[str] | None = None) -> Run:
+        """Run one probe; `given` (name -> tensor) is handed to it read-only and kept on the Run for the comparison;
+        `forbidden` (the rubric's forbidden calls, grading/forbidden.py) are watched while the submission runs."""
         if self._proc is None or self._proc.poll() is not None:
             self._start()
         submission = Path(submission)
@@ -363,7 +364,7 @@ class Sandbox:
                    "max_file_mb": self.limits.max_file_mb, "max_procs": self.limits.max_procs, "uid": self.uid,
                    "isolate_network": self.isolate_network, "disk_mb": self.limits.disk_mb,
                    "writable": [str(work), str(home)], "result_files": [str(f) for f in result_files],
-                   "packages": list(self.packages), "cpus": self.limits.cpus}
+                   "packages": list(self.packages), "cpus": self.limits.cpus, "forbidden": list(forbidden or [])}
             run = self._ask(req, timeout)
             run.given = dict(given or {})
             run.findings += copied

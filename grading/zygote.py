@@ -39,6 +39,10 @@ _spec = importlib.util.spec_from_file_location("_grading_isolation", os.path.joi
 isolation = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(isolation)
 
+_spec = importlib.util.spec_from_file_location("_grading_forbidden", os.path.join(GRADING_DIR, "forbidden.py"))
+forbidden = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(forbidden)
+
 # Names a submission defines at top level; a warm import of any of them would shadow the submission's.
 SUBMISSION_NAMES = ("config", "models", "modules", "optimizer", "utils")
 COUNTER = itertools.count()
@@ -97,6 +101,8 @@ def child(req: dict, report_fd: int, ack_fd: int) -> None:
         for name in list(sys.modules):
             if name.split(".")[0] in SUBMISSION_NAMES:
                 del sys.modules[name]
+        if req.get("forbidden"):  # the rubric's forbidden calls, watched before any of the submission's code runs
+            probes.FORBIDDEN = forbidden.Recorder(req["workdir"]).install(req["forbidden"])
         sys.path.insert(0, req["workdir"])
         torch.set_num_threads(1)
         code = probes.main(req["probe"], req["resultdir"], req.get("args", {}), req.get("given"))

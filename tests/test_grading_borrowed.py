@@ -1,4 +1,5 @@
-"""Issue 36, "links and borrowed code": the check's process cannot reach the grader's own classes.
+"""Issue 36, "links and borrowed code": the check's process cannot reach the grader's own classes, and the rubric's
+forbidden calls (off by default) are caught while the submission's code runs.
 
 A submission whose attention, layer and embed() delegate to the grader's in-process stand-ins (found through
 sys.modules, the probe's frame, the garbage collector or the grader's files) scored 60/100 on the untouched starter
@@ -145,3 +146,126 @@ def test_a_starter_that_calls_the_graders_own_classes_earns_nothing_by_them(grad
     if report.sandbox.get("mount") == "isolated":
         assert report.sandbox.get("grader_code", "").startswith("hidden"), report.sandbox
 
+
+# ---- the rubric's forbidden calls --------------------------------------------------------------------------------
+
+FORBIDDEN = {"attention": ["torch.nn.functional.scaled_dot_product_attention", "torch.nn.MultiheadAttention"],
+             "*": ["transformers.models.gpt2.modeling_gpt2.*"]}
+SDPA = [("        probs = F.softmax(scores, dim=-1)\n        probs = self.dropout(probs)\n"
+         "        out = torch.matmul(probs, value)  # (B, h, T, hd)\n",
+         "        out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask + torch.zeros(T, T)"
+         ".masked_fill(~causal, float('-inf')),\n"
+         "                                             dropout_p=self.dropout.p if self.training else 0.0)\n")]
+HF_ATTENTION = [
+    ("from torch import nn\n", "from torch import nn\nfrom transformers import GPT2Config as HFConfig\n"
+                               "from transformers.models.gpt2.modeling_gpt2 import GPT2Attention\n"),
+    ("    def forward(self, hidden_states, attention_mask):\n", '''    def forward(self, hidden_states, attention_mask):
+        D, T = self.all_head_size, hidden_states.shape[1]
+        cfg = HFConfig(n_embd=D, n_head=self.num_attention_heads, attn_pdrop=0.0, resid_pdrop=0.0)
+        cfg._attn_implementation = "eager"
+        hf = GPT2Attention(cfg).eval()
+        with torch.no_grad():
+            hf.c_attn.weight.copy_(torch.cat([self.query.weight, self.key.weight, self.value.weight], 0).t())
+            hf.c_attn.bias.copy_(torch.cat([self.query.bias, self.key.bias, self.value.bias]))
+            hf.c_proj.weight.copy_(torch.eye(D))
+            hf.c_proj.bias.zero_()
+        causal = torch.zeros(T, T).masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
+        return hf(hidden_states, attention_mask=attention_mask + causal)[0]
+
+    def course_forward(self, hidden_states, attention_mask):
+''')]
+
+
+@pytest.fixture(scope="module")
+def forbidding(tmp_path_factory):
+    """A grader whose rubric forbids SDPA and MultiheadAttention in attention, and transformers' GPT-2 everywhere."""
+    import json
+
+    from grading.grader import DEFAULT_RUBRIC, load_rubric
+
+    rubric = json.loads(DEFAULT_RUBRIC.read_text())
+    rubric["forbidden_calls"] = FORBIDDEN
+    path = tmp_path_factory.mktemp("rubric") / "rubric.json"
+    path.write_text(json.dumps(rubric))
+    with Grader(rubric=load_rubric(path), limits=Limits(timeout=30)) as g:
+        yield g
+
+
+def forbidden_findings(check):
+    return [m for m in check.messages if "forbidden" in m]
+
+
+def test_sdpa_in_attention_loses_the_attention_points_with_the_option_on(grader, forbidding, tmp_path):
+    sub = write_submission(tmp_path / "sub", attention=SDPA)
+    (off,) = grader.grade(sub, ("attention",)).checks
+    assert off.score == 16 and not forbidden_findings(off), (off.messages, [vars(p) for p in off.parts])  # as before
+    (on,) = forbidding.grade(sub, ("attention",)).checks
+    assert on.score == 0 and on.verdict == "fail", [vars(p) for p in on.parts]
+    findings = forbidden_findings(on)
+    for part in ("forward", "attention", "training"):  # each part ran attention(), which called it
+        assert any("torch.nn.functional.scaled_dot_product_attention at modules/attention.py:" in m
+                   and f"while grading {part}" in m for m in findings), findings
+    line = 1 + next(i for i, text in enumerate((sub / "modules" / "attention.py").read_text().splitlines())
+                    if "scaled_dot_product_attention" in text)
+    assert f"modules/attention.py:{line} in attention()" in findings[0], (line, findings)
+    assert all("forbidden call torch.nn.functional.scaled_dot_product_attention" in p.message for p in on.parts)
+
+
+def test_transformers_gpt2_attention_is_flagged_and_other_checks_keep_their_points(grader, forbidding, tmp_path):
+    sub = write_submission(tmp_path / "sub", attention=HF_ATTENTION)
+    checks = ("attention", "layer", "from_pretrained")
+    assert {c.name: c.score for c in grader.grade(sub, checks).checks} == \
+        {"attention": 16, "layer": 14, "from_pretrained": 18}  # off: graded as before
+    report = forbidding.grade(sub, checks)
+    attention = report.checks[0]
+    parts = {p.name: p for p in attention.parts}
+    findings = forbidden_findings(attention)
+    assert any("transformers.models.gpt2.modeling_gpt2.GPT2Attention at modules/attention.py:" in m
+               and "in forward()" in m and "while grading forward" in m for m in findings), findings
+    assert parts["forward"].points == 0 and "GPT2Attention" in parts["forward"].message, vars(parts["forward"])
+    # attention() is the student's own (forward() delegates, attention() does not): its points stay
+    assert parts["attention"].points == 4, vars(parts["attention"])
+    # the layer check grades the layer with the reference attention; from_pretrained builds transformers' GPT-2 to
+    # load its checkpoint (construction, no forward): neither uses a forbidden call
+    assert {c.name: c.score for c in report.checks[1:]} == {"layer": 14, "from_pretrained": 18}, \
+        {c.name: forbidden_findings(c) for c in report.checks}
+
+
+def test_a_correct_submission_loses_nothing_with_the_option_on(forbidding, tmp_path):
+    report = forbidding.grade(write_submission(tmp_path / "sub"), ("attention", "layer", "embed", "model",
+                                                                   "from_pretrained"))
+    assert report.total == report.max_total == 70, {c.name: forbidden_findings(c) for c in report.checks}
+    assert not any(forbidden_findings(c) for c in report.checks)
+
+
+def test_a_removed_watch_costs_the_whole_check(forbidding, tmp_path):
+    """The watch lives in the submission's process: putting the original back is itself recorded."""
+    code = ("import torch.nn.functional as _F\n_F.scaled_dot_product_attention = getattr("
+            "_F.scaled_dot_product_attention, '__wrapped__', _F.scaled_dot_product_attention)\n")
+    sub = write_submission(tmp_path / "sub", attention=[("import math\n", "import math\n" + code), *SDPA])
+    (check,) = forbidding.grade(sub, ("attention",)).checks
+    assert check.score == 0, [vars(p) for p in check.parts]
+    assert any("removed the grader's watch on torch.nn.functional.scaled_dot_product_attention" in m
+               for m in check.messages), check.messages
+
+
+@pytest.mark.parametrize("entry, problem", [
+    ({"attention": ["torch.nn.functional.scaled_dot_prod_attention"]}, "has no attribute 'scaled_dot_prod_attention'"),
+    ({"attention": ["no_such_package.thing"]}, "no importable module 'no_such_package'"),
+    ({"attentoin": ["torch.nn.MultiheadAttention"]}, "unknown check 'attentoin'"),
+    ({"*": "torch.nn.MultiheadAttention"}, "must be a list of dotted names"),
+    ({"*": ["torch.Tensor.softmax x"]}, "is not a dotted name"),
+    ({"*": ["torch._C.TensorBase.softmax"]}, "built-in type whose attributes cannot be replaced"),
+])
+def test_a_forbidden_calls_entry_that_cannot_be_watched_is_refused_by_name(tmp_path, entry, problem):
+    import json
+
+    from grading.grader import DEFAULT_RUBRIC, RubricError, load_rubric
+
+    rubric = json.loads(DEFAULT_RUBRIC.read_text())
+    rubric["forbidden_calls"] = entry
+    path = tmp_path / "rubric.json"
+    path.write_text(json.dumps(rubric))
+    with pytest.raises(RubricError, match="forbidden_calls") as e:
+        load_rubric(path)
+    assert problem in str(e.value), str(e.value)

@@ -280,7 +280,8 @@ class Sandbox:
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                "HF_HOME": os.path.join(self._home, "hf"), "HOME": self._home, "OMP_NUM_THREADS": "1",
                "TOKENIZERS_PARALLELISM": "false", "PYTHONDONTWRITEBYTECODE": "1"}
-        self._proc = subprocess.Popen([sys.executable, "-I", str(ZYGOTE)], stdin=subprocess.PIPE,
+        # -B: -I ignores PYTHONDONTWRITEBYTECODE, and the fork server writes nothing into the grader's checkout
+        self._proc = subprocess.Popen([sys.executable, "-I", "-B", str(ZYGOTE)], stdin=subprocess.PIPE,
                                       stdout=subprocess.PIPE, cwd=self._home, env=env, start_new_session=True,
                                       text=True)
         line = self._readline(300)

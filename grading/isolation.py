@@ -584,6 +584,9 @@ def enter(req: dict, cgroup_dirs: dict | None) -> dict:
         os.setresuid(uid, uid, uid)
     elif not root:
         _drop_capabilities()  # those of the user namespace, if one was made
+    if info.get("grader_code", "").startswith("not hidden") and req.get("grader_dir"):  # then permissions decide
+        info["grader_code"] += ("; readable by the check's uid" if os.access(req["grader_dir"], os.R_OK | os.X_OK)
+                                else "; closed to the check's uid")
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # the waiter killed at the deadline takes us along
     info["uid"] = os.getuid()
     info["unix_sockets"] = _seccomp()

@@ -503,13 +503,14 @@ def tree_state(folders, content: bool = True, skip=(".git", "runs")) -> dict:
     write, chmod or utime changes the ctime, and a venv of 30,000 files is stat'ed in a second but hashed in 15)."""
     out = {}
     for folder in folders:
-        for root, dirs, names in os.walk(folder):
+        walk = os.walk(folder) if os.path.isdir(folder) else [(os.path.dirname(folder), [], [os.path.basename(folder)])]
+        for root, dirs, names in walk:
             dirs[:] = [d for d in dirs if d not in skip]
             for name in names + [d for d in dirs if os.path.islink(os.path.join(root, d))]:
                 path = os.path.join(root, name)
                 if os.path.islink(path):
                     out[path] = "link:" + os.readlink(path)
-                elif not os.path.isfile(path):
+                elif not os.path.isfile(path):  # gone, or not a regular file
                     continue
                 elif not content:
                     st = os.stat(path)
@@ -521,6 +522,13 @@ def tree_state(folders, content: bool = True, skip=(".git", "runs")) -> dict:
                             h.update(block)
                     out[path] = h.hexdigest()
     return out
+
+
+def grader_files(checkout: Path) -> list[Path]:
+    """The grader's own files: what `python -m grading package` ships (grading/, models/, modules/, tasks/, ...)."""
+    from grading.gradescope import SOURCES
+
+    return [checkout / name for name in SOURCES]
 
 
 def changed(before: dict, after: dict) -> list[str]:
@@ -594,11 +602,12 @@ def run_matrix(mode: str, names: list[str], starter: Path, base: Path, user, tim
     made = {name: make(name, starter, subs / name, other) for name in names}
     if mode != "root":
         subprocess.run(["chown", "-R", f"{user.pw_uid}:{user.pw_gid}", str(subs), str(out), str(rubric)], check=True)
-    full = {"grader": tree_state([checkout]), "venv": tree_state(venv)}
+    full = {"grader": tree_state(grader_files(checkout)), "venv": tree_state(venv)}
     rows = []
 
     def state():
-        return {"grader": tree_state([checkout]), "other": tree_state([other]), "venv": tree_state(venv, content=False)}
+        return {"grader": tree_state(grader_files(checkout)), "other": tree_state([other]),
+                "venv": tree_state(venv, content=False)}
     for name in names:
         before = state()
         report = out / f"{name}.json"
@@ -627,7 +636,7 @@ def run_matrix(mode: str, names: list[str], starter: Path, base: Path, user, tim
         r = rows[-1]
         print(f"  {mode:<8}{name:<24}{r['score']!s:>5}/{r['max']!s:<5} exit {r['exit']}  {r['seconds']:5.1f} s  "
               f"changed: {sum(map(len, r['changed'].values()))}  {'; '.join(r['achieved'])[:80]}", flush=True)
-    end = {"grader": tree_state([checkout]), "venv": tree_state(venv)}
+    end = {"grader": tree_state(grader_files(checkout)), "venv": tree_state(venv)}
     rows.append({"payload": "(whole run)", "mode": mode, "changed": {k: changed(full[k], end[k]) for k in full},
                  "files": {k: len(v) for k, v in full.items()}})
     return rows

@@ -22,6 +22,7 @@ from bench.grading_payloads import (
     PAYLOADS,
     changed,
     forbidden_rubric,
+    grader_files,
     make,
     other_submission,
     synthetic_starter,
@@ -37,8 +38,8 @@ SMALL = dict(spinners=8, spin_s=1.0)  # the CPU hog, smaller than the bench's 58
 # Left to the root-mode test here (bench/grading_payloads.py runs every payload in both modes): deadlines and CPU,
 # which hold the same in both modes, and the rubric's forbidden calls.
 ROOT_MODE_ONLY = ("hang_attention", "many_files", "cpu_hog", "hf_blocks_forbidden")
-# the grader's own files, caches left out where this process itself may write them (lazy imports)
-GRADER_SKIP = (".git", "runs", ".pytest_cache") + (() if sys.dont_write_bytecode else ("__pycache__",))
+# caches left out of the grader's files where this process itself may write them (its lazy imports)
+GRADER_SKIP = () if sys.dont_write_bytecode else ("__pycache__",)
 
 
 def expected(name):
@@ -72,12 +73,12 @@ def graders(world):
 @pytest.mark.parametrize("name", list(PAYLOADS))
 def test_root_mode_the_starter_with_each_payload_scores_what_it_earns_and_changes_nothing(world, graders, name):
     sub = make(name, world["starter"], world["base"] / name, world["other"], **SMALL)
-    grader_before, other_before = tree_state([ROOT], skip=GRADER_SKIP), tree_state([world["other"]])
+    grader_before, other_before = tree_state(grader_files(ROOT), skip=GRADER_SKIP), tree_state([world["other"]])
     report = graders[PAYLOADS[name].rubric].grade(sub)  # raising here would be the CLI's non-zero exit
     data = report.to_dict()
     assert (report.total, report.max_total) == (expected(name), 100), \
         {c.name: (c.score, c.max_score, [p.message for p in c.parts][:3]) for c in report.checks}
-    assert tree_state([ROOT], skip=GRADER_SKIP) == grader_before, "the grader's files changed"
+    assert tree_state(grader_files(ROOT), skip=GRADER_SKIP) == grader_before, "the grader's files changed"
     assert tree_state([world["other"]]) == other_before, "another student's submission changed"
     assert what_it_achieved(name, data["checks"]) == [], what_it_achieved(name, data["checks"])
     assert not any("grader-side gap (pip install" in e for e in report.environment), report.environment
@@ -123,7 +124,7 @@ def test_nonroot_mode_a_batch_of_every_payload_scores_what_each_earns_and_change
         subprocess.run(["chown", "-R", f"{user.pw_uid}:{user.pw_gid}", str(subs)], check=True)
         (base / "out").mkdir()
         os.chown(base / "out", user.pw_uid, user.pw_gid)
-        owned = [checkout, python.parent.parent]  # the grader's copy and its venv: the user's own, so writable by it
+        owned = [*grader_files(checkout), python.parent.parent]  # the user's own: writable by the grader's uid
         before = {"grader": tree_state(owned), "other": tree_state([other]), "outer": tree_state([sys.prefix],
                                                                                                  content=False)}
         stage = base / "stage"

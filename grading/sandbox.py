@@ -272,6 +272,11 @@ class Sandbox:
         self.packages: list[str] = []  # looked up in each check's sandbox before the submission runs (Run.sandbox)
 
     # ---- the warm fork server ----------------------------------------------------------------------------------
+    def warm(self) -> None:
+        """Start the fork server unless it runs (each check also does, if it died since)."""
+        if self._proc is None or self._proc.poll() is not None:
+            self._start()
+
     def _start(self) -> None:
         # huggingface_hub reads HF_HOME once, at import in the zygote; every child sees it through this link, which
         # each check points at its own copy of the cache.
@@ -324,8 +329,7 @@ class Sandbox:
             timeout: float | None = None, given: dict | None = None, forbidden: list[str] | None = None) -> Run:
         """Run one probe; `given` (name -> tensor) is handed to it read-only and kept on the Run for the comparison;
         `forbidden` (the rubric's forbidden calls, grading/forbidden.py) are watched while the submission runs."""
-        if self._proc is None or self._proc.poll() is not None:
-            self._start()
+        self.warm()
         submission = Path(submission)
         timeout = timeout or self.limits.timeout
         before = _snapshot(submission)

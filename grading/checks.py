@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from grading import probes, questions
+from grading import forbidden, probes, questions
 from grading import reference as ref
 from grading.reference import BUGS
 from grading.sandbox import Run
@@ -160,6 +160,71 @@ def part_failures(result: CheckResult, values: dict) -> set:
     return {p.name for p in result.parts if p.name in failed}
 
 
+THROUGH_FORWARD = "graded through forward()"  # the grader's words for a part scored on forward()'s output
+RECORD_FIELDS = ("call", "part", "where")
+
+
+def forbidden_records(values: dict) -> list[dict] | None:
+    """The check's record of forbidden calls, as the probe writes it: a list of {call, part, where} strings, at most
+    forbidden.MAX_RECORDS plus one per watch; None when it is missing or has any other shape (malformed)."""
+    records = values.get("forbidden_calls")
+    if not isinstance(records, list) or len(records) > 2 * forbidden.MAX_RECORDS:
+        return None
+    for r in records:
+        if not (isinstance(r, dict) and set(r) == set(RECORD_FIELDS)
+                and all(isinstance(r[k], str) and len(r[k]) <= 500 for k in RECORD_FIELDS)):
+            return None
+    return records
+
+
+def forbidden_findings(result: CheckResult, run: Run, asked: list[str]) -> None:
+    """The rubric's forbidden calls (`asked`, off when empty) that the check's process recorded: each costs the part it
+    was made in, with a finding naming the call and the submission's line; a part graded through forward() shares
+    forward()'s; a removed watch costs the whole check. The probe always writes the record when calls are watched, so
+    a check that scored without one, or with a malformed one, scores 0 (the grader, not the check, decides)."""
+    if not asked:
+        return
+    values = values_of(run)
+    records = forbidden_records(values)
+    parts = {p.name: p for p in result.parts}
+    if records is None:
+        if result.score > 0:
+            for p in result.parts:
+                p.points, p.status = 0.0, "error"
+                p.message = "the check's record of forbidden calls is missing or malformed (the rubric's forbidden_calls)"
+            result.messages.insert(0, "finding: the check's output was malformed: its record of the forbidden calls "
+                                      "(the rubric's forbidden_calls) is missing or not a list of {call, part, where}")
+            result.verdict = "error"
+        return
+    hit: dict[str, list[dict]] = {}
+    for r in records:
+        if not forbidden.matches(r["call"], asked):
+            continue  # not one the grader asked to watch
+        names = list(parts) if r["part"] == "*" else [r["part"]] if r["part"] in parts else []
+        for name in names:
+            hit.setdefault(name, []).append(r)
+        if r["part"] == "*":
+            result.messages.append(f"finding: the submission removed the grader's watch on {r['call']} (the rubric's "
+                                   f"forbidden_calls): the whole check scores 0")
+        elif names:
+            result.messages.append(f"finding: forbidden call {r['call']} at {r['where']}, while grading {r['part']} "
+                                   f"(the rubric's forbidden_calls): {r['part']} scores 0")
+    for p in result.parts:  # a part scored on forward()'s output used what forward() called
+        if p.name != "forward" and THROUGH_FORWARD in p.message and hit.get("forward"):
+            hit.setdefault(p.name, []).extend(hit["forward"])
+    for name, rs in hit.items():
+        p = parts[name]
+        first = rs[0]
+        p.points, p.status = 0.0, "fail"
+        p.message = (f"the submission removed the grader's watch on {first['call']}" if first["part"] == "*" else
+                     f"forbidden call {first['call']} at {first['where']}") + " (the rubric's forbidden_calls)"
+    if hit and result.verdict in ("pass", "partial"):
+        result.verdict = "partial" if result.score > 0 else "fail"
+    if isinstance(values.get("forbidden_unwatched"), list):
+        result.messages.append("the check's process reports forbidden calls it could not watch: "
+                               + "; ".join(str(u)[:300] for u in values["forbidden_unwatched"][:5]))
+
+
 def diagnose(result: CheckResult, student: list, variants: dict) -> None:
     """Name the one-bug variant closest to the submission. student: [(tensor, rows)]; variants: bug -> [tensors]."""
     errs = {}
@@ -205,7 +270,7 @@ def check_attention(run: Run, scorer: Scorer) -> CheckResult:
     else:
         scorer.score(parts["attention"], fwd, what="attention() (through forward())")
         parts["attention"].message = (parts["attention"].message + " " if parts["attention"].message else "") + \
-            "graded through forward()"
+            THROUGH_FORWARD
     if fwd > scorer.exact:
         student = [(t.get(f"forward.{c}"), MASKS[c]) for c in MASKS]
         diagnose(result, student, {b: [ref.f_attention(g["x"], w, MASKS[c], H, (b,)) for c in MASKS]
@@ -381,7 +446,7 @@ def check_layer(run: Run, scorer: Scorer) -> CheckResult:
         scorer.score(parts["add"], max_err(t["add"], want), what="add()")
     else:
         scorer.score(parts["add"], err, what="add() (through forward())")
-        parts["add"].message += " graded through forward()"
+        parts["add"].message += " " + THROUGH_FORWARD
     if err > scorer.exact:
         student = [(t.get(f"forward.{c}"), m) for c, m in MASKS.items()]
         diagnose(result, student, {b: [ref.f_layer(x, w, m, H, act, *eps, (b,)) for m in MASKS.values()]

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from grading import checks, probes, questions
+from grading import checks, forbidden, probes, questions
 from grading.environment import COURSE_PACKAGES, environment_findings
 from grading.sandbox import Limits, Run, Sandbox, copy_submission, sweep_leftovers
 
@@ -66,7 +66,28 @@ def load_rubric(path: str | os.PathLike = DEFAULT_RUBRIC) -> dict:
         raise RubricError(f"rubric {path}: allow_packages must be a list of module names, got {allow!r}")
     if not 0 <= rubric["partial_fraction"] <= 1:
         raise RubricError(f"rubric {path}: partial_fraction must be in [0, 1], got {rubric['partial_fraction']!r}")
+    banned = rubric.get("forbidden_calls", {})
+    if not isinstance(banned, dict):
+        raise RubricError(f"rubric {path}: forbidden_calls must map a check (or '*' for every check) to a list of "
+                          f"dotted names, got {banned!r}")
+    for check, names in banned.items():
+        if check != "*" and check not in default["checks"]:
+            raise RubricError(f"rubric {path}: forbidden_calls names an unknown check {check!r}; known: "
+                              f"{sorted(default['checks'])} or '*'")
+        if not isinstance(names, list):
+            raise RubricError(f"rubric {path}: forbidden_calls[{check!r}] must be a list of dotted names, got {names!r}")
+        for name in names:
+            try:
+                forbidden.places(name)
+            except ValueError as e:
+                raise RubricError(f"rubric {path}: forbidden_calls[{check!r}]: {e}") from None
     return rubric
+
+
+def forbidden_calls(rubric: dict, check: str) -> list[str]:
+    """The rubric's forbidden calls for one check: its own list and the one for every check ('*')."""
+    banned = rubric.get("forbidden_calls", {})
+    return list(dict.fromkeys([*banned.get(check, []), *banned.get("*", [])]))
 
 
 @dataclass
@@ -144,10 +165,15 @@ class Grader:
 
     def grade(self, submission: str | os.PathLike, only: tuple[str, ...] = CHECKS, predictions=None, gold=None,
               timeout: float | None = None) -> Report:
-        start = time.monotonic()
         submission = Path(submission)
         if not submission.is_dir():
             raise NotADirectoryError(f"submission folder not found: {submission}")
+        # The grader's own set-up (the fork server's cold start, the hub checkpoint) before the submission's clock
+        # starts: on a busy machine it takes seconds the submission's deadline must not pay for.
+        self.sandbox.warm()
+        if "from_pretrained" in only:
+            self.hub()
+        start = time.monotonic()
         report = Report(str(submission))
         # One pruned copy for all checks (caps on files and bytes, links that leave it dropped): each check then
         # copies that, so a folder of 30,000 files is looked at once, not once per check.
@@ -186,7 +212,8 @@ class Grader:
             # an import found failing or hanging once is reported for every check that needs it, without waiting again
             # the question: inputs and weights from a fresh secret seed, made here; the reference is computed from them
             run = bad if bad is not None else self.sandbox.run(name, submission, hf_home=hf_home, timeout=timeout,
-                                                               given=questions.ask(name))
+                                                               given=questions.ask(name),
+                                                               forbidden=forbidden_calls(self.rubric, name))
             report.sandbox = report.sandbox or run.sandbox
             report.checks.append(self._compare(name, run))
 
@@ -217,9 +244,11 @@ class Grader:
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
-            return self._compare_checks(name, run)
+            result = self._compare_checks(name, run)
         finally:
             torch.set_num_threads(threads)
+        checks.forbidden_findings(result, run, forbidden_calls(self.rubric, name))
+        return result
 
     def _compare_checks(self, name: str, run: Run):
         s = self.scorer

@@ -64,6 +64,9 @@ if [ -z "$PY" ]; then
   if [ -x "$ROOT/venv/bin/python" ]; then PY="$ROOT/venv/bin/python"; else PY=python3; fi
 fi
 export HF_HUB_OFFLINE=1
+# The grader's code closed to every other uid: a container without CAP_SYS_ADMIN has no mount namespace to hide it
+# from the checks (each check runs under a uid of its own and must not read or run the grader's references).
+chmod 0700 "$SOURCE" 2>/dev/null || true
 rc=1
 if cd "$SOURCE"; then
   "$PY" -m grading.gradescope run --root "$ROOT"
@@ -142,7 +145,7 @@ def protections(report_sandbox: dict) -> dict:
     uid = report_sandbox.get("uid")
     return {"network_isolated": network == "isolated" or network.startswith("isolated "),
             "network": network, "own_uid": isinstance(uid, int) and uid != os.getuid(), "uid": uid,
-            "python": report_sandbox.get("python", ""),
+            "python": report_sandbox.get("python", ""), "grader_code": report_sandbox.get("grader_code", ""),
             "limits": "RLIMIT_AS, RLIMIT_CPU, RLIMIT_FSIZE, RLIMIT_NPROC, no core files; wall-clock kill of the "
                       "check's process group"}
 

@@ -12,7 +12,8 @@ gets the others, and the report says which held:
 - mounts, in the private mount namespace: size-capped tmpfs on /tmp, /var/tmp, /dev/shm, /run/lock (nothing there
   outlives the check, nothing of the host's is visible), a fresh /proc (hidepid), the check's writable folders as
   overlays on a size-capped tmpfs (a disk quota: writes beyond it fail with ENOSPC and cost memory, not disk), the
-  Python installation visible wherever it lives (only its own folders, read-only), and then every mount read-only
+  Python installation visible wherever it lives (only its own folders, read-only), the grader's checkout hidden
+  under an empty tmpfs (its references and stand-ins are not the submission's to run), and then every mount read-only
   but the check's own (the seal: without root the check runs as the grader's uid, so permissions alone protect
   nothing of the grader's).
 - seccomp (pyseccomp, when libseccomp is installed): no AF_UNIX sockets (no connecting to the host's filesystem
@@ -346,6 +347,10 @@ def _private_mounts(req: dict, keep: list[str], info: dict) -> None:
         except OSError as e:
             info.setdefault("tmpfs_errors", []).append(str(e))
     info["tmpfs"] = f"private {TMPFS_MB} MiB tmpfs on {', '.join(done)}" if done else "none"
+    try:
+        info["grader_code"] = hide_grader(req.get("grader_dir"), keep, python)
+    except OSError as e:
+        info["grader_code"] = f"not hidden: {e}"
     # What stays writable once everything else is made read-only (_seal): the private tmpfs themselves (not what
     # is bound back into them), the check's quota'd folders and its two result files.
     req["_writable_mounts"] = [(folder, False) for folder in done] + [(d, True) for d in writable] + \
@@ -442,6 +447,22 @@ def _locked_flags(path: str) -> int:
     return flags | (MS_RELATIME if st & ST_RELATIME else 0)
 
 
+def hide_grader(folder: str | None, keep: list[str], python: list[str]) -> str:
+    """Cover the grader's checkout with an empty tmpfs in our mount namespace (only the Python installation and the
+    check's own folders bound back where they live inside it): the grader's references, the stand-ins of other
+    checks and this project's own GPT-2 are not there to be read and executed by the submission. Says what held."""
+    if not folder:
+        return "not hidden: no checkout given"
+    folder = os.path.realpath(folder)
+    if not os.path.isdir(folder):  # under a private tmpfs already (a clone in /tmp): only Python came back there
+        return f"hidden: {folder} is under the check's private tmpfs"
+    holding = [p for p in python if folder == p or folder.startswith(p.rstrip(os.sep) + os.sep)]
+    if holding:
+        return f"not hidden: {folder} lies inside the Python installation ({holding[0]})"
+    bound = _cover(folder, "mode=0755,size=1m", MS_NOSUID | MS_NODEV, writable=keep, read_only=python)
+    return f"hidden: an empty tmpfs on {folder}" + (f", only {', '.join(bound)} bound back" if bound else "")
+
+
 def closed_folders(paths) -> dict[str, list[str]]:
     """{outermost folder closed to others: the paths (outermost() of them) it holds} for the paths under one."""
     closed = {}
@@ -529,8 +550,10 @@ def enter(req: dict, cgroup_dirs: dict | None) -> dict:
             _private_mounts(req, keep, info)
         except OSError as e:
             info["tmpfs"] = f"failed: {e}"
+        info.setdefault("grader_code", "not hidden: the private mounts failed")
     else:
         info["disk"] = info["tmpfs"] = info["proc"] = "none: no private mount namespace"
+        info["grader_code"] = "not hidden: no private mount namespace (the grader's files are readable where their modes allow)"
     with open("/proc/self/statm") as f:
         base = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")  # address space already mapped (torch)
     limits = {
@@ -561,6 +584,9 @@ def enter(req: dict, cgroup_dirs: dict | None) -> dict:
         os.setresuid(uid, uid, uid)
     elif not root:
         _drop_capabilities()  # those of the user namespace, if one was made
+    if info.get("grader_code", "").startswith("not hidden") and req.get("grader_dir"):  # then permissions decide
+        info["grader_code"] += ("; readable by the check's uid" if os.access(req["grader_dir"], os.R_OK | os.X_OK)
+                                else "; closed to the check's uid")
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # the waiter killed at the deadline takes us along
     info["uid"] = os.getuid()
     info["unix_sockets"] = _seccomp()

@@ -23,7 +23,6 @@ import sys
 import traceback
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 # Tiny sizes: head dim 8 >= T, so a one-hot value per key position reads the attention probabilities out directly.
@@ -44,6 +43,28 @@ class NotImplementedProbe(Exception):
 class Deviation(Exception):
     """An interface the grader cannot drive as the course defines it (signature, shape, missing name)."""
 
+
+# The stand-ins this check grades with (grading/standins.py: the layer check's attention, the model check's layers and
+# embed()), set by the fork server for the checks that need them; None in the others, so the submission's code in the
+# attention or embed check finds no stand-in to call.
+STANDINS = None
+# The rubric's forbidden calls for this check (grading/forbidden.py's Recorder, set by the fork server before the
+# submission is imported), or None when it lists none: `graded(part)` tells it which part the code running serves.
+FORBIDDEN = None
+
+
+@contextlib.contextmanager
+def graded(part_name):
+    """The submission's code run inside serves the rubric part `part_name` (None: a run that grades nothing): a
+    forbidden call made there is recorded against that part."""
+    if FORBIDDEN is None:
+        yield
+        return
+    outer, FORBIDDEN.part = FORBIDDEN.part, part_name
+    try:
+        yield
+    finally:
+        FORBIDDEN.part = outer
 
 LAYOUT_CAP_S, INFORMATION_CAP_S = 2.0, 5.0  # runs of the submission's code that grade nothing: never wait longer
 
@@ -266,56 +287,6 @@ def attention_module(layer, with_name=False):
     raise Deviation("GPT2Layer has no `self_attention` module")
 
 
-class RefAttention(nn.Module):
-    """The course's attention on given (W, b): stands in for the submission's when another component is graded."""
-
-    def __init__(self, w, unmerged=False):
-        super().__init__()
-        self.w, self.unmerged = w, unmerged  # unmerged: return (B, h, T, hd), as the submission's attention does
-
-    def forward(self, hidden_states, attention_mask, *args, **kwargs):  # course names; extra flags ignored
-        x, mask = hidden_states, attention_mask
-        q, k, v = (heads(x @ self.w[f"{n}.weight"].t() + self.w[f"{n}.bias"]) for n in ("query", "key", "value"))
-        if mask.dim() == 2:  # a submission that hands its layers the (B, T) mask
-            mask = (1.0 - mask[:, None, None, :].float()) * -10000.0
-        elif mask.dtype == torch.bool:
-            mask = (~mask).float() * -10000.0
-        s = q @ k.transpose(-1, -2) / math.sqrt(HD)
-        s = s.masked_fill(~torch.ones(x.shape[1], x.shape[1], dtype=torch.bool).tril(), float("-inf")) + mask
-        y = torch.softmax(s, dim=-1) @ v
-        if self.unmerged:
-            return y
-        return y.transpose(1, 2).reshape(x.shape[0], x.shape[1], D)
-
-
-class RefLayer(nn.Module):
-    """The course's pre-LN layer on the submission's effective weights, eps and GELU (eval mode)."""
-
-    def __init__(self, w, info):
-        super().__init__()
-        self.w, self.info = w, info
-        self.att = RefAttention({k[len("self_attention."):]: x for k, x in w.items() if k.startswith("self_attention.")})
-
-    def forward(self, hidden_states, attention_mask, *args, **kwargs):
-        x, mask, w = hidden_states, attention_mask, self.w
-        ln = lambda y, n, e: F.layer_norm(y, (D,), w[f"{n}.weight"], w[f"{n}.bias"], e)  # noqa: E731
-        x = x + F.linear(self.att(ln(x, "attention_layer_norm", self.info["eps_attn"]), mask),
-                         w["attention_dense.weight"], w["attention_dense.bias"])
-        approx = "tanh" if self.info.get("activation") == "tanh" else "none"
-        h = F.gelu(F.linear(ln(x, "out_layer_norm", self.info["eps_mlp"]), w["interm_dense.weight"],
-                            w["interm_dense.bias"]), approximate=approx)
-        return x + F.linear(h, w["out_dense.weight"], w["out_dense.bias"])
-
-
-def ref_embed(model):
-    """The course's embed() on the submission's own embedding tables (no dropout: the model is probed in eval)."""
-    we, pe = model.word_embedding.weight.detach(), model.pos_embedding.weight.detach()
-
-    def embed(input_ids):  # the course's argument name: the starter calls self.embed(input_ids=...)
-        return F.embedding(input_ids, we) + pe[: input_ids.shape[1]]
-    return embed
-
-
 def with_reference_attention(layer, given, notes, prefix=""):
     """Replace the layer's attention by the reference on the grader's weights, so the layer is graded on its own."""
     name, att = attention_module(layer, with_name=True)
@@ -323,14 +294,14 @@ def with_reference_attention(layer, given, notes, prefix=""):
          if k.startswith(prefix + "self_attention.")}
     unmerged = False
     try:  # keep the layout the layer expects from its attention: (B, T, D) or the heads unmerged
-        with torch.no_grad(), capped(LAYOUT_CAP_S):
+        with torch.no_grad(), capped(LAYOUT_CAP_S), graded(None):
             y = att.eval()(torch.randn(1, T, D, generator=gen(98)), torch.zeros(1, 1, 1, T))
         unmerged = torch.is_tensor(y) and y.dim() == 4
     except OverCap as e:  # a hanging attention costs the attention check, not this one
         notes.append(f"its attention {e} (the layout probe): the course's layout assumed")
     except Exception:  # noqa: BLE001  (a broken attention: the course's layout)
         pass
-    setattr(layer, name, RefAttention(w, unmerged))
+    setattr(layer, name, STANDINS.RefAttention(w, H, unmerged))
     notes.append("graded with the reference attention in place of the submission's (the attention check grades it)")
 
 
@@ -353,7 +324,8 @@ def raised_at(e: BaseException) -> str:
 def part(values, name, fn):
     """Run one graded part; a TODO or a deviation there costs that part only (recorded in values['parts'])."""
     try:
-        fn()
+        with graded(name):
+            fn()
     except (NotImplementedProbe, NotImplementedError) as e:
         values.setdefault("parts", {})[name] = f"not implemented: {e or type(e).__name__}"
     except Deviation as e:
@@ -394,13 +366,16 @@ def probe_attention(given, out, notes, values):
     att.eval()
     x = given["x"]
     with torch.no_grad():
-        for case, m in masks().items():
-            out[f"forward.{case}"] = merged(tensor_out(att(x, extended_mask(m, notes)), "CausalSelfAttention.forward"),
-                                            "CausalSelfAttention.forward", notes)
+        with graded("forward"):
+            for case, m in masks().items():
+                out[f"forward.{case}"] = merged(tensor_out(att(x, extended_mask(m, notes)),
+                                                           "CausalSelfAttention.forward"),
+                                                "CausalSelfAttention.forward", notes)
         # attention() on its own, with q/k/v in the course's (B, h, T, hd) layout
         q, k, v = (heads(x @ given[f"{n}.weight"].t() + given[f"{n}.bias"]) for n in ("query", "key", "value"))
         try:
-            y = tensor_out(att.attention(k, q, v, extended_mask(masks()["left"], notes)), "attention()")
+            with graded("attention"):
+                y = tensor_out(att.attention(k, q, v, extended_mask(masks()["left"], notes)), "attention()")
             out["attention.left"] = merged(y, "attention()", notes)
         except (TypeError, AttributeError, Deviation) as e:
             notes.append(f"attention() could not be called as attention(key, query, value, mask) ({e}); "
@@ -423,7 +398,7 @@ def probe_attention_training(given, cls, out, notes, values):
     try:
         run = lambda: att.attention(k, q, v, ext)  # noqa: E731
         att.eval()
-        with torch.no_grad():
+        with torch.no_grad(), graded("training"):
             tensor_out(run(), "attention()")
     except (TypeError, AttributeError, Deviation):
         # Through forward(): the grader's input carries a one-hot position in its first T features and `value` is
@@ -437,7 +412,7 @@ def probe_attention_training(given, cls, out, notes, values):
                 lin.weight[h * HD + torch.arange(T), torch.arange(T)] = 1.0
         att.value = lin
         run = lambda: att(given["train.x"], ext)  # noqa: E731
-    with torch.no_grad():
+    with torch.no_grad(), graded("training"):
         att.eval()
         probs = {"eval": run()}
         att.train()
@@ -472,12 +447,13 @@ def probe_layer(given, out, notes, values):
     randomize(layer, 11)
     install_layer(layer, given, notes)
     layer.eval()
-    measure_layer(layer, given, out)
+    with graded("forward"):  # its LayerNorms' eps and its GELU pick forward()'s reference
+        measure_layer(layer, given, out)
     own = attention_module(layer, with_name=True)
     with_reference_attention(layer, given, notes)
     x = given["x"]
     try:
-        with torch.no_grad():
+        with torch.no_grad(), graded("forward"):
             layer(x, extended_mask(masks()["nopad"], []))
     except TypeError as e:  # it calls its attention with another interface: its own attention, said so
         if "RefAttention" not in str(e):
@@ -486,10 +462,12 @@ def probe_layer(given, out, notes, values):
         notes[-1] = (f"its layer calls the attention with another interface ({e}): graded with its own attention, "
                      f"so attention bugs also show here")
     with torch.no_grad():
-        for case, m in masks().items():
-            out[f"forward.{case}"] = tensor_out(layer(x, extended_mask(m, notes)), "GPT2Layer.forward")
+        with graded("forward"):
+            for case, m in masks().items():
+                out[f"forward.{case}"] = tensor_out(layer(x, extended_mask(m, notes)), "GPT2Layer.forward")
         try:
-            y = layer.add(given["add.input"], given["add.output"], layer.attention_dense, layer.attention_dropout)
+            with graded("add"):
+                y = layer.add(given["add.input"], given["add.output"], layer.attention_dense, layer.attention_dropout)
             out["add"] = tensor_out(y, "GPT2Layer.add")
         except (TypeError, AttributeError) as e:
             notes.append(f"add(input, output, dense_layer, dropout) could not be called ({e}); graded through forward()")
@@ -530,12 +508,12 @@ def embedding_model(given, seed, **config):
 def probe_embed(given, out, notes, values):
     ids = given["ids"].long()
     model = embedding_model(given, 31).eval()
-    with torch.no_grad():
+    with torch.no_grad(), graded("embed"):
         out["embed"] = tensor_out(model.embed(ids), "GPT2Model.embed")
     # training mode with dropout 0.5: every entry must be dropped (0) or scaled by 1/(1-p), some dropped
     model = embedding_model(given, 31, hidden_dropout_prob=DROPOUT_P).train()
     torch.manual_seed(33)
-    with torch.no_grad():
+    with torch.no_grad(), graded("training"):
         out["embed.train"] = tensor_out(model.embed(ids), "GPT2Model.embed (training mode)")
 
 
@@ -546,17 +524,19 @@ def probe_model(given, out, notes, values):
         raise Deviation(f"GPT2Model built {len(layers)} layers for num_hidden_layers={L}")
     for i, layer in enumerate(layers):
         install_layer(layer, given, notes, f"gpt_layers.{i}.")
-        measure_layer(layer, given, out, f"gpt_layers.{i}.")
+        with graded("forward"):  # its layers' eps and GELU, where forward() falls back to them
+            measure_layer(layer, given, out, f"gpt_layers.{i}.")
     install_norm(model, "final_layer_norm", given["final_layer_norm.weight"], given["final_layer_norm.bias"],
                  "GPT2Model")
     model.eval()
-    measure_norm(model.final_layer_norm, given, out, "ln.final_layer_norm")
+    with graded("forward"):
+        measure_norm(model.final_layer_norm, given, out, "ln.final_layer_norm")
     # The model's own code on reference layers and embed(): their bugs cost their own checks, not this one.
     own = list(layers)
     for i in range(len(layers)):
         w = {k[len(f"gpt_layers.{i}."):]: x for k, x in given.items() if k.startswith(f"gpt_layers.{i}.")}
-        layers[i] = RefLayer(w, STAND_IN)
-    model.embed = ref_embed(model)
+        layers[i] = STANDINS.RefLayer(w, STAND_IN, H)
+    model.embed = STANDINS.ref_embed(model)
     notes.append("graded with reference layers and a reference embed() in place of the submission's "
                  "(the layer and embed checks grade those)")
     ids, mask = given["ids"].long(), masks()["right"]
@@ -616,19 +596,22 @@ def probe_from_pretrained(given, out, notes, values):
         params = inspect.signature(fp).parameters
     except (TypeError, ValueError):
         params = {}
-    if all(k in params for k in size):
-        model = fp(model="gpt2", **size) if "model" in params else fp("gpt2", **size)
-    else:
-        notes.append(f"from_pretrained takes {list(params)}, not (model, d, l, num_heads); called as from_pretrained('gpt2')")
-        model = fp("gpt2")
-    if model is None:
-        raise NotImplementedProbe("from_pretrained returned None")
-    model.eval()
-    loaded_weights(model, out)
+    with graded("from_pretrained"):
+        if all(k in params for k in size):
+            model = fp(model="gpt2", **size) if "model" in params else fp("gpt2", **size)
+        else:
+            notes.append(f"from_pretrained takes {list(params)}, not (model, d, l, num_heads); called as "
+                         f"from_pretrained('gpt2')")
+            model = fp("gpt2")
+        if model is None:
+            raise NotImplementedProbe("from_pretrained returned None")
+        model.eval()
+        loaded_weights(model, out)
     ids = given["ids"].long()
+
     def outputs():  # information only: capped, so a hang elsewhere in the model costs this check nothing
         try:
-            with capped(INFORMATION_CAP_S):
+            with capped(INFORMATION_CAP_S), graded(None):
                 run_model(model, ids, masks()["right"], out, "")
         except OverCap as e:
             raise Deviation(f"the loaded model's forward {e} (information only, not graded)") from None
@@ -643,22 +626,24 @@ def probe_adamw(given, out, notes, values):
     rng = np.random.default_rng(0)
     torch.manual_seed(0)
     model = nn.Linear(3, 2, bias=False)
-    opt = AdamW(model.parameters(), lr=1e-3, weight_decay=1e-4, correct_bias=True)
-    for _ in range(1000):
-        opt.zero_grad()
-        x = torch.FloatTensor(rng.uniform(size=[model.in_features]))
-        y = torch.Tensor([x[0] + x[1], -x[2]])
-        ((y - model(x)) ** 2).sum().backward()
-        opt.step()
+    with graded("course_test"):
+        opt = AdamW(model.parameters(), lr=1e-3, weight_decay=1e-4, correct_bias=True)
+        for _ in range(1000):
+            opt.zero_grad()
+            x = torch.FloatTensor(rng.uniform(size=[model.in_features]))
+            y = torch.Tensor([x[0] + x[1], -x[2]])
+            ((y - model(x)) ** 2).sum().backward()
+            opt.step()
     out["course.weight"] = model.weight.detach().clone()
     # The grader's net and batches, replayed by the grader with torch.optim.AdamW (two parameter groups, each with
     # its own lr, decay on one; see adamw_groups).
     net = adamw_net(given)
-    opt = AdamW(adamw_groups(net), lr=1e-3, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.0)
-    for x, y in zip(given["x"], given["y"]):
-        opt.zero_grad()
-        ((net(x) - y) ** 2).mean().backward()
-        opt.step()
+    with graded("torch_adamw"):
+        opt = AdamW(adamw_groups(net), lr=1e-3, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.0)
+        for x, y in zip(given["x"], given["y"]):
+            opt.zero_grad()
+            ((net(x) - y) ** 2).mean().backward()
+            opt.step()
     for n, p in net.named_parameters():
         out[f"torch.{n}"] = p.detach().clone()
 
@@ -746,6 +731,10 @@ def main(name, resultdir, args, given_path=None):
             info["device"] = "a hard-coded CUDA device: the code asks for 'cuda' on a machine without a GPU"
         if "memory" in str(e).lower() or "alloc" in str(e).lower():
             info["message"] += " (the sandbox's memory limit)"
+    if FORBIDDEN is not None:  # always written when watched: a result without it is malformed (grading/checks.py)
+        values["forbidden_calls"] = FORBIDDEN.report()
+        if FORBIDDEN.unwatched:
+            values["forbidden_unwatched"] = FORBIDDEN.unwatched
     if info["status"] == "ok":
         # written into the file the grader made (the result folder is read-only: no temporary file and rename)
         with open(os.path.join(resultdir, "tensors.safetensors"), "wb") as f:

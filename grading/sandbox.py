@@ -272,6 +272,11 @@ class Sandbox:
         self.packages: list[str] = []  # looked up in each check's sandbox before the submission runs (Run.sandbox)
 
     # ---- the warm fork server ----------------------------------------------------------------------------------
+    def warm(self) -> None:
+        """Start the fork server unless it runs (each check also does, if it died since)."""
+        if self._proc is None or self._proc.poll() is not None:
+            self._start()
+
     def _start(self) -> None:
         # huggingface_hub reads HF_HOME once, at import in the zygote; every child sees it through this link, which
         # each check points at its own copy of the cache.
@@ -280,7 +285,8 @@ class Sandbox:
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                "HF_HOME": os.path.join(self._home, "hf"), "HOME": self._home, "OMP_NUM_THREADS": "1",
                "TOKENIZERS_PARALLELISM": "false", "PYTHONDONTWRITEBYTECODE": "1"}
-        self._proc = subprocess.Popen([sys.executable, "-I", str(ZYGOTE)], stdin=subprocess.PIPE,
+        # -B: -I ignores PYTHONDONTWRITEBYTECODE, and the fork server writes nothing into the grader's checkout
+        self._proc = subprocess.Popen([sys.executable, "-I", "-B", str(ZYGOTE)], stdin=subprocess.PIPE,
                                       stdout=subprocess.PIPE, cwd=self._home, env=env, start_new_session=True,
                                       text=True)
         line = self._readline(300)
@@ -320,10 +326,10 @@ class Sandbox:
 
     # ---- one check ---------------------------------------------------------------------------------------------
     def run(self, probe: str, submission: str | os.PathLike, hf_home: str | os.PathLike | None = None,
-            timeout: float | None = None, given: dict | None = None) -> Run:
-        """Run one probe; `given` (name -> tensor) is handed to it read-only and kept on the Run for the comparison."""
-        if self._proc is None or self._proc.poll() is not None:
-            self._start()
+            timeout: float | None = None, given: dict | None = None, forbidden: list[str] | None = None) -> Run:
+        """Run one probe; `given` (name -> tensor) is handed to it read-only and kept on the Run for the comparison;
+        `forbidden` (the rubric's forbidden calls, grading/forbidden.py) are watched while the submission runs."""
+        self.warm()
         submission = Path(submission)
         timeout = timeout or self.limits.timeout
         before = _snapshot(submission)
@@ -363,7 +369,7 @@ class Sandbox:
                    "max_file_mb": self.limits.max_file_mb, "max_procs": self.limits.max_procs, "uid": self.uid,
                    "isolate_network": self.isolate_network, "disk_mb": self.limits.disk_mb,
                    "writable": [str(work), str(home)], "result_files": [str(f) for f in result_files],
-                   "packages": list(self.packages), "cpus": self.limits.cpus}
+                   "packages": list(self.packages), "cpus": self.limits.cpus, "forbidden": list(forbidden or [])}
             run = self._ask(req, timeout)
             run.given = dict(given or {})
             run.findings += copied

@@ -7,6 +7,7 @@ Forking a warm interpreter makes a check cost milliseconds of start-up instead o
 
 Nothing here imports this project (its module names collide with the submission's).
 """
+import ast
 import ctypes
 import importlib.util
 import itertools
@@ -16,6 +17,7 @@ import select
 import signal
 import sys
 import time
+import types
 
 GRADING_DIR = os.path.dirname(os.path.abspath(__file__))
 # Our own directory and the project's (on the path when it is installed in editable mode) must not be on the
@@ -37,9 +39,35 @@ _spec = importlib.util.spec_from_file_location("_grading_isolation", os.path.joi
 isolation = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(isolation)
 
+_spec = importlib.util.spec_from_file_location("_grading_forbidden", os.path.join(GRADING_DIR, "forbidden.py"))
+forbidden = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(forbidden)
+
 # Names a submission defines at top level; a warm import of any of them would shadow the submission's.
 SUBMISSION_NAMES = ("config", "models", "modules", "optimizer", "utils")
 COUNTER = itertools.count()
+# The stand-ins each check grades with (grading/standins.py); a check not named here gets none.
+STANDINS = {"layer": ("RefAttention",), "model": ("RefAttention", "RefLayer", "ref_embed")}
+# The grader's checkout: hidden from the check by an empty tmpfs (isolation.hide_grader), so its files (the
+# references, the stand-ins of other checks, this project's own GPT-2) cannot be read and executed there.
+CHECKOUT = os.path.realpath(os.path.dirname(GRADING_DIR) if os.path.dirname(GRADING_DIR) != os.sep else GRADING_DIR)
+
+
+def standins(probe: str):
+    """Just the stand-ins `probe` grades with, compiled from grading/standins.py in the check's process before the
+    sandbox hides the file: the others' code is never compiled there, so the submission cannot find or call them
+    (the layer check has the reference attention, never the reference layer). None for the other checks."""
+    names = STANDINS.get(probe)
+    if not names:
+        return None
+    path = os.path.join(GRADING_DIR, "standins.py")
+    with open(path) as f:
+        tree = ast.parse(f.read(), path)
+    tree.body = [node for node in tree.body
+                 if not isinstance(node, (ast.ClassDef, ast.FunctionDef)) or node.name in names]
+    namespace = {"__name__": "_grading_standins"}
+    exec(compile(tree, path, "exec"), namespace)
+    return types.SimpleNamespace(**{name: namespace[name] for name in names})
 
 
 def child(req: dict, report_fd: int, ack_fd: int) -> None:
@@ -57,6 +85,8 @@ def child(req: dict, report_fd: int, ack_fd: int) -> None:
         os.dup2(report_fd, 3)
         os.dup2(ack_fd, 4)
         os.closerange(5, 65536)  # the zygote's pipes and anything else inherited
+        probes.STANDINS = standins(req["probe"])  # read now: the sandbox hides the grader's checkout
+        req["grader_dir"] = CHECKOUT
         info = isolation.enter(req, req.get("cgroup_dirs"))  # namespaces, mounts, cgroup, limits, uid, seccomp
         # Which of the course's packages this sandbox cannot find, looked up before any of the submission's code
         # runs (its folder is not on the path yet): the grader's evidence for a grader-side gap, not the check's words.
@@ -71,6 +101,8 @@ def child(req: dict, report_fd: int, ack_fd: int) -> None:
         for name in list(sys.modules):
             if name.split(".")[0] in SUBMISSION_NAMES:
                 del sys.modules[name]
+        if req.get("forbidden"):  # the rubric's forbidden calls, watched before any of the submission's code runs
+            probes.FORBIDDEN = forbidden.Recorder(req["workdir"]).install(req["forbidden"])
         sys.path.insert(0, req["workdir"])
         torch.set_num_threads(1)
         code = probes.main(req["probe"], req["resultdir"], req.get("args", {}), req.get("given"))

@@ -414,6 +414,7 @@ def test_a_grader_without_root_isolates_the_check_in_a_user_namespace():
     assert [sandbox[k] for k in ("network", "ipc", "mount", "pid")] == ["isolated"] * 4, sandbox
     assert sandbox["tmpfs"].startswith("private") and sandbox["disk"].startswith("quota"), sandbox
     assert sandbox["proc"].startswith("private") and sandbox["unix_sockets"].startswith("seccomp"), sandbox
+    assert sandbox["grader_code"] == f"hidden: an empty tmpfs on {ROOT.resolve()}", sandbox  # outside /tmp: covered
 
 
 @ROOT_ONLY
@@ -444,6 +445,10 @@ def test_a_container_without_namespaces_grades_says_what_did_not_hold_and_cleans
         assert sandbox[layer].startswith("not isolated: unshare(CLONE_NEW") and "not permitted" in sandbox[layer]
     assert sandbox["tmpfs"] == sandbox["disk"] == "none: no private mount namespace", sandbox
     assert sandbox["uid"] >= 200000 and sandbox["unix_sockets"].startswith("seccomp"), sandbox
+    # no mount namespace to hide the grader's checkout: said, with whether the check's uid can read it
+    assert sandbox["grader_code"].startswith("not hidden: no private mount namespace"), sandbox
+    assert sandbox["grader_code"].endswith("; readable by the check's uid" if os.stat(ROOT).st_mode & 0o005 == 0o005
+                                           else "; closed to the check's uid"), sandbox
     findings = " ".join(check["messages"])
     assert lock.name in findings and "SysV shared memory segment" in findings, check["messages"]
     assert left == [], f"{left} outlived the check"

@@ -268,3 +268,22 @@ def test_the_whole_submission_has_a_deadline_besides_each_checks(tmp_path):
     assert by["attention"].score == 0 and "timed out" in " ".join(by["attention"].messages)
     assert by["layer"].score == 0 and "not run: the submission's 6 s" in " ".join(by["layer"].messages)
     assert report.seconds < 30
+
+
+def test_the_graders_own_start_is_not_the_submissions_time(tmp_path, monkeypatch):
+    """The fork server's cold start (seconds on a busy machine: torch and transformers imported) and the hub checkpoint
+    are the grader's set-up: a submission whose checks fit its deadline gets them all, however slow that start."""
+    import time
+
+    from grading.sandbox import Limits, Sandbox
+
+    start = Sandbox._start
+
+    def slow_start(self):
+        time.sleep(4)
+        start(self)
+    monkeypatch.setattr(Sandbox, "_start", slow_start)
+    with Grader(limits=Limits(timeout=10, submission_timeout=4)) as g:
+        report = g.grade(write_submission(tmp_path / "sub"), ("attention",))
+    (check,) = report.checks
+    assert check.score == 16, check.messages

@@ -81,8 +81,9 @@ def test_correct_submission_gets_full_marks_from_run_autograder(autograder, tmp_
     assert adamw["max_score"] == (30 if has_npy else 20)  # the packed rubric's split
     assert has_npy or "optimizer_test.npy" in adamw["output"], adamw["output"]
     sandbox = results["extra_data"]["sandbox"]
-    assert set(sandbox) >= {"network_isolated", "network", "own_uid", "limits"}
+    assert set(sandbox) >= {"network_isolated", "network", "own_uid", "limits", "grader_code"}
     assert "Sandbox: network" in results["output"]
+    assert (autograder / "source").stat().st_mode & 0o777 == 0o700  # closed to the checks' uids (issue 36)
 
 
 def test_broken_submissions_get_a_results_file_with_the_reason(autograder, tmp_path):
@@ -118,6 +119,7 @@ def test_namespaces_forbidden_degrades_and_says_so(autograder, tmp_path):
     held = results["extra_data"]["sandbox"]
     assert held["network_isolated"] is False and "Operation not permitted" in held["network"]
     assert held["own_uid"] is False
+    assert held["grader_code"].startswith("not hidden: no private mount namespace"), held  # said, not claimed
     assert "NOT isolated" in results["output"]
 
 

@@ -1,0 +1,160 @@
+"""Issue 36, "Done when": the untouched starter carrying each of the issue's payloads (bench/grading_payloads.py)
+scores what it earns, the grader's files, its venv and another student's submission are unchanged (sha256 before and
+after), and no run fails: as root in one warm grader, and as an unprivileged user in a user namespace (a `--batch` of
+all of them, from a copy of the checkout and a venv in /tmp that the user owns, as a course's staff would run it).
+
+bench/grading_payloads.py prints the same matrix from one `python -m grading` run per payload (docs/grading.md).
+"""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import pwd
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from bench.grading_payloads import (
+    PAYLOADS,
+    changed,
+    forbidden_rubric,
+    grader_files,
+    make,
+    other_submission,
+    synthetic_starter,
+    tree_state,
+)
+from grading.grader import Grader, load_rubric
+from grading.sandbox import Limits
+
+ROOT = Path(__file__).resolve().parents[1]
+STARTER_EARNS = 28  # the course gives GPT2Model.forward (10) and from_pretrained (18)
+TIMEOUT = 8  # per check: the hanging attention costs this once
+SMALL = dict(spinners=8, spin_s=1.0)  # the CPU hog, smaller than the bench's 58 spinners
+# Left to the root-mode test here (bench/grading_payloads.py runs every payload in both modes): deadlines and CPU,
+# which hold the same in both modes, and the rubric's forbidden calls.
+ROOT_MODE_ONLY = ("hang_attention", "many_files", "cpu_hog", "hf_blocks_forbidden")
+# caches left out of the grader's files where this process itself may write them (its lazy imports)
+GRADER_SKIP = () if sys.dont_write_bytecode else ("__pycache__",)
+
+
+def expected(name):
+    return STARTER_EARNS + PAYLOADS[name].gain
+
+
+def what_it_achieved(name, checks):
+    """The payload's own output where it says it got what it tried, less what the check it ran in is meant to hold
+    (the layer check grades with the reference attention: it may find that one)."""
+    lines = {f"{c['name']}: {line.strip()}" for c in checks for line in c.get("output", "").splitlines()
+             if line.startswith(PAYLOADS[name].leaks)}
+    return sorted(line for line in lines if not line.startswith("layer: BORROWED RefAttention"))
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    base = tmp_path_factory.mktemp("payloads")
+    starter = synthetic_starter(base / "starter")
+    other = other_submission(base / "other")
+    return {"base": base, "starter": starter, "other": other, "rubric": forbidden_rubric(base / "forbidden.json"),
+            "venv": tree_state([sys.prefix], content=False)}
+
+
+@pytest.fixture(scope="module")
+def graders(world):
+    with Grader(limits=Limits(timeout=TIMEOUT)) as default, \
+            Grader(rubric=load_rubric(world["rubric"]), limits=Limits(timeout=TIMEOUT)) as forbidding:
+        yield {"default": default, "forbidden": forbidding}
+
+
+@pytest.mark.parametrize("name", list(PAYLOADS))
+def test_root_mode_the_starter_with_each_payload_scores_what_it_earns_and_changes_nothing(world, graders, name):
+    sub = make(name, world["starter"], world["base"] / name, world["other"], **SMALL)
+    grader_before, other_before = tree_state(grader_files(ROOT), skip=GRADER_SKIP), tree_state([world["other"]])
+    report = graders[PAYLOADS[name].rubric].grade(sub)  # raising here would be the CLI's non-zero exit
+    data = report.to_dict()
+    assert (report.total, report.max_total) == (expected(name), 100), \
+        {c.name: (c.score, c.max_score, [p.message for p in c.parts][:3]) for c in report.checks}
+    assert tree_state(grader_files(ROOT), skip=GRADER_SKIP) == grader_before, "the grader's files changed"
+    assert tree_state([world["other"]]) == other_before, "another student's submission changed"
+    assert what_it_achieved(name, data["checks"]) == [], what_it_achieved(name, data["checks"])
+    assert not any("grader-side gap (pip install" in e for e in report.environment), report.environment
+    if name == "hf_blocks_forbidden":
+        assert any("forbidden call transformers.models.gpt2.modeling_gpt2.GPT2Attention" in m
+                   for c in report.checks for m in c.messages), [c.messages for c in report.checks]
+
+
+def test_root_mode_the_venv_is_unchanged_after_every_payload(world, graders):
+    """Every file of this Python's venv (size, mtime, ctime: any write, chmod or utime shows) as before the payloads
+    of this module ran (run after them, in file order)."""
+    assert tree_state([sys.prefix], content=False) == world["venv"]
+
+
+def grading_user():
+    for name in ("cloudsdk", "nobody"):
+        try:
+            return pwd.getpwnam(name)
+        except KeyError:
+            continue
+    return None
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="becoming an unprivileged user needs a root test run")
+def test_nonroot_mode_a_batch_of_every_payload_scores_what_each_earns_and_changes_nothing():
+    from test_grading_hostile import exposing_python
+
+    from bench.grading_payloads import nonroot_setup
+
+    user = grading_user()
+    if user is None or not Path("/usr/bin/setpriv").exists() or not Path("/usr/bin/unshare").exists():
+        pytest.skip("needs an unprivileged user (cloudsdk or nobody), setpriv and unshare")
+    base = Path(tempfile.mkdtemp(prefix="grading-payloads-"))
+    try:
+        os.chmod(base, 0o711)
+        checkout, python = nonroot_setup(base / "env", base / "checkout", user)
+        names = [n for n in PAYLOADS if n not in ROOT_MODE_ONLY]
+        subs = base / "subs"
+        starter = synthetic_starter(base / "starter")
+        other = other_submission(subs / "other")
+        for name in names:
+            make(name, starter, subs / name, other, **SMALL)
+        subprocess.run(["chown", "-R", f"{user.pw_uid}:{user.pw_gid}", str(subs)], check=True)
+        (base / "out").mkdir()
+        os.chown(base / "out", user.pw_uid, user.pw_gid)
+        owned = [*grader_files(checkout), python.parent.parent]  # the user's own: writable by the grader's uid
+        before = {"grader": tree_state(owned), "other": tree_state([other]), "outer": tree_state([sys.prefix],
+                                                                                                 content=False)}
+        stage = base / "stage"
+        stage.mkdir()
+        prefix = exposing_python(stage, f"setpriv --reuid={user.pw_uid} --regid={user.pw_gid} --clear-groups "
+                                        f"--inh-caps=-all --bounding-set=-all")
+        csv_path = base / "out" / "scores.csv"
+        run = subprocess.run([*prefix, str(python), "-m", "grading", "--batch", str(subs), "--csv", str(csv_path),
+                              "--jobs", "1", "--timeout", str(TIMEOUT)], cwd=checkout, capture_output=True, text=True,
+                             timeout=900, env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(base / "out"),
+                                               "HF_HUB_OFFLINE": "1", "PYTHONDONTWRITEBYTECODE": "1"})
+        assert run.returncode == 0, run.stderr[-3000:]
+        after = {"grader": tree_state(owned), "other": tree_state([other]), "outer": tree_state([sys.prefix],
+                                                                                                content=False)}
+        rows = {Path(r["submission"]).name: r for r in csv.DictReader(csv_path.open())}
+        reports = {}
+        for f in (base / "out" / "scores-reports").glob("*.json"):
+            record = json.loads(f.read_text())
+            if isinstance(record, dict) and record.get("report"):
+                reports[Path(record["report"]["submission"]).name] = record["report"]
+    finally:
+        subprocess.run(["rm", "-rf", str(base)])
+    assert {k: changed(before[k], after[k]) for k in before} == {"grader": [], "other": [], "outer": []}
+    assert float(rows["other"]["score"]) == float(rows["other"]["max_score"]) > 0, rows["other"]  # graded as usual
+    for name in names:
+        row = rows[name]
+        assert row["error"] == "" and float(row["score"]) == expected(name) and float(row["max_score"]) == 100, \
+            (name, row)
+        assert what_it_achieved(name, reports[name]["checks"]) == [], (name, what_it_achieved(name, reports[name]["checks"]))
+    sandbox = reports["none"]["sandbox"]
+    assert sandbox["uid"] == user.pw_uid, sandbox
+    if sandbox.get("user_namespace") == "isolated":
+        assert sandbox["read_only"].startswith("everything read-only") and sandbox["grader_code"].startswith("hidden")

@@ -37,6 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.machine import print_machine_header  # noqa: E402
+from bench.results import Recorder  # noqa: E402
 
 MARKER = "ANOTHER-STUDENTS-OWN-CODE-7f3a"  # in the other submission's attention.py; a payload that reads it prints LEAK
 
@@ -704,6 +705,16 @@ def main(argv=None) -> int:
             elif r["exit"] or r["score"] != baseline.get(r["mode"], 0) + PAYLOADS[r["payload"]].gain \
                     or any(r["changed"].values()) or r["achieved"]:
                 print(f"NOTE {r['mode']} {r['payload']}: {json.dumps({k: r[k] for k in ('exit', 'score', 'changed', 'achieved', 'findings', 'stderr')})[:1500]}")
+        rec = Recorder("grading_payloads")
+        for mode in dict.fromkeys(r["mode"] for r in rows):
+            graded = [r for r in rows if r["mode"] == mode and r["payload"] != "(whole run)"]
+            held = [r for r in graded if not r["exit"] and not any(r["changed"].values()) and not r["achieved"]
+                    and r["score"] == baseline.get(mode, 0) + PAYLOADS[r["payload"]].gain]
+            rec.add(f"payloads on {kind.split(' (')[0]}, {mode}", {"payloads": len(graded), "held": len(held),
+                    "starter's score": baseline.get(mode) or 0}, "payloads", ratio=len(held) / max(len(graded), 1),
+                    ratio_of="share of payloads that changed no score, file or exit code",
+                    notes="; ".join(r["payload"] for r in graded if r not in held) or None)
+        rec.write()
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps({"commit": commit, "starter": kind, "rows": rows}, indent=1) + "\n")
         print(f"wrote {args.out}")

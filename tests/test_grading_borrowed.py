@@ -11,65 +11,15 @@ from __future__ import annotations
 import pytest
 from test_grading import STARTER
 
+from bench.grading_payloads import FIND
 from grading.example import write_submission
 from grading.grader import Grader
 from grading.sandbox import Limits
 
 STARTER_EARNS = 28  # the course gives GPT2Model.forward (10) and from_pretrained (18)
 
-# Every way a student has found to the grader's objects: the fork server's modules (sys.modules['__main__'] holds
-# the probe module), the frames of the probe that calls the submission, the garbage collector, and the grader's own
-# files (the fork server's __file__ names its folder).
-FIND = '''
-
-def _grader_object(name):
-    import gc, os, sys
-
-    def in_modules():
-        for mod in list(vars(sys.modules["__main__"]).values()) + list(sys.modules.values()):
-            if name in getattr(mod, "__dict__", {}):
-                return mod.__dict__[name]
-
-    def in_frames():
-        f = sys._getframe(1)
-        while f is not None:
-            if name in f.f_globals:
-                return f.f_globals[name]
-            f = f.f_back
-
-    def in_gc():
-        for o in gc.get_objects():
-            try:
-                if getattr(o, "__name__", None) == name and callable(o):
-                    return o
-                if isinstance(o, dict) and callable(o.get(name)):
-                    return o[name]
-            except Exception:  # objects whose attributes raise
-                pass
-
-    def in_files():
-        here = os.path.dirname(os.path.abspath(sys.modules["__main__"].__file__))
-        for folder in (here, os.path.join(os.path.dirname(here), "grading")):
-            for f in sorted(os.listdir(folder)):
-                text = open(os.path.join(folder, f)).read() if f.endswith(".py") else ""
-                if f"class {name}(" in text or f"def {name}(" in text:
-                    ns = {"__name__": "borrowed_" + f[:-3]}
-                    exec(compile(text, f, "exec"), ns)
-                    return ns[name]
-
-    for way, look in (("sys.modules", in_modules), ("the probe's frames", in_frames), ("gc", in_gc),
-                      ("the grader's files", in_files)):
-        try:
-            found = look()
-        except Exception as e:
-            print("LOOKED", name, "in", way, type(e).__name__, e, flush=True)
-            found = None
-        if found is not None:
-            print("BORROWED", name, "via", way, flush=True)
-            return found
-    print("NOT FOUND", name, flush=True)
-    raise NotImplementedError(f"{name}: not reachable")
-'''
+# Every way a student has found to the grader's objects (the fork server's modules, the probe's frames, the garbage
+# collector, the grader's own files): the payload the bench's matrix uses, bench/grading_payloads.py's FIND.
 ATTENTION_BORROWED = '''
     def attention(self, key, query, value, attention_mask):
         B, h, T, hd = query.shape

@@ -85,13 +85,15 @@ class Recorder:
     def __init__(self, bench: str, device: str = "cpu"):
         self.bench, self.device = bench, device
         self.rows: list[dict] = []
-        self.commit = current_commit()
+        self.commit: str | None = None  # asked of git at the first row, not when a benchmark module is imported
 
     def add(self, row: str, values: dict[str, float], unit: str, *, ratio: float | None = None,
             ratio_of: str | None = None, target: str | None = None, met: bool | None = None,
             notes: str | None = None, **extra) -> dict:
         if not values or not all(isinstance(v, (int, float)) for v in values.values()):
             raise ValueError(f"{self.bench} {row}: values must be a non-empty {{contender: number}}, got {values!r}")
+        if self.commit is None:
+            self.commit = current_commit()
         record = {"bench": self.bench, "row": row, "values": {k: float(v) for k, v in values.items()}, "unit": unit,
                   "ratio": ratio, "ratio_of": ratio_of, "target": target, "met": met, "notes": notes, **extra,
                   "machine": machine_info(self.device), "commit": self.commit,

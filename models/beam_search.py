@@ -27,7 +27,14 @@ import math
 import torch
 import torch.nn.functional as F
 
-from models.generation import apply_repetition_penalty, check_request, decode_lm_head, mark_seen, prefill
+from models.generation import (
+    apply_repetition_penalty,
+    check_request,
+    closing_threads,
+    decode_lm_head,
+    mark_seen,
+    prefill,
+)
 from modules.linear import prepared_rows
 
 EARLY_STOPPING = (False, True, "never")
@@ -82,7 +89,10 @@ def beam_search(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | N
         fin_seqs, fin_scores = seqs.clone(), torch.full((B, N), float("-inf"), device=device)  # sorted, best first
         fin_len = torch.zeros(B, N, dtype=torch.long, device=device)
         done = torch.zeros(B, dtype=torch.bool, device=device)
+        threads = prepared.enter_context(closing_threads(model, hidden.shape[0])) if device.type == "cpu" else None
         for step in range(max_new_tokens):
+            if threads is not None:
+                threads.step()
             new_len, last = step + 1, step == max_new_tokens - 1
             logp = F.log_softmax(lm_head(hidden).float(), dim=-1)  # (B*N, V)
             if seen is not None:

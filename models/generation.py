@@ -11,6 +11,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from models.decode_threads import DecodeThreads
 from modules import rows as row_kernel
 from modules.attention import KVCache
 from modules.linear import blocked_product, int8_weights, prepared_rows, row_blocks, weight_first
@@ -182,6 +183,16 @@ def decode_lm_head(body, batch_size: int, quantize: str | None = None):
 
 
 @torch.no_grad()
+@contextlib.contextmanager
+def closing_threads(model, rows: int, quantize: str | None = None):
+    """A DecodeThreads for one decode loop of `rows` rows, restoring torch's thread count when the loop ends."""
+    threads = DecodeThreads((rows, quantize, sum(p.numel() for p in model.parameters())))
+    try:
+        yield threads
+    finally:
+        threads.close()
+
+
 def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, max_new_tokens: int = 20,
              do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
              repetition_penalty: float = 1.0, eos_token_id: int | None = None, pad_token_id: int | None = None,
@@ -217,7 +228,11 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
                                                                 repetition_penalty, eos_token_id, pad_token_id)
         out = torch.full((B, T + max_new_tokens), pad, dtype=torch.long, device=input_ids.device)
         out[:, :T] = input_ids
+        if input_ids.is_cpu:  # the steps' thread count, chosen by timing them (models/decode_threads.py)
+            threads = quantized.enter_context(closing_threads(model, B, quantize))
         for step in range(max_new_tokens):
+            if input_ids.is_cpu:
+                threads.step()
             # bf16 models give bf16 logits: filters and sampling work in fp32.
             logits = process_logits(lm_head(hidden).float(), seen, temperature if do_sample else 1.0,
                                     top_k if do_sample else None, top_p if do_sample else None, repetition_penalty)

@@ -1,0 +1,131 @@
+"""How many threads decoding steps use, chosen by timing the steps themselves.
+
+A decode step is a few hundred small products and kernels, each ending in a barrier where every thread of the team
+must arrive. On a quiet machine all threads share the work and the step runs near the memory's speed. When another
+process holds a core, a thread of ours waits for its turn on that core at every barrier, and a step that took 25 ms
+takes 100-400 ms (docs/performance.md, "Busy machines"): fewer threads, even one, are then several times faster. No
+rule written on one machine says when: so the steps are timed, and the thread count follows what the clock shows.
+
+`DecodeThreads` tries the candidates (torch's thread count, its halves, down to 1) one step each at the start of a
+decode loop, keeps the fastest, and re-tries each other candidate now and then (every 8 steps at first, backing off
+to every 64 while it keeps losing), so a machine that turns busy or quiet mid-call is followed within a few steps.
+torch's thread count is restored when the loop ends. The pick is remembered per (batch, model size) for the next
+call in this process, which then starts from it.
+
+Results do not depend on the thread count for the rows kernel (each output row is one thread's sum); torch's own
+products may round differently with another count (to float rounding: a seeded sample changes only if a draw falls
+within that rounding of a boundary).
+
+GPT2_DECODE_THREADS=off keeps torch's thread count for every step; GPT2_DECODE_THREADS=N uses N threads.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections import deque
+
+import torch
+
+ENV = "GPT2_DECODE_THREADS"
+FIRST_PERIOD, LONGEST_PERIOD = 8, 64  # steps between re-tries of a candidate: after a win, and at most
+WINDOW = 3  # the recent steps per candidate whose median is compared
+_last_pick: dict[tuple, int] = {}  # (batch, parameters) -> the thread count the last call ended with
+
+
+def candidates(threads: int) -> list[int]:
+    """threads, its halves, down to 1: [8, 4, 2, 1] for 8; [6, 3, 1] for 6."""
+    out = [threads]
+    while out[-1] > 1:
+        out.append(max(1, out[-1] // 2))
+    return out
+
+
+def fixed_threads() -> int | None | str:
+    """GPT2_DECODE_THREADS: None when unset (adapt), 'off', or a positive int; anything else is an error."""
+    value = os.environ.get(ENV, "").strip().lower()
+    if value in ("", "auto"):
+        return None
+    if value == "off":
+        return "off"
+    if value.isdigit() and int(value) > 0:
+        return int(value)
+    raise ValueError(f"{ENV} must be 'auto', 'off' or a positive thread count, got {value!r}")
+
+
+class DecodeThreads:
+    """Call `step()` at the top of each decode iteration and `close()` after the loop (try/finally).
+
+    step() records the time since the previous call against the thread count that ran it, then sets the count for
+    the coming step: an untried candidate, a due re-try, or the fastest so far (median of its last WINDOW steps)."""
+
+    def __init__(self, key: tuple = (), threads: int | None = None):
+        self.original = torch.get_num_threads()
+        setting = fixed_threads()
+        top = threads or self.original
+        if setting == "off" or (setting is None and top <= 1):
+            self.options: list[int] = []
+        elif isinstance(setting, int):
+            self.options = [setting]
+        else:
+            self.options = candidates(top)
+        self.key = key
+        self.times = {n: deque(maxlen=WINDOW) for n in self.options}
+        self.period = dict.fromkeys(self.options, FIRST_PERIOD)
+        self.due = dict.fromkeys(self.options, 0)  # the step at which each candidate is next tried
+        self.best = _last_pick.get(key, self.options[0]) if self.options else None
+        if self.best not in self.times:
+            self.best = self.options[0] if self.options else None
+        self.current: int | None = None
+        self.steps = 0
+        self.last: float | None = None
+        self.history: list[int] = []  # the thread count of each step (for tests and the benchmark's note)
+
+    def step(self) -> None:
+        if not self.options:
+            return
+        now = time.perf_counter()
+        if self.last is not None and self.current is not None:
+            self._record(self.current, now - self.last)
+        n = self._choose()
+        if n != torch.get_num_threads():
+            torch.set_num_threads(n)
+        self.current = n
+        self.history.append(n)
+        self.steps += 1
+        self.last = time.perf_counter()
+
+    def _median(self, n: int) -> float:
+        return statistics.median(self.times[n]) if self.times[n] else float("inf")
+
+    def _record(self, n: int, seconds: float) -> None:
+        if n == self.best:
+            if self.times[n] and seconds > 2 * self._median(n):
+                self.due = dict.fromkeys(self.options, self.steps)  # the machine changed: re-try the others now
+            self.times[n].append(seconds)
+            return
+        if seconds < self._median(self.best):
+            old, self.best = self.best, n  # the other count is faster now: keep it, and re-try the old best soon
+            self.times[n] = deque([seconds], maxlen=WINDOW)  # its older times were of another machine state
+            self.period[old], self.due[old] = FIRST_PERIOD, self.steps + FIRST_PERIOD
+        else:
+            self.times[n].append(seconds)
+            self.period[n] = min(2 * self.period[n], LONGEST_PERIOD)
+            self.due[n] = self.steps + self.period[n]
+
+    def _choose(self) -> int:
+        if self.steps == 0 or len(self.options) == 1:
+            return self.best  # the first step also pays for anything the call builds: not a fair trial
+        for n in self.options:
+            if n != self.best and not self.times[n] and self.times[self.best]:
+                return n  # untried, once the best has a time to be compared with
+        for n in self.options:
+            if n != self.best and self.steps >= self.due[n] and self.times[n]:
+                return n
+        return self.best
+
+    def close(self) -> None:
+        if self.options:
+            _last_pick[self.key] = self.best
+            if torch.get_num_threads() != self.original:
+                torch.set_num_threads(self.original)

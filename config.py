@@ -340,6 +340,8 @@ class GPT2Config:
         out = {**self.extra, **d}
         model_type = VARIANT_MODEL_TYPE if self.hf_incompatibilities() else "gpt2"
         out.update(model_type=model_type, architectures=["GPT2LMHeadModel"], activation_function=self.activation_function)
+        # the official files' field, which transformers no longer writes and llama.cpp's convert_hf_to_gguf.py reads
+        out["n_ctx"] = self.n_positions
         return out
 
     def to_json_file(self, path: str | os.PathLike) -> None:

@@ -141,3 +141,13 @@ def test_missing_or_broken_config_file(tmp_path):
     (tmp_path / "bad.json").write_text("{not json")
     with pytest.raises(ValueError, match="not valid JSON"):
         GPT2Config.from_json_file(tmp_path / "bad.json")
+
+
+def test_config_json_carries_n_ctx_for_llama_cpp(tmp_path):
+    """The official config.json's n_ctx (the context length), which llama.cpp's convert_hf_to_gguf.py reads:
+    written from n_positions, and never a stale value carried over from a loaded file."""
+    d = GPT2Config(n_positions=256).to_dict()
+    assert d["n_ctx"] == 256
+    (tmp_path / "config.json").write_text(json.dumps({**d, "n_ctx": 999}))
+    loaded = GPT2Config.from_json_file(tmp_path / "config.json").replace(n_positions=128)
+    assert loaded.to_dict()["n_ctx"] == 128

@@ -1,4 +1,4 @@
-"""Weight-only int8 (modules/quant.py) and generate(quantize="int8")."""
+"""Weight-only int8 and int4 (modules/quant.py) and generate(quantize="int8")."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -10,7 +10,7 @@ from config import GPT2Config
 from models.gpt2 import GPT2LMHeadModel
 from modules import rows as row_kernel
 from modules.linear import Linear, int8_weights
-from modules.quant import int8_linear, quantize_int8
+from modules.quant import Int4Weight, int8_linear, quantize_int4, quantize_int8
 
 
 @pytest.fixture
@@ -61,6 +61,66 @@ def test_quantize_int8_rejects_bad_weights():
         quantize_int8(torch.ones(4, 4, dtype=torch.long))
     with pytest.raises(ValueError, match="features"):
         int8_linear(torch.randn(1, 5), quantize_int8(torch.randn(3, 4)))
+
+
+def test_quantize_int4_rounds_each_group_to_half_a_step():
+    """Groups of 32 along in_features, each with its own scale max|group| / 7: every dequantized weight within half
+    a step of its group (scale / 2), values in -7..7 with +-7 reached in every group, an all-zero group exactly zero,
+    and groups 1000x apart in magnitude each as fine as their own size allows."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(6, 128, generator=g) * torch.tensor([1e3, 1.0, 1e-3, 30.0])[None, :].repeat_interleave(32, 1)
+    w[2, 32:64] = 0.0
+    w4 = quantize_int4(w)
+    assert w4.q.dtype == torch.uint8 and w4.q.shape == (6, 64) and w4.scale.shape == (6, 4) and w4.group == 32
+    assert w4.nbytes == 6 * 64 + 6 * 4 * 4
+    v = w4.values()
+    assert v.dtype == torch.int8 and int(v.min()) >= -7 and int(v.max()) <= 7
+    group_max = v.view(6, 4, 32).abs().amax(-1)
+    assert bool((group_max == 7).sum() == 6 * 4 - 1) and int(group_max[2, 1]) == 0  # the zero group: scale 1, q 0
+    err = (w4.dequantize() - w).view(6, 4, 32).abs()
+    assert bool((err <= w4.scale[:, :, None] / 2 * (1 + 1e-6)).all()), (err.amax(-1), w4.scale / 2)
+    assert torch.equal(w4.dequantize()[2, 32:64], torch.zeros(32))
+    assert w4.dequantize(torch.bfloat16).dtype == torch.bfloat16
+    assert torch.equal(quantize_int4(w.double()).q, w4.q)  # any float weight, its scales fp32
+    assert quantize_int4(w.bfloat16()).scale.dtype == torch.float32
+
+
+def test_int4_packing_is_the_documented_layout():
+    """Byte k of block j of a row: column 32j + k in the low nibble, column 32j + 16 + k in the high one, 4-bit two's
+    complement; -8 (never written by quantize_int4) reads back as -8 * scale."""
+    v = torch.tensor([(c * 5) % 15 - 7 for c in range(64)], dtype=torch.float32)[None]  # every value of -7..7
+    w4 = quantize_int4(v)
+    assert torch.equal(w4.scale, torch.ones(1, 2)) and torch.equal(w4.values(), v.to(torch.int8))
+    for j in range(2):
+        for k in range(16):
+            low, high = int(v[0, 32 * j + k]), int(v[0, 32 * j + 16 + k])
+            assert int(w4.q[0, 16 * j + k]) == (low & 0xF) | ((high & 0xF) << 4)
+    q = torch.full((1, 16), 0x8F, dtype=torch.uint8)  # low nibble -1, high nibble -8
+    deq = Int4Weight(q, torch.tensor([[0.5]]), 32).dequantize()
+    assert torch.equal(deq, torch.tensor([[-0.5] * 16 + [-4.0] * 16]))
+
+
+def test_int4_groups_of_64():
+    w = torch.randn(3, 128, generator=torch.Generator().manual_seed(3))
+    w4 = quantize_int4(w, group=64)
+    assert w4.scale.shape == (3, 2) and w4.group == 64
+    err = (w4.dequantize() - w).view(3, 2, 64).abs()
+    assert bool((err <= w4.scale[:, :, None] / 2 * (1 + 1e-6)).all())
+    torch.testing.assert_close(w4.scale, w.view(3, 2, 64).abs().amax(-1) / 7)
+
+
+def test_quantize_int4_rejects_bad_weights():
+    with pytest.raises(ValueError, match="2-d"):
+        quantize_int4(torch.randn(64))
+    with pytest.raises(ValueError, match="floating-point"):
+        quantize_int4(torch.ones(4, 64, dtype=torch.long))
+    with pytest.raises(ValueError, match="in_features divisible by the group: 48 features, group 32"):
+        quantize_int4(torch.randn(4, 48))
+    with pytest.raises(ValueError, match="in_features divisible by the group: 96 features, group 64"):
+        quantize_int4(torch.randn(4, 96), group=64)
+    for group in (16, 0, -32, 48):
+        with pytest.raises(ValueError, match=f"positive multiple of 32 columns, got group={group}"):
+            quantize_int4(torch.randn(4, 96), group=group)
 
 
 @pytest.mark.parametrize("rows", [1, 5])

@@ -25,7 +25,8 @@ what int8 saves on such a CPU; inductor compiles on the first call per weight sh
 Without a working compiler, and for several rows, the weight is dequantized to the activation's dtype (correct,
 slower than the float weights: modules.linear keeps int8 to one-row products).
 
-torch has no product that reads 4-bit weights: modules/rows.cpp multiplies 1 to 8 rows by int4 weights.
+torch has no product that reads 4-bit weights: 1 to 8 rows of int4 take modules/rows.cpp wherever it builds (x86
+with AVX2 or AVX512), everything else the dequantized weight (decoding rows that find no kernel warn, once).
 """
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ from torch import nn
 
 from modules import rows as row_kernel
 
-QUANTIZE_MODES = ("int8",)  # generate(quantize=...); int4 joins once routed
+QUANTIZE_MODES = ("int8", "int4")
 INT4_BLOCK = 32  # columns per packed block of 16 bytes; a group is whole blocks
 
 
@@ -116,6 +117,9 @@ def quantize_int4(weight: torch.Tensor, group: int = 32) -> Int4Weight:
     b = q.view(out, n_in // INT4_BLOCK, 2, INT4_BLOCK // 2)  # [.., 0, k]: column k of a block, [.., 1, k]: 16 + k
     packed = (b[:, :, 0] & 0x0F) | (b[:, :, 1] << 4)  # int8 arithmetic: the high nibble's sign bits fall off
     return Int4Weight(packed.view(torch.uint8).reshape(out, n_in // 2).contiguous(), scale.contiguous(), group)
+
+
+QUANTIZERS = {"int8": quantize_int8, "int4": quantize_int4}  # the keys are QUANTIZE_MODES
 
 
 def _gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -197,21 +201,58 @@ def int8_linear(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None =
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
-def prepared_int8(weight: Int8Weight, bias: torch.Tensor | None = None):
-    """`weight`'s one-row product prepared in the rows kernel (rows.prepared) where the kernel pays for int8 on this
-    CPU, else None. It takes fp32, contiguous CPU rows; other inputs go to int8_linear."""
-    if weight.q.is_cpu and row_kernel.pays(torch.int8, 1) and row_kernel.available():
+_warned_int4 = False  # the no-kernel warning is given once a process
+
+
+def int4_linear(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight.dequantize(x.dtype), bias) for x (..., in) -> (..., out) in x's dtype: 1 to 8 rows take
+    modules/rows.cpp where it runs (rows.pays: AVX2 or AVX512), anything else the dequantized weight (made at each
+    call; a one-time warning where CPU decoding rows find no kernel)."""
+    global _warned_int4
+    if x.shape[-1] != 2 * weight.q.shape[1]:
+        raise ValueError(f"input has {x.shape[-1]} features, the int4 weight takes {2 * weight.q.shape[1]}")
+    rows = x.reshape(-1, x.shape[-1])
+    if row_kernel.pays(torch.uint8, rows.shape[0]) and row_kernel.applies(rows, weight.q):
+        return row_kernel.rows_linear(x, weight.q, bias, weight.scale)
+    if not _warned_int4 and rows.shape[0] <= row_kernel.MAX_ROWS and not torch.is_grad_enabled():
+        _warned_int4 = True
+        warnings.warn(f"int4 decoding without the int4 kernel (modules/rows.cpp takes fp32 or bf16 rows on x86 CPUs "
+                      f"with AVX2 and a C++ compiler; here {x.device.type} {x.dtype}, torch's CPU capability "
+                      f"{torch.backends.cpu.get_cpu_capability()}, kernel built: {row_kernel.available()}): each "
+                      "product dequantizes its weight, so the outputs are int4's but slower than the float weights",
+                      stacklevel=2)
+    y = F.linear(rows, weight.dequantize(x.dtype), None if bias is None else bias.to(x.dtype))
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def quantize(weight: torch.Tensor, mode: str) -> Int8Weight | Int4Weight:
+    """`weight` in one of QUANTIZE_MODES ("int8": per-row scales, "int4": groups of 32)."""
+    if mode not in QUANTIZERS:
+        raise ValueError(f"quantize must be one of {QUANTIZE_MODES}, got {mode!r}")
+    return QUANTIZERS[mode](weight)
+
+
+def quantized_linear(x: torch.Tensor, weight: Int8Weight | Int4Weight, bias: torch.Tensor | None = None):
+    """F.linear(x, weight.dequantize(), bias) by the product int8_linear or int4_linear chooses."""
+    return (int4_linear if isinstance(weight, Int4Weight) else int8_linear)(x, weight, bias)
+
+
+def prepared_quantized(weight: Int8Weight | Int4Weight, bias: torch.Tensor | None = None):
+    """`weight`'s one-row product prepared in the rows kernel (rows.prepared) where the kernel pays for its format on
+    this CPU, else None. It takes fp32, contiguous CPU rows; other inputs go to quantized_linear."""
+    if weight.q.is_cpu and row_kernel.pays(weight.q.dtype, 1) and row_kernel.available():
         return row_kernel.prepared(weight.q, bias, weight.scale)
     return None
 
 
-def cached_int8(owner: nn.Module, weight: torch.Tensor, name: str = "_int8_cache") -> Int8Weight:
-    """The int8 copy of `weight` kept on `owner`, quantized again only when the weight changed (new storage or an
-    in-place update: training steps and load_state_dict are seen)."""
-    key = (weight.data_ptr(), weight._version, tuple(weight.shape), weight.dtype)
+def cached_quantized(owner: nn.Module, weight: torch.Tensor, mode: str,
+                     name: str = "_quantized_cache") -> Int8Weight | Int4Weight:
+    """The `mode` copy of `weight` kept on `owner` (one copy: asking for another mode replaces it), quantized again
+    only when the weight changed (new storage or an in-place update: training steps and load_state_dict are seen)."""
+    key = (weight.data_ptr(), weight._version, tuple(weight.shape), weight.dtype, mode)
     cached = owner.__dict__.get(name)
     if cached is None or cached[0] != key:
-        cached = (key, quantize_int8(weight))
+        cached = (key, quantize(weight, mode))
         owner.__dict__[name] = cached
     return cached[1]
 

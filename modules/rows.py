@@ -161,7 +161,7 @@ def prepared(weight: torch.Tensor, bias: torch.Tensor | None = None, scale: torc
     contiguous, with 1 to 8 rows, returning (..., out) fp32 (rows_linear makes one per call). The decode loop keeps
     one per layer: the checks and conversions cost about 8 us a call, 0.6 ms a gpt2 token. The function holds the
     tensors it points at, so the pointers stay valid; it reads their current values (in-place changes are seen), and
-    is made again when a tensor is replaced (int8_weights does so at every generate call)."""
+    is made again when a tensor is replaced (quantized_weights does so at every generate call)."""
     if weight.dtype == torch.int8 and scale is None:
         raise ValueError("an int8 weight needs its per-row scale")
     if not weight.is_contiguous():

@@ -3,7 +3,7 @@ sonnet_generation.py does; write generated_sonnets.txt (and generated_sonnets_de
 the run's folder (OUTPUT_DIR/predictions; `--predictions_dir predictions` for the course's layout; an existing file
 is replaced only with --overwrite, or --resume in a run that trains) and grade the dev completions with chrF
 (sacrebleu CHRF() defaults, prompt lines included) after every epoch and at the end. Runs that do not train default to their own folders:
-checkpoints/sonnet-generate-{greedy,sample,beamN}[-int8] and checkpoints/sonnet-baseline-{prompts,random_sonnet-seedS}.
+checkpoints/sonnet-generate-{greedy,sample,beamN}[-int8|-int4] and checkpoints/sonnet-baseline-{prompts,random_sonnet-seedS}.
 
     # the course's run: official gpt2 weights, 10 epochs, batch 8, lr 1e-5, sampling at temperature 1.2, top-p 0.9
     python run_sonnet.py --use_gpu
@@ -82,8 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="> 1 makes tokens already in the sonnet less likely (CTRL-style)")
     dec.add_argument("--max_new_tokens", type=int, default=128, help="tokens generated after each prompt (course: 128)")
     dec.add_argument("--quantize", choices=QUANTIZE_MODES,
-                     help="with --generate_only: decode with weight-only int8 copies of the weights, one prompt at a "
-                          "time (faster on CPUs with AVX2 or better; close to, not equal to, the model's own output)")
+                     help="with --generate_only: decode with weight-only int8 or int4 copies of the weights, one "
+                          "prompt at a time (close to, not equal to, the model's own output; int4 needs inputs of "
+                          "multiples of 32)")
     m = parser.add_argument_group("mode")
     m.add_argument("--generate_only", action="store_true",
                    help="no fine-tuning: complete the prompts with --model as it is (e.g. a best/ checkpoint)")

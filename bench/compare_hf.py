@@ -432,8 +432,9 @@ def _print_int8(ours, rates: dict, outs: dict) -> None:
     from modules.linear import Linear
 
     best_hf = max((v for k, v in rates.items() if k.startswith("hf")), default=None)
-    copies = [m.__dict__["_int8_cache"][1] for m in ours.modules() if isinstance(m, Linear) and "_int8_cache" in m.__dict__]
-    head = ours.gpt.__dict__["_int8_head"][1]
+    copies = [m.__dict__["_quantized_cache"][1] for m in ours.modules()
+              if isinstance(m, Linear) and "_quantized_cache" in m.__dict__]
+    head = ours.gpt.__dict__["_quantized_head"][1]
     int8_bytes = sum(w.nbytes for w in copies + [head])
     other = sum(p.numel() * p.element_size() for m in ours.modules() if not isinstance(m, (Linear, torch.nn.Embedding))
                 for p in m.parameters(recurse=False))  # layer norms and such; an embedding gives one row a token

@@ -1,8 +1,8 @@
-"""What weight-only int8 costs in quality: validation perplexity of a trained model with fp32 weights and with int8
-weights (every linear layer and the LM head, per-row scales), and how many greedy continuations keep their first
-tokens.
+"""What weight-only int8 and int4 cost in quality: validation perplexity of a trained model with fp32 weights, with
+int8 weights (every linear layer and the LM head, per-row scales) and with int4 weights (groups of 32 inputs), and
+how many greedy continuations keep their first tokens.
 
-    # a small BPE model pretrained on tiny shakespeare, then its int8 quality
+    # a small BPE model pretrained on tiny shakespeare, then its int8 and int4 quality
     python run_pretrain.py --data ../shared/data/tinyshakespeare/input.txt --tokenizer ../shared/gpt2-tokenizer \
         --n_layer 2 --n_head 4 --n_embd 128 --n_positions 128 --block_size 64 --output_dir out/bpe-tiny
     python bench/int8_quality.py --model out/bpe-tiny/best --prompts 20 --new-tokens 32
@@ -27,25 +27,28 @@ from bench.machine import print_machine_header  # noqa: E402
 from bench.results import Recorder  # noqa: E402
 from models.gpt2 import GPT2LMHeadModel  # noqa: E402
 from modules.linear import Linear  # noqa: E402
-from modules.quant import int8_linear, quantize_int8  # noqa: E402
+from modules.quant import quantize, quantized_linear  # noqa: E402
+
+MODES = ("int8", "int4")
 
 
 @torch.no_grad()
-def perplexity(model, ids: torch.Tensor, block: int, int8: bool) -> float:
-    """exp(mean next-token loss) over consecutive blocks of `ids`; int8: every linear layer and the LM head from
-    their int8 weights (dequantized: the values the one-row kernel multiplies by), the embedding lookup as is."""
-    if int8:
+def perplexity(model, ids: torch.Tensor, block: int, mode: str | None = None) -> float:
+    """exp(mean next-token loss) over consecutive blocks of `ids`; mode "int8" or "int4": every linear layer and the
+    LM head from their quantized weights (dequantized: the values the one-row kernel multiplies by), the embedding
+    lookup as is."""
+    if mode:
         model = copy.deepcopy(model)
         for m in model.modules():
             if type(m) is Linear:
-                m.weight.copy_(quantize_int8(m.weight).dequantize(m.weight.dtype))
+                m.weight.copy_(quantize(m.weight, mode).dequantize(m.weight.dtype))
     body, total, count = model.gpt, 0.0, 0
-    head = quantize_int8(body.lm_head_weight) if int8 else None
+    head = quantize(body.lm_head_weight, mode) if mode else None
     for start in range(0, ids.numel() - block - 1, block):
         x = ids[start: start + block + 1][None]
-        if int8:
+        if mode:
             hidden = body(x[:, :-1])["last_hidden_state"]
-            logits = body.logit_softcap(int8_linear(hidden, head))  # several rows: the dequantized head
+            logits = body.logit_softcap(quantized_linear(hidden, head))  # several rows: the dequantized head
         else:
             logits = model(x[:, :-1])["logits"]
         total += F.cross_entropy(logits[0].float(), x[0, 1:], reduction="sum").item()
@@ -73,27 +76,37 @@ def main() -> None:
     block = min(model.config.n_positions, 256)
     print(f"model {args.model}: {model.num_parameters() / 1e6:.2f}M parameters; validation {ids.numel()} tokens; "
           f"cpu capability {torch.backends.cpu.get_cpu_capability()}; load {os.getloadavg()[0]:.1f}", flush=True)
-    ppl = {name: perplexity(model, ids, block, name == "int8") for name in ("fp32", "int8")}
-    print(f"perplexity fp32 {ppl['fp32']:.3f}  int8 {ppl['int8']:.3f}  difference "
-          f"{100 * (ppl['int8'] / ppl['fp32'] - 1):+.2f}% (target within 1%)", flush=True)
+    ppl = {"fp32": perplexity(model, ids, block)}
+    for mode in MODES:
+        ppl[mode] = perplexity(model, ids, block, mode)
+    print(f"perplexity fp32 {ppl['fp32']:.3f}" + "".join(
+        f"  {mode} {ppl[mode]:.3f} ({100 * (ppl[mode] / ppl['fp32'] - 1):+.2f}%)" for mode in MODES)
+        + " (int8 target: within 1%)", flush=True)
 
     step = max(1, (ids.numel() - args.prompt_tokens) // args.prompts)
-    same, first_diff = 0, []
-    for i in range(args.prompts):
-        prompt = ids[i * step: i * step + args.prompt_tokens][None]
-        a = model.generate(prompt, max_new_tokens=args.new_tokens)[0, args.prompt_tokens:]
-        b = model.generate(prompt, max_new_tokens=args.new_tokens, quantize="int8")[0, args.prompt_tokens:]
-        same += bool(torch.equal(a, b))
-        diff = (a != b).nonzero()
-        first_diff.append(int(diff[0]) if diff.numel() else args.new_tokens)
-    print(f"greedy: first {args.new_tokens} tokens identical on {same} of {args.prompts} prompts; tokens before "
-          f"the first difference: {first_diff}", flush=True)
+    prompts = [ids[i * step: i * step + args.prompt_tokens][None] for i in range(args.prompts)]
+    fp32 = [model.generate(p, max_new_tokens=args.new_tokens)[0, args.prompt_tokens:] for p in prompts]
+    same = {}
+    for mode in MODES:
+        same[mode], first_diff = 0, []
+        for prompt, a in zip(prompts, fp32):
+            b = model.generate(prompt, max_new_tokens=args.new_tokens, quantize=mode)[0, args.prompt_tokens:]
+            same[mode] += bool(torch.equal(a, b))
+            diff = (a != b).nonzero()
+            first_diff.append(int(diff[0]) if diff.numel() else args.new_tokens)
+        print(f"greedy {mode}: first {args.new_tokens} tokens identical to fp32's on {same[mode]} of {args.prompts} "
+              f"prompts; tokens before the first difference: {first_diff}", flush=True)
     rec = Recorder("int8_quality")
-    rec.add(f"perplexity, {Path(args.model).name} ({model.num_parameters() / 1e6:.1f}M)", ppl, "perplexity",
+    name = f"{Path(args.model).name} ({model.num_parameters() / 1e6:.1f}M)"
+    greedy = {mode: f"greedy: first {args.new_tokens} tokens identical on {same[mode]} of {args.prompts} prompts"
+              for mode in MODES}
+    rec.add(f"perplexity, {name}", {"fp32": ppl["fp32"], "int8": ppl["int8"]}, "perplexity",
             ratio=ppl["int8"] / ppl["fp32"], ratio_of="int8 / fp32", target="within 1%",
             met=abs(ppl["int8"] / ppl["fp32"] - 1) <= 0.01,
-            notes=f"{ids.numel()} validation tokens; greedy: first {args.new_tokens} tokens identical on {same} of "
-                  f"{args.prompts} prompts")
+            notes=f"{ids.numel()} validation tokens; {greedy['int8']}")
+    rec.add(f"perplexity int4, {name}", {"fp32": ppl["fp32"], "int4": ppl["int4"]}, "perplexity",
+            ratio=ppl["int4"] / ppl["fp32"], ratio_of="int4 / fp32",
+            notes=f"{ids.numel()} validation tokens; groups of 32; {greedy['int4']}")
     rec.write()
 
 

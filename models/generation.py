@@ -14,9 +14,9 @@ import torch.nn.functional as F
 from models.decode_threads import DecodeThreads
 from modules import rows as row_kernel
 from modules.attention import KVCache
-from modules.linear import blocked_product, int8_weights, prepared_rows, row_blocks, weight_first
+from modules.linear import blocked_product, prepared_rows, quantized_weights, row_blocks, weight_first
 from modules.masks import position_ids_from_mask
-from modules.quant import QUANTIZE_MODES, cached_int8, int8_linear, prepared_int8
+from modules.quant import QUANTIZE_MODES, cached_quantized, prepared_quantized, quantized_linear
 
 
 def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
@@ -162,15 +162,19 @@ def mark_seen(seen: torch.Tensor, next_ids: torch.Tensor) -> None:
 
 def decode_lm_head(body, batch_size: int, quantize: str | None = None):
     """hidden (B, C) -> logits (B, V) for the decode loop, in the layout that streams the weights fastest
-    (quantize="int8" at batch 1: from an int8 copy of the head, kept on the body; the embedding stays as it is)."""
+    (quantize="int8" or "int4" at batch 1: from a quantized copy of the head, kept on the body; the embedding lookup
+    stays as it is)."""
     weight, softcap = body.lm_head_weight, body.logit_softcap  # softcap: nn.Identity unless the config caps logits
-    if quantize == "int8" and batch_size == 1:
-        head = cached_int8(body, weight, "_int8_head")
-        call = prepared_int8(head)
+    if quantize is not None and batch_size == 1:
+        try:
+            head = cached_quantized(body, weight, quantize, "_quantized_head")
+        except ValueError as err:
+            raise ValueError(f"quantize={quantize!r}: the LM head: {err}") from None
+        call = prepared_quantized(head)
         if call is not None:
             return lambda hidden: softcap(call(hidden) if hidden.dtype == torch.float32 and hidden.is_contiguous()
-                                          else int8_linear(hidden, head))
-        return lambda hidden: softcap(int8_linear(hidden, head))
+                                          else quantized_linear(hidden, head))
+        return lambda hidden: softcap(quantized_linear(hidden, head))
     if weight.device.type != "cpu":
         return body.hidden_state_to_token
     if row_kernel.pays(weight.dtype, batch_size) and row_kernel.available() and weight.is_contiguous():
@@ -203,9 +207,12 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     is finished: later positions hold pad_token_id (default: eos_token_id). Decoding stops early once every row is
     finished. Sampling draws from `generator` when given, so a seeded generator repeats the same text.
     Beam search is models.beam_search.beam_search; GPT2LMHeadModel.generate(num_beams=N) chooses between the two.
-    quantize="int8": batch-1 decoding steps read weight-only int8 copies of every linear layer and of the LM head
-    (per-row scales, modules/quant.py; kept on the model for later calls, a quarter of the fp32 weights); the
-    prompt and batches keep the model's weights. Outputs are close to the model's own, not identical.
+    quantize="int8" or "int4": batch-1 decoding steps read weight-only copies of every linear layer and of the LM
+    head (modules/quant.py; kept on the model for later calls): "int8" one scale per output row, a quarter of the
+    fp32 weights; "int4" one scale per 32 inputs of a row (n_embd and every layer's inputs must be multiples of 32),
+    about a sixth, read by modules/rows.cpp on x86 CPUs with AVX2 (elsewhere dequantized at each product, with a
+    warning: correct, slow). The prompt and batches keep the model's weights. Outputs are close to the model's own,
+    not identical; int4's further than int8's.
     """
     check_request(model, input_ids, attention_mask, max_new_tokens, repetition_penalty)
     if quantize is not None and quantize not in QUANTIZE_MODES:
@@ -219,9 +226,9 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     lm_head = decode_lm_head(body, B, quantize)
     was_training = model.training
     model.eval()
-    quantized = contextlib.ExitStack()  # int8 layers and prepared kernel products for this call only
-    if quantize == "int8":
-        quantized.enter_context(int8_weights(model))
+    quantized = contextlib.ExitStack()  # quantized layers and prepared kernel products for this call only
+    if quantize is not None:
+        quantized.enter_context(quantized_weights(model, quantize))
     quantized.enter_context(prepared_rows(model, B))
     try:
         hidden, cache, positions, key_mask, seen, pad = prefill(model, input_ids, attention_mask, max_new_tokens,

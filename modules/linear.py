@@ -12,8 +12,9 @@ shapes stream slowly (the measurements: docs/performance.md, "Figures behind the
   row-blocked product, though the products alone did not.
 Same values up to float rounding (other summation kernels); training and every other shape take F.linear.
 bf16 inputs of 64+ rows without gradients on AMX CPUs take oneDNN-packed copies of the weights (modules/packed.py).
-Within `int8_weights(model)` one-row products (batch-1 decoding) take int8 copies of the weights (modules/quant.py);
-the prompt and batches keep the layer's own weights (dequantizing per call would cost more than int8 saves).
+Within `quantized_weights(model, "int8" | "int4")` one-row products (batch-1 decoding) take int8 or int4 copies of
+the weights (modules/quant.py); the prompt and batches keep the layer's own weights (dequantizing per call would cost
+more than the smaller weights save).
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from torch import nn
 
 from modules import packed
 from modules import rows as row_kernel
-from modules.quant import Int8Weight, cached_int8, int8_linear, prepared_int8
+from modules.quant import Int4Weight, Int8Weight, cached_quantized, prepared_quantized, quantized_linear
 
 
 def weight_first(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -76,15 +77,15 @@ def blocked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 class Linear(nn.Linear):
     _blocks: tuple | None = None  # (key, Blocks | None): the decode views, rebuilt when the weights or threads change
-    int8: Int8Weight | None = None  # set within int8_weights(): one-row products take it (no gradient taken)
-    int8_call = None  # within int8_weights(), where the rows kernel pays: the int8 product prepared (rows.prepared)
+    quantized: Int8Weight | Int4Weight | None = None  # set within quantized_weights(): one-row products take it
+    quantized_call = None  # within quantized_weights(), where the rows kernel pays: its product prepared (rows.prepared)
     rows_call = None  # within prepared_rows(): (rows, this weight's product prepared in the rows kernel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.int8 is not None and x.shape[:-1].numel() == 1 and not torch.is_grad_enabled():
-            if self.int8_call is not None and x.dtype == torch.float32 and x.is_contiguous() and x.is_cpu:
-                return self.int8_call(x)
-            return int8_linear(x, self.int8, self.bias)
+        if self.quantized is not None and x.shape[:-1].numel() == 1 and not torch.is_grad_enabled():
+            if self.quantized_call is not None and x.dtype == torch.float32 and x.is_contiguous() and x.is_cpu:
+                return self.quantized_call(x)
+            return quantized_linear(x, self.quantized, self.bias)
         if packed.applies(x, self.weight):  # bf16 inference of many rows on an AMX CPU: the weight kept reordered
             return packed.product(self, "_packed", x, (self.weight,), (self.bias,))
         if x.dim() == 3 and x.shape[1] == 1 and x.is_cpu and not torch.is_grad_enabled():
@@ -129,16 +130,22 @@ def prepared_rows(model: nn.Module, rows: int):
 
 
 @contextlib.contextmanager
-def int8_weights(model: nn.Module):
-    """Within the block, every Linear of `model` (LoRA layers excepted) computes one-row inputs with an int8 copy
-    of its weight (per-row scales) whenever no gradient is taken; other inputs keep the layer's own weight. The copies stay on the layers for the next block (a quarter of
-    the fp32 weights' memory) and are made again only for weights that changed. Yields the layers."""
-    layers = [m for m in model.modules() if type(m) is Linear]
-    for layer in layers:
-        layer.int8 = cached_int8(layer, layer.weight)
-        layer.int8_call = prepared_int8(layer.int8, layer.bias)
+def quantized_weights(model: nn.Module, mode: str = "int8"):
+    """Within the block, every Linear of `model` (LoRA layers excepted) computes one-row inputs with a `mode` copy
+    of its weight (modules/quant.py: "int8" per-row scales, "int4" groups of 32) whenever no gradient is taken;
+    other inputs keep the layer's own weight. The copies stay on the layers for the next block (int8: a quarter of
+    the fp32 weights' memory, int4: about a sixth) and are made again only for weights that changed or another mode.
+    A weight the mode cannot take (int4: in_features not a multiple of 32) raises ValueError naming the layer.
+    Yields the layers."""
+    named = [(name, m) for name, m in model.named_modules() if type(m) is Linear]
     try:
-        yield layers
+        for name, layer in named:
+            try:
+                layer.quantized = cached_quantized(layer, layer.weight, mode)
+            except ValueError as err:
+                raise ValueError(f"quantize={mode!r}: layer {name}: {err}") from None
+            layer.quantized_call = prepared_quantized(layer.quantized, layer.bias)
+        yield [layer for _, layer in named]
     finally:
-        for layer in layers:
-            layer.int8 = layer.int8_call = None
+        for _, layer in named:
+            layer.quantized = layer.quantized_call = None

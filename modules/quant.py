@@ -1,7 +1,20 @@
-"""Weight-only int8 for decoding: each Linear's weight as int8 with one fp32 scale per output row (symmetric,
-scale = max|row| / 127), activations untouched (fp32 or bf16).
+"""Weight-only int8 and int4 for decoding: each Linear's weight as int8 with one fp32 scale per output row, or as
+int4 with one fp32 scale per group of 32 inputs of a row; activations untouched (fp32 or bf16).
 
-Decoding one token streams every weight once per token, so 1 byte per weight instead of 4 (fp32) reads 4x less.
+Decoding one token streams every weight once per token, so 1 byte per weight instead of 4 (fp32) reads 4x less,
+half a byte (plus 4 bytes of scale per 32 weights: 0.625 bytes a weight) 6.4x less.
+
+int8 (Int8Weight): symmetric per output row, scale = max|row| / 127, q = round(w / scale) in -127..127.
+
+int4 (Int4Weight), symmetric per group: the weights of row o, columns g*G .. g*G + G - 1 (G = `group`, 32 by default,
+a multiple of 32 that divides in_features) share scale[o, g] = max|those weights| / 7 (an all-zero group: 1), and
+q = round(w / scale) in -7..7; -8, which the 4-bit two's complement also holds, is never written (symmetric) but
+reads back as -8 * scale. Two values a byte, in blocks of 32 columns: byte k of block j of a row (packed column
+16j + k) holds column 32j + k in its low nibble and column 32j + 16 + k in its high nibble, each a 4-bit two's
+complement. So a block's 16 bytes unpack into two 16-value vectors (AVX512) or four 8-value ones (AVX2) of
+consecutive columns, each by shifting the nibble to the top of a 32-bit lane and back (llama.cpp's Q4_0 blocks are
+laid out the same way, with fp16 scales). Shapes: q uint8 (out, in / 2), scale fp32 (out, in / G).
+
 torch's own int8 kernels (torch._weight_int8pack_mm, torch._int_mm, fbgemm's dynamic quantized Linear) read the
 weights far slower than fp32 F.linear at one row on the CPU (the measurements: docs/performance.md, "Figures behind
 the code"). So one-row products take a kernel of ours that reads int8, converts in registers and multiplies-adds,
@@ -11,6 +24,9 @@ word (`_gemv_packed`: twice the byte loop's speed there, still slower than fp32,
 what int8 saves on such a CPU; inductor compiles on the first call per weight shape: seconds to a minute).
 Without a working compiler, and for several rows, the weight is dequantized to the activation's dtype (correct,
 slower than the float weights: modules.linear keeps int8 to one-row products).
+
+torch has no product that reads 4-bit weights: 1 to 8 rows of int4 take modules/rows.cpp wherever it builds (x86
+with AVX2 or AVX512), everything else the dequantized weight (decoding rows that find no kernel warn, once).
 """
 from __future__ import annotations
 
@@ -24,7 +40,8 @@ from torch import nn
 
 from modules import rows as row_kernel
 
-QUANTIZE_MODES = ("int8",)
+QUANTIZE_MODES = ("int8", "int4")
+INT4_BLOCK = 32  # columns per packed block of 16 bytes; a group is whole blocks
 
 
 class Int8Weight(NamedTuple):
@@ -40,17 +57,69 @@ class Int8Weight(NamedTuple):
         return self.q.numel() * self.q.element_size() + self.scale.numel() * self.scale.element_size()
 
 
+class Int4Weight(NamedTuple):
+    """A (out, in) weight as 4-bit values packed two a byte `q` (out, in / 2) uint8 and fp32 `scale` (out, in / group)
+    per group of `group` columns (the layout: this module's docstring): weight ~= unpacked q * scale per group."""
+    q: torch.Tensor
+    scale: torch.Tensor
+    group: int
+
+    def values(self) -> torch.Tensor:
+        """The 4-bit values as int8 (out, in), in column order."""
+        out, half = self.q.shape
+        b = self.q.view(torch.int8).view(out, half // (INT4_BLOCK // 2), 1, INT4_BLOCK // 2)  # (out, blocks, 1, 16)
+        low, high = (b << 4) >> 4, b >> 4  # arithmetic shifts of int8: each nibble sign-extended
+        return torch.cat([low, high], dim=2).view(out, 2 * half)  # (out, blocks, 2, 16) -> (out, in)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        out, n_in = self.q.shape[0], 2 * self.q.shape[1]
+        w = self.values().to(torch.float32).view(out, n_in // self.group, self.group) * self.scale[:, :, None]
+        return w.view(out, n_in).to(dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.numel() * self.q.element_size() + self.scale.numel() * self.scale.element_size()
+
+
+def _check_weight(weight: torch.Tensor, what: str) -> torch.Tensor:
+    if weight.dim() != 2:
+        raise ValueError(f"{what} quantization takes a 2-d (out, in) weight, got shape {tuple(weight.shape)}")
+    if not weight.is_floating_point():
+        raise ValueError(f"{what} quantization takes a floating-point weight, got {weight.dtype}")
+    return weight.detach().to(torch.float32)
+
+
+def _symmetric(w: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scales along w's last dimension, max|w| / levels (1 where all are zero), and q = round(w / scale) as int8."""
+    amax = w.abs().amax(dim=-1)
+    scale = torch.where(amax > 0, amax / levels, torch.ones_like(amax))
+    return torch.round(w / scale[..., None]).clamp_(-levels, levels).to(torch.int8), scale
+
+
 def quantize_int8(weight: torch.Tensor) -> Int8Weight:
     """Symmetric per-output-channel int8: scale = max|row| / 127 (an all-zero row keeps scale 1), q = round(w / s)."""
-    if weight.dim() != 2:
-        raise ValueError(f"int8 quantization takes a 2-d (out, in) weight, got shape {tuple(weight.shape)}")
-    if not weight.is_floating_point():
-        raise ValueError(f"int8 quantization takes a floating-point weight, got {weight.dtype}")
-    w = weight.detach().to(torch.float32)
-    amax = w.abs().amax(dim=1)
-    scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
-    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    q, scale = _symmetric(_check_weight(weight, "int8"), 127)
     return Int8Weight(q.contiguous(), scale.contiguous())
+
+
+def quantize_int4(weight: torch.Tensor, group: int = 32) -> Int4Weight:
+    """Symmetric group-wise int4 (the layout: this module's docstring): scale = max|group| / 7 (an all-zero group
+    keeps scale 1), q = round(w / scale) in -7..7, packed two a byte. `group` must be a positive multiple of 32 that
+    divides in_features."""
+    w = _check_weight(weight, "int4")
+    out, n_in = w.shape
+    if group <= 0 or group % INT4_BLOCK:
+        raise ValueError(f"int4 groups must be a positive multiple of {INT4_BLOCK} columns, got group={group}")
+    if n_in % group:
+        raise ValueError(f"int4 quantization needs in_features divisible by the group: {n_in} features, "
+                         f"group {group}")
+    q, scale = _symmetric(w.view(out, n_in // group, group), 7)  # (out, groups, group), (out, groups)
+    b = q.view(out, n_in // INT4_BLOCK, 2, INT4_BLOCK // 2)  # [.., 0, k]: column k of a block, [.., 1, k]: 16 + k
+    packed = (b[:, :, 0] & 0x0F) | (b[:, :, 1] << 4)  # int8 arithmetic: the high nibble's sign bits fall off
+    return Int4Weight(packed.view(torch.uint8).reshape(out, n_in // 2).contiguous(), scale.contiguous(), group)
+
+
+QUANTIZERS = {"int8": quantize_int8, "int4": quantize_int4}  # the keys are QUANTIZE_MODES
 
 
 def _gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -132,21 +201,58 @@ def int8_linear(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None =
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
-def prepared_int8(weight: Int8Weight, bias: torch.Tensor | None = None):
-    """`weight`'s one-row product prepared in the rows kernel (rows.prepared) where the kernel pays for int8 on this
-    CPU, else None. It takes fp32, contiguous CPU rows; other inputs go to int8_linear."""
-    if weight.q.is_cpu and row_kernel.pays(torch.int8, 1) and row_kernel.available():
+_warned_int4 = False  # the no-kernel warning is given once a process
+
+
+def int4_linear(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight.dequantize(x.dtype), bias) for x (..., in) -> (..., out) in x's dtype: 1 to 8 rows take
+    modules/rows.cpp where it runs (rows.pays: AVX2 or AVX512), anything else the dequantized weight (made at each
+    call; a one-time warning where CPU decoding rows find no kernel)."""
+    global _warned_int4
+    if x.shape[-1] != 2 * weight.q.shape[1]:
+        raise ValueError(f"input has {x.shape[-1]} features, the int4 weight takes {2 * weight.q.shape[1]}")
+    rows = x.reshape(-1, x.shape[-1])
+    if row_kernel.pays(torch.uint8, rows.shape[0]) and row_kernel.applies(rows, weight.q):
+        return row_kernel.rows_linear(x, weight.q, bias, weight.scale)
+    if not _warned_int4 and rows.shape[0] <= row_kernel.MAX_ROWS and not torch.is_grad_enabled():
+        _warned_int4 = True
+        warnings.warn(f"int4 decoding without the int4 kernel (modules/rows.cpp takes fp32 or bf16 rows on x86 CPUs "
+                      f"with AVX2 and a C++ compiler; here {x.device.type} {x.dtype}, torch's CPU capability "
+                      f"{torch.backends.cpu.get_cpu_capability()}, kernel built: {row_kernel.available()}): each "
+                      "product dequantizes its weight, so the outputs are int4's but slower than the float weights",
+                      stacklevel=2)
+    y = F.linear(rows, weight.dequantize(x.dtype), None if bias is None else bias.to(x.dtype))
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def quantize(weight: torch.Tensor, mode: str) -> Int8Weight | Int4Weight:
+    """`weight` in one of QUANTIZE_MODES ("int8": per-row scales, "int4": groups of 32)."""
+    if mode not in QUANTIZERS:
+        raise ValueError(f"quantize must be one of {QUANTIZE_MODES}, got {mode!r}")
+    return QUANTIZERS[mode](weight)
+
+
+def quantized_linear(x: torch.Tensor, weight: Int8Weight | Int4Weight, bias: torch.Tensor | None = None):
+    """F.linear(x, weight.dequantize(), bias) by the product int8_linear or int4_linear chooses."""
+    return (int4_linear if isinstance(weight, Int4Weight) else int8_linear)(x, weight, bias)
+
+
+def prepared_quantized(weight: Int8Weight | Int4Weight, bias: torch.Tensor | None = None):
+    """`weight`'s one-row product prepared in the rows kernel (rows.prepared) where the kernel pays for its format on
+    this CPU, else None. It takes fp32, contiguous CPU rows; other inputs go to quantized_linear."""
+    if weight.q.is_cpu and row_kernel.pays(weight.q.dtype, 1) and row_kernel.available():
         return row_kernel.prepared(weight.q, bias, weight.scale)
     return None
 
 
-def cached_int8(owner: nn.Module, weight: torch.Tensor, name: str = "_int8_cache") -> Int8Weight:
-    """The int8 copy of `weight` kept on `owner`, quantized again only when the weight changed (new storage or an
-    in-place update: training steps and load_state_dict are seen)."""
-    key = (weight.data_ptr(), weight._version, tuple(weight.shape), weight.dtype)
+def cached_quantized(owner: nn.Module, weight: torch.Tensor, mode: str,
+                     name: str = "_quantized_cache") -> Int8Weight | Int4Weight:
+    """The `mode` copy of `weight` kept on `owner` (one copy: asking for another mode replaces it), quantized again
+    only when the weight changed (new storage or an in-place update: training steps and load_state_dict are seen)."""
+    key = (weight.data_ptr(), weight._version, tuple(weight.shape), weight.dtype, mode)
     cached = owner.__dict__.get(name)
     if cached is None or cached[0] != key:
-        cached = (key, quantize_int8(weight))
+        cached = (key, quantize(weight, mode))
         owner.__dict__[name] = cached
     return cached[1]
 

@@ -1,10 +1,12 @@
 // A few rows times a weight that streams from memory: y[b, o] = (sum_i x[b, i] * w[o, i]) * scale[o] + bias[o]
-// for x (B, in) fp32, B <= 8, and w (out, in) row-major in fp32, bf16 or int8 (scale: int8's per-row scales).
+// for x (B, in) fp32, B <= 8, and w (out, in) row-major in fp32, bf16 or int8 (scale: int8's per-row scales); or
+// int4 (modules/quant.py's Int4Weight): y[b, o] = sum_i x[b, i] * q[o, i] * scale[o, i / group] + bias[o].
 //
 // Decoding multiplies one to eight token rows by every weight matrix: the work is reading the weights, and torch's
 // kernels for these shapes read them well below the memory's speed (docs/performance.md). Here each weight row is
 // read once for all B input rows, converted to fp32 in registers (bf16: shift into the high half; int8: sign-extend
-// and convert), and multiplied into B accumulators; R weight rows at a time keep R x B independent sums in flight.
+// and convert; int4: shift each nibble to the top of a 32-bit lane and back, which sign-extends it, convert and
+// multiply by its group's scale), and multiplied into B accumulators; R weight rows at a time keep R x B independent sums in flight.
 // Sums are fp32 in a different order from torch's, so results agree to float rounding, not bit for bit.
 //
 // Built by modules/rows.py with -march=native on the machine that runs it: the AVX512 or AVX2 path is chosen by the
@@ -30,6 +32,15 @@ static inline vf wload(const uint16_t* p) {
 static inline vf wload(const int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
+static inline vf vset1(float v) { return _mm512_set1_ps(v); }
+static inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+// Vector v (0, 1) of an int4 block of 32 weights (16 bytes, byte k: weight k in the low nibble, weight 16 + k in the
+// high one): the 16 bytes widened to 32-bit lanes, the low (v = 0) or high (v = 1) nibble shifted to the lane's top
+// and arithmetically back, which sign-extends it; weights 16v .. 16v + 15.
+static inline vf int4_load(const uint8_t* block, int v) {
+  const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block)));
+  return _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(bytes, v == 0 ? 28 : 24), 28));
+}
 #elif defined(__AVX2__) && defined(__FMA__)
 constexpr int64_t kWidth = 8;
 using vf = __m256;
@@ -51,6 +62,15 @@ static inline vf wload(const int8_t* p) {
   // a full 8-byte load, sign-extended in register (no partial vector load through memory)
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
+static inline vf vset1(float v) { return _mm256_set1_ps(v); }
+static inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+// Vector v (0..3) of an int4 block of 32 weights (16 bytes, byte k: weight k low, weight 16 + k high): 8 bytes
+// (0-7 for v = 0 and 2, 8-15 for v = 1 and 3), their low (v < 2) or high nibbles sign-extended as in the AVX512
+// form; weights 8v .. 8v + 7.
+static inline vf int4_load(const uint8_t* block, int v) {
+  const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 8 * (v & 1))));
+  return _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(bytes, v < 2 ? 28 : 24), 28));
+}
 #else
 #error "rows.cpp needs AVX2 and FMA (modules/rows.py builds it only where torch reports AVX2 or AVX512)"
 #endif
@@ -71,10 +91,26 @@ static inline float to_float(uint16_t v) {
 // fixed distance, 8 rows 16.6-33.8 against 18.2-23.3 (the hardware prefetcher alone: 15-22).
 constexpr int64_t kPrefetch = 1024;
 
+// The weight as rows_at reads it. Dense: fp32, bf16 or int8 rows of `in` values (scale: int8's per-row scales, else
+// null). Int4: rows of in / 2 bytes in blocks of 32 weights (int4_load), scale (out, in / group) row-major, group a
+// multiple of 32 that divides in (rows_product checks).
+template <typename T>
+struct Dense {
+  const T* w;
+  const float* scale;
+};
+struct Int4 {
+  const uint8_t* w;
+  const float* scale;
+  int64_t group;
+};
+constexpr int64_t kBlock = 32;  // int4 weights per packed block (16 bytes): kBlock / kWidth vectors
+
 // R weight rows starting at o, times all B input rows.
-template <typename T, int B, int R>
-static inline void rows_at(const float* x, int64_t in, const T* w, const float* scale, const float* bias, float* y,
-                           int64_t out, int64_t o) {
+template <int B, int R, typename T>
+static inline void rows_at(const float* x, int64_t in, Dense<T> weight, const float* bias, float* y, int64_t out,
+                           int64_t o) {
+  const T* w = weight.w;
   vf acc[R][B];
   for (int r = 0; r < R; ++r)
     for (int b = 0; b < B; ++b) acc[r][b] = vzero();
@@ -100,17 +136,51 @@ static inline void rows_at(const float* x, int64_t in, const T* w, const float* 
     for (int b = 0; b < B; ++b) {
       float s = vsum(acc[r][b]);
       for (int64_t j = i; j < in; ++j) s += x[b * in + j] * to_float(row[j]);
-      if (scale) s *= scale[o + r];
+      if (weight.scale) s *= weight.scale[o + r];
       if (bias) s += bias[o + r];
       y[b * out + o + r] = s;
     }
   }
 }
 
+// int4: the same product, a group at a time. Each weight vector is multiplied by its group's scale before the FMAs,
+// so the sums are those of x times the dequantized weight (q * scale, as Int4Weight.dequantize gives it), in another
+// order; in is whole groups of whole blocks, so no tail is left. Prefetched like int8: the next group of R rows.
+template <int B, int R>
+static inline void rows_at(const float* x, int64_t in, Int4 weight, const float* bias, float* y, int64_t out,
+                           int64_t o) {
+  const int64_t row_bytes = in / 2, groups = in / weight.group;
+  vf acc[R][B];
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < B; ++b) acc[r][b] = vzero();
+  vf wv[R], sv[R];
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int r = 0; r < R; ++r) sv[r] = vset1(weight.scale[(o + r) * groups + g]);
+    for (int64_t i = g * weight.group; i < (g + 1) * weight.group; i += kBlock) {
+      for (int r = 0; r < R; ++r)
+        _mm_prefetch(reinterpret_cast<const char*>(weight.w + (o + R + r) * row_bytes + i / 2), _MM_HINT_T0);
+#pragma GCC unroll 4
+      for (int v = 0; v < kBlock / kWidth; ++v) {
+        for (int r = 0; r < R; ++r) wv[r] = vmul(int4_load(weight.w + (o + r) * row_bytes + i / 2, v), sv[r]);
+        for (int b = 0; b < B; ++b) {
+          const vf xv = xload(x + b * in + i + v * kWidth);
+          for (int r = 0; r < R; ++r) acc[r][b] = vfma(xv, wv[r], acc[r][b]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < B; ++b) {
+      float s = vsum(acc[r][b]);
+      if (bias) s += bias[o + r];
+      y[b * out + o + r] = s;
+    }
+}
+
 // Weight rows per step: R x B accumulators, R weight vectors and one input vector must stay in vector registers.
 // AVX512 has 32, so several input rows take 3 to 8 weight rows at a time: each loaded input vector then feeds R
 // FMAs, and loads no longer outnumber them (8 rows, fp32, gpt2's 768 x 3072: 24 GB/s of weights against 13 with
-// one weight row at a time, bench/rows_kernel.py). AVX2 has 16.
+// one weight row at a time, bench/rows_kernel.py). AVX2 has 16. int4 keeps R group scales beside them (at most 31).
 template <int B>
 constexpr int rows_per_step() {
   if constexpr (kWidth == 16)
@@ -119,43 +189,47 @@ constexpr int rows_per_step() {
     return B <= 2 ? 4 : B <= 4 ? 2 : 1;
 }
 
-template <typename T, int B>
-static void product(const float* x, int64_t in, const T* w, const float* scale, const float* bias, float* y,
-                    int64_t out, int threads) {
+template <int B, typename W>
+static void product(const float* x, int64_t in, W w, const float* bias, float* y, int64_t out, int threads) {
   constexpr int R = rows_per_step<B>();
   const int64_t steps = out / R;  // whole steps of R rows; the rows left over go one at a time below
 #pragma omp parallel for num_threads(threads) schedule(static)
-  for (int64_t s = 0; s < steps; ++s) rows_at<T, B, R>(x, in, w, scale, bias, y, out, s * R);
-  for (int64_t o = steps * R; o < out; ++o) rows_at<T, B, 1>(x, in, w, scale, bias, y, out, o);
+  for (int64_t s = 0; s < steps; ++s) rows_at<B, R>(x, in, w, bias, y, out, s * R);
+  for (int64_t o = steps * R; o < out; ++o) rows_at<B, 1>(x, in, w, bias, y, out, o);
 }
 
-template <typename T>
-static int dispatch(int64_t rows, const float* x, int64_t in, const T* w, const float* scale, const float* bias,
-                    float* y, int64_t out, int threads) {
+template <typename W>
+static int dispatch(int64_t rows, const float* x, int64_t in, W w, const float* bias, float* y, int64_t out,
+                    int threads) {
   switch (rows) {
-    case 1: product<T, 1>(x, in, w, scale, bias, y, out, threads); return 0;
-    case 2: product<T, 2>(x, in, w, scale, bias, y, out, threads); return 0;
-    case 3: product<T, 3>(x, in, w, scale, bias, y, out, threads); return 0;
-    case 4: product<T, 4>(x, in, w, scale, bias, y, out, threads); return 0;
-    case 5: product<T, 5>(x, in, w, scale, bias, y, out, threads); return 0;
-    case 6: product<T, 6>(x, in, w, scale, bias, y, out, threads); return 0;
-    case 7: product<T, 7>(x, in, w, scale, bias, y, out, threads); return 0;
-    case 8: product<T, 8>(x, in, w, scale, bias, y, out, threads); return 0;
+    case 1: product<1>(x, in, w, bias, y, out, threads); return 0;
+    case 2: product<2>(x, in, w, bias, y, out, threads); return 0;
+    case 3: product<3>(x, in, w, bias, y, out, threads); return 0;
+    case 4: product<4>(x, in, w, bias, y, out, threads); return 0;
+    case 5: product<5>(x, in, w, bias, y, out, threads); return 0;
+    case 6: product<6>(x, in, w, bias, y, out, threads); return 0;
+    case 7: product<7>(x, in, w, bias, y, out, threads); return 0;
+    case 8: product<8>(x, in, w, bias, y, out, threads); return 0;
     default: return -1;
   }
 }
 
 extern "C" {
 
-// kind: 0 fp32, 1 bf16 (as uint16 bits), 2 int8 (needs scale). scale and bias may be null. Returns 0, or -1 where
-// rows is outside 1..8 or kind unknown (nothing written).
+// kind: 0 fp32, 1 bf16 (as uint16 bits), 2 int8 (needs scale), 3 int4 (needs scale (out, in / group) and group, a
+// multiple of 32 dividing in; the other kinds ignore group). scale and bias may be null otherwise. Returns 0; -1 where
+// rows is outside 1..8 or kind unknown, -2 for an int4 weight without scale or with a group that does not fit
+// (nothing written).
 int rows_product(int kind, int64_t rows, const float* x, int64_t in, const void* w, const float* scale,
-                 const float* bias, float* y, int64_t out, int threads) {
+                 const float* bias, float* y, int64_t out, int threads, int64_t group) {
   if (threads < 1) threads = 1;
   switch (kind) {
-    case 0: return dispatch(rows, x, in, static_cast<const float*>(w), scale, bias, y, out, threads);
-    case 1: return dispatch(rows, x, in, static_cast<const uint16_t*>(w), scale, bias, y, out, threads);
-    case 2: return dispatch(rows, x, in, static_cast<const int8_t*>(w), scale, bias, y, out, threads);
+    case 0: return dispatch(rows, x, in, Dense<float>{static_cast<const float*>(w), scale}, bias, y, out, threads);
+    case 1: return dispatch(rows, x, in, Dense<uint16_t>{static_cast<const uint16_t*>(w), scale}, bias, y, out, threads);
+    case 2: return dispatch(rows, x, in, Dense<int8_t>{static_cast<const int8_t*>(w), scale}, bias, y, out, threads);
+    case 3:
+      if (!scale || group <= 0 || group % kBlock != 0 || in % group != 0) return -2;
+      return dispatch(rows, x, in, Int4{static_cast<const uint8_t*>(w), scale, group}, bias, y, out, threads);
     default: return -1;
   }
 }

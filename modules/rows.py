@@ -1,5 +1,6 @@
 """Decoding's products of a few rows by a weight, in modules/rows.cpp: 1 to 8 rows x (B, in) times a (out, in)
-weight in fp32, bf16 or int8 (per-row scales), each weight row read once for all rows.
+weight in fp32, bf16, int8 (per-row scales) or int4 (modules/quant.py's Int4Weight: a uint8 tensor of two values a
+byte and (out, in / group) scales), each weight row read once for all rows.
 
 The kernel is compiled with the machine's own C++ compiler (-O3 -march=native -fopenmp) the first time it is used
 on a machine (about two seconds), cached by source, compiler and CPU flags, and called through ctypes. Where it
@@ -24,7 +25,7 @@ import torch
 
 SOURCE = Path(__file__).with_name("rows.cpp")
 MAX_ROWS = 8
-_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
+_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, torch.uint8: 3}  # uint8: int4, two values a byte
 _library = None  # the loaded ctypes library; False once building or loading failed here
 
 
@@ -84,7 +85,8 @@ def library(target_flags: tuple[str, ...] = NATIVE):
     lib = ctypes.CDLL(str(_build(target_flags)))
     lib.rows_product.restype = ctypes.c_int
     lib.rows_product.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
-                                 ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+                                 ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
+                                 ctypes.c_int64]
     lib.rows_vector_width.restype = ctypes.c_int
     return lib
 
@@ -111,11 +113,16 @@ def available() -> bool:
     return bool(_load())
 
 
+def in_features(weight: torch.Tensor) -> int:
+    """The input features a kernel weight takes: its columns, twice them for int4's bytes (uint8)."""
+    return weight.shape[1] * (2 if weight.dtype == torch.uint8 else 1)
+
+
 def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether rows_linear takes these: CPU tensors, 1 to 8 rows of x's last dimension, a contiguous weight whose
     dtype the kernel reads, and x in fp32 or bf16."""
     return (x.is_cpu and weight.is_cpu and weight.dim() == 2 and weight.dtype in _KINDS and weight.is_contiguous()
-            and x.dtype in (torch.float32, torch.bfloat16) and x.shape[-1] == weight.shape[1]
+            and x.dtype in (torch.float32, torch.bfloat16) and x.shape[-1] == in_features(weight)
             and 0 < x.numel() // max(x.shape[-1], 1) <= MAX_ROWS and not torch.is_grad_enabled() and available())
 
 
@@ -123,7 +130,10 @@ def pays(dtype: torch.dtype, rows: int) -> bool:
     """Where the kernel read the weights faster than torch's best product for that shape, in whole decodes on an
     AVX512 CPU (docs/performance.md): fp32 with 2 to 8 rows (one row: torch's row-blocked product streams as fast),
     bf16 with one row (more rows: oneDNN's bf16 product is faster), int8 with 1 to 8. On AVX2-only CPUs it is not
-    measured yet, so torch's products stay there."""
+    measured yet, so torch's products stay there. int4 (uint8) with 1 to 8 rows wherever the kernel builds (AVX2 or
+    AVX512): torch has no product that reads 4-bit weights, only the dequantized copy."""
+    if dtype == torch.uint8:
+        return 1 <= rows <= MAX_ROWS and _capability() in ("AVX2", "AVX512")
     if not 1 <= rows <= MAX_ROWS or _capability() != "AVX512":
         return False
     return (dtype == torch.float32 and rows > 1) or (dtype == torch.bfloat16 and rows == 1) or dtype == torch.int8
@@ -132,8 +142,9 @@ def pays(dtype: torch.dtype, rows: int) -> bool:
 def rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                 scale: torch.Tensor | None = None, lib=None) -> torch.Tensor:
     """F.linear(x, weight * scale[:, None], bias) for x (..., in) with at most 8 rows -> (..., out) in x's dtype.
-    int8 weights need their per-row fp32 `scale`. Check `applies(x, weight)` first. lib: a `library(...)` to use
-    instead of the one loaded for this machine (tests of the AVX2 path)."""
+    int8 weights need their per-row fp32 `scale`; int4 weights (uint8, Int4Weight.q) their (out, in / group) group
+    scales, which give the group. Check `applies(x, weight)` first. lib: a `library(...)` to use instead of the one
+    loaded for this machine (tests of the AVX2 path)."""
     return run(prepared(weight, bias, scale, lib), x)
 
 
@@ -150,21 +161,30 @@ def prepared(weight: torch.Tensor, bias: torch.Tensor | None = None, scale: torc
     contiguous, with 1 to 8 rows, returning (..., out) fp32 (rows_linear makes one per call). The decode loop keeps
     one per layer: the checks and conversions cost about 8 us a call, 0.6 ms a gpt2 token. The function holds the
     tensors it points at, so the pointers stay valid; it reads their current values (in-place changes are seen), and
-    is made again when a tensor is replaced (int8_weights does so at every generate call)."""
+    is made again when a tensor is replaced (quantized_weights does so at every generate call)."""
     if weight.dtype == torch.int8 and scale is None:
         raise ValueError("an int8 weight needs its per-row scale")
     if not weight.is_contiguous():
         raise ValueError("the weight must be contiguous (row-major)")
+    out_features, n_in = weight.shape[0], in_features(weight)
+    group = 0  # int4's group size; the other kinds ignore it
+    if weight.dtype == torch.uint8:
+        if scale is None or scale.dim() != 2 or scale.shape[0] != out_features or n_in % max(scale.shape[1], 1):
+            raise ValueError(f"an int4 weight of {out_features} rows and {n_in} features needs (out, in / group) "
+                             f"group scales, got {None if scale is None else tuple(scale.shape)}")
+        group = n_in // scale.shape[1]
+        if group % 32:
+            raise ValueError(f"the rows kernel reads int4 groups of a multiple of 32 values, got {group}")
     lib = lib or _load()
     bias, scale = _fp32_contiguous(bias), _fp32_contiguous(scale)
-    kind, (out_features, in_features) = _KINDS[weight.dtype], weight.shape
+    kind = _KINDS[weight.dtype]
     pointers = (weight.data_ptr(), None if scale is None else scale.data_ptr(), None if bias is None else bias.data_ptr())
     product = lib.rows_product
 
     def call(x: torch.Tensor) -> torch.Tensor:
-        y = torch.empty(x.numel() // in_features, out_features)
-        if product(kind, y.shape[0], x.data_ptr(), in_features, *pointers, y.data_ptr(), out_features,
-                   torch.get_num_threads()) != 0:
+        y = torch.empty(x.numel() // n_in, out_features)
+        if product(kind, y.shape[0], x.data_ptr(), n_in, *pointers, y.data_ptr(), out_features,
+                   torch.get_num_threads(), group) != 0:
             raise ValueError(f"the rows kernel takes 1 to {MAX_ROWS} rows, got {y.shape[0]}")
         return y.view(*x.shape[:-1], out_features)
 

@@ -146,7 +146,7 @@ class Decoding:
     num_beams: int = 1  # > 1: beam search (deterministic; temperature, top-k and top-p do not apply)
     length_penalty: float = 1.0  # beam search only
     seed: int = 11711  # seeds the sampling generator of each complete_sonnets call
-    quantize: str | None = None  # "int8": weight-only int8 decoding steps, one prompt at a time (models.generation)
+    quantize: str | None = None  # "int8" / "int4": weight-only decoding steps, one prompt at a time (models.generation)
 
 
 class SonnetGPT(nn.Module):
@@ -237,8 +237,8 @@ def complete_sonnets(model: SonnetGPT, tokenizer, prompts: list[str], decoding: 
 
     Prompts go through the model in batches, left-padded and decoded together with the KV cache; under greedy or
     beam search the result equals decoding each prompt alone. Sampling draws from one generator seeded with
-    decoding.seed, so the same call repeats the same text. decoding.quantize="int8" decodes one prompt at a time
-    (batch_size 1), the only batch where the int8 weights are read.
+    decoding.seed, so the same call repeats the same text. decoding.quantize ("int8", "int4") decodes one prompt at
+    a time (batch_size 1), the only batch where the quantized weights are read.
     """
     if decoding.quantize is not None:
         if decoding.num_beams > 1:
@@ -335,7 +335,7 @@ class SonnetConfig(FineTuneConfig):
     length_penalty: float = 1.0
     repetition_penalty: float = 1.0
     max_new_tokens: int = 128
-    quantize: str | None = None  # "int8" with generate_only
+    quantize: str | None = None  # "int8" or "int4" with generate_only
     generate_only: bool = False
     baseline: str | None = None  # prompts or random_sonnet: no model
 

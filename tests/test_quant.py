@@ -1,4 +1,7 @@
-"""Weight-only int8 (modules/quant.py) and generate(quantize="int8")."""
+"""Weight-only int8 and int4 (modules/quant.py) and generate(quantize="int8" | "int4")."""
+import dataclasses
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -9,16 +12,29 @@ import modules.quant as quant
 from config import GPT2Config
 from models.gpt2 import GPT2LMHeadModel
 from modules import rows as row_kernel
-from modules.linear import Linear, int8_weights
-from modules.quant import int8_linear, quantize_int8
+from modules.linear import Linear, quantized_weights
+from modules.quant import (
+    Int4Weight,
+    int4_linear,
+    int8_linear,
+    prepared_quantized,
+    quantize,
+    quantize_int4,
+    quantize_int8,
+    quantized_linear,
+)
+
+MODES = ["int8", "int4"]
 
 
 @pytest.fixture
 def eager_int8(monkeypatch):
-    """The eager int8 product everywhere: compiling gpt2's shapes takes minutes under load (one test compiles); the
-    rows kernel is left out too (its own tests: test_generate_int8_with_the_rows_kernel_... and test_rows_kernel.py)."""
+    """The eager products everywhere (int8: dequantized or the eager loop; int4: the dequantized weight, whose
+    warning is expected): compiling gpt2's shapes takes minutes under load (one test compiles); the rows kernel is
+    left out too (its own tests: test_generate_with_the_rows_kernel_... and test_rows_kernel.py)."""
     monkeypatch.setattr(quant, "_compiled_gemv", False)
     monkeypatch.setattr(row_kernel, "pays", lambda dtype, rows: False)
+    monkeypatch.setattr(quant, "_warned_int4", True)
 
 
 def tiny_model(seed=0):
@@ -63,6 +79,149 @@ def test_quantize_int8_rejects_bad_weights():
         int8_linear(torch.randn(1, 5), quantize_int8(torch.randn(3, 4)))
 
 
+def test_quantize_int4_rounds_each_group_to_half_a_step():
+    """Groups of 32 along in_features, each with its own scale max|group| / 7: every dequantized weight within half
+    a step of its group (scale / 2), values in -7..7 with +-7 reached in every group, an all-zero group exactly zero,
+    and groups 1000x apart in magnitude each as fine as their own size allows."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(6, 128, generator=g) * torch.tensor([1e3, 1.0, 1e-3, 30.0])[None, :].repeat_interleave(32, 1)
+    w[2, 32:64] = 0.0
+    w4 = quantize_int4(w)
+    assert w4.q.dtype == torch.uint8 and w4.q.shape == (6, 64) and w4.scale.shape == (6, 4) and w4.group == 32
+    assert w4.nbytes == 6 * 64 + 6 * 4 * 4
+    v = w4.values()
+    assert v.dtype == torch.int8 and int(v.min()) >= -7 and int(v.max()) <= 7
+    group_max = v.view(6, 4, 32).abs().amax(-1)
+    assert bool((group_max == 7).sum() == 6 * 4 - 1) and int(group_max[2, 1]) == 0  # the zero group: scale 1, q 0
+    err = (w4.dequantize() - w).view(6, 4, 32).abs()
+    assert bool((err <= w4.scale[:, :, None] / 2 * (1 + 1e-6)).all()), (err.amax(-1), w4.scale / 2)
+    assert torch.equal(w4.dequantize()[2, 32:64], torch.zeros(32))
+    assert w4.dequantize(torch.bfloat16).dtype == torch.bfloat16
+    assert torch.equal(quantize_int4(w.double()).q, w4.q)  # any float weight, its scales fp32
+    assert quantize_int4(w.bfloat16()).scale.dtype == torch.float32
+
+
+def test_int4_packing_is_the_documented_layout():
+    """Byte k of block j of a row: column 32j + k in the low nibble, column 32j + 16 + k in the high one, 4-bit two's
+    complement; -8 (never written by quantize_int4) reads back as -8 * scale."""
+    v = torch.tensor([(c * 5) % 15 - 7 for c in range(64)], dtype=torch.float32)[None]  # every value of -7..7
+    w4 = quantize_int4(v)
+    assert torch.equal(w4.scale, torch.ones(1, 2)) and torch.equal(w4.values(), v.to(torch.int8))
+    for j in range(2):
+        for k in range(16):
+            low, high = int(v[0, 32 * j + k]), int(v[0, 32 * j + 16 + k])
+            assert int(w4.q[0, 16 * j + k]) == (low & 0xF) | ((high & 0xF) << 4)
+    q = torch.full((1, 16), 0x8F, dtype=torch.uint8)  # low nibble -1, high nibble -8
+    deq = Int4Weight(q, torch.tensor([[0.5]]), 32).dequantize()
+    assert torch.equal(deq, torch.tensor([[-0.5] * 16 + [-4.0] * 16]))
+
+
+def test_int4_groups_of_64():
+    w = torch.randn(3, 128, generator=torch.Generator().manual_seed(3))
+    w4 = quantize_int4(w, group=64)
+    assert w4.scale.shape == (3, 2) and w4.group == 64
+    err = (w4.dequantize() - w).view(3, 2, 64).abs()
+    assert bool((err <= w4.scale[:, :, None] / 2 * (1 + 1e-6)).all())
+    torch.testing.assert_close(w4.scale, w.view(3, 2, 64).abs().amax(-1) / 7)
+
+
+def test_quantize_int4_rejects_bad_weights():
+    with pytest.raises(ValueError, match="2-d"):
+        quantize_int4(torch.randn(64))
+    with pytest.raises(ValueError, match="floating-point"):
+        quantize_int4(torch.ones(4, 64, dtype=torch.long))
+    with pytest.raises(ValueError, match="in_features divisible by the group: 48 features, group 32"):
+        quantize_int4(torch.randn(4, 48))
+    with pytest.raises(ValueError, match="in_features divisible by the group: 96 features, group 64"):
+        quantize_int4(torch.randn(4, 96), group=64)
+    for group in (16, 0, -32, 48):
+        with pytest.raises(ValueError, match=f"positive multiple of 32 columns, got group={group}"):
+            quantize_int4(torch.randn(4, 96), group=group)
+    with pytest.raises(ValueError, match="input has 5 features, the int4 weight takes 32"):
+        int4_linear(torch.randn(1, 5), quantize_int4(torch.randn(3, 32)))
+    with pytest.raises(ValueError, match=r"quantize must be one of \('int8', 'int4'\), got 'int2'"):
+        quantize(torch.randn(3, 32), "int2")
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("rows", [1, 3, 9])  # 9: more than the rows kernel takes, the dequantized weight
+def test_int4_linear_is_the_dequantized_product(rows):
+    """Through the rows kernel where it builds (1 to 8 rows), else the dequantized weight: both against F.linear
+    on the dequantized weight (fp32 sums in another order: rtol 1e-5, atol 1e-4); bf16 inputs stay bf16."""
+    g = torch.Generator().manual_seed(rows)
+    w4, bias = quantize_int4(torch.randn(13, 64, generator=g)), torch.randn(13, generator=g)
+    x = torch.randn(rows, 1, 64, generator=g)
+    torch.testing.assert_close(int4_linear(x, w4, bias), F.linear(x, w4.dequantize(), bias), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(int4_linear(x, w4), F.linear(x, w4.dequantize()), rtol=1e-5, atol=1e-4)
+    y = int4_linear(x.bfloat16(), w4)
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), F.linear(x, w4.dequantize()), atol=0.1, rtol=0.02)
+
+
+@torch.no_grad()
+def test_int4_without_the_kernel_dequantizes_and_warns_once(monkeypatch):
+    monkeypatch.setattr(row_kernel, "pays", lambda dtype, rows: False)  # as where the kernel cannot be built
+    monkeypatch.setattr(quant, "_warned_int4", False)
+    w4, x = quantize_int4(torch.randn(7, 32)), torch.randn(1, 32)
+    with pytest.warns(UserWarning, match="int4 decoding without the int4 kernel"):
+        y = int4_linear(x, w4)
+    torch.testing.assert_close(y, F.linear(x, w4.dequantize()))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once a process
+        int4_linear(x, w4)
+    assert prepared_quantized(w4) is None
+
+
+def _untied_copy_with_dequantized_weights(model, mode):
+    """`model` with every Linear weight replaced by its dequantized copy and the LM head an untied Linear holding
+    the dequantized embedding (the embedding lookup keeps the float table): the model generate(quantize=mode)
+    multiplies by, at every product, when every product is a one-row one (a one-token prompt at batch 1)."""
+    ref = GPT2LMHeadModel(dataclasses.replace(model.config, tie_word_embeddings=False)).eval()
+    state = {k: v for k, v in model.state_dict().items()}
+    for name, m in model.named_modules():
+        if type(m) is Linear:
+            state[f"{name}.weight"] = quantize(m.weight, mode).dequantize()
+    state["gpt.lm_head.weight"] = quantize(model.gpt.lm_head_weight, mode).dequantize()
+    missing, unexpected = ref.load_state_dict(state, strict=False)
+    assert not unexpected and missing == [], (missing, unexpected)
+    return ref
+
+
+@torch.no_grad()
+def test_generate_int4_equals_the_model_with_dequantized_int4_weights(monkeypatch):
+    """A tiny random GPT2LMHeadModel (weights spread so greedy choices are decisive, biases not zero) with a
+    one-token prompt at batch 1, so every product is a decoding one: generate(quantize="int4") gives the greedy
+    tokens of a copy whose linear weights and LM head are the dequantized int4 values, and its logits agree with
+    the copy's full forward pass over the generated text to float rounding (sums of <= 128 products in another
+    order: atol 1e-4, rtol 1e-4). The products ran in the rows kernel where it builds."""
+    torch.manual_seed(2)  # greedy text that changes token (tied random models tend to repeat one)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=64, vocab_size=97, n_positions=64)).eval()
+    for name, p in model.named_parameters():
+        p.copy_(torch.randn(p.shape) * 0.5 if name.endswith("bias") else p * (16.0 if p.dim() == 2 else 1.0))
+    ids, n = torch.tensor([[5]]), 24
+    logits, kernel_calls = [], []
+    real_head, real_prepared = generation_module.decode_lm_head, row_kernel.prepared
+
+    def recording_head(*a, **k):
+        head = real_head(*a, **k)
+        return lambda hidden: logits.append(head(hidden)) or logits[-1]
+
+    def counted_prepared(*a, **k):
+        call = real_prepared(*a, **k)
+        return lambda x: kernel_calls.append(a[0].dtype) or call(x)
+
+    monkeypatch.setattr(generation_module, "decode_lm_head", recording_head)
+    monkeypatch.setattr(row_kernel, "prepared", counted_prepared)
+    out = model.generate(ids, max_new_tokens=n, quantize="int4")
+    steps = torch.cat(logits)  # (n, V): the logits each step chose from
+    ref = _untied_copy_with_dequantized_weights(model, "int4")
+    assert torch.equal(out, ref.generate(ids, max_new_tokens=n))
+    torch.testing.assert_close(steps, ref(out[:, :-1])["logits"][0], atol=1e-4, rtol=1e-4)
+    assert len(set(out[0].tolist())) > 4 and not torch.equal(out, model.generate(ids, max_new_tokens=n))  # not fp32's
+    if row_kernel.available() and row_kernel.pays(torch.uint8, 1):
+        assert kernel_calls.count(torch.uint8) == n + (n - 1) * 2 * 6 + 2 * 6  # head, then every layer every step
+
+
 @pytest.mark.parametrize("rows", [1, 5])
 def test_int8_linear_is_the_dequantized_product(rows, eager_int8):
     w8, bias = quantize_int8(torch.randn(12, 20)), torch.randn(12)
@@ -99,25 +258,27 @@ def test_word_packed_kernel_matches_the_byte_kernel(in_features):
 
 
 @torch.no_grad()
-def test_generate_int8_decodes_with_int8_steps_after_a_float_prompt(eager_int8, monkeypatch):
+@pytest.mark.parametrize("mode", MODES)
+def test_generate_quantized_decodes_with_quantized_steps_after_a_float_prompt(mode, eager_int8, monkeypatch):
     """Batch 1: the prompt through the float weights, then every step's linear layers and the head from the int8
-    weights (= their dequantized values); the layers are back to their own weights afterwards."""
+    or int4 weights (= their dequantized values); the layers are back to their own weights afterwards."""
     model, n = tiny_model(), 12
     ids = torch.randint(0, 97, (1, 6), generator=torch.Generator().manual_seed(1))
-    calls = []  # int8 products, counted: equal tokens alone cannot tell int8 from fp32 on a tiny model
-    counted = lambda *a, **k: calls.append(a[1].q.shape) or int8_linear(*a, **k)  # noqa: E731
-    monkeypatch.setattr(linear_module, "int8_linear", counted)
-    monkeypatch.setattr(generation_module, "int8_linear", counted)
-    out = model.generate(ids, max_new_tokens=n, quantize="int8")
+    calls = []  # quantized products, counted: equal tokens alone cannot tell int8 from fp32 on a tiny model
+    counted = lambda *a, **k: calls.append(type(a[1])) or quantized_linear(*a, **k)  # noqa: E731
+    monkeypatch.setattr(linear_module, "quantized_linear", counted)
+    monkeypatch.setattr(generation_module, "quantized_linear", counted)
+    out = model.generate(ids, max_new_tokens=n, quantize=mode)
     assert len(calls) == n + (n - 1) * 2 * 6  # the head every step, 6 linears per layer in each step after the first
+    assert set(calls) == {Int4Weight if mode == "int4" else quant.Int8Weight}
 
     ref = tiny_model()
     for m in ref.modules():
         if type(m) is Linear:
-            deq = quantize_int8(m.weight).dequantize()  # one-row inputs (the steps) take it, the prompt does not
+            deq = quantize(m.weight, mode).dequantize()  # one-row inputs (the steps) take it, the prompt does not
             m.register_forward_hook(lambda mod, inp, y, w=deq: F.linear(inp[0], w, mod.bias)
                                     if inp[0].shape[:-1].numel() == 1 else None)
-    head = quantize_int8(ref.gpt.lm_head_weight).dequantize()
+    head = quantize(ref.gpt.lm_head_weight, mode).dequantize()
     cache = ref.gpt.new_cache(1, 6 + n)
     hidden = ref.gpt(ids, None, None, cache, use_cache=True)["last_hidden_state"][:, -1]
     tokens = [ids]
@@ -125,35 +286,52 @@ def test_generate_int8_decodes_with_int8_steps_after_a_float_prompt(eager_int8, 
         tokens.append(F.linear(hidden, head).argmax(-1, keepdim=True))
         hidden = ref.gpt.decode_step(tokens[-1], torch.tensor([[6 + step]]), None, cache)
     assert torch.equal(out, torch.cat(tokens, 1))
-    assert all(m.int8 is None for m in model.modules() if type(m) is Linear)
+    assert all(m.quantized is None for m in model.modules() if type(m) is Linear)
     assert torch.equal(model.generate(ids, max_new_tokens=n), tiny_model().generate(ids, max_new_tokens=n))
 
 
-def test_int8_leaves_batches_and_prompts_to_the_float_weights(eager_int8):
+@pytest.mark.parametrize("mode", MODES)
+def test_quantized_decoding_leaves_batches_and_prompts_to_the_float_weights(mode, eager_int8):
     model = tiny_model()
     ids = torch.randint(0, 97, (3, 5), generator=torch.Generator().manual_seed(2))
-    assert torch.equal(model.generate(ids, max_new_tokens=6, quantize="int8"), model.generate(ids, max_new_tokens=6))
+    assert torch.equal(model.generate(ids, max_new_tokens=6, quantize=mode), model.generate(ids, max_new_tokens=6))
 
 
 @torch.no_grad()
-def test_int8_copies_are_reused_and_remade_when_weights_change(eager_int8):
+@pytest.mark.parametrize("mode", MODES)
+def test_quantized_copies_are_reused_and_remade_when_weights_change(mode, eager_int8):
+    """Layers and the LM head: a copy is kept between calls, and made again after an in-place update of the weight
+    (an optimizer step) or when the other mode is asked for."""
     model = tiny_model()
     layer = next(m for m in model.modules() if type(m) is Linear)
-    with int8_weights(model):
-        first = layer.int8
-    with int8_weights(model):
-        assert layer.int8 is first  # kept between calls
-    layer.weight.mul_(2.0)  # an in-place update (an optimizer step) must be seen
-    with int8_weights(model):
-        torch.testing.assert_close(layer.int8.dequantize(), quantize_int8(layer.weight).dequantize())
-    assert layer.int8 is None
+    ids = torch.zeros(1, 2, dtype=torch.long)
+    with quantized_weights(model, mode):
+        first = layer.quantized
+    model.generate(ids, max_new_tokens=2, quantize=mode)
+    head = model.gpt.__dict__["_quantized_head"][1]
+    with quantized_weights(model, mode):
+        assert layer.quantized is first  # kept between calls
+    model.generate(ids, max_new_tokens=2, quantize=mode)
+    assert model.gpt.__dict__["_quantized_head"][1] is head
+    layer.weight.mul_(2.0)
+    model.gpt.word_embedding.weight.mul_(2.0)  # the tied LM head
+    with quantized_weights(model, mode):
+        assert layer.quantized is not first
+        torch.testing.assert_close(layer.quantized.dequantize(), quantize(layer.weight, mode).dequantize())
+    assert layer.quantized is None
+    model.generate(ids, max_new_tokens=2, quantize=mode)
+    torch.testing.assert_close(model.gpt.__dict__["_quantized_head"][1].dequantize(),
+                               quantize(model.gpt.word_embedding.weight, mode).dequantize())
+    other = MODES[1 - MODES.index(mode)]
+    with quantized_weights(model, other):
+        assert type(layer.quantized) is type(quantize(layer.weight, other))
 
 
-def test_int8_weights_leave_training_alone():
+def test_quantized_weights_leave_training_alone():
     model = tiny_model()
     layer = next(m for m in model.modules() if type(m) is Linear)
     x = torch.randn(2, 3, layer.in_features)
-    with int8_weights(model):
+    with quantized_weights(model):
         y = layer(x[:1, :1])  # one row, but grad enabled: the fp32 weight, so gradients reach it
     assert torch.equal(y, F.linear(x[:1, :1], layer.weight, layer.bias))
     y.sum().backward()
@@ -162,17 +340,31 @@ def test_int8_weights_leave_training_alone():
 
 def test_quantize_argument_is_checked():
     model, ids = tiny_model(), torch.zeros(1, 3, dtype=torch.long)
-    with pytest.raises(ValueError, match="quantize must be None or one of"):
+    with pytest.raises(ValueError, match=r"quantize must be None or one of \('int8', 'int4'\), got 'int3'"):
+        model.generate(ids, max_new_tokens=2, quantize="int3")
+    for mode in MODES:
+        with pytest.raises(ValueError, match="not to beam search"):
+            model.generate(ids, max_new_tokens=2, num_beams=2, quantize=mode)
+
+
+def test_int4_names_the_layer_whose_inputs_do_not_divide_into_groups():
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=48, vocab_size=97, n_positions=16)).eval()
+    ids = torch.zeros(1, 3, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"quantize='int4': the LM head: .*48 features, group 32"):
         model.generate(ids, max_new_tokens=2, quantize="int4")
-    with pytest.raises(ValueError, match="not to beam search"):
-        model.generate(ids, max_new_tokens=2, num_beams=2, quantize="int8")
+    with pytest.raises(ValueError, match=r"quantize='int4': layer gpt\.gpt_layers\.0\..*48 features, group 32"):
+        with quantized_weights(model, "int4"):
+            pass
+    assert all(m.quantized is None for m in model.modules() if type(m) is Linear)
 
 
 @torch.no_grad()
 @pytest.mark.skipif(not row_kernel.available(), reason="the rows kernel cannot be built here")
-def test_generate_int8_with_the_rows_kernel_equals_the_eager_int8_decode(monkeypatch):
-    """Where the rows kernel takes int8 decoding (prepared products for every layer and the head), generate gives
-    the tokens of the eager int8 path, and the prepared products really ran."""
+@pytest.mark.parametrize("mode", MODES)
+def test_generate_with_the_rows_kernel_equals_the_eager_quantized_decode(mode, monkeypatch):
+    """Where the rows kernel takes int8 or int4 decoding (prepared products for every layer and the head), generate
+    gives the tokens of the eager path (int4: the dequantized weights), and the prepared products really ran."""
     ids = torch.randint(0, 97, (1, 6), generator=torch.Generator().manual_seed(1))
 
     def biased_model():  # biases that are not zero, so a product that dropped one would show
@@ -183,9 +375,10 @@ def test_generate_int8_with_the_rows_kernel_equals_the_eager_int8_decode(monkeyp
         return model
 
     monkeypatch.setattr(quant, "_compiled_gemv", False)
+    monkeypatch.setattr(quant, "_warned_int4", True)
     monkeypatch.setattr(row_kernel, "pays", lambda dtype, rows: False)
-    eager = biased_model().generate(ids, max_new_tokens=12, quantize="int8")
-    monkeypatch.setattr(row_kernel, "pays", lambda dtype, rows: dtype == torch.int8)
+    eager = biased_model().generate(ids, max_new_tokens=12, quantize=mode)
+    monkeypatch.setattr(row_kernel, "pays", lambda dtype, rows: dtype == (torch.uint8 if mode == "int4" else torch.int8))
     made, calls = [], []
     real = row_kernel.prepared
 
@@ -196,9 +389,9 @@ def test_generate_int8_with_the_rows_kernel_equals_the_eager_int8_decode(monkeyp
 
     monkeypatch.setattr(row_kernel, "prepared", counted_prepared)
     model = biased_model()
-    assert torch.equal(model.generate(ids, max_new_tokens=12, quantize="int8"), eager)
+    assert torch.equal(model.generate(ids, max_new_tokens=12, quantize=mode), eager)
     assert len(made) == 2 * 6 + 1 and len(calls) == 12 + 11 * 2 * 6  # the head every step, the layers after the first
-    assert all(m.int8 is None and m.int8_call is None for m in model.modules() if type(m) is Linear)
+    assert all(m.quantized is None and m.quantized_call is None for m in model.modules() if type(m) is Linear)
 
 
 # ---- the generation CLIs' --quantize ------------------------------------------------------------------------------
@@ -207,9 +400,9 @@ def test_generate_int8_with_the_rows_kernel_equals_the_eager_int8_decode(monkeyp
 def counting_int8(monkeypatch):
     """Records the row count of every int8 product (all must be one row: batch-1 decoding)."""
     rows = []
-    counted = lambda *a, **k: rows.append(a[0].shape[:-1].numel()) or int8_linear(*a, **k)  # noqa: E731
-    monkeypatch.setattr(linear_module, "int8_linear", counted)
-    monkeypatch.setattr(generation_module, "int8_linear", counted)
+    counted = lambda *a, **k: rows.append(a[0].shape[:-1].numel()) or quantized_linear(*a, **k)  # noqa: E731
+    monkeypatch.setattr(linear_module, "quantized_linear", counted)
+    monkeypatch.setattr(generation_module, "quantized_linear", counted)
     return rows
 
 
@@ -260,7 +453,7 @@ def test_complete_sonnets_int8_decodes_one_prompt_at_a_time(eager_int8, monkeypa
 
 @pytest.mark.parametrize("argv, message", [
     (["--data", "x.txt", "--arch", "bigram", "--quantize", "int8"], "--quantize applies to GPT-2 models"),
-    (["--sample", "--quantize", "int4"], "invalid choice: 'int4'"),
+    (["--sample", "--quantize", "int3"], "invalid choice: 'int3'"),
 ])
 def test_run_pretrain_quantize_flag_is_checked(argv, message, capsys):
     import run_pretrain

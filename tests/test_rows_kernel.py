@@ -1,12 +1,13 @@
 """modules/rows.cpp, the decoding kernel for a few rows times a weight, in its AVX512 and AVX2 forms: against F.linear
 (fp32 rounding of sums up to 768 long: atol 1e-4) for every row count it takes, the weight dtypes it reads, tails of
-in_features that are not a multiple of the vector width, with and without bias; and the refusals."""
+in_features that are not a multiple of the vector width, with and without bias; and the refusals. int4 weights
+against F.linear on their dequantized values (in_features whole groups of 32 or 64, no tail by construction)."""
 import pytest
 import torch
 import torch.nn.functional as F
 
 from modules import rows
-from modules.quant import quantize_int8
+from modules.quant import Int4Weight, quantize_int4, quantize_int8
 
 pytestmark = pytest.mark.skipif(not rows.available(), reason="the rows kernel cannot be built here (needs an x86 "
                                 "CPU with AVX2 and FMA on Linux, and a C++ compiler)")
@@ -57,6 +58,62 @@ def test_int8_weights_equal_the_dequantized_product(batch, shape, lib):
     with torch.no_grad():
         torch.testing.assert_close(rows.rows_linear(x, q.q, b, q.scale, lib=lib), F.linear(x, q.dequantize(), b),
                                    rtol=1e-5, atol=1e-4)
+
+
+INT4_SHAPES = [(96, 64), (37, 96), (5, 32), (130, 768), (3, 160), (1, 256)]  # odd out_features; 1..24 groups
+
+
+@pytest.mark.parametrize("batch", range(1, rows.MAX_ROWS + 1))
+@pytest.mark.parametrize("shape", INT4_SHAPES)
+def test_int4_weights_equal_the_dequantized_product(batch, shape, lib):
+    """Each group's scale applied to its own columns: weights that differ by 1000x between groups, and rows that
+    reach the -8 nibble (which quantize_int4 never writes) besides -7..7, so a wrong nibble, sign or group shows."""
+    g = torch.Generator().manual_seed(23 + batch + shape[1])
+    out_f, in_f = shape
+    x, b = torch.randn(batch, in_f, generator=g), torch.randn(out_f, generator=g)
+    w = torch.randn(out_f, in_f, generator=g) * torch.logspace(-2, 1, in_f // 32).repeat_interleave(32)
+    q = quantize_int4(w)
+    q = Int4Weight(q.q.clone(), q.scale, q.group)
+    q.q[0, ::7] = 0x88  # -8 in both nibbles at a few places of row 0
+    assert int(q.values().min()) == -8
+    with torch.no_grad():
+        torch.testing.assert_close(rows.rows_linear(x, q.q, b, q.scale, lib=lib), F.linear(x, q.dequantize(), b),
+                                   rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(rows.rows_linear(x, q.q, None, q.scale, lib=lib), F.linear(x, q.dequantize()),
+                                   rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("batch", [1, 4, 8])
+def test_int4_groups_of_64_and_bf16_inputs(batch, lib):
+    g = torch.Generator().manual_seed(5 + batch)
+    x, w, b = torch.randn(batch, 192, generator=g), torch.randn(41, 192, generator=g), torch.randn(41, generator=g)
+    q = quantize_int4(w, group=64)
+    with torch.no_grad():
+        torch.testing.assert_close(rows.rows_linear(x, q.q, b, q.scale, lib=lib), F.linear(x, q.dequantize(), b),
+                                   rtol=1e-5, atol=1e-4)
+        y = rows.rows_linear(x.bfloat16(), q.q, b, q.scale, lib=lib)
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), F.linear(x.bfloat16().float(), q.dequantize(), b), rtol=8e-3, atol=1e-2)
+
+
+def test_int4_refusals_name_the_problem(lib):
+    q = quantize_int4(torch.randn(4, 64))
+    x = torch.randn(1, 64)
+    with torch.no_grad():
+        assert rows.applies(x, q.q) and not rows.applies(x[:, :32], q.q)  # int4: two features a byte
+        with pytest.raises(ValueError, match="needs .out, in / group. group scales, got None"):
+            rows.rows_linear(x, q.q, lib=lib)
+        with pytest.raises(ValueError, match=r"group scales, got \(4,\)"):
+            rows.rows_linear(x, q.q, None, q.scale[:, 0], lib=lib)
+        with pytest.raises(ValueError, match="groups of a multiple of 32 values, got 16"):
+            rows.rows_linear(x, q.q, None, torch.ones(4, 4), lib=lib)
+    # the kernel's own check, for callers other than rows.py: -2 and nothing written for a group that does not fit
+    kernel = lib or rows.library()
+    y = torch.full((1, 4), 7.0)
+    assert kernel.rows_product(3, 1, x.data_ptr(), 64, q.q.data_ptr(), torch.ones(4, 4).data_ptr(), None,
+                               y.data_ptr(), 4, 1, 16) == -2
+    assert kernel.rows_product(3, 1, x.data_ptr(), 64, q.q.data_ptr(), None, None, y.data_ptr(), 4, 1, 32) == -2
+    assert torch.equal(y, torch.full((1, 4), 7.0))
 
 
 def test_refusals_name_the_problem():

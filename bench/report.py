@@ -16,6 +16,7 @@ Tables (the spec after `results:`):
   on that class, with the range of its ratio over every run there, the date, load and commit.
 - `commands`: the README's two commands (bench/commands.py), the latest per CPU class.
 - `claims`: the README's Results, one row per claim (CLAIMS below), each naming its machine.
+- `engines class=<CPU class>`: bench/compare_engines.py's engines side by side, quiet and with a busy core.
 - `bench=<name> [class=<CPU class>]`: every row of one benchmark, the latest of each, in the order first recorded.
 A figure typed by hand into a generated table is overwritten by the next `python -m bench.report` and fails
 `--check` (tests/test_results.py runs it), so the pages cannot drift from the records.
@@ -378,7 +379,43 @@ def claims(records: list[dict], **_) -> str:
     return table(["what", "result", "machine, date"], rows)
 
 
-TABLES = {"machines": machines, "compare-hf": compare_hf, "commands": commands, "claims": claims}
+ENGINE_FORMATS = {"ours": "ours", "hf": "transformers", "ort": "ONNX Runtime", "llama": "llama.cpp"}
+
+
+def engines(records: list[dict], cls: str | None = None, **_) -> str:
+    """bench/compare_engines.py on one CPU class: per engine, greedy batch-1 decoding on a quiet machine (its share of
+    its own bandwidth limit, against ours fp32, its tokens against transformers fp32), the same with busy processes
+    beside it, and the prefill time; then the runs it comes from."""
+    chosen = [r for r in matching(records, bench="compare_engines", cls=cls) if "engine" in r]
+    names = list(dict.fromkeys(r["engine"] for r in chosen))
+    pick = {}
+    for r in chosen:
+        pick.setdefault((r["engine"], r["kind"], bool(r.get("busy"))), []).append(r)
+    last = {key: latest(runs) for key, runs in pick.items()}
+    base = last.get(("ours-fp32", "decode", False))
+    rows, used = [], []
+    for e in names:
+        calm, busy, pre = (last.get((e, "decode", False)), last.get((e, "decode", True)),
+                           last.get((e, "prefill", False)))
+        used += [r for r in (calm, busy, pre) if r]
+        rate = calm["values"][e] if calm else None
+        vs = times(rate / base["values"]["ours-fp32"]) if calm and base else ""
+        busy_text = ""
+        if busy:
+            busy_text = num(busy["values"][e]) + (f" ({100 * busy['values'][e] / rate:.0f}% of quiet)" if rate else "")
+        family, _, fmt = e.partition("-")
+        rows.append([ENGINE_FORMATS.get(family, family), fmt, num(rate), f"{100 * calm['share']:.0f}%" if calm else "",
+                     vs, calm["tokens"] if calm else "", busy_text, num(pre["values"][e]) if pre else ""])
+    if not rows:
+        return f"(no compare_engines records{' for ' + cls if cls else ''} yet)\n"
+    runs = sorted({f"{machine_name(r['machine'])}; {when(r)}" + (f"; {r['busy']} busy" if r.get("busy") else "")
+                   for r in used})
+    return table(["engine", "format", "tokens/s", "of its bandwidth limit", "vs ours fp32", "greedy tokens vs "
+                  "transformers fp32", "tokens/s, one core busy", "prefill 512 (s)"], rows) + "\n" + \
+        "".join(f"- {run}\n" for run in runs)
+
+
+TABLES = {"machines": machines, "compare-hf": compare_hf, "commands": commands, "claims": claims, "engines": engines}
 
 
 def render(spec: str, records: list[dict]) -> str:

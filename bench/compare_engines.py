@@ -1,0 +1,560 @@
+"""Greedy decoding against the CPU engines people pick for speed: ours (fp32, int8, int4) beside transformers, ONNX Runtime
+(fp32 and dynamic int8, a plain decode loop over an exported graph with past keys and values) and llama.cpp (f32,
+f16, q8_0, q4_0 through llama-cpp-python, converted by llama.cpp's own convert_hf_to_gguf.py from OUR
+save_pretrained output: the interop is part of the test).
+
+Every engine gets the same weights (a random-init gpt2, seeded), runs in its own worker process with the same thread
+count, and is timed in interleaved rounds (one engine busy at a time, the order rotated each round), so load from
+other processes hits all alike; medians are reported. Each row's greedy tokens are compared with transformers' fp32.
+
+    CMAKE_ARGS="-DGGML_NATIVE=ON" pip install -r bench/requirements.txt   # ORT, onnx, gguf, llama-cpp-python (builds)
+    python bench/compare_engines.py                 # quiet machine: decode b1, prefill 512
+    python bench/compare_engines.py --busy 1        # with one competing process spinning on a core
+    python bench/compare_engines.py --engines ours-fp32 ort-fp32 llama-f32   # a subset
+
+An engine whose package is missing is skipped with the reason. The exported files are cached under --workdir
+(default ~/.cache/gpt2-cs224n/engines), keyed by the seed; --fresh rebuilds them.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench.machine import print_machine_header  # noqa: E402
+from bench.results import Recorder  # noqa: E402
+
+SHARED = ROOT.parent / "shared"
+ENGINES = ("ours-fp32", "ours-int8", "ours-int4", "hf-fp32", "ort-fp32", "ort-int8", "llama-f32", "llama-f16", "llama-q8_0",
+           "llama-q4_0")
+REFERENCE = "hf-fp32"  # whose greedy tokens the others are compared with
+GGUF_TYPES = {"llama-f32": "f32", "llama-f16": "f16", "llama-q8_0": "q8_0", "llama-q4_0": "q4_0"}
+# the targets of issue 38: ours fp32 >= the faster of ORT fp32 and llama.cpp f32; int8 >= ORT int8 and q8_0;
+# int4 >= q4_0
+TARGETS = {"ours-fp32": ("ort-fp32", "llama-f32"), "ours-int8": ("ort-int8", "llama-q8_0"), "ours-int4": ("llama-q4_0",)}
+
+
+# ---- the artefacts: one model, saved by us, exported to ONNX and converted to GGUF -----------------------------------
+
+def missing(engine: str) -> str | None:
+    """Why `engine` cannot run here (a package absent), or None."""
+    import importlib.util
+
+    needs = {"ort": ("onnxruntime", "onnx"), "llama": ("llama_cpp", "gguf")}.get(engine.split("-")[0], ())
+    absent = [name for name in needs if importlib.util.find_spec(name) is None]
+    if absent:
+        return f"{', '.join(absent)} not installed (pip install -r bench/requirements.txt)"
+    if engine.startswith("llama") and not (SHARED / "gpt2-tokenizer").exists():
+        return f"llama.cpp's converter needs the GPT-2 tokenizer files, not found at {SHARED / 'gpt2-tokenizer'}"
+    return None
+
+
+def save_model(folder: Path, seed: int) -> Path:
+    """A random-init transformers gpt2 (seeded), loaded by ours and written by our save_pretrained."""
+    target = folder / "model"
+    if (target / "model.safetensors").exists():
+        return target
+    import torch
+    import transformers
+
+    from config import GPT2Config
+    from models.gpt2 import GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    hf = transformers.GPT2LMHeadModel(GPT2Config.from_preset("gpt2").to_hf())
+    staging = folder / "hf-staging"
+    hf.save_pretrained(staging)
+    ours = GPT2LMHeadModel.from_pretrained(staging)
+    ours.save_pretrained(target)
+    shutil.rmtree(staging)
+    return target
+
+
+class OnnxGraph:
+    """The export wrapper: GPT-2's arithmetic in plain torch ops over the HF-layout weights, with the past keys and
+    values as inputs and outputs (one pair per layer, as optimum exports them), so ONNX Runtime gets a graph of
+    MatMul + Add, LayerNormalization, Softmax and Concat: the form its dynamic int8 quantizer rewrites (a Gemm
+    would be left in fp32)."""
+
+    @staticmethod
+    def module(model_dir: Path):
+        import torch
+        from safetensors.torch import load_file
+        from torch import nn
+
+        config = json.loads((model_dir / "config.json").read_text())
+        sd = load_file(model_dir / "model.safetensors")
+        L, H, C = config["n_layer"], config["n_head"], config["n_embd"]
+        eps = config["layer_norm_epsilon"]
+
+        class Graph(nn.Module):
+            def __init__(self):
+                super().__init__()
+                for name, value in sd.items():
+                    self.register_buffer(name.replace(".", "_"), value)
+
+            def w(self, name):
+                return getattr(self, name.replace(".", "_"))
+
+            def ln(self, x, prefix):
+                return nn.functional.layer_norm(x, (C,), self.w(prefix + ".weight"), self.w(prefix + ".bias"), eps)
+
+            def forward(self, input_ids, position_ids, *past):
+                T, P = input_ids.shape[1], past[0].shape[2]
+                x = self.w("transformer.wte.weight")[input_ids] + self.w("transformer.wpe.weight")[position_ids]
+                rows = torch.arange(T)[:, None] + P
+                cols = torch.arange(P + T)[None, :]
+                bias = torch.where(cols > rows, torch.tensor(float("-inf")), torch.tensor(0.0))
+                presents = []
+                for i in range(L):
+                    p = f"transformer.h.{i}."
+                    h = self.ln(x, p + "ln_1")
+                    qkv = h @ self.w(p + "attn.c_attn.weight") + self.w(p + "attn.c_attn.bias")
+                    q, k, v = (t.reshape(1, T, H, C // H).transpose(1, 2) for t in qkv.split(C, dim=-1))
+                    k = torch.cat([past[2 * i], k], dim=2)
+                    v = torch.cat([past[2 * i + 1], v], dim=2)
+                    presents += [k, v]
+                    att = torch.softmax(q @ k.transpose(-1, -2) * (C // H) ** -0.5 + bias, dim=-1)
+                    y = (att @ v).transpose(1, 2).reshape(1, T, C)
+                    x = x + y @ self.w(p + "attn.c_proj.weight") + self.w(p + "attn.c_proj.bias")
+                    h = self.ln(x, p + "ln_2")
+                    h = h @ self.w(p + "mlp.c_fc.weight") + self.w(p + "mlp.c_fc.bias")
+                    h = nn.functional.gelu(h, approximate="tanh")
+                    x = x + h @ self.w(p + "mlp.c_proj.weight") + self.w(p + "mlp.c_proj.bias")
+                x = self.ln(x[:, -1:], "transformer.ln_f")
+                return (x @ self.w("transformer.wte.weight").t(), *presents)
+
+        return Graph().eval(), config
+
+
+def export_onnx(model_dir: Path, folder: Path) -> dict[str, Path]:
+    """model.onnx (fp32) and model-int8.onnx (onnxruntime.quantization.quantize_dynamic, int8 weights)."""
+    fp32, int8 = folder / "model.onnx", folder / "model-int8.onnx"
+    if not fp32.exists():
+        import torch
+
+        graph, config = OnnxGraph.module(model_dir)
+        L, H, C = config["n_layer"], config["n_head"], config["n_embd"]
+        past = [torch.zeros(1, H, 3, C // H) for _ in range(2 * L)]
+        names = [f"past.{i // 2}.{'kv'[i % 2]}" for i in range(2 * L)]
+        outputs = ["logits"] + [f"present.{i // 2}.{'kv'[i % 2]}" for i in range(2 * L)]
+        axes = {"input_ids": {1: "new"}, "position_ids": {1: "new"}}
+        axes.update({n: {2: "past"} for n in names})
+        axes.update({n: {2: "total"} for n in outputs[1:]})
+        ids = torch.tensor([[1, 2]])
+        tmp = folder / "model.onnx.tmp"
+        with torch.no_grad():
+            torch.onnx.export(graph, (ids, ids + 3, *past), str(tmp), input_names=["input_ids", "position_ids", *names],
+                              output_names=outputs, dynamic_axes=axes, opset_version=17, dynamo=False)
+        os.replace(tmp, fp32)
+    if not int8.exists():
+        from onnxruntime.quantization import QuantType, quantize_dynamic
+
+        tmp = folder / "model-int8.tmp.onnx"
+        quantize_dynamic(str(fp32), str(tmp), weight_type=QuantType.QInt8)
+        os.replace(tmp, int8)
+    return {"ort-fp32": fp32, "ort-int8": int8}
+
+
+def converter(folder: Path) -> Path:
+    """llama.cpp's convert_hf_to_gguf.py of the installed llama-cpp-python's own llama.cpp (its sdist, fetched with
+    pip download once): the converter and its gguf-py, conversion/ beside it."""
+    import importlib.metadata
+
+    version = importlib.metadata.version("llama_cpp_python")
+    root = folder / f"llama.cpp-{version}"
+    script = root / "convert_hf_to_gguf.py"
+    if script.exists():
+        return script
+    download = folder / "sdist"
+    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-d", str(download),
+                    f"llama-cpp-python=={version}"], check=True, capture_output=True, text=True)
+    sdist = next(download.glob("llama_cpp_python-*.tar.gz"))
+    prefix = f"llama_cpp_python-{version}/vendor/llama.cpp/"
+    with tarfile.open(sdist) as tar:
+        members = [m for m in tar.getmembers() if m.name.startswith(prefix) and (
+            m.name == prefix + "convert_hf_to_gguf.py" or m.name.startswith((prefix + "conversion/", prefix + "gguf-py/")))]
+        for m in members:
+            m.name = m.name[len(prefix):]
+        tar.extractall(root, members=members, filter="data")
+    return script
+
+
+def convert_gguf(model_dir: Path, folder: Path, engines: list[str]) -> dict[str, Path]:
+    """GGUF files of our saved model: f32 and f16 by the converter, q8_0 and q4_0 quantized from f32 by
+    llama_cpp.llama_model_quantize (what llama-quantize does; llama-cpp-python builds no tools)."""
+    wanted = [e for e in engines if e in GGUF_TYPES]
+    if not wanted:
+        return {}
+    files = {e: folder / f"model-{GGUF_TYPES[e]}.gguf" for e in wanted}
+    f32 = folder / "model-f32.gguf"
+    source = folder / "hf-for-gguf"  # our files plus the tokenizer the converter embeds
+    if not source.exists():
+        shutil.copytree(model_dir, source)
+        for name in os.listdir(SHARED / "gpt2-tokenizer"):
+            shutil.copy(SHARED / "gpt2-tokenizer" / name, source / name)
+    script = converter(folder)
+    env = {**os.environ, "PYTHONPATH": f"{script.parent / 'gguf-py'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    for outtype in ("f32", "f16"):
+        out = folder / f"model-{outtype}.gguf"
+        if not out.exists() and (outtype == "f32" or out in files.values()):
+            run = subprocess.run([sys.executable, str(script), str(source), "--outtype", outtype, "--outfile",
+                                  str(out)], capture_output=True, text=True, env=env)
+            if run.returncode != 0:
+                raise RuntimeError(f"convert_hf_to_gguf.py --outtype {outtype} failed:\n{run.stderr[-3000:]}")
+    for engine, path in files.items():
+        if not path.exists() and GGUF_TYPES[engine] not in ("f32", "f16"):
+            import llama_cpp
+
+            params = llama_cpp.llama_model_quantize_default_params()
+            params.ftype = {"q8_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0,
+                            "q4_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0}[GGUF_TYPES[engine]]
+            params.nthread = os.cpu_count() or 1
+            if llama_cpp.llama_model_quantize(str(f32).encode(), str(path).encode(), params) != 0:
+                raise RuntimeError(f"llama_model_quantize to {GGUF_TYPES[engine]} failed")
+    return files
+
+
+def streamed_bytes(engine: str, path: Path | None, model_dir: Path) -> int:
+    """The bytes of weights one decode step reads: every matrix once (the tied token embedding once, as the LM head),
+    not the position table (one row a token). ours-int8: int8 rows plus one fp32 scale a row; the others: their
+    files' tensors as stored (GGUF tensor sizes; ONNX initializers feeding products)."""
+    from safetensors import safe_open
+
+    with safe_open(model_dir / "model.safetensors", "pt") as f:
+        shapes = {k: f.get_slice(k).get_shape() for k in f.keys()}
+    numel = {k: int(__import__("math").prod(s)) for k, s in shapes.items() if "wpe" not in k}
+    if engine in ("ours-fp32", "hf-fp32"):
+        return 4 * sum(numel.values())
+    if engine == "ours-int8":  # int8 rows, one fp32 scale an output row (HF's Conv1D weights are stored (in, out))
+        return sum(n + 4 * shapes[k][0 if "wte" in k else 1] if len(shapes[k]) == 2 else 4 * n
+                   for k, n in numel.items())
+    if engine == "ours-int4":  # two values a byte, one fp32 scale per 32 (modules/quant.py)
+        return sum(n // 2 + 4 * n // 32 if len(shapes[k]) == 2 else 4 * n for k, n in numel.items())
+    if engine.startswith("llama"):
+        from gguf import GGUFReader
+
+        return sum(int(t.n_bytes) for t in GGUFReader(str(path)).tensors if "position" not in t.name)
+    import onnx
+
+    graph = onnx.load(str(path), load_external_data=True).graph
+    gathers = {n.input[0] for n in graph.node if n.op_type == "Gather"}
+    others = {i for n in graph.node if n.op_type != "Gather" for i in n.input}
+    return sum(len(t.raw_data) or onnx.numpy_helper.to_array(t).nbytes for t in graph.initializer
+               if t.name in others or t.name not in gathers)
+
+
+# ---- the workers: one process per engine, driven over a pipe --------------------------------------------------------
+
+class Ours:
+    def __init__(self, engine, model_dir, path, threads):
+        import torch
+
+        from models.gpt2 import GPT2LMHeadModel
+
+        self.torch = torch
+        self.model = GPT2LMHeadModel.from_pretrained(model_dir).eval()
+        self.quantize = {"ours-int8": "int8", "ours-int4": "int4"}.get(engine)
+
+    def decode(self, prompt, new):
+        ids = self.torch.tensor([prompt])
+        with self.torch.no_grad():
+            out = self.model.generate(ids, max_new_tokens=new, do_sample=False, quantize=self.quantize)
+        return out[0, len(prompt):].tolist()
+
+    def prefill(self, prompt):
+        with self.torch.no_grad():
+            return int(self.model(self.torch.tensor([prompt]))["logits"][0, -1].argmax())
+
+
+class Transformers(Ours):
+    def __init__(self, engine, model_dir, path, threads):
+        import torch
+        import transformers
+
+        transformers.logging.set_verbosity_error()
+        self.torch = torch
+        self.model = transformers.GPT2LMHeadModel.from_pretrained(model_dir, attn_implementation="sdpa").eval()
+        self.model.generation_config.eos_token_id = None  # always max_new_tokens, as ours without eos_token_id
+        self.model.generation_config.pad_token_id = 50256
+
+    def decode(self, prompt, new):
+        ids = self.torch.tensor([prompt])
+        with self.torch.no_grad():
+            out = self.model.generate(ids, attention_mask=self.torch.ones_like(ids), max_new_tokens=new,
+                                      do_sample=False)
+        return out[0, len(prompt):].tolist()
+
+
+class OnnxRuntime:
+    def __init__(self, engine, model_dir, path, threads):
+        import numpy as np
+        import onnxruntime as ort
+
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = threads
+        options.inter_op_num_threads = 1
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        self.np = np
+        self.session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        config = json.loads((model_dir / "config.json").read_text())
+        self.layers, self.heads, self.width = config["n_layer"], config["n_head"], config["n_embd"]
+        self.names = [f"past.{i // 2}.{'kv'[i % 2]}" for i in range(2 * self.layers)]
+
+    def _run(self, ids, start, past):
+        np = self.np
+        feed = {"input_ids": np.array([ids], dtype=np.int64),
+                "position_ids": np.arange(start, start + len(ids), dtype=np.int64)[None]}
+        feed.update(zip(self.names, past))
+        logits, *present = self.session.run(None, feed)
+        return int(logits[0, -1].argmax()), present
+
+    def _empty(self):
+        return [self.np.zeros((1, self.heads, 0, self.width // self.heads), self.np.float32)] * (2 * self.layers)
+
+    def decode(self, prompt, new):
+        token, past = self._run(prompt, 0, self._empty())
+        out = [token]
+        for step in range(new - 1):
+            token, past = self._run([token], len(prompt) + step, past)
+            out.append(token)
+        return out
+
+    def prefill(self, prompt):
+        return self._run(prompt, 0, self._empty())[0]
+
+
+class LlamaCpp:
+    def __init__(self, engine, model_dir, path, threads):
+        import llama_cpp
+        import numpy as np
+
+        self.np, self.llama_cpp = np, llama_cpp
+        self.llm = llama_cpp.Llama(str(path), n_ctx=1024, n_batch=512, n_ubatch=512, n_threads=threads,
+                                   n_threads_batch=threads, logits_all=False, verbose=False)
+        self.vocab = self.llm.n_vocab()
+
+    def _last(self):
+        """argmax of the last evaluated token's logits (llama-cpp-python keeps no copy unless logits_all)."""
+        logits = self.np.ctypeslib.as_array(self.llama_cpp.llama_get_logits(self.llm.ctx), shape=(self.vocab,))
+        return int(self.np.argmax(logits))
+
+    def decode(self, prompt, new):
+        self.llm.reset()
+        self.llm.eval(prompt)
+        out = [self._last()]
+        for _ in range(new - 1):
+            self.llm.eval([out[-1]])
+            out.append(self._last())
+        return out
+
+    def prefill(self, prompt):
+        self.llm.reset()
+        self.llm.eval(prompt)
+        return self._last()
+
+
+def worker(engine: str, model_dir: Path, path: Path | None, threads: int) -> None:
+    """Load `engine`, answer 'ready', then time each request from stdin: one JSON line in, one out."""
+    reply = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)  # anything the engines print goes to stderr, never into the replies
+    if engine.startswith(("ours", "hf")):
+        import torch
+
+        torch.set_num_threads(threads)
+    kind = {"ours": Ours, "hf": Transformers, "ort": OnnxRuntime, "llama": LlamaCpp}[engine.split("-")[0]]
+    runner = kind(engine, model_dir, path, threads)
+    reply.write(json.dumps({"ready": True}) + "\n")
+    reply.flush()
+    for line in sys.stdin:
+        task = json.loads(line)
+        start = time.perf_counter()
+        if task["task"] == "decode":
+            tokens = runner.decode(task["prompt"], task["new"])
+        else:
+            tokens = [runner.prefill(task["prompt"])]
+        reply.write(json.dumps({"seconds": time.perf_counter() - start, "tokens": tokens}) + "\n")
+        reply.flush()
+
+
+class Worker:
+    def __init__(self, engine: str, model_dir: Path, path: Path | None, threads: int):
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+        cmd = [sys.executable, __file__, "--worker", engine, "--model-dir", str(model_dir), "--threads", str(threads)]
+        if path is not None:
+            cmd += ["--path", str(path)]
+        self.engine = engine
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        self.ask(None)
+
+    def ask(self, task: dict | None) -> dict:
+        if task is not None:
+            self.proc.stdin.write(json.dumps(task) + "\n")
+            self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the {self.engine} worker exited (code {self.proc.wait()}); its stderr is above")
+        return json.loads(line)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+
+# ---- the driver ---------------------------------------------------------------------------------------------------
+
+def read_bandwidth() -> float:
+    """GB/s: the best of 7 sums of a 512 MB fp32 tensor (the same probe as compare_hf's)."""
+    import torch
+
+    x, best = torch.ones(128 * 2**20), float("inf")
+    for _ in range(7):
+        start = time.perf_counter()
+        x.sum().item()
+        best = min(best, time.perf_counter() - start)
+    return x.numel() * 4 / best / 1e9
+
+
+def interleaved(workers: dict[str, Worker], task: dict, rounds: int) -> tuple[dict, dict]:
+    """Each round asks every engine once, in an order rotated per round -> (seconds lists, last tokens)."""
+    names, times, tokens = list(workers), {n: [] for n in workers}, {}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            answer = workers[name].ask(task)
+            times[name].append(answer["seconds"])
+            tokens[name] = answer["tokens"]
+    return times, tokens
+
+
+def agreement(tokens: list[int], reference: list[int]) -> str:
+    """'64/64' (identical), else the first position where they part."""
+    if tokens == reference:
+        return f"{len(tokens)}/{len(reference)} identical"
+    first = next(i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b)
+    same = sum(a == b for a, b in zip(tokens, reference))
+    return f"first {first} identical ({same}/{len(reference)} positions equal)"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--engines", nargs="+", choices=ENGINES, default=list(ENGINES))
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (medians reported)")
+    parser.add_argument("--prompt-tokens", type=int, default=16)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--prefill", type=int, default=512, help="prompt length of the prefill rows (0: skip)")
+    parser.add_argument("--threads", type=int, default=os.cpu_count(), help="threads of every engine")
+    parser.add_argument("--busy", type=int, default=0, help="processes spinning on a core each during the timing")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--workdir", type=Path, default=Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+                        / "gpt2-cs224n" / "engines")
+    parser.add_argument("--fresh", action="store_true", help="rebuild the saved, exported and converted files")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--model-dir", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--path", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        return worker(args.worker, args.model_dir, args.path, args.threads)
+
+    import torch
+
+    torch.set_num_threads(args.threads)
+    print_machine_header()
+    folder = args.workdir / f"gpt2-seed{args.seed}"
+    if args.fresh and folder.exists():
+        shutil.rmtree(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    engines = []
+    for engine in args.engines:
+        if why := missing(engine):
+            print(f"skipping {engine}: {why}", flush=True)
+        else:
+            engines.append(engine)
+    if REFERENCE not in engines:
+        engines.insert(0, REFERENCE)
+    started = time.perf_counter()
+    model_dir = save_model(folder, args.seed)
+    paths: dict[str, Path | None] = {e: None for e in engines}
+    if any(e.startswith("ort") for e in engines):
+        paths.update({e: p for e, p in export_onnx(model_dir, folder).items() if e in engines})
+    paths.update(convert_gguf(model_dir, folder, engines))
+    print(f"files ready in {time.perf_counter() - started:.0f} s under {folder}", flush=True)
+    bandwidth = read_bandwidth()
+    limits = {e: bandwidth * 1e9 / streamed_bytes(e, paths[e], model_dir) for e in engines}
+    print(f"memory reads {bandwidth:.1f} GB/s; threads {args.threads} per engine; {args.rounds} interleaved rounds",
+          flush=True)
+
+    gen = torch.Generator().manual_seed(args.seed)
+    prompt = torch.randint(0, 50257, (args.prompt_tokens,), generator=gen).tolist()
+    long_prompt = torch.randint(0, 50257, (args.prefill,), generator=gen).tolist()
+    workers = {}
+    spinners = []
+    rec = Recorder("compare_engines")
+    try:
+        for engine in engines:
+            workers[engine] = Worker(engine, model_dir, paths[engine], args.threads)
+        decode = {"task": "decode", "prompt": prompt, "new": args.new_tokens}
+        interleaved(workers, decode, 1)  # warm-up: first calls build kernels, caches and plans
+        spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)]
+        times, tokens = interleaved(workers, decode, args.rounds)
+        pre_times = interleaved(workers, {"task": "prefill", "prompt": long_prompt}, args.rounds)[0] \
+            if args.prefill else {}
+        load = os.getloadavg()[0]
+    finally:
+        for s in spinners:
+            s.kill()
+        for w in workers.values():
+            w.close()
+    busy = f", {args.busy} busy process{'es' if args.busy > 1 else ''} beside it" if args.busy else ""
+    rate = {e: args.new_tokens / statistics.median(times[e]) for e in engines}
+    print(f"\ngreedy batch 1, {args.prompt_tokens}-token prompt + {args.new_tokens} new tokens{busy} [load {load:.1f}]")
+    print(f"{'engine':<12} {'tok/s':>7} {'range':>13} {'of its limit':>12} {'vs ours fp32':>12}  tokens vs {REFERENCE}")
+    base = rate.get("ours-fp32")
+    for e in engines:
+        match = agreement(tokens[e], tokens[REFERENCE])
+        vs = f"{rate[e] / base:.2f}" if base else "-"
+        spread = f"{args.new_tokens / max(times[e]):.1f}-{args.new_tokens / min(times[e]):.1f}"
+        print(f"{e:<12} {rate[e]:>7.1f} {spread:>13} {100 * rate[e] / limits[e]:>11.0f}% {vs:>12}  {match}")
+        extra = {}
+        if e in TARGETS and any(t in rate for t in TARGETS[e]):
+            best = max(rate[t] for t in TARGETS[e] if t in rate)
+            extra = dict(ratio=rate[e] / best, ratio_of=f"{e} / fastest of {' and '.join(TARGETS[e])}",
+                         target=f">= 1.0x the fastest of {', '.join(TARGETS[e])}", met=rate[e] >= best)
+        rec.add(f"decode b1 {e}{busy}", {e: rate[e], **({"ours-fp32": base} if base and e != "ours-fp32" else {})},
+                "new tokens/s", notes=f"{100 * rate[e] / limits[e]:.0f}% of its read-bandwidth limit "
+                f"({limits[e]:.1f} tok/s at {bandwidth:.1f} GB/s); tokens vs {REFERENCE}: {match}",
+                engine=e, kind="decode", busy=args.busy, share=rate[e] / limits[e], tokens=match,
+                seconds=times[e], **extra)
+    if pre_times:
+        print(f"\nprefill of {args.prefill} tokens{busy} (seconds, median)")
+        seconds = {e: statistics.median(pre_times[e]) for e in engines}
+        others = {e: s for e, s in seconds.items() if not e.startswith("ours")}
+        best = min(seconds.values())
+        for e in engines:
+            print(f"{e:<12} {seconds[e]:>7.3f}  {seconds[e] / best:.2f}x the fastest")
+            extra = {}
+            if e == "ours-fp32" and others:  # issue 38: prefill <= the best engine's
+                fastest = min(others, key=others.get)
+                extra = dict(ratio=seconds[e] / others[fastest], ratio_of=f"ours-fp32 / {fastest} (time)",
+                             target="<= the fastest other engine's time", met=seconds[e] <= others[fastest])
+            rec.add(f"prefill {args.prefill} {e}{busy}", {e: seconds[e]}, "seconds", engine=e, kind="prefill",
+                    busy=args.busy, tokens_in=args.prefill, seconds=pre_times[e], **extra)
+    rec.write()
+    print(f"\ndone in {time.perf_counter() - started:.0f} s; load average now "
+          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

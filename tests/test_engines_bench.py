@@ -1,0 +1,118 @@
+"""bench/compare_engines.py's parts on a tiny model: the ONNX export wrapper computes transformers' logits and
+past keys/values, the worker protocol returns our generate's tokens, the streamed bytes per format, the token
+agreement, the skip reasons, and bench.report's engines table. ONNX Runtime and llama.cpp themselves are optional
+(bench/requirements.txt): their end-to-end test runs where they are installed."""
+import importlib.util
+import json
+
+import pytest
+import torch
+import transformers
+
+from bench import compare_engines as ce
+from bench import report
+from config import GPT2Config
+from models.gpt2 import GPT2LMHeadModel
+
+TINY = dict(n_layer=2, n_head=2, n_embd=64, vocab_size=101, n_positions=64)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A tiny random transformers GPT-2, loaded by ours and written by our save_pretrained (as the bench does)."""
+    folder = tmp_path_factory.mktemp("engines")
+    torch.manual_seed(0)
+    hf = transformers.GPT2LMHeadModel(GPT2Config(**TINY).to_hf())
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.mul_(8)  # sharper logits than a fresh init: greedy tokens that vary
+    hf.save_pretrained(folder / "hf")
+    GPT2LMHeadModel.from_pretrained(folder / "hf").save_pretrained(folder / "model")
+    return folder / "model", hf.eval()
+
+
+def test_the_export_wrapper_computes_transformers_logits_and_cache(saved):
+    model_dir, hf = saved
+    graph, config = ce.OnnxGraph.module(model_dir)
+    L, H, C = config["n_layer"], config["n_head"], config["n_embd"]
+    ids = torch.tensor([[5, 17, 3, 99, 42]])
+    empty = [torch.zeros(1, H, 0, C // H) for _ in range(2 * L)]
+    with torch.no_grad():
+        logits, *present = graph(ids, torch.arange(5)[None], *empty)
+        ref = hf(ids, use_cache=True)
+        torch.testing.assert_close(logits[:, -1], ref.logits[:, -1], rtol=1e-5, atol=1e-5)
+        assert [tuple(p.shape) for p in present] == [(1, H, 5, C // H)] * (2 * L)
+        step, *_ = graph(torch.tensor([[7]]), torch.tensor([[5]]), *present)
+        ref_step = hf(torch.tensor([[7]]), past_key_values=ref.past_key_values).logits
+        torch.testing.assert_close(step[:, -1], ref_step[:, -1], rtol=1e-5, atol=1e-5)
+
+
+def test_a_worker_returns_our_generate_tokens(saved):
+    model_dir, _ = saved
+    worker = ce.Worker("ours-fp32", model_dir, None, threads=1)
+    try:
+        answer = worker.ask({"task": "decode", "prompt": [5, 17, 3], "new": 6})
+        prefill = worker.ask({"task": "prefill", "prompt": [5, 17, 3]})
+    finally:
+        worker.close()
+    ours = GPT2LMHeadModel.from_pretrained(model_dir).eval()
+    expected = ours.generate(torch.tensor([[5, 17, 3]]), max_new_tokens=6)[0, 3:].tolist()
+    assert answer["tokens"] == expected and answer["seconds"] > 0
+    assert prefill["tokens"] == expected[:1]
+
+
+def test_streamed_bytes_per_format(saved):
+    model_dir, _ = saved
+    C, V, L = 64, 101, 2
+    matrices = V * C + L * (3 * C * C + C * C + 4 * C * C + 4 * C * C)  # the tied head once, no position table
+    vectors = L * (2 * C + 3 * C + C + 4 * C + C + 2 * C) + 2 * C  # norms and biases
+    assert ce.streamed_bytes("ours-fp32", None, model_dir) == 4 * (matrices + vectors)
+    rows = V + L * (3 * C + C + 4 * C + C)  # one fp32 scale per output row of each matrix
+    assert ce.streamed_bytes("ours-int8", None, model_dir) == matrices + 4 * rows + 4 * vectors
+    assert ce.streamed_bytes("ours-int4", None, model_dir) == matrices // 2 + 4 * matrices // 32 + 4 * vectors
+
+
+def test_agreement_names_where_the_tokens_part():
+    assert ce.agreement([1, 2, 3], [1, 2, 3]) == "3/3 identical"
+    assert ce.agreement([1, 2, 9, 4], [1, 2, 3, 4]) == "first 2 identical (3/4 positions equal)"
+
+
+def test_a_missing_engine_is_skipped_with_the_install_command(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "onnxruntime" else real(name))
+    assert "onnxruntime" in ce.missing("ort-fp32") and "bench/requirements.txt" in ce.missing("ort-int8")
+    assert ce.missing("ours-fp32") is None
+
+
+def _record(engine, kind, value, busy=0, load=1.0, **extra):
+    return {"bench": "compare_engines", "row": f"{kind} {engine}", "values": {engine: value}, "unit": "x",
+            "engine": engine, "kind": kind, "busy": busy, "share": 0.5, "tokens": "64/64 identical",
+            "machine": {"cpu": "CPU X", "class": "AVX2", "cores": 2, "device": "cpu"}, "commit": "abc",
+            "date": "2026-11-26T06:00Z", "load": load, "source": "run", **extra}
+
+
+def test_the_engines_table_puts_quiet_busy_and_prefill_side_by_side():
+    records = [_record("ours-fp32", "decode", 40.0), _record("ort-fp32", "decode", 50.0),
+               _record("ours-fp32", "decode", 20.0, busy=1, load=3.5), _record("ort-fp32", "prefill", 1.2),
+               _record("ours-fp32", "decode", 10.0, load=6.0)]  # an older busy-load run of the quiet row
+    text = report.render("engines class=AVX2", records)
+    lines = text.splitlines()
+    assert lines[0].startswith("| engine | format | tokens/s |")
+    assert lines[2].startswith("| ours | fp32 | 40.0 | 50% | 1.00x | 64/64 identical | 20.0 (50% of quiet) |")
+    assert lines[3].startswith("| ONNX Runtime | fp32 | 50.0 | 50% | 1.25x |") and lines[3].endswith("| 1.20 |")
+    assert "; 1 busy" in text and "(no compare_engines records for AMX yet)" in report.render("engines class=AMX",
+                                                                                                   records)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("onnxruntime") is None or importlib.util.find_spec("onnx") is None,
+                    reason="onnxruntime and onnx are optional (pip install -r bench/requirements.txt)")
+def test_onnx_runtime_decodes_transformers_tokens(saved, tmp_path):
+    model_dir, hf = saved
+    paths = ce.export_onnx(model_dir, tmp_path)
+    runner = ce.OnnxRuntime("ort-fp32", model_dir, paths["ort-fp32"], threads=1)
+    hf.generation_config.eos_token_id = None
+    ids = torch.tensor([[5, 17, 3]])
+    expected = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
+                           pad_token_id=0)[0, 3:].tolist()
+    assert runner.decode([5, 17, 3], 8) == expected
+    assert json.loads(json.dumps(runner.prefill([5, 17, 3]))) == expected[0]

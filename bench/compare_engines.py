@@ -275,8 +275,8 @@ class Ours:
         return out[0, len(prompt):].tolist()
 
     def prefill(self, prompt):
-        with self.torch.no_grad():
-            return int(self.model(self.torch.tensor([prompt]))["logits"][0, -1].argmax())
+        """The time to the first new token: the prompt's pass and the LM head of its last position only."""
+        return self.decode(prompt, 1)[0]
 
 
 class Transformers(Ours):

@@ -186,7 +186,6 @@ def decode_lm_head(body, batch_size: int, quantize: str | None = None):
     return body.hidden_state_to_token if views is None else lambda hidden: softcap(blocked_product(hidden, views))
 
 
-@torch.no_grad()
 @contextlib.contextmanager
 def closing_threads(model, rows: int, quantize: str | None = None):
     """A DecodeThreads for one decode loop of `rows` rows, restoring torch's thread count when the loop ends."""
@@ -197,6 +196,7 @@ def closing_threads(model, rows: int, quantize: str | None = None):
         threads.close()
 
 
+@torch.no_grad()
 def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, max_new_tokens: int = 20,
              do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
              repetition_penalty: float = 1.0, eos_token_id: int | None = None, pad_token_id: int | None = None,

@@ -132,3 +132,16 @@ def test_generate_restores_the_thread_count_when_a_step_fails(monkeypatch, threa
     with pytest.raises(RuntimeError, match="a step failed"):
         model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=4)
     assert torch.get_num_threads() == 4
+
+
+def test_generate_runs_without_autograd_when_called_directly(monkeypatch):
+    """models.generation.generate itself (not only the model's method) takes no gradients: a decode step under
+    autograd would record a graph and miss the kernels that need it off."""
+    from models.generation import generate
+
+    model, seen = _tiny(), []
+    step = model.gpt.decode_step
+    monkeypatch.setattr(model.gpt, "decode_step", lambda *a: seen.append(torch.is_grad_enabled()) or step(*a))
+    with torch.enable_grad():
+        generate(model, torch.tensor([[1, 2, 3]]), max_new_tokens=3)
+    assert seen == [False, False]

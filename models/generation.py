@@ -11,6 +11,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from models import fast_step
 from models.decode_threads import DecodeThreads
 from modules import rows as row_kernel
 from modules.attention import KVCache
@@ -235,6 +236,8 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
                                                                 repetition_penalty, eos_token_id, pad_token_id)
         out = torch.full((B, T + max_new_tokens), pad, dtype=torch.long, device=input_ids.device)
         out[:, :T] = input_ids
+        # one prompt on the CPU, plain GPT-2: each step in one C++ call (models/fast_step.py)
+        fast = None if fast_step.why_not(model, B, key_mask, cache) else fast_step.FastStep(model, cache)
         if input_ids.is_cpu:  # the steps' thread count, chosen by timing them (models/decode_threads.py)
             threads = quantized.enter_context(closing_threads(model, B, quantize))
         for step in range(max_new_tokens):
@@ -257,7 +260,10 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
                 return out[:, : T + step + 1]
             pos = T + step
             step_mask = key_mask[..., : pos + 1] if key_mask is not None else None
-            hidden = body.decode_step(next_ids[:, None], positions[:, pos: pos + 1], step_mask, cache)
+            if fast is not None:
+                hidden = fast(next_ids, positions[:, pos])
+            else:
+                hidden = body.decode_step(next_ids[:, None], positions[:, pos: pos + 1], step_mask, cache)
         return out
     finally:
         quantized.close()

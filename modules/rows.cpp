@@ -14,6 +14,8 @@
 #include <immintrin.h>
 #include <omp.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -236,3 +238,121 @@ int rows_product(int kind, int64_t rows, const float* x, int64_t in, const void*
 
 int rows_vector_width() { return static_cast<int>(kWidth); }
 }
+
+// ---- one decoding step of a plain GPT-2, for one token ------------------------------------------------------------
+// Decoding one token runs a few hundred small operations; from Python each costs a dispatch (about 10 us), which at
+// gpt2 size adds a third to the time the weights take to stream (docs/performance.md, "Against the CPU engines").
+// Here the whole stack of blocks runs in one call: LayerNorm, the q/k/v products, the new key and value written
+// into the model's cache, attention over the cache, the output projection, LayerNorm, the MLP with GELU (tanh), the
+// residual adds, and the final LayerNorm; every product through `product` above, in the weight's own kind.
+// Python keeps the embedding tables' lookups' inputs, the LM head and the logits processing.
+
+struct StepLinear {  // one Linear: kind as rows_product's, its weight, scale (int8/int4), bias (or null), group
+  int kind;
+  const void* w;
+  const float* scale;
+  const float* bias;
+  int64_t group, in, out;
+};
+
+struct StepLayer {
+  const float* ln1_w;
+  const float* ln1_b;
+  StepLinear q, k, v, proj;
+  const float* ln2_w;
+  const float* ln2_b;
+  StepLinear fc, out;
+  float attn_scale;
+};
+
+static int linear(const StepLinear& l, const float* x, float* y, int threads) {
+  return rows_product(l.kind, 1, x, l.in, l.w, l.scale, l.bias, y, l.out, threads, l.group);
+}
+
+static void layer_norm(const float* x, const float* w, const float* b, float eps, int64_t n, float* y) {
+  double sum = 0, sq = 0;
+  for (int64_t i = 0; i < n; ++i) sum += x[i];
+  const double mean = sum / n;
+  for (int64_t i = 0; i < n; ++i) sq += (x[i] - mean) * (x[i] - mean);
+  const float inv = static_cast<float>(1.0 / std::sqrt(sq / n + eps)), m = static_cast<float>(mean);
+  for (int64_t i = 0; i < n; ++i) y[i] = (x[i] - m) * inv * (w ? w[i] : 1.0f) + (b ? b[i] : 0.0f);
+}
+
+static void gelu_tanh(float* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = x[i];
+    x[i] = 0.5f * v * (1.0f + std::tanh(0.7978845608028654f * (v + 0.044715f * v * v * v)));
+  }
+}
+
+// One head's attention of one query over `length` cached keys and values (rows of `dim`, `cap` rows a head).
+static void attend(const float* q, const float* keys, const float* values, int64_t length, int64_t dim, float scale,
+                   float* scores, float* y) {
+  float top = -INFINITY;
+  for (int64_t t = 0; t < length; ++t) {
+    float s = 0;
+    for (int64_t d = 0; d < dim; ++d) s += q[d] * keys[t * dim + d];
+    scores[t] = s * scale;
+    top = std::max(top, scores[t]);
+  }
+  float total = 0;
+  for (int64_t t = 0; t < length; ++t) total += (scores[t] = std::exp(scores[t] - top));
+  for (int64_t d = 0; d < dim; ++d) y[d] = 0;
+  for (int64_t t = 0; t < length; ++t) {
+    const float p = scores[t] / total;
+    for (int64_t d = 0; d < dim; ++d) y[d] += p * values[t * dim + d];
+  }
+}
+
+extern "C" {
+
+// x (C): the token's embedding (token + position), replaced by the last block's output; out (C): the final
+// LayerNorm of it. keys, values: the model's cache (n_layer, 1, n_head, cap, C / n_head), `length` tokens filled;
+// the new token's key and value go to position `length` of each layer. scratch: gpt2_step_scratch floats.
+// Returns 0, or the first product's error.
+int gpt2_step(const StepLayer* layers, int n_layer, int n_head, int64_t C, float eps, float* x, const float* lnf_w,
+              const float* lnf_b, float* keys, float* values, int64_t cap, int64_t length, float* scratch,
+              float* out, int threads) {
+  if (threads < 1) threads = 1;
+  const int64_t dim = C / n_head, inner = layers[0].fc.out;
+  float* h = scratch;          // C: a LayerNorm's output
+  float* q = h + C;            // C
+  float* kv = q + C;           // 2 C: the new key and value, before they go to the cache
+  float* y = kv + 2 * C;       // C: attention's output, then a projection's
+  float* f = y + C;            // inner: the MLP's hidden
+  float* scores = f + inner;   // n_head * (length + 1)
+  const int64_t seen = length + 1;
+  for (int l = 0; l < n_layer; ++l) {
+    const StepLayer& L = layers[l];
+    layer_norm(x, L.ln1_w, L.ln1_b, eps, C, h);
+    int err = linear(L.q, h, q, threads);
+    if (!err) err = linear(L.k, h, kv, threads);
+    if (!err) err = linear(L.v, h, kv + C, threads);
+    if (err) return err;
+    float* lk = keys + static_cast<int64_t>(l) * n_head * cap * dim;
+    float* lv = values + static_cast<int64_t>(l) * n_head * cap * dim;
+    for (int hd = 0; hd < n_head; ++hd) {
+      std::memcpy(lk + (hd * cap + length) * dim, kv + hd * dim, dim * sizeof(float));
+      std::memcpy(lv + (hd * cap + length) * dim, kv + C + hd * dim, dim * sizeof(float));
+    }
+#pragma omp parallel for num_threads(threads) schedule(static) if (seen * dim * n_head > (1 << 16))
+    for (int hd = 0; hd < n_head; ++hd)
+      attend(q + hd * dim, lk + hd * cap * dim, lv + hd * cap * dim, seen, dim, L.attn_scale, scores + hd * seen,
+             y + hd * dim);
+    if ((err = linear(L.proj, y, h, threads))) return err;
+    for (int64_t i = 0; i < C; ++i) x[i] += h[i];
+    layer_norm(x, L.ln2_w, L.ln2_b, eps, C, h);
+    if ((err = linear(L.fc, h, f, threads))) return err;
+    gelu_tanh(f, inner);
+    if ((err = linear(L.out, f, y, threads))) return err;
+    for (int64_t i = 0; i < C; ++i) x[i] += y[i];
+  }
+  layer_norm(x, lnf_w, lnf_b, eps, C, out);
+  return 0;
+}
+
+// The floats of scratch gpt2_step needs.
+int64_t gpt2_step_scratch(int n_head, int64_t C, int64_t inner, int64_t cap) { return 5 * C + inner + n_head * cap; }
+
+}  // extern "C"
+

@@ -88,7 +88,21 @@ def library(target_flags: tuple[str, ...] = NATIVE):
                                  ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
                                  ctypes.c_int64]
     lib.rows_vector_width.restype = ctypes.c_int
+    # models/fast_step.py's whole decoding step (its layers argument: an array of its StepLayer structures)
+    lib.gpt2_step.restype = ctypes.c_int
+    lib.gpt2_step.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_float,
+                              ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                              ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+    lib.gpt2_step_scratch.restype = ctypes.c_int64
+    lib.gpt2_step_scratch.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
     return lib
+
+
+def library_step():
+    """The kernel loaded for this machine, for models/fast_step.py (raises where it is not available)."""
+    if not available():
+        raise RuntimeError("the rows kernel is not available here (modules/rows.py)")
+    return _load()
 
 
 def _load():

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from config import GPT2Config
-from models import decode_threads
+from models import decode_threads, fast_step
 from models.decode_threads import DecodeThreads, candidates, fixed_threads
 from models.gpt2 import GPT2LMHeadModel
 
@@ -121,14 +121,17 @@ def test_generate_gives_the_same_tokens_at_every_thread_count(monkeypatch, threa
     assert all(torch.equal(outs["off beams"], outs[s + " beams"]) for s in ("1", "2", "auto"))
 
 
-def test_generate_restores_the_thread_count_when_a_step_fails(monkeypatch, threads4):
+@pytest.mark.parametrize("step", ["0", "1"])
+def test_generate_restores_the_thread_count_when_a_step_fails(monkeypatch, threads4, step):
     monkeypatch.setenv("GPT2_DECODE_THREADS", "1")
+    monkeypatch.setenv("GPT2_DECODE_STEP", step)  # torch's decode step, or the C++ one (models/fast_step.py)
     model = _tiny()
 
     def broken(*args, **kwargs):
         raise RuntimeError("a step failed")
 
     monkeypatch.setattr(model.gpt, "decode_step", broken)
+    monkeypatch.setattr(fast_step.FastStep, "__call__", broken)
     with pytest.raises(RuntimeError, match="a step failed"):
         model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=4)
     assert torch.get_num_threads() == 4
@@ -139,6 +142,7 @@ def test_generate_runs_without_autograd_when_called_directly(monkeypatch):
     autograd would record a graph and miss the kernels that need it off."""
     from models.generation import generate
 
+    monkeypatch.setenv("GPT2_DECODE_STEP", "0")  # the C++ step has no autograd to take
     model, seen = _tiny(), []
     step = model.gpt.decode_step
     monkeypatch.setattr(model.gpt, "decode_step", lambda *a: seen.append(torch.is_grad_enabled()) or step(*a))

@@ -188,12 +188,15 @@ def _untied_copy_with_dequantized_weights(model, mode):
 
 
 @torch.no_grad()
-def test_generate_int4_equals_the_model_with_dequantized_int4_weights(monkeypatch):
+@pytest.mark.parametrize("step", ["1", "0"])
+def test_generate_int4_equals_the_model_with_dequantized_int4_weights(monkeypatch, step):
     """A tiny random GPT2LMHeadModel (weights spread so greedy choices are decisive, biases not zero) with a
     one-token prompt at batch 1, so every product is a decoding one: generate(quantize="int4") gives the greedy
     tokens of a copy whose linear weights and LM head are the dequantized int4 values, and its logits agree with
     the copy's full forward pass over the generated text to float rounding (sums of <= 128 products in another
-    order: atol 1e-4, rtol 1e-4). The products ran in the rows kernel where it builds."""
+    order: atol 1e-4, rtol 1e-4). The products ran in the rows kernel where it builds: the layers' inside the C++
+    step (models/fast_step.py, GPT2_DECODE_STEP=1), or each through its prepared product (GPT2_DECODE_STEP=0)."""
+    monkeypatch.setenv("GPT2_DECODE_STEP", step)
     torch.manual_seed(2)  # greedy text that changes token (tied random models tend to repeat one)
     model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=64, vocab_size=97, n_positions=64)).eval()
     for name, p in model.named_parameters():
@@ -219,7 +222,8 @@ def test_generate_int4_equals_the_model_with_dequantized_int4_weights(monkeypatc
     torch.testing.assert_close(steps, ref(out[:, :-1])["logits"][0], atol=1e-4, rtol=1e-4)
     assert len(set(out[0].tolist())) > 4 and not torch.equal(out, model.generate(ids, max_new_tokens=n))  # not fp32's
     if row_kernel.available() and row_kernel.pays(torch.uint8, 1):
-        assert kernel_calls.count(torch.uint8) == n + (n - 1) * 2 * 6 + 2 * 6  # head, then every layer every step
+        layers = 0 if step == "1" else (n - 1) * 2 * 6  # every layer every step, unless in the C++ step
+        assert kernel_calls.count(torch.uint8) == n + layers + 2 * 6  # the head, the layers, the fp32 run's prompt
 
 
 @pytest.mark.parametrize("rows", [1, 5])
@@ -261,7 +265,9 @@ def test_word_packed_kernel_matches_the_byte_kernel(in_features):
 @pytest.mark.parametrize("mode", MODES)
 def test_generate_quantized_decodes_with_quantized_steps_after_a_float_prompt(mode, eager_int8, monkeypatch):
     """Batch 1: the prompt through the float weights, then every step's linear layers and the head from the int8
-    or int4 weights (= their dequantized values); the layers are back to their own weights afterwards."""
+    or int4 weights (= their dequantized values); the layers are back to their own weights afterwards. The
+    products of torch's decode step are hooked here (GPT2_DECODE_STEP=0; the C++ step: tests/test_fast_step.py)."""
+    monkeypatch.setenv("GPT2_DECODE_STEP", "0")
     model, n = tiny_model(), 12
     ids = torch.randint(0, 97, (1, 6), generator=torch.Generator().manual_seed(1))
     calls = []  # quantized products, counted: equal tokens alone cannot tell int8 from fp32 on a tiny model
@@ -364,7 +370,9 @@ def test_int4_names_the_layer_whose_inputs_do_not_divide_into_groups():
 @pytest.mark.parametrize("mode", MODES)
 def test_generate_with_the_rows_kernel_equals_the_eager_quantized_decode(mode, monkeypatch):
     """Where the rows kernel takes int8 or int4 decoding (prepared products for every layer and the head), generate
-    gives the tokens of the eager path (int4: the dequantized weights), and the prepared products really ran."""
+    gives the tokens of the eager path (int4: the dequantized weights), and the prepared products really ran (in
+    torch's decode step, GPT2_DECODE_STEP=0: the C++ step's own products are tests/test_fast_step.py's)."""
+    monkeypatch.setenv("GPT2_DECODE_STEP", "0")
     ids = torch.randint(0, 97, (1, 6), generator=torch.Generator().manual_seed(1))
 
     def biased_model():  # biases that are not zero, so a product that dropped one would show

@@ -1,0 +1,137 @@
+"""Batch-1 decoding steps of a plain GPT-2 in one C++ call (modules/rows.cpp, `gpt2_step`), instead of the few
+hundred torch operations of GPT2Model.decode_step.
+
+Each torch operation costs a dispatch of several microseconds; at gpt2 size they added about a third to the time
+the weights take to stream, and with int8 or int4 weights, whose products are 4 to 6 times shorter, they were most
+of the step (docs/performance.md, "Against the CPU engines"). The C++ step runs every block (LayerNorm, q/k/v,
+the cache write, attention, projections, GELU, residuals) and the final LayerNorm, with every product in the rows
+kernel and in the layer's own weight kind (fp32, or the int8/int4 copies of quantize=...). The embedding lookup,
+the LM head and the logits processing stay in Python. The results agree with decode_step to float rounding (other
+summation orders), like the kernel's products.
+
+Taken by models.generation.generate for one prompt without padding on the CPU in fp32, where the kernel builds, for
+the GPT-2 architecture (LayerNorm, learned positions, GELU tanh, full heads; biases, norm scales, an untied head and
+a logit soft-cap may vary); anything else keeps decode_step. GPT2_DECODE_STEP=0 turns it off.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+
+import torch
+from torch import nn
+
+from modules import rows as row_kernel
+from modules.attention import KVCache
+from modules.linear import Linear
+from modules.quant import Int4Weight, Int8Weight
+
+ENV = "GPT2_DECODE_STEP"
+ALLOWED_VARIANTS = {"bias", "norm_scale", "tie_word_embeddings", "logit_softcap"}  # handled here or by the LM head
+ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")
+
+
+class StepLinear(ctypes.Structure):
+    _fields_ = [("kind", ctypes.c_int), ("w", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("bias", ctypes.c_void_p),
+                ("group", ctypes.c_int64), ("in_features", ctypes.c_int64), ("out_features", ctypes.c_int64)]
+
+
+class StepLayer(ctypes.Structure):
+    _fields_ = [("ln1_w", ctypes.c_void_p), ("ln1_b", ctypes.c_void_p), ("q", StepLinear), ("k", StepLinear),
+                ("v", StepLinear), ("proj", StepLinear), ("ln2_w", ctypes.c_void_p), ("ln2_b", ctypes.c_void_p),
+                ("fc", StepLinear), ("out", StepLinear), ("attn_scale", ctypes.c_float)]
+
+
+def _pointer(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def why_not(model, batch_size: int, key_mask: torch.Tensor | None, cache: KVCache) -> str | None:
+    """Why this decode cannot take the C++ step (None: it can)."""
+    config, body = model.config, model.gpt
+    if os.environ.get(ENV, "1") == "0":
+        return f"{ENV}=0"
+    if batch_size != 1 or key_mask is not None:
+        return "several rows or padding"
+    if config.backward != "autograd" or config.activation_function not in ACTIVATIONS:
+        return "not GPT-2's blocks (manual backward or another activation)"
+    if set(config.variant_fields()) - ALLOWED_VARIANTS:
+        return f"a variant the step does not run: {sorted(set(config.variant_fields()) - ALLOWED_VARIANTS)}"
+    if cache.keys.dtype != torch.float32 or not cache.keys.is_cpu or not cache.keys.is_contiguous():
+        return "the cache is not fp32 on the CPU"
+    for layer in body.gpt_layers:
+        attn = layer.self_attention
+        if any(type(m) is not Linear for m in (attn.query, attn.key, attn.value, layer.attention_dense,
+                                               layer.interm_dense, layer.out_dense)):
+            return "a layer that is not the plain Linear (LoRA)"
+        if any(type(n) is not nn.LayerNorm or n.eps != config.layer_norm_epsilon
+               for n in (layer.attention_layer_norm, layer.out_layer_norm)):
+            return "a norm that is not LayerNorm"
+    if any(p.dtype != torch.float32 or not p.is_cpu for p in model.parameters()):
+        return "not fp32 on the CPU"
+    if type(body.final_layer_norm) is not nn.LayerNorm or not row_kernel.available():
+        return "no final LayerNorm, or the rows kernel is not built here"
+    return None
+
+
+class FastStep:
+    """The C++ step for one generate call: made after the prompt's pass (inside quantized_weights where quantize is
+    set, so the layers' int8/int4 copies are in place) and called once per new token."""
+
+    def __init__(self, model, cache: KVCache, lib=None):
+        """lib: a rows.library(...) to run instead of this machine's build (tests of the AVX2 form)."""
+        body, config = model.gpt, model.config
+        self.lib = lib or row_kernel.library_step()
+        self.body, self.cache = body, cache
+        self.keep: list[torch.Tensor] = []  # every tensor a pointer below points into
+        layers = (StepLayer * config.n_layer)()
+        for i, layer in enumerate(body.gpt_layers):
+            attn = layer.self_attention
+            layers[i] = StepLayer(
+                *self._norm(layer.attention_layer_norm), self._linear(attn.query), self._linear(attn.key),
+                self._linear(attn.value), self._linear(layer.attention_dense), *self._norm(layer.out_layer_norm),
+                self._linear(layer.interm_dense), self._linear(layer.out_dense), attn.scale)
+        self.layers = layers
+        self.final = self._norm(body.final_layer_norm)
+        self.eps, self.n_layer, self.n_head, self.width = config.layer_norm_epsilon, config.n_layer, config.n_head, \
+            config.n_embd
+        self.x = torch.empty(config.n_embd)
+        self.out = torch.empty(1, config.n_embd)
+        self.scratch = torch.empty(self.lib.gpt2_step_scratch(config.n_head, config.n_embd, config.inner_dim,
+                                                              cache.capacity))
+
+    def _norm(self, norm: nn.LayerNorm) -> tuple[int | None, int | None]:
+        w = None if norm.weight is None else norm.weight.detach()
+        b = None if norm.bias is None else norm.bias.detach()
+        self.keep += [t for t in (w, b) if t is not None]
+        return _pointer(w), _pointer(b)
+
+    def _linear(self, layer: Linear) -> StepLinear:
+        bias = None if layer.bias is None else layer.bias.detach().contiguous()
+        q = layer.quantized  # set within quantized_weights (quantize="int8" / "int4")
+        if isinstance(q, Int8Weight):
+            kind, w, scale, group = 2, q.q, q.scale, 0
+        elif isinstance(q, Int4Weight):
+            kind, w, scale, group = 3, q.q, q.scale, q.group
+        else:
+            kind, w, scale, group = 0, layer.weight.detach().contiguous(), None, 0
+        self.keep += [t for t in (w, scale, bias) if t is not None]
+        return StepLinear(kind, w.data_ptr(), _pointer(scale), _pointer(bias), group, layer.in_features,
+                          layer.out_features)
+
+    def __call__(self, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        """token, position: (1, 1) ids -> the final hidden state (1, C) after writing the token's keys and values
+        into the cache and advancing it."""
+        cache, body = self.cache, self.body
+        if cache.length + 1 > cache.capacity:
+            raise RuntimeError(f"the decode cache holds {cache.capacity} tokens and is full")
+        torch.add(body.word_embedding.weight[token.reshape(())], body.pos_embedding.weight[position.reshape(())],
+                  out=self.x)
+        err = self.lib.gpt2_step(self.layers, self.n_layer, self.n_head, self.width, self.eps, self.x.data_ptr(),
+                                 self.final[0], self.final[1], cache.keys.data_ptr(), cache.values.data_ptr(),
+                                 cache.capacity, cache.length, self.scratch.data_ptr(), self.out.data_ptr(),
+                                 torch.get_num_threads())
+        if err != 0:
+            raise RuntimeError(f"the C++ decode step failed (code {err})")
+        cache.advance(1)
+        return self.out

@@ -1,0 +1,140 @@
+"""models/fast_step.py: the C++ decoding step (modules/rows.cpp gpt2_step) against GPT2Model.decode_step, the
+reference, in every weight kind (fp32, int8, int4), in the native and the forced AVX2 build, for the GPT-2 variants it
+takes; and generate keeps decode_step for the variants it does not take.
+
+Tolerance: the step's sums run in other orders than torch's (the rows kernel's products, a plain softmax, LayerNorm
+in double): hidden states agree to 1e-5 (relative and absolute) on these small models."""
+import copy
+
+import pytest
+import torch
+
+from config import GPT2Config
+from models import fast_step
+from models.gpt2 import GPT2LMHeadModel
+from models.lora import apply_lora
+from modules import rows
+from modules.linear import quantized_weights
+
+pytestmark = pytest.mark.skipif(not rows.available(), reason="the rows kernel cannot be built here")
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+def tiny(seed: int = 0, **overrides) -> GPT2LMHeadModel:
+    torch.manual_seed(seed)
+    fields = dict(n_layer=2, n_head=4, n_embd=64, vocab_size=97, n_positions=64, **overrides)
+    model = GPT2LMHeadModel(GPT2Config(**fields)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)  # norms and biases away from 1 and 0, so each one is exercised
+    return model
+
+
+def prompt_cache(model, ids: torch.Tensor, extra: int = 4):
+    cache = model.gpt.new_cache(1, ids.shape[1] + extra)
+    with torch.no_grad():
+        model.gpt(ids, use_cache=True, past_key_values=cache)
+    return cache
+
+
+def clone(cache):
+    other = copy.copy(cache)
+    other.keys, other.values = cache.keys.clone(), cache.values.clone()
+    return other
+
+
+def steps_agree(model, quantize: str | None = None, lib=None, n_steps: int = 3) -> None:
+    ids = torch.tensor([[3, 14, 15, 92, 65]])
+    cache = prompt_cache(model, ids)
+    ref = clone(cache)
+    with torch.no_grad(), quantized_weights(model, quantize) if quantize else torch.no_grad():
+        assert fast_step.why_not(model, 1, None, cache) is None
+        fast = fast_step.FastStep(model, cache, lib=lib)
+        for i, token in enumerate([7, 41, 2][:n_steps]):
+            t, pos = torch.tensor([[token]]), torch.tensor([[5 + i]])
+            got = fast(t, pos).clone()
+            want = model.gpt.decode_step(t, pos, None, ref)
+            torch.testing.assert_close(got, want, **TOL)
+            assert cache.length == ref.length == 6 + i
+            torch.testing.assert_close(cache.keys[:, :, :, : cache.length], ref.keys[:, :, :, : ref.length], **TOL)
+            torch.testing.assert_close(cache.values[:, :, :, : cache.length], ref.values[:, :, :, : ref.length],
+                                       **TOL)
+
+
+@pytest.mark.parametrize("quantize", [None, "int8", "int4"])
+def test_the_step_is_decode_step_in_every_weight_kind(quantize):
+    steps_agree(tiny(), quantize)
+
+
+@pytest.mark.parametrize("quantize", [None, "int8", "int4"])
+def test_the_avx2_build_takes_the_same_steps(quantize):
+    try:
+        lib = rows.library(rows.AVX2)
+    except Exception as err:  # a compiler without x86-64-v3
+        pytest.skip(f"the AVX2 build is not available: {err}")
+    steps_agree(tiny(), quantize, lib=lib)
+
+
+@pytest.mark.parametrize("variant", [dict(bias=False), dict(norm_scale=False), dict(tie_word_embeddings=False),
+                                     dict(logit_softcap=5.0), dict(scale_attn_by_inverse_layer_idx=True),
+                                     dict(n_inner=96)])
+def test_the_variants_it_takes(variant):
+    steps_agree(tiny(**variant))
+
+
+@pytest.mark.parametrize("variant, reason", [
+    (dict(norm="rmsnorm"), "variant"), (dict(position_embedding="rope"), "variant"), (dict(n_kv_head=2), "variant"),
+    (dict(qk_norm=True), "variant"), (dict(activation_function="relu"), "activation"),
+])
+def test_the_variants_it_leaves_to_decode_step(variant, reason):
+    model = tiny(**variant)
+    assert reason in fast_step.why_not(model, 1, None, prompt_cache(model, torch.tensor([[1, 2]])))
+
+
+def test_lora_padding_batches_and_the_switch_keep_decode_step(monkeypatch):
+    model = tiny()
+    cache = prompt_cache(model, torch.tensor([[1, 2]]))
+    assert "rows" in fast_step.why_not(model, 2, None, cache)
+    assert "padding" in fast_step.why_not(model, 1, torch.ones(1, 1, 1, 3, dtype=torch.bool), cache)
+    monkeypatch.setenv("GPT2_DECODE_STEP", "0")
+    assert "GPT2_DECODE_STEP=0" in fast_step.why_not(model, 1, None, cache)
+    monkeypatch.delenv("GPT2_DECODE_STEP")
+    apply_lora(model, rank=2)
+    assert "LoRA" in fast_step.why_not(model, 1, None, cache)
+
+
+@pytest.mark.parametrize("quantize", [None, "int8", "int4"])
+@pytest.mark.parametrize("sample", [False, True])
+def test_generate_gives_the_tokens_of_decode_step(monkeypatch, quantize, sample):
+    model = tiny(seed=1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(4)  # sharp logits: greedy tokens that vary
+    ids = torch.tensor([[5, 6, 7]])
+    kwargs = dict(max_new_tokens=12, quantize=quantize, do_sample=sample)
+    taken = []
+    real = fast_step.FastStep.__call__
+    monkeypatch.setattr(fast_step.FastStep, "__call__", lambda self, *a: taken.append(1) or real(self, *a))
+    fast = model.generate(ids, generator=torch.Generator().manual_seed(0), **kwargs)
+    assert len(taken) == 11  # every step after the prompt's
+    monkeypatch.setenv("GPT2_DECODE_STEP", "0")
+    plain = model.generate(ids, generator=torch.Generator().manual_seed(0), **kwargs)
+    assert torch.equal(fast, plain)
+
+
+def test_a_weight_edit_between_calls_is_seen():
+    """The step reads the weights through pointers taken at each generate call: an in-place edit between calls
+    changes the next call's tokens exactly as it changes decode_step's."""
+    model = tiny(seed=2)
+    ids = torch.tensor([[1, 2, 3]])
+    model.generate(ids, max_new_tokens=4)
+    with torch.no_grad():
+        model.gpt.gpt_layers[1].interm_dense.weight.mul_(-3)
+    steps_agree(model)
+
+
+def test_a_full_cache_is_an_error():
+    model = tiny()
+    cache = prompt_cache(model, torch.tensor([[1, 2]]), extra=0)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="full"):
+        fast_step.FastStep(model, cache)(torch.tensor([[3]]), torch.tensor([[2]]))

@@ -86,12 +86,10 @@ static inline float to_float(uint16_t v) {
   return f;
 }
 
-// How far ahead each weight row is prefetched (products alone, GB/s, docs/performance.md). One fp32 or bf16 row:
-// 1024 bytes further along the row. int8: the same place in the next group of R rows (1024 bytes on would land in
-// the rows being read, a gpt2 int8 row being 768 bytes): 24-32 GB/s of int8 against 19-28 with the fixed distance
-// and 14-25 without. Several fp32 rows: the same place two groups on: 4 rows 26.7-48.1 against 22.7-35.7 with the
-// fixed distance, 8 rows 16.6-33.8 against 18.2-23.3 (the hardware prefetcher alone: 15-22).
-constexpr int64_t kPrefetch = 1024;
+// How far ahead each weight row is prefetched with several input rows (products alone, GB/s, docs/performance.md):
+// int8: the same place in the next group of R rows: 24-32 GB/s of int8 against 19-28 with a fixed 1024-byte distance
+// and 14-25 without. fp32 and bf16: the same place two groups on: 4 rows 26.7-48.1 against 22.7-35.7 with the fixed
+// distance, 8 rows 16.6-33.8 against 18.2-23.3 (the hardware prefetcher alone: 15-22). One input row: row_dot.
 
 // The weight as rows_at reads it. Dense: fp32, bf16 or int8 rows of `in` values (scale: int8's per-row scales, else
 // null). Int4: rows of in / 2 bytes in blocks of 32 weights (int4_load), scale (out, in / group) row-major, group a
@@ -122,10 +120,8 @@ static inline void rows_at(const float* x, int64_t in, Dense<T> weight, const fl
     for (int r = 0; r < R; ++r) {
       if constexpr (sizeof(T) == 1)  // int8: the same place in the next group of R rows
         _mm_prefetch(reinterpret_cast<const char*>(w + (o + R + r) * in + i), _MM_HINT_T0);
-      else if constexpr (B > 1)  // several rows: the same place two groups on
+      else  // several rows: the same place two groups on (one row: row_dot below)
         _mm_prefetch(reinterpret_cast<const char*>(w + (o + 2 * R + r) * in + i), _MM_HINT_T0);
-      else
-        _mm_prefetch(reinterpret_cast<const char*>(w + (o + r) * in + i) + kPrefetch, _MM_HINT_T0);
       wv[r] = wload(w + (o + r) * in + i);
     }
     for (int b = 0; b < B; ++b) {  // each input vector loaded once for the R weight rows
@@ -179,6 +175,46 @@ static inline void rows_at(const float* x, int64_t in, Int4 weight, const float*
     }
 }
 
+// One input row (decoding at batch 1): each thread reads its contiguous block of weight rows as one stream, a row at
+// a time, with two accumulators so neither the FMA's latency nor the conversions (int8, int4) bind, prefetching
+// kLinear bytes ahead in that stream (the next row follows the last in memory). Read cold from memory (gpt2's LM
+// head, 154 MB, caches flushed between calls), one stream a thread measured 21.5 GB/s against 15.5 for four rows
+// in lockstep (four streams 3 KB apart) and 16.8 for ONNX Runtime's MatMul on a 2-core Zen 4.
+constexpr int64_t kLinear = 1024;
+
+template <typename T>
+static inline float row_dot(const float* x, int64_t in, Dense<T> weight, int64_t o) {
+  const T* row = weight.w + o * in;
+  vf a0 = vzero(), a1 = vzero();
+  int64_t i = 0;
+  for (; i + 2 * kWidth <= in; i += 2 * kWidth) {
+    for (int64_t p = 0; p < 2 * kWidth * static_cast<int64_t>(sizeof(T)); p += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(row + i) + kLinear + p, _MM_HINT_T0);
+    a0 = vfma(xload(x + i), wload(row + i), a0);
+    a1 = vfma(xload(x + i + kWidth), wload(row + i + kWidth), a1);
+  }
+  for (; i + kWidth <= in; i += kWidth) a0 = vfma(xload(x + i), wload(row + i), a0);
+  float s = vsum(a0) + vsum(a1);
+  for (; i < in; ++i) s += x[i] * to_float(row[i]);
+  return weight.scale ? s * weight.scale[o] : s;
+}
+
+static inline float row_dot(const float* x, int64_t in, Int4 weight, int64_t o) {
+  const int64_t row_bytes = in / 2, groups = in / weight.group;
+  const uint8_t* row = weight.w + o * row_bytes;
+  vf acc[2] = {vzero(), vzero()};
+  for (int64_t g = 0; g < groups; ++g) {
+    const vf sv = vset1(weight.scale[o * groups + g]);
+    for (int64_t i = g * weight.group; i < (g + 1) * weight.group; i += kBlock) {
+      _mm_prefetch(reinterpret_cast<const char*>(row + i / 2) + kLinear, _MM_HINT_T0);
+#pragma GCC unroll 4
+      for (int v = 0; v < kBlock / kWidth; ++v)
+        acc[v & 1] = vfma(xload(x + i + v * kWidth), vmul(int4_load(row + i / 2, v), sv), acc[v & 1]);
+    }
+  }
+  return vsum(acc[0]) + vsum(acc[1]);
+}
+
 // Weight rows per step: R x B accumulators, R weight vectors and one input vector must stay in vector registers.
 // AVX512 has 32, so several input rows take 3 to 8 weight rows at a time: each loaded input vector then feeds R
 // FMAs, and loads no longer outnumber them (8 rows, fp32, gpt2's 768 x 3072: 24 GB/s of weights against 13 with
@@ -193,6 +229,11 @@ constexpr int rows_per_step() {
 
 template <int B, typename W>
 static void product(const float* x, int64_t in, W w, const float* bias, float* y, int64_t out, int threads) {
+  if constexpr (B == 1) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t o = 0; o < out; ++o) y[o] = row_dot(x, in, w, o) + (bias ? bias[o] : 0.0f);
+    return;
+  }
   constexpr int R = rows_per_step<B>();
   const int64_t steps = out / R;  // whole steps of R rows; the rows left over go one at a time below
 #pragma omp parallel for num_threads(threads) schedule(static)
@@ -278,7 +319,8 @@ static void layer_norm(const float* x, const float* w, const float* b, float eps
   for (int64_t i = 0; i < n; ++i) y[i] = (x[i] - m) * inv * (w ? w[i] : 1.0f) + (b ? b[i] : 0.0f);
 }
 
-static void gelu_tanh(float* x, int64_t n) {
+static void gelu_tanh(float* x, int64_t n, int threads) {  // scalar tanh: about 1 ms a gpt2 token on one core
+#pragma omp parallel for num_threads(threads) schedule(static)
   for (int64_t i = 0; i < n; ++i) {
     const float v = x[i];
     x[i] = 0.5f * v * (1.0f + std::tanh(0.7978845608028654f * (v + 0.044715f * v * v * v)));
@@ -343,7 +385,7 @@ int gpt2_step(const StepLayer* layers, int n_layer, int n_head, int64_t C, float
     for (int64_t i = 0; i < C; ++i) x[i] += h[i];
     layer_norm(x, L.ln2_w, L.ln2_b, eps, C, h);
     if ((err = linear(L.fc, h, f, threads))) return err;
-    gelu_tanh(f, inner);
+    gelu_tanh(f, inner, threads);
     if ((err = linear(L.out, f, y, threads))) return err;
     for (int64_t i = 0; i < C; ++i) x[i] += y[i];
   }

@@ -312,6 +312,39 @@ def _v(r: dict, key: str, fmt: str = "{:g}") -> str:
     return fmt.format(r["values"][key])
 
 
+def _engine_records(records: list[dict], busy: bool) -> dict[str, dict]:
+    """The latest compare_engines decode record per engine (quiet runs, or runs with busy processes)."""
+    runs: dict[str, list[dict]] = {}
+    for r in matching(records, bench="compare_engines"):
+        if r.get("kind") == "decode" and bool(r.get("busy")) == busy:
+            runs.setdefault(r["engine"], []).append(r)
+    return {e: latest(rs) for e, rs in runs.items()}
+
+
+def _engines_claim(records: list[dict]) -> tuple[str, list[dict]]:
+    last = _engine_records(records, busy=False)
+    pairs = [("ours-fp32", ("ort-fp32", "llama-f32")), ("ours-int8", ("ort-int8", "llama-q8_0")),
+             ("ours-int4", ("llama-q4_0",))]
+    parts, used = [], []
+    for ours, others in pairs:
+        if ours in last and all(o in last for o in others):
+            rate = last[ours]["values"][ours]
+            against = ", ".join(f"{times(rate / last[o]['values'][o])} {o}" for o in others)
+            parts.append(f"{ours[5:]} {num(rate)} tokens/s: {against}")
+            used += [last[ours]] + [last[o] for o in others]
+    return "; ".join(parts), used
+
+
+def _busy_claim(records: list[dict]) -> tuple[str, list[dict]]:
+    busy, quiet = _engine_records(records, busy=True), _engine_records(records, busy=False)
+    if not all(e in busy for e in ("ours-fp32", "ort-fp32")) or "ours-fp32" not in quiet:
+        return "", []
+    rate = busy["ours-fp32"]["values"]["ours-fp32"]
+    return (f"fp32 {num(rate)} tokens/s, {100 * rate / quiet['ours-fp32']['values']['ours-fp32']:.0f}% of quiet; "
+            f"{times(rate / busy['ort-fp32']['values']['ort-fp32'])} ONNX Runtime fp32 under the same load",
+            [busy["ours-fp32"], busy["ort-fp32"], quiet["ours-fp32"]])
+
+
 CLAIMS = [
     ("parity: logits vs transformers, random-init gpt2 ([parity](docs/parity.md))",
      _latest("parity", "gpt2 random init", lambda r: f"max logits difference {_v(r, 'logits max diff', '{:.1e}')}; "
@@ -326,6 +359,9 @@ CLAIMS = [
     ("greedy batch 1, int8 weights ([int8](docs/performance.md#weight-only-int8-decoding))",
      _ratio_per_class("compare_hf", "generate b1 int8", "transformers fp32")),
     ("beam search, 4 beams", _ratio_per_class("compare_hf", "beam4 b1 fp32")),
+    ("greedy batch 1 against ONNX Runtime and llama.cpp ([engines](docs/performance.md#against-the-cpu-engines))",
+     _engines_claim),
+    ("the same with one core busy (another process spinning on it)", _busy_claim),
     ("time to first token, 512-token prompt", _ratio_per_class("compare_hf", "ttft p512 fp32")),
     ("bf16 GEMM against fp32 ([machines](docs/performance.md#machines))", _gemm_ratio),
     ("AdamW step over gpt2's 124M parameters ([variants](docs/variants.md#adamw))",

@@ -81,7 +81,9 @@ class FastStep:
     def __init__(self, model, cache: KVCache, lib=None):
         """lib: a rows.library(...) to run instead of this machine's build (tests of the AVX2 form)."""
         body, config = model.gpt, model.config
-        self.lib = lib or row_kernel.library_step()
+        quantized = body.gpt_layers[0].self_attention.query.quantized  # the same kind for every layer
+        kind = {Int8Weight: "int8", Int4Weight: "int4"}.get(type(quantized), "fp32")
+        self.lib = lib or row_kernel.library_step(kind)  # the kernel's form the plan chose for it (modules/rows.py)
         self.body, self.cache = body, cache
         self.keep: list[torch.Tensor] = []  # every tensor a pointer below points into
         layers = (StepLayer * config.n_layer)()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import json
 import os
 import platform
 import subprocess
@@ -27,6 +28,7 @@ SOURCE = Path(__file__).with_name("rows.cpp")
 MAX_ROWS = 8
 _KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, torch.uint8: 3}  # uint8: int4, two values a byte
 _library = None  # the loaded ctypes library; False once building or loading failed here
+_PLANNED = {torch.float32: "fp32", torch.int8: "int8", torch.uint8: "int4"}  # weight dtype -> the plan's kind
 
 
 @functools.cache
@@ -98,11 +100,119 @@ def library(target_flags: tuple[str, ...] = NATIVE):
     return lib
 
 
-def library_step():
-    """The kernel loaded for this machine, for models/fast_step.py (raises where it is not available)."""
+def library_step(kind: str = "fp32"):
+    """The kernel form the plan chose for `kind` ('fp32', 'int8', 'int4'), for models/fast_step.py (raises where the
+    kernel is not available)."""
     if not available():
         raise RuntimeError("the rows kernel is not available here (modules/rows.py)")
-    return _load()
+    return library_for(kind)
+
+
+# ---- the plan: which build of the kernel reads each weight kind fastest on this CPU ---------------------------------
+# On a CPU with AVX512 the kernel can be built in two forms: -march=native (512-bit vectors) and AVX2 (256-bit). Which
+# reads a weight kind faster depends on the core, not on rules: on a 2-core Zen 4 (512-bit operations run as two
+# halves) the AVX2 form decoded int8 at 144 tok/s against 129 and int4 at 132 against 149 (fp32 even), 2026-11-26.
+# So the forms are timed once per machine, on weights bigger than the caches (as decoding reads them), and the
+# choice is kept beside the kernel build (plan-<key>.json); GPT2_DECODE_PLAN=off keeps the native form.
+# `python -m modules.rows` shows the plan, `python -m modules.rows --retime` times it again (a plan timed while the
+# machine was busy is as noisy as any benchmark run then).
+PLAN_ENV = "GPT2_DECODE_PLAN"
+PLAN_KINDS = {"fp32": (0, torch.float32), "int8": (2, torch.int8), "int4": (3, torch.uint8)}
+FORMS = {"native": NATIVE, "avx2": AVX2}
+MARGIN = 1.05  # another form is taken only when its median is at least 5% faster than the native one's
+_plan: dict | None = None
+_forms: dict[str, object] = {}
+
+
+def _plan_path() -> Path:
+    compiler = os.environ.get("CXX", "g++")
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256(SOURCE.read_bytes() + version.encode() + cpu_flags().encode()).hexdigest()[:16]
+    return _cache_dir() / f"plan-{key}.json"
+
+
+def time_forms(libs: dict[str, object], megabytes: int = 64, rounds: int = 7) -> dict[str, dict[str, float]]:
+    """GB/s of one-row products per weight kind and form: a chain of 3072 x 768 weights (random bytes: the values do
+    not change the work) of `megabytes` in all, more than a CPU's last cache, timed in interleaved rounds (median)."""
+    import statistics
+    import time
+
+    out_f, in_f = 3072, 768
+    results: dict[str, dict[str, float]] = {}
+    for name, (kind, dtype) in PLAN_KINDS.items():
+        row_bytes = in_f * {0: 4, 2: 1, 3: 1}[kind] // (2 if kind == 3 else 1)
+        count = max(1, megabytes * 2**20 // (out_f * row_bytes))
+        cols = in_f // 2 if kind == 3 else in_f
+        weights = [torch.randint(-100, 100, (out_f, cols), dtype=torch.int8).view(dtype) if kind else
+                   torch.randn(out_f, in_f) for _ in range(count)]
+        scale = torch.rand(out_f, in_f // 32) if kind == 3 else torch.rand(out_f) if kind == 2 else None
+        x, y = torch.randn(in_f), torch.empty(out_f)
+        times: dict[str, list[float]] = {form: [] for form in libs}
+        for _ in range(rounds):
+            for form, lib in libs.items():
+                start = time.perf_counter()
+                for w in weights:
+                    lib.rows_product(kind, 1, x.data_ptr(), in_f, w.data_ptr(),
+                                     None if scale is None else scale.data_ptr(), None, y.data_ptr(), out_f,
+                                     torch.get_num_threads(), 32)
+                times[form].append(time.perf_counter() - start)
+        total = count * out_f * row_bytes
+        results[name] = {form: total / statistics.median(t) / 1e9 for form, t in times.items()}
+    return results
+
+
+def choose(speeds: dict[str, dict[str, float]]) -> dict[str, str]:
+    """The form per kind: another form where it read at least MARGIN times the native one's speed, else native."""
+    plan = {}
+    for kind, by_form in speeds.items():
+        best = max(by_form, key=by_form.get)
+        plan[kind] = best if by_form[best] >= MARGIN * by_form.get("native", 0.0) else "native"
+    return plan
+
+
+def plan() -> dict:
+    """{'forms': {kind: form}, 'speeds': {kind: {form: GB/s}}, 'source': ...}: read from the cache, else timed now
+    (where the CPU has AVX512: both forms exist) and cached; all native where there is one form or the plan is off."""
+    global _plan
+    if _plan is not None:
+        return _plan
+    native = {kind: "native" for kind in PLAN_KINDS}
+    if os.environ.get(PLAN_ENV, "on") == "off":
+        _plan = {"forms": native, "speeds": {}, "source": f"{PLAN_ENV}=off"}
+    elif not available() or _capability() != "AVX512":
+        _plan = {"forms": native, "speeds": {}, "source": "one form of the kernel here"}
+    else:
+        path = _plan_path()
+        try:
+            _plan = json.loads(path.read_text())
+        except (OSError, ValueError):
+            try:
+                speeds = time_forms({"native": _load(), "avx2": _form("avx2")})
+            except Exception as err:  # the AVX2 form does not build: the native one for every kind
+                _plan = {"forms": native, "speeds": {}, "source": f"not timed ({type(err).__name__}: {err})"}
+                return _plan
+            _plan = {"forms": choose(speeds), "speeds": speeds, "source": f"timed, cached in {path}"}
+            try:  # atomically: another process timing at once ends with one whole file
+                path.parent.mkdir(parents=True, exist_ok=True)
+                tmp = path.with_suffix(f".{os.getpid()}.tmp")
+                tmp.write_text(json.dumps(_plan, indent=1))
+                os.replace(tmp, path)
+            except OSError as err:  # a read-only cache: the plan holds for this process
+                _plan["source"] = f"timed, not cached ({err})"
+    return _plan
+
+
+def _form(form: str):
+    if form == "native":
+        return _load()
+    if form not in _forms:
+        _forms[form] = library(FORMS[form])
+    return _forms[form]
+
+
+def library_for(kind: str):
+    """The loaded kernel in the form the plan chose for `kind` (the native form where the plan says so)."""
+    return _form(plan()["forms"].get(kind, "native"))
 
 
 def _load():
@@ -189,7 +299,7 @@ def prepared(weight: torch.Tensor, bias: torch.Tensor | None = None, scale: torc
         group = n_in // scale.shape[1]
         if group % 32:
             raise ValueError(f"the rows kernel reads int4 groups of a multiple of 32 values, got {group}")
-    lib = lib or _load()
+    lib = lib or library_for(_PLANNED.get(weight.dtype, "bf16"))
     bias, scale = _fp32_contiguous(bias), _fp32_contiguous(scale)
     kind = _KINDS[weight.dtype]
     pointers = (weight.data_ptr(), None if scale is None else scale.data_ptr(), None if bias is None else bias.data_ptr())
@@ -210,3 +320,14 @@ def _fp32_contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
     if t is None or (t.dtype == torch.float32 and t.is_contiguous()):
         return t  # per call, so the no-op case costs no torch call
     return t.to(torch.float32).contiguous()
+
+
+if __name__ == "__main__":  # python -m modules.rows [--retime]: the plan of this machine (--retime: time it again)
+    if "--retime" in sys.argv[1:] and available():
+        _plan_path().unlink(missing_ok=True)
+    chosen = plan()
+    print(f"rows kernel: {'available' if available() else 'not available'}; CPU capability {_capability()}; "
+          f"plan ({chosen['source']}):")
+    for kind, form in chosen["forms"].items():
+        speeds = chosen["speeds"].get(kind, {})
+        print(f"  {kind:<5} {form:<7} " + "  ".join(f"{f} {v:.1f} GB/s" for f, v in speeds.items()))

@@ -8,6 +8,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never wait on the network
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("GPT2_BENCH_RESULTS", "off")  # a benchmark run by a test never appends to bench/results
+os.environ.setdefault("GPT2_DECODE_PLAN", "off")  # no timing of kernel forms in tests (tests/test_decode_plan.py does)
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 

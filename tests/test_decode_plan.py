@@ -1,0 +1,65 @@
+"""modules/rows.py's plan: which build of the decoding kernel (native, AVX2) each weight kind takes, chosen by timing
+on this machine, cached beside the kernel, shown by `python -m modules.rows`, off with GPT2_DECODE_PLAN=off."""
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from modules import rows
+
+AVX512 = rows.available() and torch.backends.cpu.get_cpu_capability() == "AVX512"
+
+
+@pytest.fixture
+def fresh_plan(monkeypatch, tmp_path):
+    """No plan in memory, the kernel cache in tmp_path, the plan switched on; restored afterwards."""
+    monkeypatch.setattr(rows, "_plan", None)
+    monkeypatch.setenv("GPT2_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.delenv("GPT2_DECODE_PLAN", raising=False)
+    yield tmp_path
+
+
+def test_another_form_is_chosen_only_when_clearly_faster():
+    speeds = {"fp32": {"native": 20.0, "avx2": 20.9}, "int8": {"native": 10.0, "avx2": 11.0},
+              "int4": {"native": 6.0, "avx2": 5.0}}
+    assert rows.choose(speeds) == {"fp32": "native", "int8": "avx2", "int4": "native"}
+
+
+def test_the_plan_can_be_switched_off(fresh_plan, monkeypatch):
+    monkeypatch.setenv("GPT2_DECODE_PLAN", "off")
+    monkeypatch.setattr(rows, "time_forms", lambda *a, **k: pytest.fail("timed with the plan off"))
+    chosen = rows.plan()
+    assert set(chosen["forms"].values()) == {"native"} and "GPT2_DECODE_PLAN=off" in chosen["source"]
+
+
+@pytest.mark.skipif(not AVX512, reason="two forms of the kernel exist only on an AVX512 CPU with the kernel built")
+def test_the_plan_is_timed_once_and_cached(fresh_plan, monkeypatch):
+    speeds = {"fp32": {"native": 20.0, "avx2": 19.0}, "int8": {"native": 10.0, "avx2": 12.0},
+              "int4": {"native": 6.0, "avx2": 5.0}}
+    monkeypatch.setattr(rows, "time_forms", lambda libs, **k: speeds)
+    chosen = rows.plan()
+    assert chosen["forms"] == {"fp32": "native", "int8": "avx2", "int4": "native"}
+    (cached,) = fresh_plan.glob("plan-*.json")
+    assert json.loads(cached.read_text())["forms"] == chosen["forms"]
+    assert rows.library_for("int8").rows_vector_width() == 8  # the AVX2 build
+    assert rows.library_for("fp32").rows_vector_width() == 16
+    monkeypatch.setattr(rows, "_plan", None)
+    monkeypatch.setattr(rows, "time_forms", lambda *a, **k: pytest.fail("timed again despite the cache"))
+    assert rows.plan()["forms"] == chosen["forms"]
+
+
+@pytest.mark.skipif(not AVX512, reason="two forms of the kernel exist only on an AVX512 CPU with the kernel built")
+def test_timing_runs_every_kind_in_every_form():
+    libs = {"native": rows.library(), "avx2": rows.library(rows.AVX2)}
+    speeds = rows.time_forms(libs, megabytes=1, rounds=1)
+    assert set(speeds) == {"fp32", "int8", "int4"}
+    assert all(set(s) == {"native", "avx2"} and min(s.values()) > 0 for s in speeds.values())
+
+
+def test_the_command_shows_the_plan():
+    out = subprocess.run([sys.executable, "-m", "modules.rows"], capture_output=True, text=True, timeout=300,
+                         env={**__import__("os").environ, "GPT2_DECODE_PLAN": "off"})
+    assert out.returncode == 0, out.stderr
+    assert "plan (GPT2_DECODE_PLAN=off)" in out.stdout and "int8" in out.stdout

@@ -197,7 +197,7 @@ def int8_linear(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None =
     else:
         y = F.linear(rows, weight.dequantize(x.dtype))
     if bias is not None:
-        y = y + bias
+        y = y + bias.to(y.dtype)  # an fp32 bias would promote bf16 rows to fp32
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 

@@ -491,3 +491,14 @@ def test_run_sonnet_int8_decoding_has_its_own_folder():
     assert default_output_dir(args) == "checkpoints/sonnet-generate-greedy-int8"
     assert default_output_dir(run_sonnet.get_args(["--generate_only", "--greedy"])) == \
         "checkpoints/sonnet-generate-greedy"
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_int8_linear_keeps_bf16_rows_bf16_with_an_fp32_bias(compiled):
+    """bf16 activations with the layer's fp32 bias give bf16 outputs (as the docstring says), on the dequantized
+    and on the compiled one-row path, equal to the fp32 product rounded to bf16."""
+    w8, bias = quantize_int8(torch.randn(12, 32)), torch.randn(12)
+    x = torch.randn(1, 32).bfloat16()
+    y = int8_linear(x, w8, bias, compiled=compiled)
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), F.linear(x.float(), w8.dequantize(), bias), atol=0.05, rtol=0.02)

@@ -69,8 +69,11 @@ def why_not(model, batch_size: int, key_mask: torch.Tensor | None, cache: KVCach
             return "a norm that is not LayerNorm"
     if any(p.dtype != torch.float32 or not p.is_cpu for p in model.parameters()):
         return "not fp32 on the CPU"
-    if type(body.final_layer_norm) is not nn.LayerNorm or not row_kernel.available():
-        return "no final LayerNorm, or the rows kernel is not built here"
+    final = body.final_layer_norm
+    if type(final) is not nn.LayerNorm or final.eps != config.layer_norm_epsilon:
+        return "a final norm that is not LayerNorm"
+    if not row_kernel.available():
+        return "the rows kernel is not built here"
     return None
 
 

@@ -138,3 +138,11 @@ def test_a_full_cache_is_an_error():
     cache = prompt_cache(model, torch.tensor([[1, 2]]), extra=0)
     with torch.no_grad(), pytest.raises(RuntimeError, match="full"):
         fast_step.FastStep(model, cache)(torch.tensor([[3]]), torch.tensor([[2]]))
+
+
+def test_a_norm_with_another_eps_keeps_decode_step():
+    """The C++ step takes one eps for every LayerNorm (the config's): a norm edited to another keeps decode_step."""
+    for edit in (lambda m: m.gpt.final_layer_norm, lambda m: m.gpt.gpt_layers[1].out_layer_norm):
+        model = tiny()
+        edit(model).eps = 1e-3
+        assert "norm" in fast_step.why_not(model, 1, None, prompt_cache(model, torch.tensor([[1, 2]])))

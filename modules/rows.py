@@ -161,6 +161,13 @@ def time_forms(libs: dict[str, object], megabytes: int = 64, rounds: int = 7) ->
     return results
 
 
+def machine_busy() -> str | None:
+    """Why timing the forms now would measure other processes (the 1-minute load average above three quarters of
+    the cores: a plan timed so read 0.3-1.2 GB/s for every form), or None."""
+    load, cores = os.getloadavg()[0], os.cpu_count() or 1
+    return f"load average {load:.1f} on {cores} cores" if load > 0.75 * cores else None
+
+
 def choose(speeds: dict[str, dict[str, float]]) -> dict[str, str]:
     """The form per kind: another form where it read at least MARGIN times the native one's speed, else native."""
     plan = {}
@@ -186,6 +193,9 @@ def plan() -> dict:
         try:
             _plan = json.loads(path.read_text())
         except (OSError, ValueError):
+            if busy := machine_busy():  # timings now would be noise: native for this process, timed by a later one
+                _plan = {"forms": native, "speeds": {}, "source": f"not timed: the machine is busy ({busy})"}
+                return _plan
             try:
                 speeds = time_forms({"native": _load(), "avx2": _form("avx2")})
             except Exception as err:  # the AVX2 form does not build: the native one for every kind

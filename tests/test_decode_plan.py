@@ -18,6 +18,7 @@ def fresh_plan(monkeypatch, tmp_path):
     monkeypatch.setattr(rows, "_plan", None)
     monkeypatch.setenv("GPT2_KERNEL_CACHE", str(tmp_path))
     monkeypatch.delenv("GPT2_DECODE_PLAN", raising=False)
+    monkeypatch.setattr(rows, "machine_busy", lambda: None)  # the test suite itself loads the machine
     yield tmp_path
 
 
@@ -63,3 +64,20 @@ def test_the_command_shows_the_plan():
                          env={**__import__("os").environ, "GPT2_DECODE_PLAN": "off"})
     assert out.returncode == 0, out.stderr
     assert "plan (GPT2_DECODE_PLAN=off)" in out.stdout and "int8" in out.stdout
+
+
+@pytest.mark.skipif(not AVX512, reason="two forms of the kernel exist only on an AVX512 CPU with the kernel built")
+def test_a_busy_machine_is_not_timed_and_nothing_is_cached(fresh_plan, monkeypatch):
+    monkeypatch.setattr(rows, "machine_busy", lambda: "load average 3.5 on 2 cores")
+    monkeypatch.setattr(rows, "time_forms", lambda *a, **k: pytest.fail("timed on a busy machine"))
+    chosen = rows.plan()
+    assert set(chosen["forms"].values()) == {"native"} and "busy" in chosen["source"]
+    assert not list(fresh_plan.glob("plan-*.json"))
+
+
+def test_busy_means_load_above_three_quarters_of_the_cores(monkeypatch):
+    monkeypatch.setattr(rows.os, "cpu_count", lambda: 4)
+    monkeypatch.setattr(rows.os, "getloadavg", lambda: (3.5, 0.0, 0.0))
+    assert "3.5 on 4 cores" in rows.machine_busy()
+    monkeypatch.setattr(rows.os, "getloadavg", lambda: (2.5, 0.0, 0.0))
+    assert rows.machine_busy() is None

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import shutil
 import statistics
@@ -235,7 +236,7 @@ def streamed_bytes(engine: str, path: Path | None, model_dir: Path) -> int:
 
     with safe_open(model_dir / "model.safetensors", "pt") as f:
         shapes = {k: f.get_slice(k).get_shape() for k in f.keys()}
-    numel = {k: int(__import__("math").prod(s)) for k, s in shapes.items() if "wpe" not in k}
+    numel = {k: math.prod(s) for k, s in shapes.items() if "wpe" not in k}
     if engine in ("ours-fp32", "hf-fp32"):
         return 4 * sum(numel.values())
     if engine == "ours-int8":  # int8 rows, one fp32 scale an output row (HF's Conv1D weights are stored (in, out))
@@ -416,18 +417,6 @@ class Worker:
 
 # ---- the driver ---------------------------------------------------------------------------------------------------
 
-def read_bandwidth() -> float:
-    """GB/s: the best of 7 sums of a 512 MB fp32 tensor (the same probe as compare_hf's)."""
-    import torch
-
-    x, best = torch.ones(128 * 2**20), float("inf")
-    for _ in range(7):
-        start = time.perf_counter()
-        x.sum().item()
-        best = min(best, time.perf_counter() - start)
-    return x.numel() * 4 / best / 1e9
-
-
 def interleaved(workers: dict[str, Worker], task: dict, rounds: int) -> tuple[dict, dict]:
     """Each round asks every engine once, in an order rotated per round -> (seconds lists, last tokens)."""
     names, times, tokens = list(workers), {n: [] for n in workers}, {}
@@ -491,6 +480,8 @@ def main() -> None:
         paths.update({e: p for e, p in export_onnx(model_dir, folder).items() if e in engines})
     paths.update(convert_gguf(model_dir, folder, engines))
     print(f"files ready in {time.perf_counter() - started:.0f} s under {folder}", flush=True)
+    from bench.compare_hf import read_bandwidth  # the same probe as compare_hf's tables
+
     bandwidth = read_bandwidth()
     limits = {e: bandwidth * 1e9 / streamed_bytes(e, paths[e], model_dir) for e in engines}
     print(f"memory reads {bandwidth:.1f} GB/s; threads {args.threads} per engine; {args.rounds} interleaved rounds",

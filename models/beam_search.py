@@ -89,10 +89,9 @@ def beam_search(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | N
         fin_seqs, fin_scores = seqs.clone(), torch.full((B, N), float("-inf"), device=device)  # sorted, best first
         fin_len = torch.zeros(B, N, dtype=torch.long, device=device)
         done = torch.zeros(B, dtype=torch.bool, device=device)
-        threads = prepared.enter_context(closing_threads(model, hidden.shape[0])) if device.type == "cpu" else None
+        threads = prepared.enter_context(closing_threads(model, hidden.shape[0]))
         for step in range(max_new_tokens):
-            if threads is not None:
-                threads.step()
+            threads.step()
             new_len, last = step + 1, step == max_new_tokens - 1
             logp = F.log_softmax(lm_head(hidden).float(), dim=-1)  # (B*N, V)
             if seen is not None:

@@ -59,9 +59,10 @@ class DecodeThreads:
     step() records the time since the previous call against the thread count that ran it, then sets the count for
     the coming step: an untried candidate, a due re-try, or the fastest so far (median of its last WINDOW steps)."""
 
-    def __init__(self, key: tuple = (), threads: int | None = None):
+    def __init__(self, key: tuple = (), threads: int | None = None, active: bool = True):
+        """active=False: a loop whose work is not on the CPU's threads (a CUDA model): step() and close() do nothing."""
         self.original = torch.get_num_threads()
-        setting = fixed_threads()
+        setting = fixed_threads() if active else "off"
         top = threads or self.original
         if setting == "off" or (setting is None and top <= 1):
             self.options: list[int] = []

@@ -189,8 +189,10 @@ def decode_lm_head(body, batch_size: int, quantize: str | None = None):
 
 @contextlib.contextmanager
 def closing_threads(model, rows: int, quantize: str | None = None):
-    """A DecodeThreads for one decode loop of `rows` rows, restoring torch's thread count when the loop ends."""
-    threads = DecodeThreads((rows, quantize, sum(p.numel() for p in model.parameters())))
+    """A DecodeThreads for one decode loop of `rows` rows, restoring torch's thread count when the loop ends; one that
+    changes nothing for a model off the CPU (torch's threads are the CPU's)."""
+    on_cpu = next(model.parameters()).is_cpu
+    threads = DecodeThreads((rows, quantize, sum(p.numel() for p in model.parameters())), active=on_cpu)
     try:
         yield threads
     finally:
@@ -238,11 +240,10 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
         out[:, :T] = input_ids
         # one prompt on the CPU, plain GPT-2: each step in one C++ call (models/fast_step.py)
         fast = None if fast_step.why_not(model, B, key_mask, cache) else fast_step.FastStep(model, cache)
-        if input_ids.is_cpu:  # the steps' thread count, chosen by timing them (models/decode_threads.py)
-            threads = quantized.enter_context(closing_threads(model, B, quantize))
+        # the steps' thread count, chosen by timing them (models/decode_threads.py)
+        threads = quantized.enter_context(closing_threads(model, B, quantize))
         for step in range(max_new_tokens):
-            if input_ids.is_cpu:
-                threads.step()
+            threads.step()
             # bf16 models give bf16 logits: filters and sampling work in fp32.
             logits = process_logits(lm_head(hidden).float(), seen, temperature if do_sample else 1.0,
                                     top_k if do_sample else None, top_p if do_sample else None, repetition_penalty)

@@ -200,7 +200,7 @@ static inline void rows_at(const float* x, int64_t in, Int4 weight, const float*
 constexpr int64_t kLinear = 1024;
 
 template <typename T>
-static inline float row_dot(const float* x, int64_t in, Dense<T> weight, int64_t o) {
+static inline float row_dot(const float* x, int64_t in, Dense<T> weight, int64_t o, const float* /* int4's */) {
   const T* row = weight.w + o * in;
   vf a0 = vzero(), a1 = vzero();
   int64_t i = 0;
@@ -237,11 +237,6 @@ static inline float row_dot(const float* x, int64_t in, Int4 weight, int64_t o, 
     offset += scale[g] * gsum[g];
   }
   return vsum(acc) - 8.0f * offset;
-}
-
-template <typename T>
-static inline float row_dot(const float* x, int64_t in, Dense<T> weight, int64_t o, const float*) {
-  return row_dot(x, in, weight, o);
 }
 
 // Weight rows per step: R x B accumulators, R weight vectors and one input vector must stay in vector registers.
@@ -320,7 +315,7 @@ int rows_vector_width() { return static_cast<int>(kWidth); }
 // Here the whole stack of blocks runs in one call: LayerNorm, the q/k/v products, the new key and value written
 // into the model's cache, attention over the cache, the output projection, LayerNorm, the MLP with GELU (tanh), the
 // residual adds, and the final LayerNorm; every product through `product` above, in the weight's own kind.
-// Python keeps the embedding tables' lookups' inputs, the LM head and the logits processing.
+// Python keeps the embedding lookup (token + position, into x), the LM head and the logits processing.
 
 struct StepLinear {  // one Linear: kind as rows_product's, its weight, scale (int8/int4), bias (or null), group
   int kind;

@@ -28,7 +28,6 @@ SOURCE = Path(__file__).with_name("rows.cpp")
 MAX_ROWS = 8
 _KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, torch.uint8: 3}  # uint8: int4, two values a byte
 _library = None  # the loaded ctypes library; False once building or loading failed here
-_PLANNED = {torch.float32: "fp32", torch.int8: "int8", torch.uint8: "int4"}  # weight dtype -> the plan's kind
 
 
 @functools.cache
@@ -59,15 +58,21 @@ NATIVE = ("-march=native",)
 AVX2 = ("-march=x86-64-v3", "-mno-avx512f")  # the AVX2 + FMA path, for testing it on a CPU that also has AVX512
 
 
+def _cache_key(source: Path, flags: str = "") -> str:
+    """What a cached build (or the plan timed on it) depends on: the source, the flags, the compiler (its version,
+    asked each time: an upgraded compiler at the same path builds anew), the CPU."""
+    compiler = os.environ.get("CXX", "g++")
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
+    return hashlib.sha256(source.read_bytes() + flags.encode() + version.encode()
+                          + cpu_flags().encode()).hexdigest()[:16]
+
+
 def _build(target_flags: tuple[str, ...] = NATIVE, source: Path | None = None, extra: tuple[str, ...] = ()) -> Path:
     """Compile `source` (default rows.cpp) into the cache (once per source, flags, compiler and CPU); returns the
     shared library. modules/adamw.py builds its kernel here too."""
     source = source or SOURCE
     compiler = os.environ.get("CXX", "g++")
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256(source.read_bytes() + " ".join(target_flags + extra).encode() + version.encode()
-                         + cpu_flags().encode()).hexdigest()[:16]
-    target = _cache_dir() / f"{source.stem}-{key}.so"
+    target = _cache_dir() / f"{source.stem}-{_cache_key(source, ' '.join(target_flags + extra))}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -117,7 +122,8 @@ def library_step(kind: str = "fp32"):
 # `python -m modules.rows` shows the plan, `python -m modules.rows --retime` times it again (a plan timed while the
 # machine was busy is as noisy as any benchmark run then).
 PLAN_ENV = "GPT2_DECODE_PLAN"
-PLAN_KINDS = {"fp32": (0, torch.float32), "int8": (2, torch.int8), "int4": (3, torch.uint8)}
+PLAN_KINDS = {"fp32": torch.float32, "int8": torch.int8, "int4": torch.uint8}  # the weight kinds timed (uint8: int4)
+_PLANNED = {dtype: name for name, dtype in PLAN_KINDS.items()}
 FORMS = {"native": NATIVE, "avx2": AVX2}
 MARGIN = 1.05  # another form is taken only when its median is at least 5% faster than the native one's
 _plan: dict | None = None
@@ -125,10 +131,7 @@ _forms: dict[str, object] = {}
 
 
 def _plan_path() -> Path:
-    compiler = os.environ.get("CXX", "g++")
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256(SOURCE.read_bytes() + version.encode() + cpu_flags().encode()).hexdigest()[:16]
-    return _cache_dir() / f"plan-{key}.json"
+    return _cache_dir() / f"plan-{_cache_key(SOURCE)}.json"
 
 
 def time_forms(libs: dict[str, object], megabytes: int = 64, rounds: int = 7) -> dict[str, dict[str, float]]:
@@ -139,13 +142,13 @@ def time_forms(libs: dict[str, object], megabytes: int = 64, rounds: int = 7) ->
 
     out_f, in_f = 3072, 768
     results: dict[str, dict[str, float]] = {}
-    for name, (kind, dtype) in PLAN_KINDS.items():
-        row_bytes = in_f * {0: 4, 2: 1, 3: 1}[kind] // (2 if kind == 3 else 1)
-        count = max(1, megabytes * 2**20 // (out_f * row_bytes))
-        cols = in_f // 2 if kind == 3 else in_f
-        weights = [torch.randint(-100, 100, (out_f, cols), dtype=torch.int8).view(dtype) if kind else
-                   torch.randn(out_f, in_f) for _ in range(count)]
-        scale = torch.rand(out_f, in_f // 32) if kind == 3 else torch.rand(out_f) if kind == 2 else None
+    for name, dtype in PLAN_KINDS.items():
+        kind = _KINDS[dtype]
+        cols = in_f // 2 if dtype == torch.uint8 else in_f  # int4: two values a byte
+        count = max(1, megabytes * 2**20 // (out_f * cols * dtype.itemsize))
+        weights = [torch.randn(out_f, in_f) if dtype == torch.float32 else
+                   torch.randint(-100, 100, (out_f, cols), dtype=torch.int8).view(dtype) for _ in range(count)]
+        scale = {torch.uint8: torch.rand(out_f, in_f // 32), torch.int8: torch.rand(out_f)}.get(dtype)
         x, y = torch.randn(in_f), torch.empty(out_f)
         times: dict[str, list[float]] = {form: [] for form in libs}
         for _ in range(rounds):
@@ -156,7 +159,7 @@ def time_forms(libs: dict[str, object], megabytes: int = 64, rounds: int = 7) ->
                                      None if scale is None else scale.data_ptr(), None, y.data_ptr(), out_f,
                                      torch.get_num_threads(), 32)
                 times[form].append(time.perf_counter() - start)
-        total = count * out_f * row_bytes
+        total = sum(w.numel() * w.element_size() for w in weights)
         results[name] = {form: total / statistics.median(t) / 1e9 for form, t in times.items()}
     return results
 
@@ -263,8 +266,9 @@ def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def pays(dtype: torch.dtype, rows: int) -> bool:
     """Where the kernel read the weights faster than torch's best product for that shape, in whole decodes on an
     AVX512 CPU (docs/performance.md): fp32 with 1 to 8 rows (one row since row_dot reads each thread's rows as one
-    stream: gpt2's LM head read cold 19.2-19.5 GB/s against 16.2-17.1 for torch's row-blocked product), bf16 with one row (more rows: oneDNN's bf16 product is faster), int8 with 1 to 8. On AVX2-only CPUs it is not
-    measured yet, so torch's products stay there. int4 (uint8) with 1 to 8 rows wherever the kernel builds (AVX2 or
+    stream: gpt2's LM head read cold 19.2-19.5 GB/s against 16.2-17.1 for torch's row-blocked product), bf16 with
+    one row (more rows: oneDNN's bf16 product is faster), int8 with 1 to 8. On AVX2-only CPUs it is not measured
+    yet, so torch's products stay there. int4 (uint8) with 1 to 8 rows wherever the kernel builds (AVX2 or
     AVX512): torch has no product that reads 4-bit weights, only the dequantized copy."""
     if dtype == torch.uint8:
         return 1 <= rows <= MAX_ROWS and _capability() in ("AVX2", "AVX512")

@@ -149,3 +149,12 @@ def test_generate_runs_without_autograd_when_called_directly(monkeypatch):
     with torch.enable_grad():
         generate(model, torch.tensor([[1, 2, 3]]), max_new_tokens=3)
     assert seen == [False, False]
+
+
+def test_an_inactive_picker_changes_nothing(monkeypatch, threads4):
+    """A loop off the CPU (a CUDA model): no thread count is set, and the setting is not even read."""
+    monkeypatch.setenv("GPT2_DECODE_THREADS", "not a number")
+    clock, picker = Clock(monkeypatch), DecodeThreads(active=False)
+    assert clock.run(picker, 10, lambda n: 0.01 * n) == [] and torch.get_num_threads() == 4
+    picker.close()
+    assert torch.get_num_threads() == 4

@@ -1,12 +1,16 @@
 """Issue 40, part 2: behaviour that mutation testing found unpinned and tests/test_survivors.py (and the files beside
-it) did not yet pin on every CPU: the stated AdamW tolerance against a small bug."""
+it) did not yet pin on every CPU: the stated AdamW tolerance against a small bug, and the packed bf16 path's
+bookkeeping on CPUs whose oneDNN has no bf16 kernels (tests/test_packed.py skips there)."""
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import tiny_config
 from tolerances import ADAMW_FUSED_VS_TORCH, ADAMW_VS_TORCH
 from torch import nn
 
 import optimizer as optimizer_module
+from models.gpt2 import GPT2LMHeadModel
+from modules import packed
 from optimizer import AdamW, param_groups_for_weight_decay
 
 # ---- AdamW against torch.optim.AdamW: the stated tolerance is tight enough to see a small bug ---------------------
@@ -77,3 +81,81 @@ def test_a_small_adamw_bug_fails_the_torch_comparison_at_the_stated_tolerances(m
             except AssertionError:
                 passed.append(False)
         assert not all(passed), f"{bug} passes the comparison at {name} = {tolerance}"
+
+
+# ---- packed bf16 products: the bookkeeping, on any CPU ------------------------------------------------------------
+# oneDNN's reorder into its blocked layout stood in by a copy (what it is: a snapshot of the weight, taken when
+# packed) and its product by F.linear on that copy. What is left is ours: when a copy is made again, how q/k/v are
+# stacked with their biases and split back. The real oneDNN path: tests/test_packed.py, where the CPU has its kernels.
+
+
+@pytest.fixture
+def identity_packing(monkeypatch):
+    """The packed path on (GPT2_PACKED_BF16=force, oneDNN's bf16 support reported present) with the identity layout;
+    returns a switch: off() for a reference run of the plain path, on() back."""
+    monkeypatch.setattr(packed, "_bf16_kernels", lambda: True)
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", lambda w, rows: w.clone(), raising=False)
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise",
+                        lambda x, w, b, attr, scalars, algorithm: F.linear(x, w, b), raising=False)
+    monkeypatch.setenv(packed.ENV, "force")
+
+    class Switch:
+        @staticmethod
+        def off():
+            monkeypatch.setenv(packed.ENV, "0")
+
+        @staticmethod
+        def on():
+            monkeypatch.setenv(packed.ENV, "force")
+    return Switch
+
+
+def bf16_model(seed: int = 0, **overrides) -> GPT2LMHeadModel:
+    """A tiny bf16 model whose biases are large and distinct per projection, so a bias on the wrong projection
+    shows."""
+    torch.manual_seed(seed)
+    model = GPT2LMHeadModel(tiny_config("h4-wide", **overrides)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0.0, 1.0)
+    return model.to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("overrides", [{}, {"n_kv_head": 2}], ids=["gpt2", "gqa"])
+def test_the_fused_qkv_product_gives_each_projection_its_own_weight_and_bias_on_any_cpu(identity_packing, overrides):
+    model = bf16_model(**overrides)
+    attention = model.gpt.gpt_layers[0].self_attention
+    x = torch.randn(2, 40, 64, generator=torch.Generator().manual_seed(4)).bfloat16()  # 80 rows: over MIN_ROWS
+    with torch.no_grad():
+        assert attention.fused_qkv_applies(x)
+        fused = attention.fused_qkv(x)
+        assert packed.kept(attention) == ["_packed_qkv"]
+        identity_packing.off()
+        for got, layer in zip(fused, (attention.query, attention.key, attention.value)):
+            expected = attention.split_heads(F.linear(x, layer.weight, layer.bias))
+            torch.testing.assert_close(got, expected, rtol=1.6e-2, atol=2e-2)
+
+
+def test_packed_forwards_follow_weights_edited_in_place_on_any_cpu(identity_packing):
+    """An optimizer step or an edit in place keeps each weight's storage and bumps its version: every packed copy
+    (q/k/v, the other layers, the LM head) is made again, and the packed forward equals the plain one."""
+    model = bf16_model(seed=5)
+    ids = torch.randint(0, 1000, (4, 20), generator=torch.Generator().manual_seed(6))
+
+    def packed_and_plain():
+        with torch.no_grad():
+            identity_packing.on()
+            got = model(ids)["logits"].float()
+            identity_packing.off()
+            expected = model(ids)["logits"].float()
+        torch.testing.assert_close(got, expected, rtol=0, atol=expected.abs().max().item() / 64)
+        return got
+
+    before = packed_and_plain()
+    assert packed.kept(model) == sorted(["_packed_head"] + ["_packed_qkv", "_packed", "_packed", "_packed"] * 2)
+    with torch.no_grad():
+        for i, p in enumerate(model.parameters()):
+            p.mul_(-1.0 if i % 2 else 1.5)
+    after = packed_and_plain()
+    assert not torch.allclose(before, after, atol=0.1)  # the edit changed the outputs, and the packed path saw it

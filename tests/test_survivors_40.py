@@ -1,6 +1,6 @@
 """Issue 40, part 2: behaviour that mutation testing found unpinned and tests/test_survivors.py (and the files beside
 it) did not yet pin on every CPU: the stated AdamW tolerance against a small bug, and the packed bf16 path's
-bookkeeping on CPUs whose oneDNN has no bf16 kernels (tests/test_packed.py skips there)."""
+bookkeeping on CPUs whose oneDNN has no bf16 kernels (tests/test_packed.py skips there), the lecture preset's dropout."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -12,6 +12,7 @@ import optimizer as optimizer_module
 from models.gpt2 import GPT2LMHeadModel
 from modules import packed
 from optimizer import AdamW, param_groups_for_weight_decay
+from tasks import ladder
 
 # ---- AdamW against torch.optim.AdamW: the stated tolerance is tight enough to see a small bug ---------------------
 
@@ -159,3 +160,18 @@ def test_packed_forwards_follow_weights_edited_in_place_on_any_cpu(identity_pack
             p.mul_(-1.0 if i % 2 else 1.5)
     after = packed_and_plain()
     assert not torch.allclose(before, after, atol=0.1)  # the edit changed the outputs, and the packed path saw it
+
+
+# ---- the lecture preset's dropout rung: gpt.py's dropout 0.2 --------------------------------------------------------
+
+
+def test_the_lecture_presets_dropout_rung_at_its_own_sizes_drops_out_0_2(tmp_path):
+    """gpt.py's dropout = 0.2, on the attention probabilities and each residual branch, is the lecture preset's for
+    its dropout rung at the preset's sizes too (tests/test_ladder.py checks the scaled rung, whose SCALED sets it)."""
+    data = tmp_path / "corpus.txt"
+    data.write_text("First Citizen:\nBefore we proceed any further, hear me speak.\n" * 20, encoding="utf-8")
+    args = ladder.parse_args(["--preset", "lecture", "--rungs", "dropout", "--data", str(data)])
+    s = ladder.rung_settings(args, "dropout")
+    model = ladder.build("dropout", 65, s)
+    rates = [m.p for m in model.modules() if isinstance(m, nn.Dropout)]
+    assert s.n_layer == 3 and len(rates) == 3 * 3 and set(rates) == {0.2}

@@ -20,6 +20,7 @@ from models.generation import generate
 from modules import cross_entropy as chunked
 from modules import manual_backward, packed
 from modules.attention import KVCache
+from modules.dropout import Dropout
 from modules.gpt2_layer import GPT2Layer
 from modules.masks import build_attention_mask, position_ids_from_mask  # noqa: F401 (re-exported)
 from modules.norms import RMSNorm, make_norm
@@ -61,7 +62,7 @@ class GPT2Model(nn.Module):
         rope = config.position_embedding == "rope"
         self.pos_embedding = NoPositionEmbedding() if rope else nn.Embedding(config.n_positions, config.n_embd)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta) if rope else NoRotary()
-        self.embed_dropout = nn.Dropout(config.embd_pdrop)
+        self.embed_dropout = Dropout(config.embd_pdrop)
         self.register_buffer("position_ids", torch.arange(config.n_positions).unsqueeze(0), persistent=False)
         self.gpt_layers = nn.ModuleList([GPT2Layer(config, i) for i in range(config.n_layer)])
         self.final_layer_norm = make_norm(config)

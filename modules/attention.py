@@ -12,7 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from modules import dropout as hashed
 from modules import packed
+from modules.dropout import Dropout
 from modules.linear import Linear as DecodeLinear
 from modules.manual_backward import ManualAttention, ManualLinear
 from modules.norms import RMSNorm
@@ -85,12 +87,21 @@ def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
     return x if groups == 1 else x.repeat_interleave(groups, dim=1)
 
 
-def explicit_is_faster(query: torch.Tensor) -> bool:
-    """bf16 autocast training on the CPU: torch's SDPA backward is slower there than the explicit path's products
-    (gpt2 training step on a 2-core Xeon with AMX: 1.36x at 4 x 128, 1.12x at 2 x 512, 1.6x at 1 x 1024;
-    docs/performance.md), which hold the (B, nh, T, S) scores for backward instead (more memory). fp32 keeps SDPA."""
-    return (query.is_cpu and torch.is_grad_enabled() and torch.is_autocast_enabled("cpu")
-            and torch.get_autocast_dtype("cpu") == torch.bfloat16)
+def explicit_is_faster(query: torch.Tensor, dropout: nn.Dropout) -> bool:
+    """CPU training where the explicit path is the faster one:
+    - bf16 (autocast, or bf16 weights): torch's SDPA backward is slower there than the explicit path's products
+      (gpt2 training step on a 2-core Xeon with AMX, autocast: 1.36x at 4 x 128, 1.12x at 2 x 512, 1.6x at 1 x 1024;
+      bf16 weights on a Zen 4: 1.08x at 4 x 128; docs/performance.md), which hold the (B, nh, T, S) scores for
+      backward instead (more memory);
+    - attention dropout in training mode: torch's CPU SDPA then runs its math fallback, the same products as the
+      explicit path, with torch's dropout mask instead of the one-pass one (modules/dropout.py).
+    fp32 without dropout keeps SDPA."""
+    if not (query.is_cpu and torch.is_grad_enabled()):
+        return False
+    if query.dtype == torch.bfloat16 or (torch.is_autocast_enabled("cpu")
+                                         and torch.get_autocast_dtype("cpu") == torch.bfloat16):
+        return True
+    return dropout.training and 0.0 < dropout.p < 1.0 and isinstance(dropout, Dropout) and hashed.applies(query)
 
 
 class CausalSelfAttention(nn.Module):
@@ -112,7 +123,7 @@ class CausalSelfAttention(nn.Module):
         self.q_norm = RMSNorm(hs, eps, config.norm_scale) if config.qk_norm else nn.Identity()
         self.k_norm = RMSNorm(hs, eps, config.norm_scale) if config.qk_norm else nn.Identity()
         self.rotate = apply_rotary if config.position_embedding == "rope" else no_rotary
-        self.dropout = nn.Dropout(config.attn_pdrop)
+        self.dropout = Dropout(config.attn_pdrop)
         self.scale = 1.0 / math.sqrt(self.attention_head_size) if config.scale_attn_weights else 1.0
         if config.scale_attn_by_inverse_layer_idx:
             self.scale /= layer_idx + 1
@@ -178,7 +189,7 @@ class CausalSelfAttention(nn.Module):
             attention_mask = torch.ones(T, S, dtype=torch.bool, device=query.device).tril(S - T)
         if self.manual is not None:
             return self.manual(key, query, value, attention_mask)
-        if not self.use_sdpa or explicit_is_faster(query):
+        if not self.use_sdpa or explicit_is_faster(query, self.dropout):
             return self.attention(key, query, value, attention_mask)
         is_causal = attention_mask is None and T > 1
         out = F.scaled_dot_product_attention(

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from modules.attention import CausalSelfAttention, KVCache
+from modules.dropout import Dropout
 from modules.linear import Linear as DecodeLinear
 from modules.manual_backward import ManualLinear, gelu_tanh
 from modules.norms import make_norm
@@ -40,13 +41,13 @@ class GPT2Layer(nn.Module):
         self.self_attention = CausalSelfAttention(config, layer_idx)
         self.attention_dense = Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.attention_layer_norm = make_norm(config)  # LayerNorm, or RMSNorm (config.norm)
-        self.attention_dropout = nn.Dropout(config.resid_pdrop)
+        self.attention_dropout = Dropout(config.resid_pdrop)
         # Feed forward.
         self.interm_dense = Linear(config.n_embd, config.inner_dim, bias=config.bias)
         self.interm_af = gelu_tanh if manual else ACTIVATION_FNS[config.activation_function]
         self.out_dense = Linear(config.inner_dim, config.n_embd, bias=config.bias)
         self.out_layer_norm = make_norm(config)
-        self.out_dropout = nn.Dropout(config.resid_pdrop)
+        self.out_dropout = Dropout(config.resid_pdrop)
 
     def add(self, input: torch.Tensor, output: torch.Tensor, dense_layer: nn.Linear, dropout: nn.Dropout) -> torch.Tensor:
         """Residual connection: project the sublayer output, drop out, add to the input."""

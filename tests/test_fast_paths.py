@@ -168,11 +168,35 @@ def test_bf16_autocast_training_takes_the_explicit_attention_and_agrees_with_sdp
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         m(ids)
     assert not explicit, "fp32 training or bf16 inference left SDPA"
-    monkeypatch.setattr(attention_module, "explicit_is_faster", lambda query: False)
+    monkeypatch.setattr(attention_module, "explicit_is_faster", lambda query, dropout: False)
     sdpa_loss, sdpa_grads = _bf16_loss_and_grads(m, ids)
     assert abs(loss.item() - sdpa_loss.item()) <= 1e-2 * sdpa_loss.item()
     flat, ref = torch.cat([g.flatten() for g in grads]), torch.cat([g.flatten() for g in sdpa_grads])
     assert (flat - ref).norm() <= BF16_REL * ref.norm()  # all gradients together: the key bias's is zero up to noise
+
+
+def test_cpu_training_with_attention_dropout_or_bf16_weights_takes_the_explicit_attention(monkeypatch):
+    """fp32 training with attention dropout (where torch's CPU SDPA runs its math fallback with torch's mask) and
+    training on bf16 weights take the explicit path; fp32 training without dropout and inference keep SDPA."""
+    import modules.attention as attention_module
+
+    explicit = []
+    real = attention_module.CausalSelfAttention.attention
+    monkeypatch.setattr(attention_module.CausalSelfAttention, "attention",
+                        lambda self, *a: explicit.append(1) or real(self, *a))
+    torch.manual_seed(0)
+    dropping = GPT2LMHeadModel(tiny_config("h4-wide", attn_pdrop=0.1)).train()
+    ids = torch.randint(0, dropping.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(6))
+    dropping(ids, labels=ids)["loss"].backward()
+    assert len(explicit) == dropping.config.n_layer
+    explicit.clear()
+    with torch.no_grad():
+        dropping.eval()(ids)
+    plain = GPT2LMHeadModel(tiny_config("h4-wide")).train()
+    plain(ids, labels=ids)["loss"].backward()
+    assert not explicit, "inference or training without dropout left SDPA"
+    plain.to(torch.bfloat16)(ids, labels=ids)["loss"].backward()
+    assert len(explicit) == plain.config.n_layer
 
 
 def test_autocast_decoding_writes_bf16_projections_into_an_fp32_cache(monkeypatch):

@@ -99,8 +99,11 @@ class AdamW(_GroupwiseOptimizer):
     denominator ``sqrt(v_t) + eps``); after that check's 1000 steps the two differ by 1.8e-5, inside its tolerance
     (atol 1e-6 + rtol 1e-4; 77% of it at the worst entry). No one ordering matches both exactly; we follow torch.
 
-    Parameters are updated in their own dtype: bf16 parameters get bf16 moments and no fp32 master copy. For mixed
-    precision keep fp32 parameters and run the forward pass under ``torch.autocast``.
+    Parameters are updated in their own dtype by default, as torch's: bf16 parameters get bf16 moments and no fp32
+    master copy, so updates smaller than a bf16 rounding step are lost. ``master_weights=True`` keeps an fp32 copy of
+    each bf16 or fp16 parameter (state ``'master'``) with fp32 moments: the update is the one above applied to the
+    master with the gradient widened to fp32, and the parameter is then the master rounded to its dtype. That is
+    bf16 training without autocast (the forward and backward run on the bf16 weights, with no per-step casts).
 
     State per parameter: ``'step'`` (a float32 CPU scalar tensor, as torch keeps it), ``'exp_avg'``, ``'exp_avg_sq'``,
     so state dicts load into ``torch.optim.AdamW`` and back.
@@ -112,6 +115,8 @@ class AdamW(_GroupwiseOptimizer):
         eps: added to the denominator for numerical stability (>= 0). The course default 1e-6, not torch's 1e-8.
         weight_decay: decoupled decay coefficient (>= 0).
         correct_bias: divide the moments by ``1 - beta**t``.
+        master_weights: fp32 master copies (and fp32 moments) for bf16 and fp16 parameters, see above; fp32
+            parameters are unaffected. Its state dicts load into ``torch.optim.AdamW`` only without masters.
         foreach: update all tensors of a (device, dtype) with multi-tensor ``torch._foreach_*`` kernels; ``False``
             runs the plain per-parameter loop (same numbers, easier to step through in a debugger).
         fused: update each contiguous fp32 CPU parameter in one pass over memory with the C++ kernel
@@ -119,7 +124,9 @@ class AdamW(_GroupwiseOptimizer):
             bound by memory traffic). The same operations in the same order, but not always the same rounding as
             torch's vectorised kernels: parameters agree with torch's to a few float32 ulps (tests/tolerances.py,
             ADAMW_FUSED_VS_TORCH), not to the bit. Other tensors (bf16, GPU, non-contiguous) and machines where the
-            kernel cannot be built take the ``foreach`` path. ``GPT2_FUSED_ADAMW=0`` turns the kernel off.
+            kernel cannot be built take the ``foreach`` path. ``GPT2_FUSED_ADAMW=0`` turns the kernel off. With
+            ``master_weights`` a bf16 parameter's step (master, moments, and the rounding back to bf16) is one
+            pass too.
     """
 
     def __init__(
@@ -133,16 +140,36 @@ class AdamW(_GroupwiseOptimizer):
         *,
         foreach: bool = True,
         fused: bool = False,
+        master_weights: bool = False,
     ):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, correct_bias=correct_bias,
-                        foreach=foreach, fused=fused)
+                        foreach=foreach, fused=fused, master_weights=master_weights)
         super().__init__(params, defaults)  # calls add_param_group, which validates each group
 
     def check_group(self, group: dict) -> None:
         _check_hyperparameters(group)
 
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's loader casts every floating state tensor to its parameter's dtype, which would round the fp32
+        masters and moments of bf16 parameters to bf16: those are put back from `state_dict` in fp32."""
+        super().load_state_dict(state_dict)
+        saved = state_dict["state"]
+        for saved_group, group in zip(state_dict["param_groups"], self.param_groups):
+            if not group.get("master_weights"):
+                continue
+            for param_id, p in zip(saved_group["params"], group["params"]):
+                if p.dtype in _LOW_PRECISION and param_id in saved:
+                    for key in _MASTER_STATE:
+                        if key in saved[param_id]:
+                            self.state[p][key] = saved[param_id][key].to(device=p.device, dtype=torch.float32,
+                                                                         copy=True)
+
     def group_step(self, group: dict) -> None:
         _adamw_group_step(group, self.state)
+
+
+_LOW_PRECISION = (torch.bfloat16, torch.float16)  # the parameter dtypes master_weights keeps an fp32 copy of
+_MASTER_STATE = ("master", "exp_avg", "exp_avg_sq")
 
 
 def _adamw_group_step(group: dict, state: dict) -> None:
@@ -151,6 +178,11 @@ def _adamw_group_step(group: dict, state: dict) -> None:
     params, grads, exp_avgs, exp_avg_sqs, steps = _adamw_gather(group, state)
     if not params:
         return
+    lows = [None] * len(params)  # with master weights: the bf16/fp16 parameter whose fp32 master is in params
+    if group.get("master_weights"):
+        for i, p in enumerate(params):
+            if p.dtype in _LOW_PRECISION:
+                lows[i], params[i] = p, state[p]["master"]
     beta1, beta2 = group["betas"]
     hyper = dict(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
                  weight_decay=group["weight_decay"], correct_bias=group["correct_bias"])
@@ -159,28 +191,36 @@ def _adamw_group_step(group: dict, state: dict) -> None:
         step.add_(1)
     counts = [int(s.item()) for s in steps]
     if group.get("fused"):  # None in groups saved by torch.optim.AdamW: not fused
-        params, grads, exp_avgs, exp_avg_sqs, counts = _adamw_fused(params, grads, exp_avgs, exp_avg_sqs, counts,
-                                                                    **hyper)
+        params, grads, exp_avgs, exp_avg_sqs, counts, lows = _adamw_fused(params, grads, exp_avgs, exp_avg_sqs,
+                                                                          counts, lows, **hyper)
         if not params:
             return
+    grads = [g if low is None else g.float() for g, low in zip(grads, lows)]  # masters step on fp32 gradients
     update = _adamw_foreach if group["foreach"] else _adamw_loop
     update(params, grads, exp_avgs, exp_avg_sqs, counts, **hyper)
+    for master, low in zip(params, lows):
+        if low is not None:
+            low.copy_(master)
 
 
-def _adamw_fused(params, grads, exp_avgs, exp_avg_sqs, steps, *, lr, beta1, beta2, eps, weight_decay, correct_bias):
+def _adamw_fused(params, grads, exp_avgs, exp_avg_sqs, steps, lows, *, lr, beta1, beta2, eps, weight_decay,
+                 correct_bias):
     """Update the tensors the fused kernel takes (modules/adamw.py); return the lists of those it left."""
     from modules import adamw as fused_kernel  # here, so that optimizer.py alone needs only torch
 
     if not fused_kernel.available():
-        return params, grads, exp_avgs, exp_avg_sqs, steps
-    left = [], [], [], [], []
-    for p, g, m, v, t in zip(params, grads, exp_avgs, exp_avg_sqs, steps):
-        if fused_kernel.applies(p, g, m, v):
-            bias_correction1, bias_correction2_sqrt = _bias_corrections(t, beta1, beta2, correct_bias)
-            fused_kernel.step(p, g, m, v, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
-                              bias_correction1=bias_correction1, bias_correction2_sqrt=bias_correction2_sqrt)
+        return params, grads, exp_avgs, exp_avg_sqs, steps, lows
+    left = [], [], [], [], [], []
+    for p, g, m, v, t, low in zip(params, grads, exp_avgs, exp_avg_sqs, steps, lows):
+        corrections = _bias_corrections(t, beta1, beta2, correct_bias)
+        hyper = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+                     bias_correction1=corrections[0], bias_correction2_sqrt=corrections[1])
+        if low is None and fused_kernel.applies(p, g, m, v):
+            fused_kernel.step(p, g, m, v, **hyper)
+        elif low is not None and fused_kernel.applies_master(p, low, g, m, v):
+            fused_kernel.step_master(p, low, g, m, v, **hyper)
         else:
-            for column, item in zip(left, (p, g, m, v, t)):
+            for column, item in zip(left, (p, g, m, v, t, low)):
                 column.append(item)
     return left
 
@@ -196,10 +236,15 @@ def _adamw_gather(group: dict, state: dict):
         if torch.is_complex(p):
             raise RuntimeError("AdamW does not support complex parameters")
         s = state[p]
+        master = group.get("master_weights") and p.dtype in _LOW_PRECISION
         if not s:
             s["step"] = torch.tensor(0.0)
-            s["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            s["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            dtype = torch.float32 if master else p.dtype
+            s["exp_avg"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+            s["exp_avg_sq"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+        if master and "master" not in s:  # first step, or state saved without masters: start from the parameter
+            s["master"] = p.detach().float()
+            s["exp_avg"], s["exp_avg_sq"] = s["exp_avg"].float(), s["exp_avg_sq"].float()
         params.append(p)
         grads.append(p.grad)
         exp_avgs.append(s["exp_avg"])

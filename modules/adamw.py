@@ -30,6 +30,8 @@ def library(target_flags: tuple[str, ...] = rows.NATIVE):
     lib.adamw_step_f32.restype = None
     lib.adamw_step_f32.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                                    ctypes.c_void_p, *[ctypes.c_float] * 7, ctypes.c_int]
+    lib.adamw_step_bf16_master.restype = None
+    lib.adamw_step_bf16_master.argtypes = [ctypes.c_int64, *[ctypes.c_void_p] * 5, *[ctypes.c_float] * 7, ctypes.c_int]
     return lib
 
 
@@ -59,6 +61,12 @@ def applies(*tensors: torch.Tensor) -> bool:
     return all(t.is_cpu and t.dtype == torch.float32 and t.is_contiguous() and t.shape == shape for t in tensors)
 
 
+def applies_master(master: torch.Tensor, low: torch.Tensor, *tensors: torch.Tensor) -> bool:
+    """An fp32 master copy of a bf16 parameter, its gradient (bf16) and fp32 moments, all contiguous on the CPU."""
+    return (applies(master, *tensors[1:]) and low.is_cpu and low.dtype == tensors[0].dtype == torch.bfloat16
+            and low.is_contiguous() and tensors[0].is_contiguous() and low.shape == tensors[0].shape == master.shape)
+
+
 def step(p, g, m, v, *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
          bias_correction1: float, bias_correction2_sqrt: float, lib=None) -> None:
     """One AdamW step of p (and its moments m, v) from gradient g, in place: the update of optimizer.AdamW."""
@@ -67,3 +75,14 @@ def step(p, g, m, v, *, lr: float, beta1: float, beta2: float, eps: float, weigh
     threads = 1 if n < SMALL else torch.get_num_threads()
     lib.adamw_step_f32(n, p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), 1 - lr * weight_decay, 1 - beta1,
                        beta2, 1 - beta2, bias_correction2_sqrt, eps, -lr / bias_correction1, threads)
+
+
+def step_master(master, low, g, m, v, *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
+                bias_correction1: float, bias_correction2_sqrt: float, lib=None) -> None:
+    """step() on the fp32 `master` from the bf16 gradient g, then low = master rounded to bf16, in one pass."""
+    lib = lib or _load()
+    n = master.numel()
+    threads = 1 if n < SMALL else torch.get_num_threads()
+    lib.adamw_step_bf16_master(n, master.data_ptr(), low.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(),
+                               1 - lr * weight_decay, 1 - beta1, beta2, 1 - beta2, bias_correction2_sqrt, eps,
+                               -lr / bias_correction1, threads)

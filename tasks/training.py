@@ -259,7 +259,9 @@ def add_precision_args(g) -> None:
     g.add_argument("--dtype", choices=DTYPES, default=None, help="autocast for training and evaluation (default "
                    "float32: none); parameters and optimizer stay fp32. bfloat16 is fast on GPUs and CPUs with "
                    "AVX512-BF16/AMX, much slower on AVX2-only CPUs; float16 adds a gradient scaler (overflowing "
-                   "steps are skipped and counted)")
+                   "steps are skipped and counted). bf16-weights: no autocast, the model's weights themselves in "
+                   "bf16 with fp32 master copies and moments in AdamW (no per-step casts; faster than bfloat16 on "
+                   "CPUs with bf16 units; checkpoints are saved in bf16, the masters in the optimizer state)")
     g.add_argument("--bf16", action="store_true", help="the same as --dtype bfloat16")
     g.add_argument("--fp16", action="store_true", help="the same as --dtype float16 (GPUs without bf16)")
 

@@ -12,6 +12,7 @@ from config import GPT2Config
 from models.gpt2 import GPT2LMHeadModel
 from tasks import pretrain
 from tasks.char_tokenizer import CharTokenizer
+from training.checkpoint import STATE
 
 TEXT = "".join(f"{w} the {v} of {n}, said the {w}.\n" for w, v, n in zip(
     ["king", "queen", "fool", "knight"] * 40, ["crown", "song", "sword", "word", "heart"] * 32,
@@ -190,3 +191,33 @@ def test_errors_for_block_size_above_context_and_a_corpus_too_short(corpus_file,
     short.write_text("just a few characters here\n" * 3)
     with pytest.raises(ValueError, match="the val split has 9 tokens"):
         run(short, tmp_path / "out2", "--max_iters", "2")
+
+
+def test_bf16_weights_trains_in_bf16_with_fp32_masters_and_resumes_exactly(corpus_file, tmp_path, monkeypatch):
+    """--dtype bf16-weights: the model's weights are bf16 (no autocast), AdamW keeps their fp32 masters and moments,
+    the loss falls as in fp32, and a resumed run (the masters come back from the optimizer state) equals an
+    uninterrupted one."""
+    from training import engine
+
+    monkeypatch.setattr(engine, "bf16_matmul_is_fast", lambda device: True)  # no warning on AVX2-only CPUs
+    common = ["--dtype", "bf16-weights", "--eval_interval", "10", "--lr_decay_iters", "40", "--n_embd", "32",
+              "--learning_rate", "1e-2", "--warmup_iters", "5", "--dropout", "0.1"]
+    full = run(corpus_file, tmp_path / "full", "--max_iters", "40", *common)
+    model = full["model"]
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    fp32 = run(corpus_file, tmp_path / "fp32", "--max_iters", "40", *common[2:])
+    assert abs(full["val_loss"] - fp32["val_loss"]) < 0.1 * fp32["val_loss"]
+    assert full["val_loss"] < 0.6 * math.log(len(full["tokenizer"]))
+    state = torch.load(tmp_path / "full" / "last" / STATE, weights_only=False)  # OUT/last's optimizer state
+    masters = [s["master"] for s in state["optimizer"]["state"].values() if "master" in s]
+    assert len(masters) == len(list(model.parameters())) and all(m.dtype == torch.float32 for m in masters)
+    run(corpus_file, tmp_path / "split", "--max_iters", "20", *common)
+    resumed = run(corpus_file, tmp_path / "split", "--max_iters", "40", "--resume", *common)
+    assert resumed["steps_run"] == 20 and resumed["val_loss"] == full["val_loss"]
+    for (name, a), b in zip(model.state_dict().items(), resumed["model"].state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+def test_bf16_weights_with_muon_is_refused_by_name(corpus_file, tmp_path):
+    with pytest.raises(ValueError, match="bf16-weights .* --optimizer adamw"):
+        run(corpus_file, tmp_path / "out", "--max_iters", "2", "--dtype", "bf16-weights", "--optimizer", "muon")

@@ -24,6 +24,7 @@ counted. Under torchrun rank 0 alone evaluates and writes.
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -156,6 +157,11 @@ def fit(model: nn.Module, batches: BatchSource, loss_fn: Callable, evaluate_fn: 
     if device.type == "cpu":
         keep_freed_memory()  # no page faults for the same big tensors every step (training/allocator.py)
     model.to(device)
+    if cfg.bf16_weights:  # the weights in bf16 (no autocast casts); the optimizer keeps their fp32 masters
+        if not bf16_matmul_is_fast(device):
+            warnings.warn("--dtype bf16-weights on a CPU without bf16 matrix instructions (no AVX512-BF16/AMX): bf16 "
+                          "matmuls run much slower than fp32 here", stacklevel=2)
+        model.to(torch.bfloat16)
     set_gradient_checkpointing(model, cfg.gradient_checkpointing)
     out = Path(cfg.output_dir)
     total = batches.total_steps or cfg.max_iters

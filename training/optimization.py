@@ -15,8 +15,13 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig, groups: list | None = No
     if cfg.optimizer == "adamw":
         groups = groups or param_groups_for_weight_decay(model, cfg.weight_decay, cfg.decay_embeddings)
         # on the CPU, each step in one pass over memory (modules/adamw.cpp); the moments equal torch's to the bit
-        return AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, fused=torch.device(cfg.device).type == "cpu")
+        # bf16-weights: fp32 master copies and moments of the bf16 parameters, updated with them in the same pass
+        return AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, fused=torch.device(cfg.device).type == "cpu",
+                     master_weights=cfg.bf16_weights)
     if cfg.optimizer == "muon":
+        if cfg.bf16_weights:
+            raise ValueError("--dtype bf16-weights keeps fp32 master weights in AdamW only: use --optimizer adamw, or "
+                             "--dtype bfloat16 (autocast) with Muon")
         groups = groups or muon_param_groups(model, cfg.weight_decay, decay_embeddings=cfg.decay_embeddings)
         # torch.optim.Muon's Newton-Schulz runs in bf16, far slower than fp32 on CPUs without bf16 units
         ns_dtype = torch.bfloat16 if bf16_matmul_is_fast(cfg.device) else torch.float32

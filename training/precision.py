@@ -6,7 +6,8 @@ import warnings
 
 import torch
 
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("float32", "bfloat16", "float16", "bf16-weights")
+BF16_WEIGHTS = "bf16-weights"  # the weights themselves in bf16, fp32 masters in the optimizer, no autocast
 
 
 def bf16_matmul_is_fast(device: torch.device | str) -> bool:

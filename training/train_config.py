@@ -26,7 +26,8 @@ class TrainConfig:
     optimizer: str = "adamw"  # adamw, or muon: Muon for the blocks' matrices, AdamW (lr) for the rest
     muon_lr: float = 0.02  # Muon's peak lr; the schedule scales it as it scales lr
     max_grad_norm: float = 0.0  # 0 = no clipping (the course does not clip)
-    dtype: str = "float32"  # autocast: float32 (none), bfloat16, or float16 with a gradient scaler
+    dtype: str = "float32"  # autocast: float32 (none), bfloat16, float16 with a gradient scaler; or bf16-weights:
+    #                         the model in bf16, fp32 master weights and moments in AdamW, no autocast
     seed: int = 11711
     device: str = "cpu"
     resume: bool = False
@@ -51,6 +52,10 @@ class TrainConfig:
     @property
     def bf16(self) -> bool:
         return self.dtype == "bfloat16"
+
+    @property
+    def bf16_weights(self) -> bool:
+        return self.dtype == "bf16-weights"
 
     @property
     def fp16(self) -> bool:

@@ -12,6 +12,9 @@ Sections (`--only`, several allowed; default all):
                  master weights), with each contender's model FLOPs utilisation (MFU: 6 x parameters + attention
                  FLOPs a token, against the GEMM peak measured here in the dtype in use); plus the loss after
                  --loss-steps steps of fp32 vs bf16 from the same start
+  train-run      training steps as each user runs them (issue 42), at each --train-shapes (4 x 128, 8 x 256):
+                 ours as fit() trains (fused AdamW; bf16 = `--dtype bf16-weights`: bf16 weights, fp32 masters, no
+                 autocast), transformers as its Trainer does (torch's fused AdamW; bf16 = autocast), with MFU
   forward        inference forward (logits at every position), batch 8 x 128, fp32 and bf16 weights
   generate       greedy, 16-token prompts + 64 new tokens, batch 1 and batch 8 (left-padded), fp32 and bf16 weights;
                  greedy b1 also as % of the memory-bandwidth limit (weight bytes per step / measured read bandwidth);
@@ -26,6 +29,7 @@ Sections (`--only`, several allowed; default all):
     python bench/compare_hf.py --only forward generate --repeats 7
     python bench/compare_hf.py --only generate --dtypes fp32 --generate-rows sample beam4 ttft
     python bench/compare_hf.py --only train --loss-steps 20 --threads 2
+    python bench/compare_hf.py --only train-run --keep-freed-memory   # as each user runs it (fit() keeps freed memory)
     python bench/compare_hf.py --only memory checkpointing
     python bench/compare_hf.py --skip-xl --compile              # also time torch.compile'd ours (forward, train)
 """
@@ -59,13 +63,19 @@ from models.loading import hf_to_ours  # noqa: E402
 from training.allocator import in_effect as allocator_in_effect  # noqa: E402
 from training.allocator import keep_freed_memory  # noqa: E402
 
-SECTIONS = ("train", "forward", "generate", "memory", "xl", "checkpointing")
+SECTIONS = ("train", "train-run", "forward", "generate", "memory", "xl", "checkpointing")
 # (case, dtype) -> [(ratio, minimum)] (issue 25; beam and time to first token: issue 15). Ratios: "same" = ours / the
 # best transformers contender in the same dtype, "ours-fp32" = ours / ours in fp32 on the same case.
 TARGETS = {("train", "fp32"): [("same", 1.15)], ("train", "bf16"): [("same", 1.3), ("ours-fp32", 1.8)],
            ("forward", "fp32"): [("same", 1.0)], ("forward", "bf16"): [("same", 1.3)],
            ("generate b8", "fp32"): [("same", 2.0)], ("generate b8", "bf16"): [("same", 2.0)],
            ("beam4 b1", "fp32"): [("same", 1.5)], ("ttft p512", "fp32"): [("same", 1.0)]}
+# training as each user runs it (issue 42): fp32 >= 1.3x transformers; bf16 >= 1.5x transformers' bf16 and >= 2x ours fp32
+TRAIN_RUN_SHAPES = ("4x128", "8x256")
+for _shape in TRAIN_RUN_SHAPES:
+    TARGETS[(f"train as run {_shape}", "fp32")] = [("same", 1.3)]
+    TARGETS[(f"train as run {_shape}", "bf16")] = [("same", 1.5), ("ours-fp32", 2.0)]
+MFU_TARGET = 0.80  # the fp32 training step's share of the measured fp32 GEMM peak (issue 42)
 BANDWIDTH_TARGETS = {"fp32": 0.70, "bf16": 0.60}  # greedy b1: ours' share of the read-bandwidth limit (issue 25)
 INT8_TARGET = 2.5  # greedy b1 with quantize="int8" against the best transformers fp32 (issue 25)
 GENERATE_ROWS = ("b1", "b8", "sample", "beam4", "ttft", "int8")  # greedy b1 and b8, and the fp32-only rows below
@@ -159,6 +169,33 @@ def make_train_step(model, ids: torch.Tensor, bf16: bool, optimizer: str):
     def step() -> float:
         opt.zero_grad(set_to_none=True)
         with torch.autocast(DEVICE.type, dtype=torch.bfloat16, enabled=bf16):
+            loss = loss_of(model, ids)
+        loss.backward()
+        opt.step()
+        return loss.item()
+
+    return step
+
+
+def make_run_step(model, ids: torch.Tensor, bf16: bool):
+    """One training step as each user runs it. Ours as fit() trains: optimizer.AdamW(fused=True), and for bf16
+    `--dtype bf16-weights` (the weights in bf16, fp32 masters in the optimizer, no autocast). transformers as its
+    Trainer does by default: torch.optim.AdamW(fused=True) (Trainer's adamw_torch_fused), bf16 autocast over fp32
+    weights (Trainer's --bf16)."""
+    model.train()
+    ours = _is_ours(model)
+    if ours:
+        from optimizer import AdamW
+
+        if bf16:
+            model.to(torch.bfloat16)
+        opt = AdamW(model.parameters(), lr=3e-4, eps=1e-6, weight_decay=0.01, fused=True, master_weights=bf16)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-4, eps=1e-6, weight_decay=0.01, fused=True)
+
+    def step() -> float:
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast(DEVICE.type, dtype=torch.bfloat16, enabled=bf16 and not ours):
             loss = loss_of(model, ids)
         loss.backward()
         opt.step()
@@ -315,6 +352,27 @@ def section_train(args, state: dict, report: Report) -> None:
               f"{'met' if rel <= 0.02 else 'NOT met'})", flush=True)
 
 
+def section_train_run(args, state: dict, report: Report) -> None:
+    """Training steps as each user runs them (make_run_step), at each --train-shapes shape, fp32 then bf16."""
+    for shape in args.train_shapes:
+        batch, length = (int(x) for x in shape.split("x"))
+        ids = training_batch(batch, length, args.seed)
+        for bf16 in [d == "bf16" for d in args.dtypes]:
+            torch.manual_seed(args.seed)
+            models = contenders(args, state, torch.float32, bf16)  # ours turns itself bf16 in make_run_step
+            fns = {name: make_run_step(m, ids, bf16) for name, m in models.items()}
+            sec = time_contenders(fns, args.repeats)
+            rates = {k: ids.numel() / v for k, v in sec.items()}
+            report.add(f"train as run {shape}", "bf16" if bf16 else "fp32", rates, "tokens/s")
+            mfu = _print_utilisation(models["ours"], ids, rates, torch.bfloat16 if bf16 else torch.float32)
+            if not bf16 and mfu is not None:
+                met = mfu >= MFU_TARGET
+                RECORDS.rows[-1]["mfu_target"], RECORDS.rows[-1]["mfu_met"] = MFU_TARGET, met
+                print(f"{'':<12} {'':<5} MFU target >= {100 * MFU_TARGET:.0f}%: {'met' if met else 'NOT met'}",
+                      flush=True)
+            del fns, models
+
+
 def section_forward(args, state: dict, report: Report) -> None:
     ids = torch.randint(0, 50257, (8, 128), generator=torch.Generator().manual_seed(args.seed)).to(DEVICE)
     for dtype in _dtypes(args):
@@ -383,7 +441,7 @@ def train_flops_per_token(model, seq_len: int) -> float:
     return 6 * n + 12 * config.n_layer * seq_len * config.n_embd
 
 
-def _print_utilisation(ours, ids: torch.Tensor, rates: dict, dtype: torch.dtype) -> None:
+def _print_utilisation(ours, ids: torch.Tensor, rates: dict, dtype: torch.dtype) -> float | None:
     """Model FLOPs utilisation (MFU): each contender's model arithmetic per second as a share of the GEMM peak
     measured on this machine for the dtype its products run in (fp32, or bf16 under autocast)."""
     if DEVICE.type != "cpu":
@@ -400,6 +458,7 @@ def _print_utilisation(ours, ids: torch.Tensor, rates: dict, dtype: torch.dtype)
     RECORDS.note(f"MFU ours {100 * mfu['ours']:.0f}% of the {name} GEMM peak measured here ({peak:.0f} GFLOP/s; "
                  f"{per_token / 1e6:.0f} MFLOP a token)")
     RECORDS.rows[-1]["mfu"] = mfu
+    return mfu["ours"]
 
 
 def _print_match(outs: dict, what: str) -> None:
@@ -630,6 +689,8 @@ def main() -> None:
     g.add_argument("--compile", action="store_true", help="also time torch.compile(ours) for forward and train")
     g.add_argument("--optimizer", choices=("torch", "ours"), default="torch",
                    help="training optimizer for ours: torch.optim.AdamW(foreach) as for HF, or optimizer.AdamW")
+    g.add_argument("--train-shapes", nargs="+", default=list(TRAIN_RUN_SHAPES),
+                   help="batch x length of the train-run section's steps")
     g.add_argument("--keep-freed-memory", action="store_true",
                    help="glibc malloc keeps freed memory for reuse (training/allocator.py, what fit() does when training "
                         "on the CPU) in this process, so for every contender alike; default: glibc's own behaviour")
@@ -674,8 +735,8 @@ def main() -> None:
     try:
         for name in sections:
             print(f"\n== {name} ==", flush=True)
-            if name in ("train", "forward", "generate"):
-                globals()[f"section_{name}"](args, state, report)
+            if name in ("train", "train-run", "forward", "generate"):
+                globals()[f"section_{name.replace('-', '_')}"](args, state, report)
             else:
                 globals()[f"section_{name}"](args)
     finally:  # the rows measured so far, also when a later section fails or is interrupted

@@ -43,6 +43,12 @@ COMPARE_ROWS = {
     "train fp32": "training step fp32, 4 x 128, torch's AdamW for both",
     "train bf16": "training step, bf16 autocast",
     "train loss after 20 steps, fp32 vs bf16": "loss after 20 steps, fp32 against bf16 autocast",
+    "train as run 4x128 fp32": "training step fp32 4 x 128 as each runs it (ours: fit's fused AdamW; transformers: "
+                               "Trainer's torch fused AdamW)",
+    "train as run 4x128 bf16": "training step bf16 4 x 128 as each runs it (ours: `--dtype bf16-weights`; "
+                               "transformers: autocast)",
+    "train as run 8x256 fp32": "training step fp32 8 x 256 as each runs it",
+    "train as run 8x256 bf16": "training step bf16 8 x 256 as each runs it",
     "forward fp32": "inference forward fp32, 8 x 128",
     "forward bf16": "inference forward, bf16 weights",
     "generate b1 fp32": "greedy batch 1 fp32, 16-token prompt + 64 new",

@@ -10,6 +10,7 @@ spin on a core each for the whole run, to measure a busy machine (a laptop with 
     python bench/optimizer.py --repeats 50 --threads 2
     python bench/optimizer.py --busy 1             # with one competing busy process
     python bench/optimizer.py --weight-decay 0 --no-correct-bias
+    python bench/optimizer.py --dtype bfloat16     # bf16 parameters; also ours with fp32 masters (bf16-weights' step)
 """
 
 import argparse
@@ -89,6 +90,9 @@ def run(args) -> None:
         "torch": torch.optim.AdamW(params, foreach=True, **hyper),
         "torch-fused": torch.optim.AdamW(params, fused=True, **hyper),
     }
+    if dtype == torch.bfloat16:  # bf16 training's step: fp32 masters and moments, the parameters rounded to bf16
+        optimizers["ours-fused-master"] = AdamW(params, correct_bias=not args.no_correct_bias, fused=True,
+                                                master_weights=True, **hyper)
     with torch.no_grad():
         for _ in range(args.warmup):
             for optimizer in optimizers.values():
@@ -104,7 +108,8 @@ def run(args) -> None:
     for name, t in times.items():
         ms = [x * 1e3 for x in (median[name], min(t), max(t))]
         print(f"  {name:11s}  median {ms[0]:8.1f} ms   min {ms[1]:8.1f} ms   max {ms[2]:8.1f} ms")
-    for mine, other in (("ours", "torch"), ("ours-fused", "torch"), ("ours-fused", "torch-fused")):
+    pairs = [("ours", "torch"), ("ours-fused", "torch"), ("ours-fused", "torch-fused")]
+    for mine, other in pairs + [("ours-fused-master", "torch-fused")] * ("ours-fused-master" in optimizers):
         print(f"ratio {mine}/{other}: {median[mine] / median[other]:.3f} (median)  "
               f"{min(times[mine]) / min(times[other]):.3f} (min)")
     state_mb = {name: sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values()

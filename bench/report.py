@@ -318,6 +318,32 @@ def _v(r: dict, key: str, fmt: str = "{:g}") -> str:
     return fmt.format(r["values"][key])
 
 
+def _curve_claim(records: list[dict]) -> tuple[str, list[dict]]:
+    parts, used = [], []
+    for dtype in ("bf16-weights", "bfloat16"):
+        r = latest([x for x in matching(records, bench="bf16_curve") if dtype in x["values"]])
+        if r:
+            parts.append(f"{dtype} {r['values'][dtype]:.4f} vs fp32 {r['values']['fp32']:.4f} "
+                         f"({'within' if r.get('met') else 'outside'} fp32's seed-to-seed {r['noise']:.4f})")
+            used.append(r)
+    return "; ".join(parts), used
+
+
+def bf16_curve(records: list[dict], cls: str | None = None, **_) -> str:
+    """bench/bf16_curve.py: each precision's final loss over the whole val split against fp32's and its noise."""
+    rows = []
+    for r in matching(records, bench="bf16_curve", cls=cls):
+        (dtype,) = [k for k in r["values"] if not k.startswith("fp32")]
+        rows.append([dtype, f"{r['values'][dtype]:.4f}", f"{r['values']['fp32']:.4f}",
+                     f"{r['values']['fp32 other seed']:.4f}", f"{r['difference']:.4f}", f"{r['noise']:.4f}",
+                     {True: "yes", False: "no", None: ""}[r.get("met")], r.get("notes") or "",
+                     f"{machine_name(r['machine'])}; {when(r)}"])
+    if not rows:
+        return f"(no bf16_curve records{' for ' + cls if cls else ''} yet: run `python bench/bf16_curve.py`)\n"
+    return table(["precision", "val loss", "fp32, same seed", "fp32, another seed", "apart from fp32",
+                  "fp32 seed to seed", "within noise?", "notes", "machine, date, load, commit"], rows)
+
+
 def _engine_records(records: list[dict], busy: bool) -> dict[str, dict]:
     """The latest compare_engines decode record per engine (quiet runs, or runs with busy processes)."""
     runs: dict[str, list[dict]] = {}
@@ -360,6 +386,12 @@ CLAIMS = [
     ("inference forward, bf16 weights", _ratio_per_class("compare_hf", "forward bf16", "transformers bf16")),
     ("training step fp32, gpt2 4 x 128", _ratio_per_class("compare_hf", "train fp32")),
     ("training step bf16 autocast", _ratio_per_class("compare_hf", "train bf16", "transformers bf16")),
+    ("training step fp32 as each runs it, gpt2 4 x 128 (fit's fused AdamW; Trainer's torch fused AdamW)",
+     _ratio_per_class("compare_hf", "train as run 4x128 fp32")),
+    ("training step bf16 as each runs it, gpt2 4 x 128 (`--dtype bf16-weights`; transformers' autocast)",
+     _ratio_per_class("compare_hf", "train as run 4x128 bf16", "transformers bf16")),
+    ("bf16 pretraining loss against fp32's, 2000 steps ([curve](docs/performance.md#bf16-training))",
+     lambda records: _curve_claim(records)),
     ("greedy generation fp32, batch 1", _ratio_per_class("compare_hf", "generate b1 fp32")),
     ("greedy generation fp32, batch 8", _ratio_per_class("compare_hf", "generate b8 fp32")),
     ("greedy batch 1, int8 weights ([int8](docs/performance.md#weight-only-int8-decoding))",
@@ -457,7 +489,8 @@ def engines(records: list[dict], cls: str | None = None, **_) -> str:
         "".join(f"- {run}\n" for run in runs)
 
 
-TABLES = {"machines": machines, "compare-hf": compare_hf, "commands": commands, "claims": claims, "engines": engines}
+TABLES = {"machines": machines, "compare-hf": compare_hf, "commands": commands, "claims": claims, "engines": engines,
+          "bf16-curve": bf16_curve}
 
 
 def render(spec: str, records: list[dict]) -> str:

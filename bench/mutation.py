@@ -134,8 +134,10 @@ def run_module(module: str, args) -> dict:
     if not meta.exists():
         tail = log.read_text()[-2000:]
         raise RuntimeError(f"{module}: mutmut wrote no results (exit {proc.returncode}); {log}:\n{tail}")
-    data = json.loads(meta.read_text())
-    codes = data["exit_code_by_key"]
+    codes = json.loads(meta.read_text())["exit_code_by_key"]
+    if proc.returncode != 0 and not stopped and all(c is None for c in codes.values()):
+        tail = log.read_text()[-2000:]
+        raise RuntimeError(f"{module}: mutmut stopped before testing a mutant (exit {proc.returncode}); {log}:\n{tail}")
     status = {name: status_by_exit_code[code] for name, code in codes.items()}
     counts = Counter(status.values())
     survivors = sorted((n for n, s in status.items() if s == "survived"), key=lambda n: int(n.rpartition("_")[2]))

@@ -463,7 +463,9 @@ def mutation(records: list[dict], **_) -> str:
         untested = round(v.get("not checked", 0))
         share = f"{r['ratio']:.1%}" if r.get("ratio") is not None else ""
         rows.append([f"`{name}`", str(round(sum(v.values()))), count("killed"), count("survived"), count("timeout"),
-                     count("no tests"), count("skipped"), share + (f" ({untested} not checked)" if untested else ""),
+                     count("no tests"), count("skipped"),
+                     share + (f" ({untested} not checked; {r['killed_share_tested']:.1%} of those tested)"
+                              if untested and r.get("killed_share_tested") is not None else ""),
                      (minutes(r["seconds"]) if r.get("seconds") is not None else "")
                      + (f" (+ {r['checked_before']} mutants tested by an earlier run)" if r.get("checked_before") else ""),
                      f"{machine_name(r['machine'])}; {when(r)}"])

@@ -17,6 +17,7 @@ Tables (the spec after `results:`):
 - `commands`: the README's two commands (bench/commands.py), the latest per CPU class.
 - `claims`: the README's Results, one row per claim (CLAIMS below), each naming its machine.
 - `engines class=<CPU class>`: bench/compare_engines.py's engines side by side, quiet and with a busy core.
+- `mutation`: bench/mutation.py's mutation score per module, the latest run of each.
 - `bench=<name> [class=<CPU class>]`: every row of one benchmark, the latest of each, in the order first recorded.
 A figure typed by hand into a generated table is overwritten by the next `python -m bench.report` and fails
 `--check` (tests/test_results.py runs it), so the pages cannot drift from the records.
@@ -489,8 +490,31 @@ def engines(records: list[dict], cls: str | None = None, **_) -> str:
         "".join(f"- {run}\n" for run in runs)
 
 
+def mutation(records: list[dict], **_) -> str:
+    """bench/mutation.py: the latest run of each module (a run stopped at its budget shows its untested mutants)."""
+    chosen = matching(records, bench="mutation")
+    rows = []
+    for name in dict.fromkeys(r["row"] for r in chosen):
+        r = max((x for x in chosen if x["row"] == name), key=lambda x: x["date"])
+        v = r["values"]
+        count = lambda k: str(round(v.get(k, 0)))  # noqa: E731
+        untested = round(v.get("not checked", 0))
+        share = f"{r['ratio']:.1%}" if r.get("ratio") is not None else ""
+        rows.append([f"`{name}`", str(round(sum(v.values()))), count("killed"), count("survived"), count("timeout"),
+                     count("no tests"), count("skipped"),
+                     share + (f" ({untested} not checked; {r['killed_share_tested']:.1%} of those tested)"
+                              if untested and r.get("killed_share_tested") is not None else ""),
+                     (minutes(r["seconds"]) if r.get("seconds") is not None else "")
+                     + (f" (+ {r['checked_before']} mutants tested by an earlier run)" if r.get("checked_before") else ""),
+                     f"{machine_name(r['machine'])}; {when(r)}"])
+    if not rows:
+        return "(no mutation records yet: run `python bench/mutation.py`)\n"
+    return table(["module", "mutants", "killed", "survived", "timeout", "no tests", "skipped", "killed share",
+                  "run time", "machine; date, load, commit"], rows)
+
+
 TABLES = {"machines": machines, "compare-hf": compare_hf, "commands": commands, "claims": claims, "engines": engines,
-          "bf16-curve": bf16_curve}
+          "mutation": mutation, "bf16-curve": bf16_curve}
 
 
 def render(spec: str, records: list[dict]) -> str:

@@ -1,0 +1,199 @@
+"""Mutation score per module with mutmut 3 (issue #40): how many small slips in a module (a flipped comparison, an
+off-by-one, a dropped argument) the tests catch.
+
+Each module runs on its own: a scratch copy of the project under mutants/by-module/<module>/ whose pyproject.toml keeps
+[tool.mutmut] (pyproject.toml) but mutates only that module and selects only the test files of MODULE_TESTS; mutmut
+records which of those tests call each function and runs just those tests per mutant. One record per module goes to
+bench/results/mutation.jsonl: killed / survived / timeout / no tests / skipped counts, the killed share, the run time
+and every survivor with its diff line. A scratch copy is kept, so a second run only tests mutants not yet tested
+(--fresh starts over).
+
+    pip install -r requirements-dev.txt
+    nice -n 19 python bench/mutation.py                              # every module of MODULE_TESTS, smallest first
+    nice -n 19 python bench/mutation.py optimizer.py modules/norms.py
+    python bench/mutation.py --list                                  # the modules and their test files
+
+Workers: one (--max-children 1), with one torch thread each (OMP_NUM_THREADS=1): the machine stays usable beside it.
+"""
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import tomllib
+from collections import Counter
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.machine import print_machine_header  # noqa: E402
+from bench.results import Recorder  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRATCH = ROOT / "mutants" / "by-module"
+
+# The modules to mutate (pyproject.toml's only_mutate; smallest first) and the test files that pin each one.
+MODULE_TESTS = {
+    "modules/norms.py": ["tests/test_variants.py", "tests/test_float64.py", "tests/test_survivors.py"],
+    "tasks/char_tokenizer.py": ["tests/test_survivors.py", "tests/test_pretrain.py"],
+    "modules/lora.py": ["tests/test_lora.py", "tests/test_survivors.py"],
+    "modules/packed.py": ["tests/test_packed.py", "tests/test_survivors_40.py"],
+    "modules/quant.py": ["tests/test_quant.py"],
+    "optimizer.py": ["tests/test_optimizer.py", "tests/test_muon.py", "tests/test_survivors_40.py"],
+    "modules/attention.py": ["tests/test_attention.py", "tests/test_variants.py", "tests/test_model.py"],
+    "modules/rows.py": ["tests/test_rows_kernel.py", "tests/test_decode_plan.py", "tests/test_survivors.py"],
+    "models/beam_search.py": ["tests/test_beam_search.py"],
+    "models/generation.py": ["tests/test_generation.py", "tests/test_beam_search.py", "tests/test_survivors.py"],
+    "training/steps.py": ["tests/test_engine_parts.py"],
+    "training/batches.py": ["tests/test_engine_parts.py", "tests/test_task_data.py"],
+    "training/runfolder.py": ["tests/test_engine_parts.py", "tests/test_checkpoint.py"],
+    "training/checkpoint.py": ["tests/test_checkpoint.py"],
+    "grading/questions.py": ["tests/test_grading_tolerance.py", "tests/test_grading_forge.py"],
+    "grading/checks.py": ["tests/test_grading_tolerance.py", "tests/test_grading_forge.py",
+                          "tests/test_grading_report.py"],
+}
+
+# mutmut's exit-code table, folded into the counts reported (mutmut.stats.status_by_exit_code)
+COUNTED = ("killed", "survived", "timeout", "no tests", "skipped", "suspicious", "segfault", "not checked")
+
+
+def mutmut_settings() -> dict:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["mutmut"]
+
+
+def toml_value(value) -> str:
+    """Strings, numbers, booleans and lists of them are written alike in JSON and TOML."""
+    return json.dumps(value)
+
+
+def prepare(module: str, fresh: bool) -> Path:
+    """The scratch copy for one module: the sources, tests and also_copy files, and a pyproject.toml narrowed to it."""
+    work = SCRATCH / module.replace("/", "__").removesuffix(".py")
+    if fresh and work.exists():
+        shutil.rmtree(work)
+    settings = mutmut_settings()
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    for name in [*settings["source_paths"], *settings.get("also_copy", []), "tests"]:
+        src, dst = ROOT / name, work / name
+        if src.is_dir():
+            shutil.copytree(src, dst, ignore=ignore, dirs_exist_ok=True)
+        elif src.exists():
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dst)
+    settings = dict(settings, only_mutate=[module], pytest_add_cli_args_test_selection=MODULE_TESTS[module])
+    text = (ROOT / "pyproject.toml").read_text().split("[tool.mutmut]")[0]
+    text += "[tool.mutmut]\n" + "".join(f"{k} = {toml_value(v)}\n" for k, v in settings.items())
+    (work / "pyproject.toml").write_text(text)
+    return work
+
+
+def survivor_diffs(work: Path, module: str, names: list[str]) -> dict[str, str]:
+    """name -> the mutated line ('-old / +new'), from mutmut's own diff of each survivor, in one process."""
+    if not names:
+        return {}
+    code = ("import json, sys\nfrom mutmut.mutation.diff_apply import get_diff_for_mutant\n"
+            "names, path = json.loads(sys.argv[1]), sys.argv[2]\n"
+            "print(json.dumps({n: get_diff_for_mutant(n, path=path) for n in names}))\n")
+    out = subprocess.run([sys.executable, "-c", code, json.dumps(names), module], cwd=work, capture_output=True,
+                         text=True, timeout=600)
+    if out.returncode != 0:
+        return {n: "(diff unavailable)" for n in names}
+    diffs = json.loads(out.stdout.strip().splitlines()[-1])
+    return {n: " / ".join(line.strip() for line in d.splitlines()[2:] if line[:1] in "-+") for n, d in diffs.items()}
+
+
+def run_module(module: str, args) -> dict:
+    from mutmut.stats import status_by_exit_code
+
+    work = prepare(module, args.fresh)
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", GPT2_BENCH_RESULTS="off",
+               GPT2_DECODE_PLAN="off", PYTHONDONTWRITEBYTECODE="1")
+    mutmut = Path(sys.executable).parent / "mutmut"
+    command = [str(mutmut), "run", "--max-children", str(args.max_children)]
+    meta = work / "mutants" / (module + ".meta")
+    checked_before = 0  # a kept scratch copy: mutmut tests only the mutants without a result
+    if meta.exists():
+        checked_before = sum(c is not None for c in json.loads(meta.read_text())["exit_code_by_key"].values())
+    start = time.perf_counter()
+    log = work / "mutmut-run.log"
+    stopped = False
+    with open(log, "w") as out:  # its own session: a budget stops mutmut, its fork server and worker together
+        proc = subprocess.Popen(command, cwd=work, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            proc.wait(timeout=args.budget)
+        except subprocess.TimeoutExpired:  # results so far are saved per mutant; the rest stay "not checked"
+            stopped = True
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait()
+    seconds = time.perf_counter() - start
+    if not meta.exists():
+        tail = log.read_text()[-2000:]
+        raise RuntimeError(f"{module}: mutmut wrote no results (exit {proc.returncode}); {log}:\n{tail}")
+    codes = json.loads(meta.read_text())["exit_code_by_key"]
+    if proc.returncode != 0 and not stopped and all(c is None for c in codes.values()):
+        tail = log.read_text()[-2000:]
+        raise RuntimeError(f"{module}: mutmut stopped before testing a mutant (exit {proc.returncode}); {log}:\n{tail}")
+    status = {name: status_by_exit_code[code] for name, code in codes.items()}
+    counts = Counter(status.values())
+    survivors = sorted((n for n, s in status.items() if s == "survived"), key=lambda n: int(n.rpartition("_")[2]))
+    survivors = sorted(survivors, key=lambda n: n.rpartition("__mutmut_")[0])
+    diffs = survivor_diffs(work, module, survivors)
+    total = len(status)
+    tested = total - counts["no tests"] - counts["skipped"] - counts["not checked"]
+    return {"module": module, "counts": {k: counts[k] for k in COUNTED}, "total": total, "tested": tested,
+            "killed_share": counts["killed"] / total if total else None,
+            "killed_share_tested": counts["killed"] / tested if tested else None,
+            "seconds": seconds, "checked_before": checked_before, "stopped": stopped, "exit_code": proc.returncode,
+            "tests": MODULE_TESTS[module],
+            "survivors": [{"mutant": n, "diff": diffs.get(n, "")} for n in survivors]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    group = parser.add_argument_group("mutation run")
+    group.add_argument("modules", nargs="*", help="modules to mutate, as paths (default: all of MODULE_TESTS in order)")
+    group.add_argument("--max-children", type=int, default=1, help="mutmut's parallel workers")
+    group.add_argument("--budget", type=float, default=None,
+                       help="seconds per module, then mutmut is stopped and the untested mutants count as not checked")
+    group.add_argument("--fresh", action="store_true", help="delete the module's scratch copy and results first")
+    group.add_argument("--list", action="store_true", help="print the modules and their test files, run nothing")
+    args = parser.parse_args()
+    if args.list:
+        for module, tests in MODULE_TESTS.items():
+            print(f"{module:26s} {' '.join(tests)}")
+        return
+    unknown = [m for m in args.modules if m not in MODULE_TESTS]
+    if unknown:
+        parser.error(f"not in MODULE_TESTS: {unknown}")
+    print_machine_header()
+    import mutmut
+
+    for module in args.modules or list(MODULE_TESTS):
+        r = run_module(module, args)
+        c = r["counts"]
+        share = f"{r['killed_share']:.1%}" if r["killed_share"] is not None else "-"
+        print(f"{module}: {r['total']} mutants, killed {c['killed']}, survived {c['survived']}, timeout {c['timeout']}, "
+              f"no tests {c['no tests']}, skipped {c['skipped']}, suspicious {c['suspicious']}; killed share {share}; "
+              f"{r['seconds']:.0f} s (mutmut exit {r['exit_code']}{', stopped at the budget' if r['stopped'] else ''})")
+        for s in r["survivors"]:
+            print(f"  survived {s['mutant']}: {s['diff']}")
+        rec = Recorder("mutation")
+        rec.add(module, {k: c[k] for k in COUNTED if c[k] or k in ("killed", "survived", "timeout", "skipped")},
+                "mutants", ratio=r["killed_share"], ratio_of="killed / all mutants",
+                notes=f"mutmut {mutmut.__version__}, {args.max_children} worker(s), {r['seconds']:.0f} s this run"
+                      f"{' (stopped at the budget: the rest not checked)' if r['stopped'] else ''}"
+                      f"{f', {before} mutants checked by earlier runs' if (before := r['checked_before']) else ''}; "
+                      f"tests: {' '.join(r['tests'])}",
+                seconds=round(r["seconds"], 1), checked_before=r["checked_before"], stopped=r["stopped"],
+                killed_share_tested=r["killed_share_tested"],
+                survivors=r["survivors"], mutmut=mutmut.__version__, tests=r["tests"])
+        rec.write()
+
+
+if __name__ == "__main__":
+    main()

@@ -71,7 +71,8 @@ def plot(runs: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_train, ax_val) = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
+    fig, (ax_train, ax_val, ax_diff) = plt.subplots(1, 3, figsize=(16, 4.4))
+    base = {x["step"]: x["train_loss"] for x in runs[0]["records"] if x["kind"] == "train"}
     for r in runs:
         label = f"{r['dtype']} (seed {r['seed']})"
         train = [(x["step"], x["train_loss"]) for x in r["records"] if x["kind"] == "train"]
@@ -79,12 +80,19 @@ def plot(runs: list[dict], path: Path) -> None:
         style = "--" if r["seed"] != SEEDS[0] else "-"
         ax_train.plot(*zip(*train), style, label=label, linewidth=1.2)
         ax_val.plot(*zip(*val), style, marker="o", markersize=3, label=label, linewidth=1.2)
+        if r is not runs[0]:
+            ax_diff.plot([s for s, _ in train], [loss - base[s] for s, loss in train], style, label=label,
+                         linewidth=1.2, color=ax_train.lines[-1].get_color())
     ax_train.set(title="train loss (mean over each log interval)", xlabel="step", ylabel="loss (nats/char)")
-    ax_val.set(title="val loss (20 batches at each evaluation)", xlabel="step")
-    for ax in (ax_train, ax_val):
+    ax_val.set(title="val loss (20 batches at each evaluation)", xlabel="step", ylabel="loss (nats/char)")
+    ax_diff.axhline(0.0, color="black", linewidth=0.8)
+    ax_diff.set(title=f"train loss minus {runs[0]['dtype']} (seed {runs[0]['seed']})'s", xlabel="step",
+                ylabel="difference (nats/char)")
+    for ax in (ax_train, ax_val, ax_diff):
         ax.grid(alpha=0.3)
         ax.legend()
     ax_train.set_ylim(top=min(4.3, ax_train.get_ylim()[1]))
+    ax_val.set_ylim(top=min(4.3, ax_val.get_ylim()[1]))
     fig.suptitle("tiny shakespeare, run_pretrain.py defaults (4 x 128 wide, 12 x 64 tokens a step): fp32 vs bf16")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -112,6 +120,11 @@ def main() -> None:
             print(f"{dtype:>13} seed {seed}: val {r['val']:.4f} over the whole val split after step {r['step']} "
                   f"(estimate {r['estimate']:.4f}; {r['seconds']:.0f} s, load {r['load']:.1f})", flush=True)
     plot(runs, Path(args.plot))
+    Path(args.plot).with_suffix(".json").write_text(json.dumps(  # the curves, so the plot can be redrawn
+        [{k: r[k] for k in ("dtype", "seed", "seconds", "val", "estimate")}
+         | {"curve": [[x["step"], x["train_loss"]] for x in r["records"] if x["kind"] == "train"],
+            "val_curve": [[x["step"], x["val_loss"]] for x in r["records"] if x["kind"] == "eval" and "val_loss" in x]}
+         for r in runs], indent=0))
     print(f"plot: {args.plot}")
     fp32, other_seed = runs[0]["val"], runs[1]["val"]
     noise = abs(other_seed - fp32)

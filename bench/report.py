@@ -331,10 +331,12 @@ def _curve_claim(records: list[dict]) -> tuple[str, list[dict]]:
 
 
 def bf16_curve(records: list[dict], cls: str | None = None, **_) -> str:
-    """bench/bf16_curve.py: each precision's final loss over the whole val split against fp32's and its noise."""
-    rows = []
-    for r in matching(records, bench="bf16_curve", cls=cls):
-        (dtype,) = [k for k in r["values"] if not k.startswith("fp32")]
+    """bench/bf16_curve.py: each precision's final loss over the whole val split against fp32's and its noise (the
+    latest run of each)."""
+    rows, last = [], {}
+    for r in matching(records, bench="bf16_curve", cls=cls):  # the latest run of each precision
+        last[next(k for k in r["values"] if not k.startswith("fp32"))] = r
+    for dtype, r in last.items():
         rows.append([dtype, f"{r['values'][dtype]:.4f}", f"{r['values']['fp32']:.4f}",
                      f"{r['values']['fp32 other seed']:.4f}", f"{r['difference']:.4f}", f"{r['noise']:.4f}",
                      {True: "yes", False: "no", None: ""}[r.get("met")], r.get("notes") or "",

@@ -10,10 +10,6 @@ optimizer then keeps its multi-tensor path.
 from __future__ import annotations
 
 import ctypes
-import os
-import platform
-import sys
-import warnings
 from pathlib import Path
 
 import torch
@@ -38,16 +34,8 @@ def library(target_flags: tuple[str, ...] = rows.NATIVE):
 def _load():
     global _library
     if _library is None:
-        if (os.environ.get("GPT2_FUSED_ADAMW", "1") == "0" or sys.platform != "linux"
-                or platform.machine() not in ("x86_64", "AMD64")):
-            _library = False
-            return _library
-        try:
-            _library = library()
-        except Exception as err:  # no compiler, a failed build: the multi-tensor path from here on
-            warnings.warn(f"the fused AdamW kernel modules/adamw.cpp could not be built ({type(err).__name__}: "
-                          f"{str(err)[:500]}); AdamW(fused=True) runs the multi-tensor path", stacklevel=3)
-            _library = False
+        _library = rows.load_kernel("GPT2_FUSED_ADAMW", library, "the fused AdamW kernel modules/adamw.cpp",
+                                    "AdamW(fused=True) runs the multi-tensor path")
     return _library
 
 

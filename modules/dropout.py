@@ -16,10 +16,6 @@ gpt2 training step 4 x 128 on a 2-core Zen 4: torch's dropouts cost ~280 ms of a
 from __future__ import annotations
 
 import ctypes
-import os
-import platform
-import sys
-import warnings
 from pathlib import Path
 
 import torch
@@ -48,15 +44,7 @@ def library(target_flags: tuple[str, ...] = rows.NATIVE):
 def _load():
     global _library
     if _library is None:
-        if os.environ.get(ENV, "1") == "0" or sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
-            _library = False
-            return _library
-        try:
-            _library = library()
-        except Exception as err:  # no compiler, a failed build: torch's dropout from here on
-            warnings.warn(f"the dropout kernel modules/dropout.cpp could not be built ({type(err).__name__}: "
-                          f"{str(err)[:500]}); dropout runs torch's", stacklevel=3)
-            _library = False
+        _library = rows.load_kernel(ENV, library, "the dropout kernel modules/dropout.cpp", "dropout runs torch's")
     return _library
 
 

@@ -228,20 +228,27 @@ def library_for(kind: str):
     return _form(plan()["forms"].get(kind, "native"))
 
 
+def load_kernel(env: str, build, what: str, otherwise: str, usable=lambda: True):
+    """`build()`'s loaded library, or False where `env` is "0", the machine is not x86-64 Linux, `usable()` is false,
+    or the build fails (no compiler, a compiler error: a warning names `what` and what runs `otherwise`). The
+    kernels here (rows.cpp, adamw.cpp, dropout.cpp) each load once through it."""
+    if (os.environ.get(env, "1") == "0" or sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64")
+            or not usable()):
+        return False
+    try:
+        return build()
+    except Exception as err:  # no compiler, a failed build: the caller's fallback from here on
+        warnings.warn(f"{what} could not be built ({type(err).__name__}: {str(err)[:500]}); {otherwise}",
+                      stacklevel=4)
+        return False
+
+
 def _load():
     global _library
     if _library is None:
-        if (os.environ.get("GPT2_ROWS_KERNEL", "1") == "0" or sys.platform != "linux"
-                or platform.machine() not in ("x86_64", "AMD64")
-                or _capability() not in ("AVX2", "AVX512")):
-            _library = False
-            return _library
-        try:
-            _library = library()
-        except Exception as err:  # no compiler, a failed build: torch's own products from here on
-            warnings.warn(f"the decoding kernel modules/rows.cpp could not be built ({type(err).__name__}: "
-                          f"{str(err)[:500]}); decoding uses torch's products (slower)", stacklevel=3)
-            _library = False
+        _library = load_kernel("GPT2_ROWS_KERNEL", library, "the decoding kernel modules/rows.cpp",
+                               "decoding uses torch's products (slower)",
+                               usable=lambda: _capability() in ("AVX2", "AVX512"))
     return _library
 
 

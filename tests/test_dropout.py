@@ -148,3 +148,16 @@ def test_the_model_uses_it_in_cpu_training_and_checkpointing_recomputes_the_same
         torch.testing.assert_close(pa.grad, pb.grad, atol=1e-6, rtol=0, msg=name)
     with torch.no_grad():  # eval: no dropout at all, so the two models agree with dropout p
         assert torch.equal(a.eval()(ids)["logits"], b.eval()(ids)["logits"])
+
+
+def test_a_kernel_that_cannot_be_built_or_is_switched_off_loads_as_false_with_a_warning_naming_it(monkeypatch):
+    built = []
+    monkeypatch.setenv("GPT2_SOME_KERNEL", "0")
+    assert rows.load_kernel("GPT2_SOME_KERNEL", lambda: built.append(1), "k", "fallback") is False and not built
+
+    def failing_build():
+        raise RuntimeError("g++: not found")
+    monkeypatch.setenv("GPT2_SOME_KERNEL", "1")
+    with pytest.warns(UserWarning, match=r"the kernel x\.cpp could not be built \(RuntimeError: g\+\+: not found\); "
+                                         r"torch's runs"):
+        assert rows.load_kernel("GPT2_SOME_KERNEL", failing_build, "the kernel x.cpp", "torch's runs") is False

@@ -73,6 +73,24 @@ def hf_folder(tmp_path):
     return make
 
 
+def packed_switch(monkeypatch):
+    """modules/packed.py's path forced on (GPT2_PACKED_BF16=force) for the test; the returned switch's off() turns it
+    off for a reference run of the plain path, on() back."""
+    from modules import packed
+
+    monkeypatch.setenv(packed.ENV, "force")
+
+    class Switch:
+        @staticmethod
+        def off():
+            monkeypatch.setenv(packed.ENV, "0")
+
+        @staticmethod
+        def on():
+            monkeypatch.setenv(packed.ENV, "force")
+    return Switch
+
+
 def shared_path(*parts: str) -> Path:
     """A file under ../shared, or skip the test with the reason."""
     path = shared_dir().joinpath(*parts)

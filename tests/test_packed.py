@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import tiny_config
+from conftest import packed_switch, tiny_config
 
 from models.gpt2 import GPT2LMHeadModel
 from modules import packed
@@ -23,17 +23,7 @@ pytestmark = pytest.mark.skipif(not packed._bf16_kernels(),
 def packing(monkeypatch):
     """The packed path on, whatever the CPU's AMX flag says (GPT2_PACKED_BF16=force); `off()` turns it off for a
     reference run."""
-    monkeypatch.setenv(packed.ENV, "force")
-
-    class Switch:
-        @staticmethod
-        def off():
-            monkeypatch.setenv(packed.ENV, "0")
-
-        @staticmethod
-        def on():
-            monkeypatch.setenv(packed.ENV, "force")
-    return Switch
+    return packed_switch(monkeypatch)
 
 
 kept = packed.kept

@@ -4,7 +4,7 @@ bookkeeping on CPUs whose oneDNN has no bf16 kernels (tests/test_packed.py skips
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import tiny_config
+from conftest import packed_switch, tiny_config
 from tolerances import ADAMW_FUSED_VS_TORCH, ADAMW_VS_TORCH
 from torch import nn
 
@@ -98,17 +98,7 @@ def identity_packing(monkeypatch):
     monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", lambda w, rows: w.clone(), raising=False)
     monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise",
                         lambda x, w, b, attr, scalars, algorithm: F.linear(x, w, b), raising=False)
-    monkeypatch.setenv(packed.ENV, "force")
-
-    class Switch:
-        @staticmethod
-        def off():
-            monkeypatch.setenv(packed.ENV, "0")
-
-        @staticmethod
-        def on():
-            monkeypatch.setenv(packed.ENV, "force")
-    return Switch
+    return packed_switch(monkeypatch)
 
 
 def bf16_model(seed: int = 0, **overrides) -> GPT2LMHeadModel:

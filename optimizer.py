@@ -155,10 +155,8 @@ class AdamW(_GroupwiseOptimizer):
         super().load_state_dict(state_dict)
         saved = state_dict["state"]
         for saved_group, group in zip(state_dict["param_groups"], self.param_groups):
-            if not group.get("master_weights"):
-                continue
             for param_id, p in zip(saved_group["params"], group["params"]):
-                if p.dtype in _LOW_PRECISION and param_id in saved:
+                if _keeps_master(group, p) and param_id in saved:
                     for key in _MASTER_STATE:
                         if key in saved[param_id]:
                             self.state[p][key] = saved[param_id][key].to(device=p.device, dtype=torch.float32,
@@ -172,17 +170,17 @@ _LOW_PRECISION = (torch.bfloat16, torch.float16)  # the parameter dtypes master_
 _MASTER_STATE = ("master", "exp_avg", "exp_avg_sq")
 
 
+def _keeps_master(group: dict, p: Tensor) -> bool:
+    """Whether `group` keeps an fp32 master copy (and fp32 moments) of parameter p."""
+    return bool(group.get("master_weights")) and p.dtype in _LOW_PRECISION
+
+
 def _adamw_group_step(group: dict, state: dict) -> None:
     """One AdamW step of the parameters of `group` that have gradients (`state`: the optimizer's, by parameter).
     A function rather than a method so that MuonWithAdamW runs the same code on its AdamW groups."""
-    params, grads, exp_avgs, exp_avg_sqs, steps = _adamw_gather(group, state)
+    params, grads, exp_avgs, exp_avg_sqs, steps, lows = _adamw_gather(group, state)
     if not params:
         return
-    lows = [None] * len(params)  # with master weights: the bf16/fp16 parameter whose fp32 master is in params
-    if group.get("master_weights"):
-        for i, p in enumerate(params):
-            if p.dtype in _LOW_PRECISION:
-                lows[i], params[i] = p, state[p]["master"]
     beta1, beta2 = group["betas"]
     hyper = dict(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
                  weight_decay=group["weight_decay"], correct_bias=group["correct_bias"])
@@ -226,8 +224,9 @@ def _adamw_fused(params, grads, exp_avgs, exp_avg_sqs, steps, lows, *, lr, beta1
 
 
 def _adamw_gather(group: dict, state: dict):
-    """Collect the tensors of one group that have gradients, creating their state on first sight."""
-    params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
+    """Collect the tensors of one group that have gradients, creating their state on first sight. Where the group
+    keeps masters, params holds a parameter's fp32 master and lows the parameter itself (else None)."""
+    params, grads, exp_avgs, exp_avg_sqs, steps, lows = [], [], [], [], [], []
     for p in group["params"]:
         if p.grad is None:
             continue
@@ -236,7 +235,7 @@ def _adamw_gather(group: dict, state: dict):
         if torch.is_complex(p):
             raise RuntimeError("AdamW does not support complex parameters")
         s = state[p]
-        master = group.get("master_weights") and p.dtype in _LOW_PRECISION
+        master = _keeps_master(group, p)
         if not s:
             s["step"] = torch.tensor(0.0)
             dtype = torch.float32 if master else p.dtype
@@ -245,12 +244,13 @@ def _adamw_gather(group: dict, state: dict):
         if master and "master" not in s:  # first step, or state saved without masters: start from the parameter
             s["master"] = p.detach().float()
             s["exp_avg"], s["exp_avg_sq"] = s["exp_avg"].float(), s["exp_avg_sq"].float()
-        params.append(p)
+        params.append(s["master"] if master else p)
+        lows.append(p if master else None)
         grads.append(p.grad)
         exp_avgs.append(s["exp_avg"])
         exp_avg_sqs.append(s["exp_avg_sq"])
         steps.append(s["step"])
-    return params, grads, exp_avgs, exp_avg_sqs, steps
+    return params, grads, exp_avgs, exp_avg_sqs, steps, lows
 
 
 def _check_hyperparameters(group: dict) -> None:

@@ -29,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.machine import print_machine_header  # noqa: E402
+from bench.pretrain_shakespeare import precise_val_loss  # noqa: E402
 from bench.results import Recorder  # noqa: E402
 from models.hub import shared_dir  # noqa: E402
 
@@ -49,20 +50,10 @@ def run(dtype: str, seed: int, out: Path, max_iters: int, extra: list[str]) -> d
         raise SystemExit(f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stderr[-3000:]}")
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     evals = [r for r in records if r["kind"] == "eval" and "val_loss" in r]
+    # "val": the final weights' loss over the whole val split, in fp32; the estimates average 20 random batches,
+    # which differ between seeds
     return {"dtype": dtype, "seed": seed, "seconds": seconds, "load": load, "records": records,
-            "estimate": evals[-1]["val_loss"], "step": evals[-1]["step"], "val": whole_val_loss(out)}
-
-
-def whole_val_loss(out: Path) -> float:
-    """The final weights' loss over every token of the val split, computed in fp32 (untimed): the estimate at each
-    evaluation averages 20 random batches, which differ between seeds."""
-    from models.gpt2 import GPT2LMHeadModel
-    from tasks import pretrain
-
-    folder = out / "last"
-    corpus = pretrain.prepare_corpus(CORPUS, pretrain.tokenizer_for(folder), out / "data")
-    model = GPT2LMHeadModel.from_pretrained(folder).float()
-    return pretrain.full_loss(model, corpus.val, model.config.n_positions)
+            "estimate": evals[-1]["val_loss"], "step": evals[-1]["step"], "val": precise_val_loss(out, CORPUS)}
 
 
 def plot(runs: list[dict], path: Path) -> None:

@@ -165,10 +165,14 @@ def make_train_step(model, ids: torch.Tensor, bf16: bool, optimizer: str):
         opt = AdamW(model.parameters(), lr=3e-4, weight_decay=0.01)
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=3e-4, eps=1e-6, weight_decay=0.01, foreach=True)
+    return _train_step(model, ids, opt, autocast=bf16)
 
+
+def _train_step(model, ids: torch.Tensor, opt, autocast: bool):
+    """A closure doing one training step of `model` on `ids` with `opt`, under bf16 autocast or not."""
     def step() -> float:
         opt.zero_grad(set_to_none=True)
-        with torch.autocast(DEVICE.type, dtype=torch.bfloat16, enabled=bf16):
+        with torch.autocast(DEVICE.type, dtype=torch.bfloat16, enabled=autocast):
             loss = loss_of(model, ids)
         loss.backward()
         opt.step()
@@ -192,16 +196,7 @@ def make_run_step(model, ids: torch.Tensor, bf16: bool):
         opt = AdamW(model.parameters(), lr=3e-4, eps=1e-6, weight_decay=0.01, fused=True, master_weights=bf16)
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=3e-4, eps=1e-6, weight_decay=0.01, fused=True)
-
-    def step() -> float:
-        opt.zero_grad(set_to_none=True)
-        with torch.autocast(DEVICE.type, dtype=torch.bfloat16, enabled=bf16 and not ours):
-            loss = loss_of(model, ids)
-        loss.backward()
-        opt.step()
-        return loss.item()
-
-    return step
+    return _train_step(model, ids, opt, autocast=bf16 and not ours)
 
 
 def make_forward(model, ids: torch.Tensor):

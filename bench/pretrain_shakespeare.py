@@ -63,14 +63,15 @@ def run_once(data: Path, extra: list[str], max_iters: int) -> dict:
 
 
 def precise_val_loss(out_dir: Path, data: Path) -> float:
-    """Loss of the last checkpoint over every token of the val split (untimed)."""
+    """Loss of the last checkpoint over every token of the val split (untimed), computed in fp32 (a bf16 checkpoint
+    too: bench/bf16_curve.py)."""
     from models.gpt2 import GPT2LMHeadModel
     from tasks import pretrain
 
     folder = out_dir / "last"  # the final weights
     tokenizer = pretrain.tokenizer_for(folder)
     corpus = pretrain.prepare_corpus(data, tokenizer, out_dir / "data")
-    model = GPT2LMHeadModel.from_pretrained(folder)
+    model = GPT2LMHeadModel.from_pretrained(folder).float()
     return pretrain.full_loss(model, corpus.val, model.config.n_positions)
 
 

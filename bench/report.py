@@ -319,24 +319,27 @@ def _v(r: dict, key: str, fmt: str = "{:g}") -> str:
     return fmt.format(r["values"][key])
 
 
+def _latest_curves(records: list[dict], cls: str | None = None) -> dict[str, dict]:
+    """bench/bf16_curve.py's latest record of each precision compared with fp32, by precision."""
+    runs: dict[str, list[dict]] = {}
+    for r in matching(records, bench="bf16_curve", cls=cls):
+        runs.setdefault(next(k for k in r["values"] if not k.startswith("fp32")), []).append(r)
+    return {dtype: latest(rs) for dtype, rs in runs.items()}
+
+
 def _curve_claim(records: list[dict]) -> tuple[str, list[dict]]:
-    parts, used = [], []
-    for dtype in ("bf16-weights", "bfloat16"):
-        r = latest([x for x in matching(records, bench="bf16_curve") if dtype in x["values"]])
-        if r:
-            parts.append(f"{dtype} {r['values'][dtype]:.4f} vs fp32 {r['values']['fp32']:.4f} "
-                         f"({'within' if r.get('met') else 'outside'} fp32's seed-to-seed {r['noise']:.4f})")
-            used.append(r)
-    return "; ".join(parts), used
+    last = _latest_curves(records)
+    parts = [f"{dtype} {r['values'][dtype]:.4f} vs fp32 {r['values']['fp32']:.4f} "
+             f"({'within' if r.get('met') else 'outside'} fp32's seed-to-seed {r['noise']:.4f})"
+             for dtype, r in last.items()]
+    return "; ".join(parts), list(last.values())
 
 
 def bf16_curve(records: list[dict], cls: str | None = None, **_) -> str:
     """bench/bf16_curve.py: each precision's final loss over the whole val split against fp32's and its noise (the
     latest run of each)."""
-    rows, last = [], {}
-    for r in matching(records, bench="bf16_curve", cls=cls):  # the latest run of each precision
-        last[next(k for k in r["values"] if not k.startswith("fp32"))] = r
-    for dtype, r in last.items():
+    rows = []
+    for dtype, r in _latest_curves(records, cls).items():
         rows.append([dtype, f"{r['values'][dtype]:.4f}", f"{r['values']['fp32']:.4f}",
                      f"{r['values']['fp32 other seed']:.4f}", f"{r['difference']:.4f}", f"{r['noise']:.4f}",
                      {True: "yes", False: "no", None: ""}[r.get("met")], r.get("notes") or "",
@@ -394,7 +397,7 @@ CLAIMS = [
     ("training step bf16 as each runs it, gpt2 4 x 128 (`--dtype bf16-weights`; transformers' autocast)",
      _ratio_per_class("compare_hf", "train as run 4x128 bf16", "transformers bf16")),
     ("bf16 pretraining loss against fp32's, 2000 steps ([curve](docs/performance.md#bf16-training))",
-     lambda records: _curve_claim(records)),
+     _curve_claim),
     ("greedy generation fp32, batch 1", _ratio_per_class("compare_hf", "generate b1 fp32")),
     ("greedy generation fp32, batch 8", _ratio_per_class("compare_hf", "generate b8 fp32")),
     ("greedy batch 1, int8 weights ([int8](docs/performance.md#weight-only-int8-decoding))",

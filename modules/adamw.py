@@ -55,22 +55,23 @@ def applies_master(master: torch.Tensor, low: torch.Tensor, *tensors: torch.Tens
             and low.is_contiguous() and tensors[0].is_contiguous() and low.shape == tensors[0].shape == master.shape)
 
 
-def step(p, g, m, v, *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
-         bias_correction1: float, bias_correction2_sqrt: float, lib=None) -> None:
-    """One AdamW step of p (and its moments m, v) from gradient g, in place: the update of optimizer.AdamW."""
-    lib = lib or _load()
-    n = p.numel()
+def _scalars(n: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
+             bias_correction1: float, bias_correction2_sqrt: float) -> tuple:
+    """The kernels' trailing arguments, in their order: the update's seven constants and the thread count."""
     threads = 1 if n < SMALL else torch.get_num_threads()
-    lib.adamw_step_f32(n, p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), 1 - lr * weight_decay, 1 - beta1,
-                       beta2, 1 - beta2, bias_correction2_sqrt, eps, -lr / bias_correction1, threads)
+    return (1 - lr * weight_decay, 1 - beta1, beta2, 1 - beta2, bias_correction2_sqrt, eps, -lr / bias_correction1,
+            threads)
 
 
-def step_master(master, low, g, m, v, *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
-                bias_correction1: float, bias_correction2_sqrt: float, lib=None) -> None:
+def step(p, g, m, v, *, lib=None, **hyper) -> None:
+    """One AdamW step of p (and its moments m, v) from gradient g, in place: the update of optimizer.AdamW.
+    hyper: lr, beta1, beta2, eps, weight_decay, bias_correction1, bias_correction2_sqrt."""
+    lib = lib or _load()
+    lib.adamw_step_f32(p.numel(), p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), *_scalars(p.numel(), **hyper))
+
+
+def step_master(master, low, g, m, v, *, lib=None, **hyper) -> None:
     """step() on the fp32 `master` from the bf16 gradient g, then low = master rounded to bf16, in one pass."""
     lib = lib or _load()
-    n = master.numel()
-    threads = 1 if n < SMALL else torch.get_num_threads()
-    lib.adamw_step_bf16_master(n, master.data_ptr(), low.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(),
-                               1 - lr * weight_decay, 1 - beta1, beta2, 1 - beta2, bias_correction2_sqrt, eps,
-                               -lr / bias_correction1, threads)
+    lib.adamw_step_bf16_master(master.numel(), master.data_ptr(), low.data_ptr(), g.data_ptr(), m.data_ptr(),
+                               v.data_ptr(), *_scalars(master.numel(), **hyper))

@@ -14,7 +14,6 @@ from torch import nn
 
 from modules import dropout as hashed
 from modules import packed
-from modules.dropout import Dropout
 from modules.linear import Linear as DecodeLinear
 from modules.manual_backward import ManualAttention, ManualLinear
 from modules.norms import RMSNorm
@@ -101,7 +100,7 @@ def explicit_is_faster(query: torch.Tensor, dropout: nn.Dropout) -> bool:
     if query.dtype == torch.bfloat16 or (torch.is_autocast_enabled("cpu")
                                          and torch.get_autocast_dtype("cpu") == torch.bfloat16):
         return True
-    return dropout.training and 0.0 < dropout.p < 1.0 and isinstance(dropout, Dropout) and hashed.applies(query)
+    return dropout.training and 0.0 < dropout.p < 1.0 and isinstance(dropout, hashed.Dropout) and hashed.applies(query)
 
 
 class CausalSelfAttention(nn.Module):
@@ -123,7 +122,7 @@ class CausalSelfAttention(nn.Module):
         self.q_norm = RMSNorm(hs, eps, config.norm_scale) if config.qk_norm else nn.Identity()
         self.k_norm = RMSNorm(hs, eps, config.norm_scale) if config.qk_norm else nn.Identity()
         self.rotate = apply_rotary if config.position_embedding == "rope" else no_rotary
-        self.dropout = Dropout(config.attn_pdrop)
+        self.dropout = hashed.Dropout(config.attn_pdrop)
         self.scale = 1.0 / math.sqrt(self.attention_head_size) if config.scale_attn_weights else 1.0
         if config.scale_attn_by_inverse_layer_idx:
             self.scale /= layer_idx + 1

@@ -28,6 +28,16 @@ inline uint32_t finalise(uint32_t x) {
 
 constexpr int64_t BLOCK = 1 << 14;  // elements per unit of work given to a thread
 
+// The mask of a call, block by block: the block's key mixes the seed's high half with the index's high bits, and
+// element j of the block (index start + j) is kept when draw(...) >= threshold.
+inline uint32_t block_key(uint64_t seed, int64_t start) {
+    return uint32_t(seed >> 32) ^ finalise(uint32_t(uint64_t(start) >> 32) + 0x9e3779b9U);
+}
+
+inline uint32_t draw(uint64_t seed, uint32_t key, int64_t start, uint32_t j) {
+    return finalise(finalise(uint32_t(start) + j + uint32_t(seed)) ^ key);
+}
+
 inline float bf16_to_float(uint16_t h) {
     uint32_t bits = uint32_t(h) << 16;
     float f;
@@ -46,18 +56,15 @@ inline uint16_t float_to_bf16(float f) {  // round to nearest even, as torch's c
 template <typename T, typename Load, typename Store>
 void apply(int64_t n, const T* __restrict x, T* __restrict y, uint64_t seed, uint32_t threshold, float scale,
            int threads, Load load, Store store) {
-    const uint32_t s0 = uint32_t(seed), s1 = uint32_t(seed >> 32);
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
     for (int64_t start = 0; start < n; start += BLOCK) {
         const int64_t stop = start + BLOCK < n ? start + BLOCK : n;
-        const uint32_t base = uint32_t(start);
-        const uint32_t key = s1 ^ finalise(uint32_t(uint64_t(start) >> 32) + 0x9e3779b9U);
+        const uint32_t key = block_key(seed, start);
         const int len = int(stop - start);
         const T* xs = x + start;
         T* ys = y + start;
         for (int j = 0; j < len; ++j) {
-            const uint32_t r = finalise(finalise(base + uint32_t(j) + s0) ^ key);
-            const float factor = r >= threshold ? scale : 0.0f;
+            const float factor = draw(seed, key, start, uint32_t(j)) >= threshold ? scale : 0.0f;
             ys[j] = store(load(xs[j]) * factor);
         }
     }
@@ -78,11 +85,9 @@ extern "C" void dropout_bf16(int64_t n, const uint16_t* x, uint16_t* y, uint64_t
 
 // The keep decision alone, one byte per element (tests and the statistics of the mask).
 extern "C" void dropout_mask(int64_t n, uint8_t* keep, uint64_t seed, uint32_t threshold) {
-    const uint32_t s0 = uint32_t(seed), s1 = uint32_t(seed >> 32);
     for (int64_t start = 0; start < n; start += BLOCK) {
         const int64_t stop = start + BLOCK < n ? start + BLOCK : n;
-        const uint32_t key = s1 ^ finalise(uint32_t(uint64_t(start) >> 32) + 0x9e3779b9U);
-        for (int64_t i = start; i < stop; ++i)
-            keep[i] = finalise(finalise(uint32_t(start) + uint32_t(i - start) + s0) ^ key) >= threshold;
+        const uint32_t key = block_key(seed, start);
+        for (int64_t i = start; i < stop; ++i) keep[i] = draw(seed, key, start, uint32_t(i - start)) >= threshold;
     }
 }

@@ -73,6 +73,18 @@ def hf_folder(tmp_path):
     return make
 
 
+def checkpointed_twin(config: GPT2Config):
+    """Two GPT2LMHeadModels in training mode with the same weights (seed 0), the second with gradient checkpointing."""
+    from models.gpt2 import GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    a = GPT2LMHeadModel(config).train()
+    b = GPT2LMHeadModel(config).train()
+    b.load_state_dict(a.state_dict())
+    b.gpt.gradient_checkpointing = True
+    return a, b
+
+
 def packed_switch(monkeypatch):
     """modules/packed.py's path forced on (GPT2_PACKED_BF16=force) for the test; the returned switch's off() turns it
     off for a reference run of the plain path, on() back."""

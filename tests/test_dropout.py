@@ -7,10 +7,9 @@ import math
 
 import pytest
 import torch
-from conftest import tiny_config
+from conftest import checkpointed_twin, tiny_config
 from torch import nn
 
-from models.gpt2 import GPT2LMHeadModel
 from modules import dropout as hashed
 from modules import rows
 
@@ -127,11 +126,7 @@ def test_the_avx2_build_draws_and_scales_exactly_as_the_native_one(dtype):
 
 def test_the_model_uses_it_in_cpu_training_and_checkpointing_recomputes_the_same_masks(monkeypatch):
     config = tiny_config("h4-wide", resid_pdrop=0.2, embd_pdrop=0.2, attn_pdrop=0.2)
-    torch.manual_seed(0)
-    a = GPT2LMHeadModel(config).train()
-    b = GPT2LMHeadModel(config).train()
-    b.load_state_dict(a.state_dict())
-    b.gpt.gradient_checkpointing = True
+    a, b = checkpointed_twin(config)
     ids = torch.randint(0, config.vocab_size, (2, 10))
     calls = []
     apply = hashed._HashedDropout.apply

@@ -3,7 +3,7 @@ import pytest
 import torch
 import torch.utils.checkpoint
 import transformers
-from conftest import TINY_CONFIGS, make_hf_model, padded_batch, tiny_config
+from conftest import TINY_CONFIGS, checkpointed_twin, make_hf_model, padded_batch, tiny_config
 
 from config import PRESETS, GPT2Config
 from models.gpt2 import GPT2LMHeadModel, GPT2Model, position_ids_from_mask
@@ -203,11 +203,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(monkeypatch):
     calls = []
     recompute = torch.utils.checkpoint.checkpoint
     monkeypatch.setattr(torch.utils.checkpoint, "checkpoint", lambda *a, **k: calls.append(1) or recompute(*a, **k))
-    torch.manual_seed(0)
-    a = GPT2LMHeadModel(config).train()
-    b = GPT2LMHeadModel(config).train()
-    b.load_state_dict(a.state_dict())
-    b.gpt.gradient_checkpointing = True
+    a, b = checkpointed_twin(config)
     ids = torch.randint(0, config.vocab_size, (2, 10))
     a(ids, labels=ids)["loss"].backward()
     assert calls == []

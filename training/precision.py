@@ -6,8 +6,8 @@ import warnings
 
 import torch
 
-DTYPES = ("float32", "bfloat16", "float16", "bf16-weights")
 BF16_WEIGHTS = "bf16-weights"  # the weights themselves in bf16, fp32 masters in the optimizer, no autocast
+DTYPES = ("float32", "bfloat16", "float16", BF16_WEIGHTS)
 
 
 def bf16_matmul_is_fast(device: torch.device | str) -> bool:

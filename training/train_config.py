@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from training.precision import BF16_WEIGHTS
+
 
 @dataclass
 class TrainConfig:
@@ -55,7 +57,7 @@ class TrainConfig:
 
     @property
     def bf16_weights(self) -> bool:
-        return self.dtype == "bf16-weights"
+        return self.dtype == BF16_WEIGHTS
 
     @property
     def fp16(self) -> bool:

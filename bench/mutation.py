@@ -4,9 +4,11 @@ off-by-one, a dropped argument) the tests catch.
 Each module runs on its own: a scratch copy of the project under mutants/by-module/<module>/ whose pyproject.toml keeps
 [tool.mutmut] (pyproject.toml) but mutates only that module and selects only the test files of MODULE_TESTS; mutmut
 records which of those tests call each function and runs just those tests per mutant. One record per module goes to
-bench/results/mutation.jsonl: killed / survived / timeout / no tests / skipped counts, the killed share, the run time
-and every survivor with its diff line. A scratch copy is kept, so a second run only tests mutants not yet tested
-(--fresh starts over).
+bench/results/mutation.jsonl: killed / survived / equivalent / timeout / no tests / skipped counts, the killed share,
+the run time and every survivor with its diff line. Killed share = (killed + timeout) / (mutants - equivalent ones):
+bench/mutation_equivalents.toml lists the survivors that cannot change behaviour, each with its reason. A scratch
+copy is kept, so a second run only tests mutants not yet tested (--fresh starts over; --retest, after new tests, tests
+the survivors again).
 
     pip install -r requirements-dev.txt
     nice -n 19 python bench/mutation.py                              # every module of MODULE_TESTS, smallest first
@@ -35,6 +37,7 @@ from bench.results import Recorder  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRATCH = ROOT / "mutants" / "by-module"
+EQUIVALENTS = ROOT / "bench" / "mutation_equivalents.toml"
 
 # The modules to mutate (pyproject.toml's only_mutate; smallest first) and the test files that pin each one.
 MODULE_TESTS = {
@@ -43,7 +46,8 @@ MODULE_TESTS = {
     "modules/lora.py": ["tests/test_lora.py", "tests/test_survivors.py"],
     "modules/packed.py": ["tests/test_packed.py", "tests/test_survivors_40.py"],
     "modules/quant.py": ["tests/test_quant.py"],
-    "optimizer.py": ["tests/test_optimizer.py", "tests/test_muon.py", "tests/test_survivors_40.py"],
+    "optimizer.py": ["tests/test_optimizer.py", "tests/test_muon.py", "tests/test_master_weights.py",
+                     "tests/test_survivors_40.py"],
     "modules/attention.py": ["tests/test_attention.py", "tests/test_variants.py", "tests/test_model.py"],
     "modules/rows.py": ["tests/test_rows_kernel.py", "tests/test_decode_plan.py", "tests/test_survivors.py"],
     "models/beam_search.py": ["tests/test_beam_search.py"],
@@ -58,7 +62,21 @@ MODULE_TESTS = {
 }
 
 # mutmut's exit-code table, folded into the counts reported (mutmut.stats.status_by_exit_code)
-COUNTED = ("killed", "survived", "timeout", "no tests", "skipped", "suspicious", "segfault", "not checked")
+RETESTED = ("survived", "timeout", "suspicious", "no tests")  # --retest: the results new tests can change
+COUNTED = ("killed", "survived", "equivalent", "timeout", "no tests", "skipped", "suspicious", "segfault", "not checked")
+
+
+def equivalents(module: str | None = None) -> list[dict]:
+    """bench/mutation_equivalents.toml: survivors that cannot change behaviour, each with its reason. An entry names
+    the mutated function (mutmut's name without the number) and the mutation's diff line, so it follows the mutant
+    when mutmut renumbers; an entry whose diff no longer matches a survivor is reported as stale."""
+    entries = tomllib.loads(EQUIVALENTS.read_text()).get("equivalent", []) if EQUIVALENTS.exists() else []
+    return [e for e in entries if module is None or e["module"] == module]
+
+
+def function_of(mutant: str) -> str:
+    """'training.steps.x_optimizer_step__mutmut_3' -> 'training.steps.x_optimizer_step'."""
+    return mutant.rpartition("__mutmut_")[0]
 
 
 def mutmut_settings() -> dict:
@@ -116,8 +134,15 @@ def run_module(module: str, args) -> dict:
     command = [str(mutmut), "run", "--max-children", str(args.max_children)]
     meta = work / "mutants" / (module + ".meta")
     checked_before = 0  # a kept scratch copy: mutmut tests only the mutants without a result
+    retested = []
     if meta.exists():
-        checked_before = sum(c is not None for c in json.loads(meta.read_text())["exit_code_by_key"].values())
+        before = json.loads(meta.read_text())["exit_code_by_key"]
+        checked_before = sum(c is not None for c in before.values())
+        if args.retest:  # new tests since: run the survivors (and timeouts) again, named, which mutmut always reruns
+            retested = [n for n, c in before.items() if c is not None and status_by_exit_code[c] in RETESTED]
+            if not retested:
+                print(f"{module}: no survivors to test again")
+            command += retested
     start = time.perf_counter()
     log = work / "mutmut-run.log"
     stopped = False
@@ -143,12 +168,24 @@ def run_module(module: str, args) -> dict:
     survivors = sorted((n for n, s in status.items() if s == "survived"), key=lambda n: int(n.rpartition("_")[2]))
     survivors = sorted(survivors, key=lambda n: n.rpartition("__mutmut_")[0])
     diffs = survivor_diffs(work, module, survivors)
+    known = {(e["mutant"], e["diff"]): e["reason"] for e in equivalents(module)}
+    equivalent = [{"mutant": n, "diff": diffs.get(n, ""), "reason": known[(function_of(n), diffs.get(n, ""))]}
+                  for n in survivors if (function_of(n), diffs.get(n, "")) in known]
+    used = {(function_of(e["mutant"]), e["diff"]) for e in equivalent}
+    stale = [{"mutant": m, "diff": d} for (m, d) in known if (m, d) not in used]
+    survivors = [n for n in survivors if (function_of(n), diffs.get(n, "")) not in known]
+    counts["survived"] -= len(equivalent)
+    counts["equivalent"] = len(equivalent)
     total = len(status)
-    tested = total - counts["no tests"] - counts["skipped"] - counts["not checked"]
+    scored = total - len(equivalent)  # equivalent mutants cannot be killed: they are left out of the score
+    detected = counts["killed"] + counts["timeout"]  # a mutant that makes the tests hang is caught too
+    tested = scored - counts["no tests"] - counts["skipped"] - counts["not checked"]
     return {"module": module, "counts": {k: counts[k] for k in COUNTED}, "total": total, "tested": tested,
-            "killed_share": counts["killed"] / total if total else None,
-            "killed_share_tested": counts["killed"] / tested if tested else None,
-            "seconds": seconds, "checked_before": checked_before, "stopped": stopped, "exit_code": proc.returncode,
+            "killed_share": detected / scored if scored else None,
+            "killed_share_tested": detected / tested if tested else None,
+            "equivalents": equivalent, "stale_equivalents": stale,
+            "seconds": seconds, "checked_before": checked_before, "retested": len(retested), "stopped": stopped,
+            "exit_code": proc.returncode,
             "tests": MODULE_TESTS[module],
             "survivors": [{"mutant": n, "diff": diffs.get(n, "")} for n in survivors]}
 
@@ -161,6 +198,9 @@ def main() -> None:
     group.add_argument("--budget", type=float, default=None,
                        help="seconds per module, then mutmut is stopped and the untested mutants count as not checked")
     group.add_argument("--fresh", action="store_true", help="delete the module's scratch copy and results first")
+    group.add_argument("--retest", action="store_true",
+                       help="after adding tests: test the kept copy's survivors and timeouts again (new tests are "
+                            "picked up; killed mutants stay killed)")
     group.add_argument("--list", action="store_true", help="print the modules and their test files, run nothing")
     args = parser.parse_args()
     if args.list:
@@ -177,21 +217,27 @@ def main() -> None:
         r = run_module(module, args)
         c = r["counts"]
         share = f"{r['killed_share']:.1%}" if r["killed_share"] is not None else "-"
-        print(f"{module}: {r['total']} mutants, killed {c['killed']}, survived {c['survived']}, timeout {c['timeout']}, "
-              f"no tests {c['no tests']}, skipped {c['skipped']}, suspicious {c['suspicious']}; killed share {share}; "
+        print(f"{module}: {r['total']} mutants, killed {c['killed']}, survived {c['survived']}, equivalent "
+              f"{c['equivalent']}, timeout {c['timeout']}, no tests {c['no tests']}, skipped {c['skipped']}, "
+              f"suspicious {c['suspicious']}; killed share {share}; "
               f"{r['seconds']:.0f} s (mutmut exit {r['exit_code']}{', stopped at the budget' if r['stopped'] else ''})")
         for s in r["survivors"]:
             print(f"  survived {s['mutant']}: {s['diff']}")
+        for s in r["stale_equivalents"]:
+            print(f"  stale entry in {EQUIVALENTS.name} (no survivor matches it): {s['mutant']}: {s['diff']}")
         rec = Recorder("mutation")
         rec.add(module, {k: c[k] for k in COUNTED if c[k] or k in ("killed", "survived", "timeout", "skipped")},
-                "mutants", ratio=r["killed_share"], ratio_of="killed / all mutants",
+                "mutants", ratio=r["killed_share"],
+                ratio_of="(killed + timeout) / (all mutants - equivalent ones)",
                 notes=f"mutmut {mutmut.__version__}, {args.max_children} worker(s), {r['seconds']:.0f} s this run"
                       f"{' (stopped at the budget: the rest not checked)' if r['stopped'] else ''}"
-                      f"{f', {before} mutants checked by earlier runs' if (before := r['checked_before']) else ''}; "
+                      f"{f', {before} mutants checked by earlier runs' if (before := r['checked_before']) else ''}"
+                      f"{f', {n} survivors tested again with new tests' if (n := r['retested']) else ''}; "
                       f"tests: {' '.join(r['tests'])}",
-                seconds=round(r["seconds"], 1), checked_before=r["checked_before"], stopped=r["stopped"],
+                seconds=round(r["seconds"], 1), checked_before=r["checked_before"], retested=r["retested"],
+                stopped=r["stopped"],
                 killed_share_tested=r["killed_share_tested"],
-                survivors=r["survivors"], mutmut=mutmut.__version__, tests=r["tests"])
+                survivors=r["survivors"], equivalents=r["equivalents"], mutmut=mutmut.__version__, tests=r["tests"])
         rec.write()
 
 

@@ -32,3 +32,17 @@ def test_the_config_mutates_exactly_the_modules_of_the_runner_and_each_exists_wi
 
 def test_mutmut_s_scratch_folder_is_ignored_by_git():
     assert "mutants/" in (ROOT / ".gitignore").read_text().splitlines()
+
+
+def test_each_equivalent_mutant_names_its_module_a_line_still_there_and_a_reason():
+    from bench.mutation import equivalents
+
+    for entry in equivalents():
+        module = entry["module"]
+        assert module in MODULE_TESTS, entry
+        assert entry["mutant"].startswith(module.removesuffix(".py").replace("/", ".") + "."), entry
+        assert "__mutmut_" not in entry["mutant"], f"name the function without the mutant's number: {entry}"
+        old, sep, new = entry["diff"].partition(" / +")
+        assert old.startswith("-") and sep, f"the diff is '-old / +new' as bench/mutation.py prints it: {entry}"
+        assert old[1:].strip() in (ROOT / module).read_text(), f"the mutated line is no longer in {module}: {entry}"
+        assert len(entry["reason"].split()) >= 5, f"say why the mutant cannot change behaviour: {entry}"

@@ -154,6 +154,9 @@ def test_bad_requests_are_refused():
         beam_search(lm, ids, num_beams=0)
     with pytest.raises(ValueError, match="early_stopping must be one of"):
         beam_search(lm, ids, early_stopping="sometimes")
+    for penalty in (float("nan"), float("inf")):  # a score divided by length ** nan ranks nothing
+        with pytest.raises(ValueError, match=rf"^length_penalty must be a finite number, got {penalty}$"):
+            beam_search(lm, ids, num_beams=2, length_penalty=penalty)
     assert torch.equal(beam_search(lm, ids, num_beams=2, max_new_tokens=0), ids)
 
 

@@ -45,8 +45,7 @@ class KVCache:
         end = self.length + k.shape[2]
         if end > self.capacity:
             self._grow(end)
-        if k.dtype != self.keys.dtype:  # e.g. autocast produced bf16 projections for an fp32 cache
-            k, v = k.to(self.keys.dtype), v.to(self.values.dtype)
+        # written in the cache's dtype (the assignment converts): e.g. autocast's bf16 projections into an fp32 cache
         self.keys[layer_idx, :, :, self.length:end] = k
         self.values[layer_idx, :, :, self.length:end] = v
         return self.keys[layer_idx, :, :, :end], self.values[layer_idx, :, :, :end]

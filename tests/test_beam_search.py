@@ -167,29 +167,3 @@ def test_generate_with_num_beams_runs_beam_search():
     assert torch.equal(lm.generate(ids, mask, num_beams=3, **kw), beam_search(lm, ids, mask, num_beams=3, **kw))
     with pytest.raises(ValueError, match="do_sample=False"):
         lm.generate(ids, mask, num_beams=3, do_sample=True, **kw)
-
-
-def test_cache_reorder_selects_rows_of_the_filled_positions():
-    """KVCache.reorder copies only the filled positions, into a spare buffer pair it swaps in; chained reorders
-    must equal index_select of whole buffers, and growing the cache afterwards keeps them."""
-    from modules.attention import KVCache
-
-    cache = KVCache(n_layer=2, batch_size=2, n_head=3, head_dim=4, capacity=4)
-    k, v = torch.randn(2, 2, 3, 5, 4), torch.randn(2, 2, 3, 5, 4)
-    for layer in range(2):
-        cache.update(layer, k[layer, :, :, :3], v[layer, :, :, :3])
-    cache.advance(3)
-    cache.reorder(torch.tensor([0, 0, 1, 1]))  # prompt rows -> beams
-    k, v = k[:, [0, 0, 1, 1]], v[:, [0, 0, 1, 1]]
-    for index in ([1, 0, 3, 3], [0, 1, 2, 3], [2, 2, 0, 1], [3, 1, 0, 0]):
-        cache.reorder(torch.tensor(index))
-        k, v = k[:, index], v[:, index]
-        assert torch.equal(cache.keys[:, :, :, :3], k[:, :, :, :3])
-        assert torch.equal(cache.values[:, :, :, :3], v[:, :, :, :3])
-    for layer in range(2):
-        keys, values = cache.update(layer, k[layer, :, :, 3:], v[layer, :, :, 3:])  # 5 > capacity 4: grows
-        assert torch.equal(keys, k[layer]) and torch.equal(values, v[layer])
-    cache.advance(2)
-    cache.reorder(torch.tensor([3, 2, 1, 0]))  # the spare pair no longer fits the grown buffers: a new one
-    assert cache.capacity >= 5 and torch.equal(cache.keys[:, :, :, :5], k[:, [3, 2, 1, 0]])
-    assert torch.equal(cache.values[:, :, :, :5], v[:, [3, 2, 1, 0]])

@@ -128,6 +128,27 @@ def test_the_fused_qkv_product_gives_each_projection_its_own_weight_and_bias_on_
             torch.testing.assert_close(got, expected, rtol=1.6e-2, atol=2e-2)
 
 
+def test_without_the_packed_path_a_bf16_forward_makes_no_packed_copies(identity_packing):
+    """The packed path switched off, or not paying (gradients on, or too few rows), or a projection that is not a
+    plain Linear (LoRA's): q, k and v are projected each by its own layer, and nothing is packed."""
+    from models.lora import apply_lora
+
+    model = bf16_model(seed=2)
+    ids = torch.randint(0, 1000, (4, 20), generator=torch.Generator().manual_seed(3))  # 80 rows: over MIN_ROWS
+    identity_packing.off()
+    with torch.no_grad():
+        model(ids)
+    identity_packing.on()
+    model(ids[:, :2])  # gradients on
+    with torch.no_grad():
+        model(ids[:1, :2])  # 2 rows
+    assert packed.kept(model) == []
+    apply_lora(model, rank=2, alpha=4.0, targets="query")
+    with torch.no_grad():
+        model(ids)
+    assert "_packed_qkv" not in packed.kept(model) and "_packed" in packed.kept(model)
+
+
 def test_packed_forwards_follow_weights_edited_in_place_on_any_cpu(identity_packing):
     """An optimizer step or an edit in place keeps each weight's storage and bumps its version: every packed copy
     (q/k/v, the other layers, the LM head) is made again, and the packed forward equals the plain one."""

@@ -109,6 +109,41 @@ def test_generation_refuses_right_padding_and_overlong_requests():
         ours.generate(ids, do_sample=True, top_p=1.5)
 
 
+def test_every_refused_request_names_its_problem_and_the_limits_themselves_are_accepted():
+    """Each check's message, whole (a user reads it), and each limit's boundary value accepted."""
+    import re
+
+    config = tiny_config("h5")  # n_positions 32
+    _, ours = load_pair(config)
+    ids, mask = padded_batch([4, 4], 4, config.vocab_size, "left")
+    refused = [
+        (dict(input_ids=ids[0]), "input_ids must be (batch, prompt_len) with prompt_len >= 1, got shape (4,)"),
+        (dict(input_ids=ids[:, :0]), "input_ids must be (batch, prompt_len) with prompt_len >= 1, got shape (2, 0)"),
+        (dict(max_new_tokens=-1), "max_new_tokens must be >= 0, got -1"),
+        (dict(repetition_penalty=0.0), "repetition_penalty must be > 0, got 0.0"),
+        (dict(max_new_tokens=29), "prompt length 4 + max_new_tokens 29 = 33 exceeds the context of n_positions=32; "
+                                  "shorten the prompt or generate fewer tokens"),
+        (dict(attention_mask=mask[:, :3]), "attention_mask shape (2, 3) != input_ids shape (2, 4)"),
+        (dict(attention_mask=padded_batch([4, 2], 4, 10, "right")[1]),
+         "prompts must be left-padded for generation (a row's last token is padding); "
+         "set tokenizer.padding_side = 'left'"),
+        (dict(do_sample=True, temperature=0.0),
+         "temperature must be > 0 (use do_sample=False for greedy decoding), got 0.0"),
+        (dict(do_sample=True, top_k=-1), "top_k must be >= 0, got -1"),
+        (dict(do_sample=True, top_p=1.5), "top_p must be in (0, 1], got 1.5"),
+        (dict(do_sample=True, top_p=0.0), "top_p must be in (0, 1], got 0.0"),
+        (dict(quantize="int3"), "quantize must be None or one of ('int8', 'int4'), got 'int3'"),
+    ]
+    for kw, message in refused:
+        request = dict(input_ids=ids, attention_mask=mask, max_new_tokens=2) | kw
+        with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+            ours.generate(**request)
+    for kw in (dict(max_new_tokens=28), dict(repetition_penalty=1e-3), dict(do_sample=True, top_k=0, top_p=1.0),
+               dict(do_sample=True, temperature=1e-3, top_p=1e-3)):
+        out = ours.generate(ids, mask, **dict(max_new_tokens=2) | kw)
+        assert out.shape == (2, 4 + kw.get("max_new_tokens", 2))
+
+
 def test_zero_new_tokens_returns_the_prompt_without_running_the_model(monkeypatch):
     _, ours = load_pair(tiny_config("h5"))
     ids, mask = padded_batch([4, 2], 4, 100, "left")

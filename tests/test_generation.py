@@ -207,6 +207,61 @@ def test_top_p_with_the_fast_sort_removes_what_torch_sort_removes_even_among_tie
             assert torch.equal(top_p_filter(logits, p), top_p_filter(logits, p, fast_sort=False)), (trial, p)
 
 
+def test_filters_work_on_every_row_of_logits_with_more_dimensions_and_on_bf16():
+    """(B, T, V) logits are filtered per row exactly as the same rows flattened to (B * T, V) by transformers'
+    warpers; bf16 logits (a bf16 model's) are filtered too."""
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(2, 3, 50, generator=g)
+    rows = logits.reshape(6, 50)
+    for k in (1, 7, 49, 50):
+        torch.testing.assert_close(top_k_filter(logits, k), TopKLogitsWarper(k)(None, rows.clone()).view(2, 3, 50))
+    for p in (0.2, 0.9):
+        torch.testing.assert_close(top_p_filter(logits, p), TopPLogitsWarper(p)(None, rows.clone()).view(2, 3, 50))
+        half = logits.bfloat16()  # numpy has no bf16: the torch.sort path
+        assert torch.equal(top_p_filter(half, p), top_p_filter(half, p, fast_sort=False))
+
+
+def test_top_p_1_and_top_k_of_the_vocabulary_keep_every_token_even_where_the_mass_rounds_to_1():
+    """One logit far above the rest: the mass of the tokens ranked above the second reaches 1.0 in float32, yet
+    top_p=1.0 keeps them all (it is no filter), as does top_k equal to the vocabulary size."""
+    logits = torch.cat([torch.tensor([[40.0]]), torch.randn(1, 99, generator=torch.Generator().manual_seed(2))], 1)
+    assert float(logits.softmax(-1)[0, 0]) == 1.0
+    for fast in (True, False):
+        assert torch.equal(top_p_filter(logits, 1.0, fast_sort=fast), logits)
+    assert torch.equal(top_k_filter(logits, 100), logits)
+    flat = torch.zeros(2, 100)  # every token equally likely: a nucleus of 0.999 keeps all 100 (no cut to look at)
+    assert torch.equal(top_p_filter(flat, 0.999), flat)
+
+
+def test_top_p_answers_without_torch_sort_unless_ties_straddle_the_cut(monkeypatch):
+    """The CPU path's point is to skip torch.sort: for logits without ties at the cut it answers from numpy's sorted
+    values alone; equal logits on both sides of the cut send it to torch.sort, whose order decides."""
+    sorts = []
+    real = torch.sort
+    monkeypatch.setattr(torch, "sort", lambda *a, **k: sorts.append(1) or real(*a, **k))
+    logits = torch.randn(4, 1000, generator=torch.Generator().manual_seed(3))
+    for p in (0.1, 0.5, 0.9):
+        got = top_p_filter(logits, p)
+        assert not sorts, p
+        assert torch.equal(got, top_p_filter(logits, p, fast_sort=False)) and sorts
+        sorts.clear()
+    tied = torch.tensor([[3.0, 2.0, 2.0, 2.0, 0.0]])  # the nucleus of 0.5 ends inside the run of 2.0s
+    assert torch.equal(top_p_filter(tied, 0.5), top_p_filter(tied, 0.5, fast_sort=False)) and sorts
+
+
+def test_processing_defaults_change_nothing_and_a_penalty_of_2_applies():
+    from models.generation import mark_seen, process_logits
+
+    logits = torch.randn(2, 30, generator=torch.Generator().manual_seed(0))
+    history = torch.tensor([[1, 5, 5, 7], [0, 2, 29, 3]])
+    seen = torch.zeros(2, 30, dtype=torch.bool).scatter(1, history, True)
+    assert torch.equal(process_logits(logits), logits) and torch.equal(process_logits(logits, seen), logits)
+    expected = RepetitionPenaltyLogitsProcessor(2.0)(history, logits.clone())
+    torch.testing.assert_close(apply_repetition_penalty(logits, seen, 2.0), expected)
+    meta = torch.zeros(2, 30, dtype=torch.bool, device="meta")  # the row index is made on the tokens' device
+    mark_seen(meta, torch.tensor([3, 4], device="meta"))
+
+
 def test_repetition_penalty_matches_transformers_and_temperature_scales():
     logits = torch.randn(2, 30, generator=torch.Generator().manual_seed(0))
     history = torch.tensor([[1, 5, 5, 7], [0, 2, 29, 3]])

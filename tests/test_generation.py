@@ -374,3 +374,68 @@ def test_sampling_draws_the_same_tokens_as_a_spelled_out_reference(settings, bat
                         **settings)
     expected = reference_sampling(ours, ids, mask, 12, torch.Generator().manual_seed(3), **settings)
     assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("softcap", [None, 3.0], ids=["plain", "soft-capped"])
+def test_the_decode_head_takes_each_batch_sizes_kernel_and_equals_the_models_head(monkeypatch, softcap):
+    """decode_lm_head: the rows kernel where it pays (fp32, 1 to 8 rows), else (V, C) @ (C, B) for several rows and
+    the row-blocked product for one (threads > 1); every form soft-caps like the model's own head and equals it to
+    fp32 rounding. Off the CPU it is the model's head itself."""
+    import models.generation as generation
+    from modules import rows as row_kernel
+
+    torch.set_num_threads(2)  # restored by conftest's restore_threads
+    torch.manual_seed(0)
+    body = GPT2LMHeadModel(tiny_config("h5", logit_softcap=softcap)).eval().gpt
+    used = []
+    for name in ("weight_first", "blocked_product"):
+        real = getattr(generation, name)
+        monkeypatch.setattr(generation, name, lambda *a, _real=real, _name=name: used.append(_name) or _real(*a))
+    run = row_kernel.run
+    monkeypatch.setattr(row_kernel, "run", lambda *a: used.append("rows") or run(*a))
+    cases = [(1, True, "rows"), (3, True, "rows"), (1, False, "blocked_product"), (3, False, "weight_first")]
+    for batch, kernel, expected in cases:
+        monkeypatch.setattr(row_kernel, "available", lambda kernel=kernel, real=row_kernel.available: kernel and real())
+        if expected == "rows" and not row_kernel.available():
+            continue  # no compiler here: the kernel's own tests skip too
+        hidden = torch.randn(batch, body.config.n_embd, generator=torch.Generator().manual_seed(batch))
+        used.clear()
+        got = generation.decode_lm_head(body, batch)(hidden)
+        assert used == [expected], (batch, kernel, used)
+        torch.testing.assert_close(got, body.hidden_state_to_token(hidden), atol=2e-5, rtol=2e-5)
+        if softcap:
+            assert got.abs().max() <= softcap
+    meta = GPT2LMHeadModel(tiny_config("h5")).to("meta").gpt
+    assert generation.decode_lm_head(meta, 1) == meta.hidden_state_to_token
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_a_quantized_decode_head_reads_its_copy_at_batch_1_only(mode):
+    """quantize= at batch 1: the head's logits are the quantized copy's (kept on the model, made again after the
+    weights change) for fp32, bf16 or strided rows alike, soft-capped; other batch sizes keep the model's head; a
+    head the format cannot take is refused naming the LM head."""
+    import re
+
+    from models.generation import decode_lm_head
+    from modules.quant import quantize, quantized_linear
+
+    torch.manual_seed(0)
+    body = GPT2LMHeadModel(tiny_config("h4-wide", logit_softcap=4.0)).eval().gpt  # n_embd 64: int4's groups fit
+    head = decode_lm_head(body, 1, mode)
+    copy = quantize(body.lm_head_weight.detach(), mode)
+    wide = torch.randn(1, 128, generator=torch.Generator().manual_seed(0))
+    for hidden in (wide[:, :64], wide[:, ::2], wide[:, :64].bfloat16()):  # contiguous fp32, strided, bf16
+        expected = body.logit_softcap(quantized_linear(hidden, copy))  # a bf16 row gives bf16 logits
+        torch.testing.assert_close(head(hidden), expected, atol=1e-4, rtol=1e-3)
+        assert not torch.allclose(expected.float(), body.hidden_state_to_token(hidden.float()), atol=1e-3)
+    with torch.no_grad():
+        body.word_embedding.weight.mul_(-1.0)  # an edit in place: the next decode quantizes again
+    flipped = body.logit_softcap(quantized_linear(wide[:, :64], copy))
+    torch.testing.assert_close(decode_lm_head(body, 1, mode)(wide[:, :64]), -flipped, atol=1e-4, rtol=1e-3)
+    three = torch.randn(3, 64)
+    torch.testing.assert_close(decode_lm_head(body, 3, mode)(three), body.hidden_state_to_token(three),
+                               atol=2e-5, rtol=2e-5)
+    if mode == "int4":
+        odd = GPT2LMHeadModel(tiny_config("h5")).gpt  # n_embd 48: not a multiple of int4's 32
+        with pytest.raises(ValueError, match=re.escape("quantize='int4': the LM head: ")):
+            decode_lm_head(odd, 1, mode)

@@ -81,3 +81,48 @@ def test_busy_means_load_above_three_quarters_of_the_cores(monkeypatch):
     assert "3.5 on 4 cores" in rows.machine_busy()
     monkeypatch.setattr(rows.os, "getloadavg", lambda: (2.5, 0.0, 0.0))
     assert rows.machine_busy() is None
+
+
+class FakeKernel:
+    """Stands in for a built kernel in time_forms: records each rows_product call's arguments and takes `seconds`."""
+
+    def __init__(self, seconds: float):
+        self.seconds, self.calls = seconds, []
+
+    def rows_product(self, kind, rows_, x, in_f, w, scale, bias, y, out_f, threads, group):
+        import time
+
+        self.calls.append((kind, rows_, in_f, out_f, scale is not None, bias, threads, group))
+        time.sleep(self.seconds)
+        return 0
+
+
+def test_timing_reads_each_kinds_weights_in_gpt2_sized_matrices_and_reports_gb_per_second():
+    """time_forms on stand-in kernels: per kind, one-row products of 3072 x 768 weights (int4 two values a byte, with
+    its 32-column scales; int8 with row scales; fp32 without), as many as fill `megabytes`, `rounds` times in each
+    form; GB/s is the bytes read over the median round's time."""
+    fast, slow = FakeKernel(0.002), FakeKernel(0.004)
+    speeds = rows.time_forms({"native": slow, "avx2": fast}, megabytes=18, rounds=3)
+    kinds = {0: "fp32", 2: "int8", 3: "int4"}  # rows._KINDS' codes
+    per_kind = {"fp32": 18 * 2**20 // (3072 * 768 * 4), "int8": 18 * 2**20 // (3072 * 768), "int4": 16}
+    for lib in (fast, slow):
+        assert {kinds[c[0]] for c in lib.calls} == set(per_kind)
+        for code, name in kinds.items():
+            calls = [c for c in lib.calls if c[0] == code]
+            assert len(calls) == 3 * per_kind[name], name
+            assert {c[1:] for c in calls} == {(1, 768, 3072, name != "fp32", None, torch.get_num_threads(), 32)}
+    weight_bytes = {"fp32": 3072 * 768 * 4, "int8": 3072 * 768, "int4": 3072 * 384}
+    for name, count in per_kind.items():
+        for form, seconds in (("native", 0.004), ("avx2", 0.002)):
+            expected = count * weight_bytes[name] / (count * seconds) / 1e9  # each round: count products
+            assert 0.5 * expected <= speeds[name][form] <= 1.02 * expected, (name, form, speeds[name][form])
+    assert speeds["fp32"]["avx2"] > 1.5 * speeds["fp32"]["native"]
+
+
+def test_busy_is_strictly_above_three_quarters_and_an_unknown_core_count_is_one(monkeypatch):
+    monkeypatch.setattr(rows.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(rows.os, "getloadavg", lambda: (1.5, 0.0, 0.0))
+    assert rows.machine_busy() is None
+    monkeypatch.setattr(rows.os, "cpu_count", lambda: None)
+    monkeypatch.setattr(rows.os, "getloadavg", lambda: (0.8, 0.0, 0.0))
+    assert rows.machine_busy() == "load average 0.8 on 1 cores"

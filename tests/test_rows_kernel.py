@@ -166,3 +166,94 @@ def test_generation_with_the_kernel_everywhere_equals_generation_without(monkeyp
     assert calls, "the kernel was never called"
     for a, b in zip(with_kernel, without):
         assert torch.equal(a, b)
+
+
+# ---- the decisions around the kernel, on any CPU ---------------------------------------------------------------------
+
+PAYS = [  # (weight dtype, rows, capability) -> whether the kernel pays (rows.pays' docstring and docs/performance.md)
+    (torch.uint8, 1, "AVX2", True), (torch.uint8, 8, "AVX512", True), (torch.uint8, 0, "AVX512", False),
+    (torch.uint8, 9, "AVX2", False), (torch.uint8, 1, "DEFAULT", False),
+    (torch.float32, 1, "AVX512", True), (torch.float32, 8, "AVX512", True), (torch.float32, 9, "AVX512", False),
+    (torch.float32, 0, "AVX512", False), (torch.float32, 1, "AVX2", False), (torch.int8, 4, "AVX512", True),
+    (torch.int8, 2, "AVX2", False), (torch.bfloat16, 1, "AVX512", True), (torch.bfloat16, 2, "AVX512", False),
+    (torch.bfloat16, 1, "AVX2", False), (torch.float16, 1, "AVX512", False),
+]
+
+
+@pytest.mark.parametrize("dtype, n, capability, expected", PAYS)
+def test_the_kernel_pays_where_it_was_measured_faster(monkeypatch, dtype, n, capability, expected):
+    monkeypatch.setattr(rows, "_capability", lambda: capability)
+    assert rows.pays(dtype, n) is expected
+
+
+def test_the_loader_refuses_other_systems_and_machines_and_warns_from_the_callers_line(monkeypatch):
+    """load_kernel builds only on x86-64 Linux (platform.machine() says x86_64, or AMD64) with the switch not "0"
+    and `usable()` true; a failed build warns at the line that asked for the kernel, three calls up (the caller of
+    available(), which calls _load(), which calls load_kernel)."""
+    import platform
+    import sys
+
+    monkeypatch.delenv("GPT2_SOME_KERNEL", raising=False)  # unset: on
+    built = lambda: "library"  # noqa: E731
+    assert rows.load_kernel("GPT2_SOME_KERNEL", built, "k", "fallback") == "library"
+    assert rows.load_kernel("GPT2_SOME_KERNEL", built, "k", "fallback", usable=lambda: False) is False
+    monkeypatch.setattr(platform, "machine", lambda: "AMD64")
+    assert rows.load_kernel("GPT2_SOME_KERNEL", built, "k", "fallback") == "library"
+    monkeypatch.setattr(platform, "machine", lambda: "aarch64")
+    assert rows.load_kernel("GPT2_SOME_KERNEL", built, "k", "fallback") is False
+    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(sys, "platform", "darwin")
+    assert rows.load_kernel("GPT2_SOME_KERNEL", built, "k", "fallback") is False
+    monkeypatch.setattr(sys, "platform", "linux")
+
+    def failing():
+        raise RuntimeError("x" * 600)
+
+    def _load():
+        return rows.load_kernel("GPT2_SOME_KERNEL", failing, "the kernel x.cpp", "torch's runs")
+
+    def available():
+        return _load()
+
+    with pytest.warns(UserWarning) as caught:
+        line = sys._getframe().f_lineno + 1
+        assert available() is False
+    warning = caught[0]
+    assert str(warning.message) == f"the kernel x.cpp could not be built (RuntimeError: {'x' * 500}); torch's runs"
+    assert (warning.filename, warning.lineno) == (__file__, line)
+
+
+def test_library_step_is_fp32s_plan_by_default_and_refuses_without_the_kernel(monkeypatch):
+    asked = []
+    monkeypatch.setattr(rows, "library_for", lambda kind: asked.append(kind) or "lib")
+    assert rows.library_step() == "lib" and rows.library_step("int4") == "lib" and asked == ["fp32", "int4"]
+    monkeypatch.setattr(rows, "available", lambda: False)
+    with pytest.raises(RuntimeError, match=r"^the rows kernel is not available here \(modules/rows\.py\)$"):
+        rows.library_step()
+
+
+def test_applies_counts_the_rows_of_any_leading_shape_even_for_one_input_feature():
+    w, w1 = torch.randn(4, 16), torch.randn(4, 1)
+    with torch.no_grad():
+        assert rows.applies(torch.randn(2, 4, 16), w)  # (2, 4, 16): 8 rows
+        assert rows.applies(torch.randn(1, 1, 16), w)
+        assert not rows.applies(torch.randn(3, 3, 16), w)  # 9 rows
+        assert not rows.applies(torch.randn(0, 16), w)  # no rows
+        assert rows.applies(torch.randn(8, 1), w1) and not rows.applies(torch.randn(9, 1), w1)
+
+
+def test_rows_linear_runs_the_kernel_it_is_given():
+    """lib= is how the AVX2 form is tested on an AVX512 CPU: the product must come from that library."""
+    real = rows.library(rows.AVX2)
+
+    class Spy:
+        calls = 0
+
+        def __getattr__(self, name):
+            Spy.calls += 1
+            return getattr(real, name)
+
+    x, w = torch.randn(2, 16), torch.randn(4, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(rows.rows_linear(x, w, lib=Spy()), F.linear(x, w), atol=1e-5, rtol=1e-5)
+    assert Spy.calls

@@ -570,13 +570,15 @@ def test_one_row_int8_takes_the_compiled_kernel_with_simd_until_it_failed(monkey
         y = int8_linear(x, w8)
     torch.testing.assert_close(y, F.linear(x, w8.dequantize()), rtol=1e-5, atol=1e-5)
     assert len(compiled) == (1 if expected else 0)
+    int8_linear(torch.randn(3, 3, 36), w8)  # several rows: the dequantized weight, never the one-row kernel
+    assert len(compiled) == (1 if expected else 0)
     expected_warnings = ["int8 decoding on a CPU without AVX512"] if capability == "AVX2" else []
     assert [str(w.message)[:len("int8 decoding on a CPU without AVX512")] for w in caught] == expected_warnings
 
 
 def caller_file(fn) -> str:
-    """The file a warning with stacklevel=2 raised inside `fn` names when this file calls it: this file, or the
-    mutation tool's trampoline when `fn` is wrapped in one (bench/mutation.py: one frame in between)."""
+    """The file a warning aimed at the caller of `fn` names when this file calls it: this file, or the mutation
+    tool's trampoline file when `fn` is wrapped in one (bench/mutation.py: frames in between)."""
     return fn.__code__.co_filename if hasattr(fn, "__wrapped__") else __file__
 
 
@@ -647,3 +649,108 @@ def test_int4_errors_name_the_format_and_the_features():
         quantize_int4(torch.ones(4, 64, dtype=torch.long))
     with pytest.raises(ValueError, match=r"^input has 5 features, the int4 weight takes 32$"):
         int4_linear(torch.randn(2, 3, 5), quantize_int4(torch.randn(3, 32)))
+
+
+def test_quantization_errors_read_in_full():
+    with pytest.raises(ValueError, match=r"^int8 quantization takes a 2-d \(out, in\) weight, got shape \(4,\)$"):
+        quantize_int8(torch.randn(4))
+    with pytest.raises(ValueError, match=r"^int8 quantization takes a floating-point weight, got torch\.int64$"):
+        quantize_int8(torch.ones(4, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"^input has 5 features, the int8 weight takes 4$"):
+        int8_linear(torch.randn(2, 3, 5), quantize_int8(torch.randn(3, 4)))
+    with pytest.raises(ValueError, match=r"^int4 groups must be a positive multiple of 32 columns, got group=16$"):
+        quantize_int4(torch.randn(4, 96), group=16)
+    with pytest.raises(ValueError, match=r"^int4 quantization needs in_features divisible by the group: 48 features, "
+                                         r"group 32$"):
+        quantize_int4(torch.randn(4, 48))
+    with pytest.raises(ValueError, match=r"^quantize must be one of \('int8', 'int4'\), got 'int2'$"):
+        quantize(torch.randn(3, 32), "int2")
+
+
+def test_int8_weight_size_and_dequantization_in_fp32_whatever_the_scales_dtype():
+    w8 = quantize_int8(torch.randn(5, 12, generator=torch.Generator().manual_seed(16)))
+    assert w8.nbytes == 5 * 12 + 5 * 4  # a byte a weight, an fp32 scale a row
+    half = quant.Int8Weight(w8.q, w8.scale.bfloat16())
+    assert torch.equal(half.dequantize(), w8.q.float() * half.scale.float()[:, None])
+
+
+@pytest.mark.parametrize("capability, byteorder, expected", [
+    ("AVX2", "little", True), ("AVX512", "little", False), ("DEFAULT", "little", False), ("AVX2", "big", False)])
+def test_the_word_packed_form_is_chosen_on_little_endian_avx2_cpus_only(monkeypatch, capability, byteorder,
+                                                                       expected):
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    monkeypatch.setattr(quant.sys, "byteorder", byteorder)
+    assert quant.packed_form_chosen() is expected
+
+
+@pytest.mark.parametrize("in_features, packed_form", [(36, True), (30, False)])
+def test_on_avx2_one_row_int8_takes_the_word_packed_loop_and_warns_once_that_it_saves_memory_not_time(
+        monkeypatch, in_features, packed_form):
+    """Where packed_form_chosen() (AVX2 CPUs), one row of in_features divisible by 4 takes the word-packed loop,
+    warning once at int8_linear's caller that int8 saves memory, not time, there; other widths the byte loop."""
+    monkeypatch.setattr(quant, "packed_form_chosen", lambda: True)
+    monkeypatch.setattr(quant, "_compiled_gemv", None)
+    monkeypatch.setattr(quant, "_compiled_packed", None)
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)
+    w8, x = sign_spread_int8(in_features=in_features), torch.randn(1, in_features)
+    for call in range(2):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            y = int8_linear(x, w8, compiled=True)
+        torch.testing.assert_close(y, F.linear(x, w8.dequantize()), rtol=1e-5, atol=1e-5)
+        warned = call == 0 and packed_form
+        assert len(caught) == (1 if warned else 0), [str(w.message) for w in caught]
+        if warned:
+            assert str(caught[0].message) == (
+                "int8 decoding on a CPU without AVX512 (torch reports AVX2): the int8 kernel saves memory, not time, "
+                "here; gpt2 greedy batch 1 measured 22.5 tok/s int8 against 33.7 fp32 on a 2-core Zen 3 "
+                "(docs/performance.md)")
+            assert caught[0].filename == caller_file(quant.int8_linear)
+    assert callable(quant._compiled_packed) is packed_form and callable(quant._compiled_gemv) is not packed_form
+
+
+def test_a_compiled_kernel_that_fails_warns_once_and_decodes_with_the_dequantized_weight(monkeypatch):
+    """No working compiler: the one-row product falls back to the dequantized weight (with the bias), warns once at
+    int8_linear's caller naming the error, and the kernel is not tried again."""
+    def broken_compile(fn, **kw):
+        def call(*args):
+            raise RuntimeError("no C++ compiler")
+        return call
+
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    monkeypatch.setattr(quant, "_compiled_gemv", None)
+    monkeypatch.setattr(quant, "_compiled_packed", None)
+    monkeypatch.setattr(row_kernel, "pays", lambda dtype, rows: False)
+    w8, bias, x = sign_spread_int8(), torch.randn(24), torch.randn(1, 1, 36)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        y = int8_linear(x, w8, bias, compiled=True, packed=False)
+    assert [str(w.message) for w in caught] == [
+        "int8 decoding: the compiled kernel failed (RuntimeError: no C++ compiler); using dequantized weights "
+        "instead (slower)"]
+    assert caught[0].filename == caller_file(quant.int8_linear)
+    assert y.shape == (1, 1, 24)
+    torch.testing.assert_close(y, F.linear(x, w8.dequantize(), bias), rtol=1e-5, atol=1e-5)
+    assert quant._compiled_gemv is False and not quant.compiled_kernel_available()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        torch.testing.assert_close(int8_linear(x, w8, bias), y, rtol=1e-5, atol=1e-5)
+
+
+@torch.no_grad()
+@pytest.mark.skipif(not (row_kernel.available() and row_kernel.pays(torch.int8, 1)),
+                    reason="the rows kernel does not take int8 here")
+def test_int8_rows_take_the_kernel_unless_a_product_is_named():
+    """compiled=None: 1 to MAX_ROWS rows run in the rows kernel (equal to the dequantized product with the bias);
+    more rows, or compiled=False, the dequantized weight."""
+    g = torch.Generator().manual_seed(17)
+    w8, bias = sign_spread_int8(12, 64), torch.randn(12, generator=g)
+    calls, real = [], row_kernel.rows_linear
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(row_kernel, "rows_linear", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+        for rows in range(1, row_kernel.MAX_ROWS + 2):
+            x = torch.randn(rows, 64, generator=g)
+            torch.testing.assert_close(int8_linear(x, w8, bias), F.linear(x, w8.dequantize(), bias), rtol=1e-5,
+                                       atol=1e-4)
+        torch.testing.assert_close(int8_linear(x[:1], w8, bias, compiled=False), F.linear(x[:1], w8.dequantize(), bias))
+    assert calls == [(rows, 64) for rows in range(1, row_kernel.MAX_ROWS + 1)]

@@ -502,3 +502,255 @@ def test_int8_linear_keeps_bf16_rows_bf16_with_an_fp32_bias(compiled):
     y = int8_linear(x, w8, bias, compiled=compiled)
     assert y.dtype == torch.bfloat16
     torch.testing.assert_close(y.float(), F.linear(x.float(), w8.dequantize(), bias), atol=0.05, rtol=0.02)
+
+
+# ---- issue 40: the word-packed loop, the kernel choice, int4's fallback and messages --------------------------------
+
+
+def sign_spread_int8(out_features=24, in_features=36, seed=11):
+    """An int8 weight whose rows reach +-127 and hold small negatives (a wrong byte order or a zero-extension
+    shows), and its float original."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(out_features, in_features, generator=g)
+    w[0] = torch.linspace(-1, 1, in_features)
+    w8 = quantize_int8(w)
+    assert bool((w8.q < 0).any()) and int(w8.q.max()) == 127 and int(w8.q.min()) == -127
+    return w8
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_the_word_packed_loop_run_eagerly_is_the_dequantized_product_in_fp32(dtype):
+    """_gemv_packed (the loop inductor compiles on AVX2 CPUs; AVX512 CPUs never take it) reads the int8 weights four
+    to a 32-bit word: one row times them equals F.linear on the dequantized weight, computed in fp32 whatever x's
+    dtype (int8_linear casts the result back to it)."""
+    w8 = sign_spread_int8()
+    x = torch.randn(1, 36, generator=torch.Generator().manual_seed(12)).to(dtype)
+    y = quant._gemv_packed(x, w8.q.view(torch.float32), w8.scale)
+    assert y.dtype == torch.float32 and y.shape == (1, 24)
+    torch.testing.assert_close(y, F.linear(x.float(), w8.dequantize()), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_int8_one_row_products_route_to_the_kernel_they_name_without_falling_back(monkeypatch, packed):
+    """compiled=True on one row takes the word-packed loop (packed=True, in_features divisible by 4) or the byte loop:
+    with torch.compile standing in as the identity (the loops run eagerly, no compile time), each equals the
+    dequantized product plus the bias, and no "compiled kernel failed" fallback hides an error."""
+    compiled = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compiled.append(kw) or fn)
+    monkeypatch.setattr(quant, "_compiled_gemv", None)
+    monkeypatch.setattr(quant, "_compiled_packed", None)
+    monkeypatch.setattr(quant, "packed_form_chosen", lambda: False)  # no AVX2 warning for the forced packed form
+    w8, bias = sign_spread_int8(), torch.randn(24)
+    x = torch.randn(1, 36)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        y = int8_linear(x, w8, bias, compiled=True, packed=packed)
+    torch.testing.assert_close(y, F.linear(x, w8.dequantize(), bias), rtol=1e-5, atol=1e-5)
+    assert compiled == [{"dynamic": False}]
+    assert callable(quant._compiled_packed if packed else quant._compiled_gemv)
+
+
+@pytest.mark.parametrize("capability, state, expected", [
+    ("AVX512", None, True),
+    ("AVX2", None, True),
+    ("DEFAULT", None, False),  # no SIMD: the kernel would not pay
+    ("AVX512", False, False),  # it failed to compile once here: eager from then on
+])
+def test_one_row_int8_takes_the_compiled_kernel_with_simd_until_it_failed(monkeypatch, capability, state, expected):
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    monkeypatch.setattr(quant, "_compiled_gemv", state)
+    monkeypatch.setattr(quant, "_compiled_packed", None)
+    monkeypatch.setattr(row_kernel, "pays", lambda dtype, rows: False)
+    compiled = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compiled.append(fn) or fn)
+    assert quant.compiled_kernel_available() is expected
+    w8, x = sign_spread_int8(), torch.randn(1, 36)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        y = int8_linear(x, w8)
+    torch.testing.assert_close(y, F.linear(x, w8.dequantize()), rtol=1e-5, atol=1e-5)
+    assert len(compiled) == (1 if expected else 0)
+    int8_linear(torch.randn(3, 3, 36), w8)  # several rows: the dequantized weight, never the one-row kernel
+    assert len(compiled) == (1 if expected else 0)
+    expected_warnings = ["int8 decoding on a CPU without AVX512"] if capability == "AVX2" else []
+    assert [str(w.message)[:len("int8 decoding on a CPU without AVX512")] for w in caught] == expected_warnings
+
+
+def caller_file(fn) -> str:
+    """The file a warning aimed at the caller of `fn` names when this file calls it: this file, or the mutation
+    tool's trampoline file when `fn` is wrapped in one (bench/mutation.py: frames in between)."""
+    return fn.__code__.co_filename if hasattr(fn, "__wrapped__") else __file__
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("rows, warns", [(row_kernel.MAX_ROWS, True), (row_kernel.MAX_ROWS + 1, False)])
+def test_int4_without_the_kernel_warns_for_decoding_rows_at_their_caller(monkeypatch, rows, warns):
+    """Without the kernel, 1 to MAX_ROWS rows (decoding) warn once, naming the slow path, at int4_linear's caller;
+    more rows (a prompt) do not warn: torch's products are the right ones there."""
+    monkeypatch.setattr(row_kernel, "pays", lambda dtype, rows: False)
+    monkeypatch.setattr(quant, "_warned_int4", False)
+    w4, x = quantize_int4(torch.randn(7, 32)), torch.randn(rows, 32)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        y = int4_linear(x, w4)
+    torch.testing.assert_close(y, F.linear(x, w4.dequantize()))
+    assert len(caught) == (1 if warns else 0)
+    if warns:
+        message = str(caught[0].message)
+        assert message.startswith("int4 decoding without the int4 kernel (modules/rows.cpp takes fp32 or bf16 rows")
+        assert message.endswith("): each product dequantizes its weight, so the outputs are int4's but slower than "
+                                "the float weights"), message
+        assert caught[0].filename == caller_file(quant.int4_linear)
+
+
+@torch.no_grad()
+@pytest.mark.skipif(not (row_kernel.available() and row_kernel.pays(torch.uint8, 1)),
+                    reason="the rows kernel does not take int4 here")
+def test_int4_decoding_rows_take_the_kernel_silently():
+    """Where the kernel takes int4, every row count from 1 to MAX_ROWS runs in it (no dequantized copy, so no
+    slow-path warning) and equals the dequantized product."""
+    g = torch.Generator().manual_seed(13)
+    w4, bias = quantize_int4(torch.randn(12, 64, generator=g)), torch.randn(12, generator=g)
+    calls, real = [], row_kernel.rows_linear
+    for rows in range(1, row_kernel.MAX_ROWS + 1):
+        x = torch.randn(rows, 64, generator=g)
+        with warnings.catch_warnings(), pytest.MonkeyPatch.context() as mp:
+            warnings.simplefilter("error")
+            mp.setattr(quant, "_warned_int4", False)
+            mp.setattr(row_kernel, "rows_linear", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+            y = int4_linear(x, w4, bias)
+        torch.testing.assert_close(y, F.linear(x, w4.dequantize(), bias), rtol=1e-5, atol=1e-4)
+    assert calls == [(rows, 64) for rows in range(1, row_kernel.MAX_ROWS + 1)]
+
+
+@torch.no_grad()
+def test_int4_bf16_rows_with_an_fp32_bias_stay_bf16_on_the_dequantized_path():
+    g = torch.Generator().manual_seed(14)
+    w4, bias = quantize_int4(torch.randn(12, 64, generator=g)), torch.randn(12, generator=g)
+    x = torch.randn(2, row_kernel.MAX_ROWS, 64, generator=g)  # 16 rows: more than the kernel takes
+    y = int4_linear(x.bfloat16(), w4, bias)
+    assert y.dtype == torch.bfloat16 and y.shape == (2, row_kernel.MAX_ROWS, 12)
+    torch.testing.assert_close(y.float(), F.linear(x, w4.dequantize(), bias), atol=0.1, rtol=0.02)
+
+
+def test_int4_dequantizes_in_fp32_whatever_the_scales_dtype():
+    """Scales held in bf16 (an Int4Weight whose tensors were cast) still multiply in fp32: values * scale exactly,
+    not rounded to bf16 on the way."""
+    w4 = quantize_int4(torch.randn(3, 64, generator=torch.Generator().manual_seed(15)))
+    half = Int4Weight(w4.q, w4.scale.bfloat16(), w4.group)
+    expected = (w4.values().float().view(3, 2, 32) * half.scale.float()[:, :, None]).view(3, 64)
+    assert torch.equal(half.dequantize(), expected)
+
+
+def test_int4_errors_name_the_format_and_the_features():
+    with pytest.raises(ValueError, match=r"^int4 quantization takes a 2-d \(out, in\) weight, got shape \(64,\)$"):
+        quantize_int4(torch.randn(64))
+    with pytest.raises(ValueError, match=r"^int4 quantization takes a floating-point weight, got torch\.int64$"):
+        quantize_int4(torch.ones(4, 64, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"^input has 5 features, the int4 weight takes 32$"):
+        int4_linear(torch.randn(2, 3, 5), quantize_int4(torch.randn(3, 32)))
+
+
+def test_quantization_errors_read_in_full():
+    with pytest.raises(ValueError, match=r"^int8 quantization takes a 2-d \(out, in\) weight, got shape \(4,\)$"):
+        quantize_int8(torch.randn(4))
+    with pytest.raises(ValueError, match=r"^int8 quantization takes a floating-point weight, got torch\.int64$"):
+        quantize_int8(torch.ones(4, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"^input has 5 features, the int8 weight takes 4$"):
+        int8_linear(torch.randn(2, 3, 5), quantize_int8(torch.randn(3, 4)))
+    with pytest.raises(ValueError, match=r"^int4 groups must be a positive multiple of 32 columns, got group=16$"):
+        quantize_int4(torch.randn(4, 96), group=16)
+    with pytest.raises(ValueError, match=r"^int4 quantization needs in_features divisible by the group: 48 features, "
+                                         r"group 32$"):
+        quantize_int4(torch.randn(4, 48))
+    with pytest.raises(ValueError, match=r"^quantize must be one of \('int8', 'int4'\), got 'int2'$"):
+        quantize(torch.randn(3, 32), "int2")
+
+
+def test_int8_weight_size_and_dequantization_in_fp32_whatever_the_scales_dtype():
+    w8 = quantize_int8(torch.randn(5, 12, generator=torch.Generator().manual_seed(16)))
+    assert w8.nbytes == 5 * 12 + 5 * 4  # a byte a weight, an fp32 scale a row
+    half = quant.Int8Weight(w8.q, w8.scale.bfloat16())
+    assert torch.equal(half.dequantize(), w8.q.float() * half.scale.float()[:, None])
+
+
+@pytest.mark.parametrize("capability, byteorder, expected", [
+    ("AVX2", "little", True), ("AVX512", "little", False), ("DEFAULT", "little", False), ("AVX2", "big", False)])
+def test_the_word_packed_form_is_chosen_on_little_endian_avx2_cpus_only(monkeypatch, capability, byteorder,
+                                                                       expected):
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    monkeypatch.setattr(quant.sys, "byteorder", byteorder)
+    assert quant.packed_form_chosen() is expected
+
+
+@pytest.mark.parametrize("in_features, packed_form", [(36, True), (30, False)])
+def test_on_avx2_one_row_int8_takes_the_word_packed_loop_and_warns_once_that_it_saves_memory_not_time(
+        monkeypatch, in_features, packed_form):
+    """Where packed_form_chosen() (AVX2 CPUs), one row of in_features divisible by 4 takes the word-packed loop,
+    warning once at int8_linear's caller that int8 saves memory, not time, there; other widths the byte loop."""
+    monkeypatch.setattr(quant, "packed_form_chosen", lambda: True)
+    monkeypatch.setattr(quant, "_compiled_gemv", None)
+    monkeypatch.setattr(quant, "_compiled_packed", None)
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)
+    w8, x = sign_spread_int8(in_features=in_features), torch.randn(1, in_features)
+    for call in range(2):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            y = int8_linear(x, w8, compiled=True)
+        torch.testing.assert_close(y, F.linear(x, w8.dequantize()), rtol=1e-5, atol=1e-5)
+        warned = call == 0 and packed_form
+        assert len(caught) == (1 if warned else 0), [str(w.message) for w in caught]
+        if warned:
+            assert str(caught[0].message) == (
+                "int8 decoding on a CPU without AVX512 (torch reports AVX2): the int8 kernel saves memory, not time, "
+                "here; gpt2 greedy batch 1 measured 22.5 tok/s int8 against 33.7 fp32 on a 2-core Zen 3 "
+                "(docs/performance.md)")
+            assert caught[0].filename == caller_file(quant.int8_linear)
+    assert callable(quant._compiled_packed) is packed_form and callable(quant._compiled_gemv) is not packed_form
+
+
+def test_a_compiled_kernel_that_fails_warns_once_and_decodes_with_the_dequantized_weight(monkeypatch):
+    """No working compiler: the one-row product falls back to the dequantized weight (with the bias), warns once at
+    int8_linear's caller naming the error, and the kernel is not tried again."""
+    def broken_compile(fn, **kw):
+        def call(*args):
+            raise RuntimeError("no C++ compiler")
+        return call
+
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    monkeypatch.setattr(quant, "_compiled_gemv", None)
+    monkeypatch.setattr(quant, "_compiled_packed", None)
+    monkeypatch.setattr(row_kernel, "pays", lambda dtype, rows: False)
+    w8, bias, x = sign_spread_int8(), torch.randn(24), torch.randn(1, 1, 36)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        y = int8_linear(x, w8, bias, compiled=True, packed=False)
+    assert [str(w.message) for w in caught] == [
+        "int8 decoding: the compiled kernel failed (RuntimeError: no C++ compiler); using dequantized weights "
+        "instead (slower)"]
+    assert caught[0].filename == caller_file(quant.int8_linear)
+    assert y.shape == (1, 1, 24)
+    torch.testing.assert_close(y, F.linear(x, w8.dequantize(), bias), rtol=1e-5, atol=1e-5)
+    assert quant._compiled_gemv is False and not quant.compiled_kernel_available()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        torch.testing.assert_close(int8_linear(x, w8, bias), y, rtol=1e-5, atol=1e-5)
+
+
+@torch.no_grad()
+@pytest.mark.skipif(not (row_kernel.available() and row_kernel.pays(torch.int8, 1)),
+                    reason="the rows kernel does not take int8 here")
+def test_int8_rows_take_the_kernel_unless_a_product_is_named():
+    """compiled=None: 1 to MAX_ROWS rows run in the rows kernel (equal to the dequantized product with the bias);
+    more rows, or compiled=False, the dequantized weight."""
+    g = torch.Generator().manual_seed(17)
+    w8, bias = sign_spread_int8(12, 64), torch.randn(12, generator=g)
+    calls, real = [], row_kernel.rows_linear
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(row_kernel, "rows_linear", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+        for rows in range(1, row_kernel.MAX_ROWS + 2):
+            x = torch.randn(rows, 64, generator=g)
+            torch.testing.assert_close(int8_linear(x, w8, bias), F.linear(x, w8.dequantize(), bias), rtol=1e-5,
+                                       atol=1e-4)
+        torch.testing.assert_close(int8_linear(x[:1], w8, bias, compiled=False), F.linear(x[:1], w8.dequantize(), bias))
+    assert calls == [(rows, 64) for rows in range(1, row_kernel.MAX_ROWS + 1)]

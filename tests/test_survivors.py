@@ -281,3 +281,57 @@ def test_the_kernel_cache_builds_an_edited_source_and_reuses_a_build_only_for_th
     assert row_kernel._build(row_kernel.AVX2).read_text() == source.read_text() and builds() == 3  # other flags
     monkeypatch.setenv("FAKE_CXX_VERSION", "2.0")
     assert row_kernel._build() not in (first, edited) and builds() == 4  # another compiler
+
+
+# ---- LayerNorm: eps from the config on both backward paths, and no shift with bias=False ---------------------------
+
+def autograd_nodes(tensor: torch.Tensor) -> set[str]:
+    """The class names of every node in `tensor`'s autograd graph."""
+    seen, names, stack = set(), set(), [tensor.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.add(type(node).__name__)
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return names
+
+
+@pytest.mark.parametrize("backward", ["autograd", "manual"])
+def test_layernorm_eps_from_the_config_matches_transformers_gpt2_on_both_backward_paths(hf_folder, backward):
+    """HF's GPT-2 takes layer_norm_epsilon from its config; at 0.5 (hidden states of variance ~1e-3 at GPT-2's
+    init) eps decides the outputs, so a norm built with nn.LayerNorm's default 1e-5 would not match. The manual
+    backward's model computes the same logits and gradients as autograd's, and its LayerNorms' backward is the
+    hand-derived one (no torch LayerNorm node in its graph)."""
+    hf, folder = hf_folder(tiny_config("h3-inner", layer_norm_epsilon=0.5))
+    ids, mask = padded_batch([9, 6], 9, hf.config.vocab_size, "right")
+    model = GPT2LMHeadModel.from_pretrained(folder, backward=backward)
+    ref = GPT2LMHeadModel.from_pretrained(folder)
+    assert model.config.layer_norm_epsilon == 0.5
+    logits = model(ids, mask)["logits"]
+    with torch.no_grad():
+        expected = hf(input_ids=ids, attention_mask=mask).logits
+    torch.testing.assert_close(logits * mask[..., None], expected * mask[..., None], atol=1e-5, rtol=1e-4)
+    nodes = autograd_nodes(logits)
+    assert ("NativeLayerNormBackward0" in nodes) == (backward == "autograd"), nodes
+    model(ids, mask, labels=ids)["loss"].backward()
+    ref(ids, mask, labels=ids)["loss"].backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, atol=1e-6, rtol=1e-4, msg=name)
+
+
+def test_bias_false_leaves_the_layernorms_without_a_shift_too():
+    """bias=False (nanoGPT's meaning): no bias in the Linear layers and none in the LayerNorms, so the state dict
+    holds no bias and a block's LayerNorm output has zero mean per position whatever the training did to it."""
+    config = tiny_config("h3-inner", bias=False)
+    model = GPT2Model(config)
+    assert [name for name, _ in model.named_parameters() if name.endswith("bias")] == []
+    biased = GPT2Model(tiny_config("h3-inner"))
+    n_norms = 2 * config.n_layer + 1
+    n_linear_biases = sum(m.bias.numel() for m in biased.modules() if isinstance(m, torch.nn.Linear))
+    assert sum(p.numel() for p in biased.parameters()) - sum(p.numel() for p in model.parameters()) == \
+        n_linear_biases + n_norms * config.n_embd
+    norm = make_norm(config)
+    x = torch.randn(3, config.n_embd)
+    torch.testing.assert_close(norm(x), F.layer_norm(x, (config.n_embd,), eps=config.layer_norm_epsilon))

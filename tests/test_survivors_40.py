@@ -10,6 +10,7 @@ from torch import nn
 
 import optimizer as optimizer_module
 from models.gpt2 import GPT2LMHeadModel
+from modules.linear import Linear
 from modules import packed
 from optimizer import AdamW, param_groups_for_weight_decay
 from tasks import ladder
@@ -93,12 +94,20 @@ def test_a_small_adamw_bug_fails_the_torch_comparison_at_the_stated_tolerances(m
 @pytest.fixture
 def identity_packing(monkeypatch):
     """The packed path on (GPT2_PACKED_BF16=force, oneDNN's bf16 support reported present) with the identity layout;
-    returns a switch: off() for a reference run of the plain path, on() back."""
+    returns a switch: off() for a reference run of the plain path, on() back, and `reorders`: the shape of each
+    weight packed so far."""
+    switch = packed_switch(monkeypatch)
+    switch.reorders = []
+
+    def reorder(w, rows):
+        switch.reorders.append(tuple(w.shape))
+        return w.clone()
+
     monkeypatch.setattr(packed, "_bf16_kernels", lambda: True)
-    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", lambda w, rows: w.clone(), raising=False)
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", reorder, raising=False)
     monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise",
                         lambda x, w, b, attr, scalars, algorithm: F.linear(x, w, b), raising=False)
-    return packed_switch(monkeypatch)
+    return switch
 
 
 def bf16_model(seed: int = 0, **overrides) -> GPT2LMHeadModel:
@@ -171,6 +180,81 @@ def test_packed_forwards_follow_weights_edited_in_place_on_any_cpu(identity_pack
             p.mul_(-1.0 if i % 2 else 1.5)
     after = packed_and_plain()
     assert not torch.allclose(before, after, atol=0.1)  # the edit changed the outputs, and the packed path saw it
+
+
+def test_each_weight_is_packed_once_and_again_only_after_it_changed(identity_packing):
+    """The packed copies are kept between forwards (a second forward packs nothing) and made again for the one
+    weight edited in place (its version bumped), whose change the next forward shows."""
+    model = bf16_model(seed=7)
+    ids = torch.randint(0, 1000, (4, 20), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        first = model(ids)["logits"]
+        assert len(identity_packing.reorders) == 9  # per layer q/k/v, out, fc, proj; the head
+        torch.testing.assert_close(model(ids)["logits"], first, atol=0, rtol=0)
+        assert len(identity_packing.reorders) == 9
+        fc = model.gpt.gpt_layers[1].interm_dense
+        fc.weight.mul_(-8.0)
+        edited = model(ids)["logits"]
+        assert identity_packing.reorders[9:] == [tuple(fc.weight.shape)]
+        identity_packing.off()
+        atol = edited.float().abs().max().item() / 64
+        torch.testing.assert_close(edited.float(), model(ids)["logits"].float(), rtol=0, atol=atol)
+    assert not torch.allclose(first.float(), edited.float(), rtol=0, atol=4 * atol)  # the edit shows
+
+
+def test_a_layer_packs_from_min_rows_rows_up_in_2d_and_3d_inputs(identity_packing):
+    """At least MIN_ROWS rows (the docstring's bound, inclusive), as (rows, in) or (batch, T, in): the packed product,
+    equal to F.linear; one row fewer keeps F.linear."""
+    layer = Linear(64, 48).to(torch.bfloat16)
+    with torch.no_grad():
+        layer.bias.normal_()
+        g = torch.Generator().manual_seed(9)
+        few = torch.randn(packed.MIN_ROWS - 1, 64, generator=g).bfloat16()
+        layer(few)
+        assert packed.kept(layer) == [] and identity_packing.reorders == []
+        for shape in [(packed.MIN_ROWS, 64), (2, packed.MIN_ROWS // 2, 64), (3, packed.MIN_ROWS, 64)]:
+            x = torch.randn(shape, generator=g).bfloat16()
+            torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1.6e-2, atol=1e-2)
+            assert packed.kept(layer) == ["_packed"]
+    assert identity_packing.reorders == [(48, 64)]
+
+
+@pytest.mark.parametrize("n_parts", [1, 2, 3])
+def test_product_stacks_its_parts_and_their_biases_along_the_outputs(identity_packing, n_parts):
+    g = torch.Generator().manual_seed(n_parts)
+    parts = tuple(torch.randn(8 + i, 32, generator=g).bfloat16() for i in range(n_parts))
+    biases = tuple(torch.randn(8 + i, generator=g).bfloat16() for i in range(n_parts))
+    x = torch.randn(2, 40, 32, generator=g).bfloat16()
+    with torch.no_grad():
+        y = packed.product(nn.Module(), "_p", x, parts, biases)
+        torch.testing.assert_close(y, F.linear(x, torch.cat(parts), torch.cat(biases)), rtol=1.6e-2, atol=2e-2)
+        y = packed.product(nn.Module(), "_p", x, parts, (None,) * n_parts)
+        torch.testing.assert_close(y, F.linear(x, torch.cat(parts)), rtol=1.6e-2, atol=2e-2)
+    if n_parts > 1:
+        with pytest.raises(ValueError, match=r"^packed parts must all have a bias or none$"):
+            packed.product(nn.Module(), "_p", x, parts, (None,) + biases[1:])
+
+
+@pytest.mark.parametrize("setting, amx, bf16_kernels, expected", [
+    (None, True, True, True),  # the default: taken on AMX CPUs
+    (None, False, True, False),  # and nowhere else
+    ("1", False, True, False),
+    ("0", True, True, False),  # turned off
+    ("force", False, True, True),  # forced wherever oneDNN has bf16 kernels
+    ("force", True, False, False),
+])
+def test_the_packed_path_is_taken_on_amx_cpus_unless_turned_off_or_where_forced(monkeypatch, setting, amx,
+                                                                               bf16_kernels, expected):
+    monkeypatch.setattr(packed, "_amx_bf16", lambda: amx)
+    monkeypatch.setattr(packed, "_bf16_kernels", lambda: bf16_kernels)
+    if setting is None:
+        monkeypatch.delenv(packed.ENV, raising=False)
+    else:
+        monkeypatch.setenv(packed.ENV, setting)
+    assert packed.available() is expected
+    x, w = torch.zeros(packed.MIN_ROWS, 8, dtype=torch.bfloat16), torch.zeros(4, 8, dtype=torch.bfloat16)
+    with torch.no_grad():
+        assert packed.applies(x, w) is expected
 
 
 # ---- the lecture preset's dropout rung: gpt.py's dropout 0.2 --------------------------------------------------------

@@ -30,6 +30,7 @@ def test_ids_are_int64_and_decode_takes_any_integer_sequence():
     assert [type(i) for i in tok.encode("cab")] == [int, int, int]
     assert tok.decode(np.array([2, 0, 1], dtype=np.uint16)) == tok.decode(torch.tensor([2, 0, 1])) == "cab"
     assert tok.encode("") == [] and tok.decode([]) == ""
+    assert CharTokenizer(list("ca\n")).stoi == {"c": 0, "a": 1, "\n": 2}  # nanoGPT's stoi (sampling's prompt reads it)
 
 
 def test_characters_past_either_end_of_the_vocabulary_are_found_or_refused():

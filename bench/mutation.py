@@ -42,7 +42,7 @@ EQUIVALENTS = ROOT / "bench" / "mutation_equivalents.toml"
 # The modules to mutate (pyproject.toml's only_mutate; smallest first) and the test files that pin each one.
 MODULE_TESTS = {
     "modules/norms.py": ["tests/test_variants.py", "tests/test_float64.py", "tests/test_survivors.py"],
-    "tasks/char_tokenizer.py": ["tests/test_survivors.py", "tests/test_pretrain.py"],
+    "tasks/char_tokenizer.py": ["tests/test_char_tokenizer.py", "tests/test_survivors.py"],
     "modules/lora.py": ["tests/test_lora.py", "tests/test_survivors.py"],
     "modules/packed.py": ["tests/test_packed.py", "tests/test_survivors_40.py"],
     "modules/quant.py": ["tests/test_quant.py"],

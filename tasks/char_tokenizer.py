@@ -7,6 +7,10 @@
     tok = CharTokenizer.from_pretrained(folder)
 
 The method names follow transformers' tokenizers, so checkpoint code can save either kind the same way.
+
+char_vocab.json is UTF-8 JSON, one entry per line, the characters as themselves (not \\u escapes), so a vocabulary
+reads and diffs as text: {"type": "char", "chars": [...]}, the id of a character its index in "chars". A file whose
+"type" names another kind of vocabulary is refused; a hand-written one without "type" is read as a character one.
 """
 from __future__ import annotations
 
@@ -93,6 +97,8 @@ class CharTokenizer:
             raise ValueError(f"{path} is not valid JSON: {e}") from None
         if not isinstance(data, dict) or not isinstance(data.get("chars"), list):
             raise ValueError(f"{path} must hold an object with a 'chars' list")
+        if data.get("type", "char") != "char":
+            raise ValueError(f"{path} holds a {data['type']!r} vocabulary, not a character one")
         return cls(data["chars"])
 
     def __repr__(self) -> str:

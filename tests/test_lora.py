@@ -1,14 +1,17 @@
-"""LoRA (models/lora.py): PEFT parity both ways, merge / unmerge, merged checkpoints, training and resuming with
+"""LoRA (models/lora.py, modules/lora.py): PEFT parity both ways, merge / unmerge, merged checkpoints, training and resuming with
 adapters, and the bad inputs. PEFT on transformers' GPT-2 is the reference throughout."""
+import copy
 import json
 
 import pytest
 import torch
 from conftest import padded_batch, tiny_config
+from torch import nn
 
 from models.gpt2 import GPT2LMHeadModel
 from models.loading import CheckpointError
 from models.lora import AdapterError, apply_lora, load_adapter, lora_modules, merge_lora, save_adapter, unmerge_lora
+from modules.lora import LoRALinear
 
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
@@ -145,6 +148,91 @@ def test_adapters_for_another_shape_or_with_unsupported_peft_features_are_refuse
     emb.save_pretrained(tmp_path / "emb")
     with pytest.raises(AdapterError, match=r"not LoRA A/B of GPT-2's .*transformer\.wte\.lora_embedding_A"):
         load_adapter(ours, tmp_path / "emb")
+
+
+# ---- LoRALinear on its own -----------------------------------------------------------------------------------------
+
+class OneLinear(nn.Module):
+    """The smallest model PEFT adapts: one Linear named `lin`."""
+
+    def __init__(self, bias: bool):
+        super().__init__()
+        self.lin = nn.Linear(6, 5, bias=bias)
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("bias,dropout", [(True, None), (False, 0.5)], ids=["defaults", "dropout"])
+def test_a_lora_linear_trains_like_peft_s_lora_layer(bias, dropout):
+    """In training mode, outputs and adapter gradients equal PEFT's: our defaults are LoraConfig's (no dropout, alpha / r
+    scaling), and with dropout the adapter's input is dropped as PEFT drops it (the same mask under the same seed)."""
+    torch.manual_seed(0)
+    model = OneLinear(bias)
+    ours = LoRALinear(copy.deepcopy(model.lin), 4, 8, **({} if dropout is None else dict(dropout=dropout)))
+    ref = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["lin"],
+                                                     **({} if dropout is None else dict(lora_dropout=dropout))))
+    with torch.no_grad():
+        ours.lora_B.normal_()
+        ref.base_model.model.lin.lora_A["default"].weight.copy_(ours.lora_A)
+        ref.base_model.model.lin.lora_B["default"].weight.copy_(ours.lora_B)
+    ours.train(), ref.train()
+    x = torch.randn(2, 3, 6)
+    outs = []
+    for layer, A, B in [(ours, ours.lora_A, ours.lora_B),
+                        (ref, ref.base_model.model.lin.lora_A["default"].weight, ref.base_model.model.lin.lora_B["default"].weight)]:
+        torch.manual_seed(1)
+        y = layer(x)
+        y.square().sum().backward()
+        outs.append((y.detach(), A.grad, B.grad))
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+    if dropout:  # the dropout did drop something: training and eval outputs differ
+        assert not torch.allclose(outs[0][0], ours.eval()(x))
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_a_lora_linear_freezes_its_base_and_starts_as_it_with_a_like_nn_linear_s_weight(bias):
+    base = nn.Linear(6, 5, bias=bias, dtype=torch.float64)
+    torch.manual_seed(0)
+    layer = LoRALinear(base, rank=3, alpha=6)
+    torch.manual_seed(0)
+    A = nn.Linear(6, 3, bias=False, dtype=torch.float64).weight  # PEFT's default init of lora_A: nn.Linear's
+    assert torch.equal(layer.lora_A, A) and layer.lora_A.dtype == layer.lora_B.dtype == torch.float64
+    assert torch.equal(layer.lora_B, torch.zeros(5, 3, dtype=torch.float64))
+    assert layer.weight is base.weight and layer.bias is base.bias
+    assert [name for name, p in layer.named_parameters() if p.requires_grad] == ["lora_A", "lora_B"]
+    x = torch.randn(4, 6, dtype=torch.float64)
+    assert torch.equal(layer(x), base(x))  # B = 0: a new adapter changes nothing
+    on_meta = LoRALinear(nn.Linear(6, 5, bias=bias, device="meta"), rank=3, alpha=6)  # another device than the CPU
+    assert {p.device.type for p in on_meta.parameters()} == {"meta"}
+    with pytest.raises(ValueError, match=r"^a shared lora_A has shape \(3, 5\), expected \(2, 6\)$"):
+        LoRALinear(base, rank=2, alpha=4, lora_A=nn.Parameter(torch.zeros(3, 5, dtype=torch.float64)))
+
+
+def test_a_new_adapter_counts_as_unmerged_in_its_repr_and_when_saving_a_whole_checkpoint(tmp_path):
+    layer = LoRALinear(nn.Linear(6, 5), rank=2, alpha=3)
+    assert layer.extra_repr() == "in_features=6, out_features=5, rank=2, alpha=3, merged=False"
+    layer.merge()
+    assert layer.extra_repr().endswith("merged=True")
+    model = apply_lora(GPT2LMHeadModel(tiny_config()), rank=2, alpha=4)
+    with pytest.raises(CheckpointError, match="^the model has unmerged LoRA adapters"):
+        model.save_pretrained(tmp_path)
+
+
+def test_merge_with_unload_leaves_plain_linears_like_peft_s_merge_and_unload(base, tmp_path):
+    ours, _, folder = base
+    keys = set(ours.state_dict())
+    apply_lora(ours, rank=2, alpha=5, targets="all")
+    randomize_adapters(ours)
+    save_adapter(ours.eval(), tmp_path / "adapter", base_model=str(folder))
+    rng = torch.get_rng_state()
+    merge_lora(ours, unload=True)
+    assert torch.equal(torch.get_rng_state(), rng)  # unloading draws no random numbers (a seeded run stays seeded)
+    assert not lora_modules(ours) and set(ours.state_dict()) == keys
+    linears = [m for name, m in ours.named_modules() if name.endswith(("query", "key", "value", "_dense"))]
+    assert len(linears) == 6 * ours.config.n_layer and all(type(m) is nn.Linear for m in linears)
+    assert_same_logits(ours, peft_from(folder, tmp_path / "adapter").merge_and_unload(), ours.config.vocab_size)
 
 
 # ---- training, checkpoints and the task CLIs -----------------------------------------------------------------------

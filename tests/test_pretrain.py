@@ -1,4 +1,5 @@
-"""Training a GPT from scratch on a text file (run_pretrain.py, tasks/pretrain.py, tasks/char_tokenizer.py)."""
+"""Training a GPT from scratch on a text file (run_pretrain.py, tasks/pretrain.py; the character tokenizer on its own:
+test_char_tokenizer.py)."""
 import contextlib
 import math
 
@@ -11,7 +12,6 @@ import run_pretrain
 from config import GPT2Config
 from models.gpt2 import GPT2LMHeadModel
 from tasks import pretrain
-from tasks.char_tokenizer import CharTokenizer
 from training.checkpoint import STATE
 
 TEXT = "".join(f"{w} the {v} of {n}, said the {w}.\n" for w, v, n in zip(
@@ -32,18 +32,6 @@ def corpus_file(tmp_path):
 
 def run(data, out_dir, *extra):
     return run_pretrain.main(["--data", str(data), "--out_dir", str(out_dir), *TINY, *extra])
-
-
-def test_char_tokenizer_round_trip_save_load_and_unknown_characters(tmp_path):
-    text = "Héllo, wörld!\n\tΩ≈ 🙂"
-    tok = CharTokenizer.from_text(text)
-    assert tok.chars == sorted(set(text)) and len(tok) == len(set(text))
-    assert tok.decode(tok.encode(text)) == text
-    tok.save_pretrained(tmp_path)
-    again = CharTokenizer.from_pretrained(tmp_path)
-    assert again.chars == tok.chars and again.encode(text) == tok.encode(text)
-    with pytest.raises(ValueError, match=r"2 character\(s\) not in the .*'Z', 'q'"):
-        tok.encode("HqZ")
 
 
 def test_corpus_is_encoded_once_split_90_10_and_batches_are_shifted_windows(corpus_file, tmp_path, monkeypatch):

@@ -56,9 +56,10 @@ MODULE_TESTS = {
     "training/batches.py": ["tests/test_engine_parts.py", "tests/test_task_data.py"],
     "training/runfolder.py": ["tests/test_engine_parts.py", "tests/test_checkpoint.py"],
     "training/checkpoint.py": ["tests/test_checkpoint.py"],
-    "grading/questions.py": ["tests/test_grading_tolerance.py", "tests/test_grading_forge.py"],
-    "grading/checks.py": ["tests/test_grading_tolerance.py", "tests/test_grading_forge.py",
-                          "tests/test_grading_report.py"],
+    "grading/questions.py": ["tests/test_grading_questions.py", "tests/test_grading_tolerance.py",
+                             "tests/test_grading_forge.py"],
+    "grading/checks.py": ["tests/test_grading_questions.py", "tests/test_grading_tolerance.py",
+                          "tests/test_grading_forge.py", "tests/test_grading_report.py"],
 }
 
 # mutmut's exit-code table, folded into the counts reported (mutmut.stats.status_by_exit_code)

@@ -58,8 +58,9 @@ MODULE_TESTS = {
     "training/checkpoint.py": ["tests/test_checkpoint.py"],
     "grading/questions.py": ["tests/test_grading_questions.py", "tests/test_grading_tolerance.py",
                              "tests/test_grading_forge.py"],
-    "grading/checks.py": ["tests/test_grading_questions.py", "tests/test_grading_tolerance.py",
-                          "tests/test_grading_forge.py", "tests/test_grading_report.py"],
+    "grading/checks.py": ["tests/test_grading_checks.py", "tests/test_grading_questions.py",
+                          "tests/test_grading_tolerance.py", "tests/test_grading_forge.py",
+                          "tests/test_grading_report.py"],
 }
 
 # mutmut's exit-code table, folded into the counts reported (mutmut.stats.status_by_exit_code)

@@ -466,3 +466,80 @@ def test_from_pretrained_is_graded_by_the_weights_it_loads():
     result = checks.check_from_pretrained(ok(dict(hub), g, values), SCORER, hub, "note")
     assert result.info[-1] == "running the loaded model: ValueError: x (no points: graded by its weights)"
 
+
+
+# ---- forbidden calls ------------------------------------------------------------------------------------------------
+
+SDPA = "torch.nn.functional.scaled_dot_product_attention"
+
+
+def graded_attention(records, unwatched=None, through_forward=False) -> checks.CheckResult:
+    """A full-marks attention result, then the forbidden calls the check's process recorded."""
+    result = checks.CheckResult("attention", SCORER.parts("attention"))
+    for p in result.parts:
+        p.points, p.status = p.max, "pass"
+    if through_forward:
+        result.parts[1].message = checks.THROUGH_FORWARD
+    result.verdict = "pass"
+    values = {} if records is None else {"forbidden_calls": records}
+    if unwatched is not None:
+        values["forbidden_unwatched"] = unwatched
+    checks.forbidden_findings(result, ok({}, {}, values), [SDPA, "torch.nn.*"])
+    return result
+
+
+def record(part="forward", call=SDPA, where="attention.py:12"):
+    return {"call": call, "part": part, "where": where}
+
+
+def test_a_forbidden_call_costs_the_part_it_was_made_in():
+    result = graded_attention([record(), record("training", "math.sqrt")])
+    assert summary(result) == {"forward": ("fail", 0.0), "attention": ("pass", 4.0), "training": ("pass", 4.0)}
+    assert result.parts[0].message == f"forbidden call {SDPA} at attention.py:12 (the rubric's forbidden_calls)"
+    assert result.messages == [f"finding: forbidden call {SDPA} at attention.py:12, while grading forward (the "
+                               f"rubric's forbidden_calls): forward scores 0"]
+    assert result.verdict == "partial"
+
+
+def test_a_forbidden_call_in_forward_costs_a_part_graded_through_it_and_a_module_pattern_matches():
+    result = graded_attention([record(call="torch.nn.Linear")], through_forward=True)
+    assert summary(result) == {"forward": ("fail", 0.0), "attention": ("fail", 0.0), "training": ("pass", 4.0)}
+    result = graded_attention([record(part="nowhere")])
+    assert result.score == 16 and result.messages == [] and result.verdict == "pass"
+
+
+def test_a_removed_watch_costs_the_whole_check():
+    result = graded_attention([record(part="*")])
+    assert result.score == 0 and result.verdict == "fail"
+    assert {p.message for p in result.parts} == {f"the submission removed the grader's watch on {SDPA} (the "
+                                                 f"rubric's forbidden_calls)"}
+    assert result.messages == [f"finding: the submission removed the grader's watch on {SDPA} (the rubric's "
+                               f"forbidden_calls): the whole check scores 0"]
+
+
+@pytest.mark.parametrize("records", [None, "x", [record()] * 101, [{"call": SDPA, "part": "forward"}],
+                                     [record(where=3)], [record(where="x" * 501)], [[SDPA, "forward", "x"]]])
+def test_a_missing_or_malformed_record_of_forbidden_calls_scores_zero(records):
+    result = graded_attention(records)
+    assert result.score == 0 and result.verdict == "error"
+    assert {p.message for p in result.parts} == {"the check's record of forbidden calls is missing or malformed "
+                                                 "(the rubric's forbidden_calls)"}
+    assert result.messages[0] == ("finding: the check's output was malformed: its record of the forbidden calls (the "
+                                  "rubric's forbidden_calls) is missing or not a list of {call, part, where}")
+
+
+def test_no_record_is_needed_when_nothing_is_watched_or_nothing_scored():
+    result = checks.CheckResult("attention", SCORER.parts("attention"), verdict="fail")
+    checks.forbidden_findings(result, ok({}, {}), [SDPA])
+    assert (result.verdict, result.messages) == ("fail", [])
+    assert checks.forbidden_records({"forbidden_calls": [record()] * 100}) == [record()] * 100
+    result = graded_attention([])
+    result2 = checks.CheckResult("attention", SCORER.parts("attention"))
+    checks.forbidden_findings(result2, ok({}, {}), [])
+    assert result.score == 16 and result2.messages == []
+
+
+def test_calls_the_process_could_not_watch_are_reported():
+    result = graded_attention([], unwatched=[f"u{i}" for i in range(7)])
+    assert result.messages == ["the check's process reports forbidden calls it could not watch: u0; u1; u2; u3; u4"]
+    assert result.score == 16

@@ -57,8 +57,10 @@ MODULE_TESTS = {
     "training/batches.py": ["tests/test_engine_parts.py", "tests/test_task_data.py"],
     "training/runfolder.py": ["tests/test_engine_parts.py", "tests/test_checkpoint.py"],
     "training/checkpoint.py": ["tests/test_checkpoint.py"],
-    "grading/questions.py": ["tests/test_grading_tolerance.py", "tests/test_grading_forge.py"],
-    "grading/checks.py": ["tests/test_grading_tolerance.py", "tests/test_grading_forge.py",
+    "grading/questions.py": ["tests/test_grading_questions.py", "tests/test_grading_tolerance.py",
+                             "tests/test_grading_forge.py"],
+    "grading/checks.py": ["tests/test_grading_checks.py", "tests/test_grading_questions.py",
+                          "tests/test_grading_tolerance.py", "tests/test_grading_forge.py",
                           "tests/test_grading_report.py"],
 }
 

@@ -1,0 +1,545 @@
+"""grading/checks.py's verdicts, driven in this process (no sandbox): each check given the answers of a correct
+submission (the reference's own outputs on the grader's question) scores full marks with nothing to report, and
+given the answers of a submission with one typical bug it names that bug, costs the parts it should, and says so in
+the grader's words. Fast: the questions are seeded and the answers computed here."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from grading import checks, probes, questions
+from grading import reference as ref
+from grading.grader import load_rubric
+from grading.sandbox import Run
+
+SCORER = checks.Scorer(load_rubric())
+MASKS, H, P, D = checks.MASKS, probes.H, probes.DROPOUT_P, probes.D
+
+
+def ok(tensors: dict, given: dict, values: dict | None = None, notes=()) -> Run:
+    return Run(info={"status": "ok", "message": "", "notes": list(notes), "values": values or {}},
+               tensors=tensors, given=given, output="printed")
+
+
+def keep_mask(shape, seed=0) -> torch.Tensor:
+    return (torch.rand(shape, generator=torch.Generator().manual_seed(seed)) >= P).float()
+
+
+def summary(result: checks.CheckResult) -> dict:
+    return {p.name: (p.status, p.points) for p in result.parts}
+
+
+# ---- attention ------------------------------------------------------------------------------------------------------
+
+def attention_answers(g: dict, bugs=(), route="attention()") -> dict:
+    w = {k: v for k, v in g.items() if k.split(".")[0] in ("query", "key", "value")}
+    t = {f"forward.{c}": ref.f_attention(g["x"], w, m, H, bugs) for c, m in MASKS.items()}
+    t["attention.left"] = t["forward.left"]
+    pe = checks.reference_probs(g, route, tuple(b for b in bugs if b in checks.PROBS_BUGS))
+    t["probs.eval"], t["probs.train"] = pe, pe * keep_mask(pe.shape) / (1 - P)
+    return t
+
+
+@pytest.fixture(scope="module")
+def attention_q():
+    return questions.ask("attention", 1)
+
+
+def test_a_correct_attention_scores_full_marks(attention_q):
+    result = checks.check_attention(ok(attention_answers(attention_q), attention_q, notes=["a note"]), SCORER)
+    assert summary(result) == {"forward": ("pass", 8.0), "attention": ("pass", 4.0), "training": ("pass", 4.0)}
+    assert (result.verdict, result.score, result.max_score, result.diagnosis) == ("pass", 16.0, 16.0, "")
+    assert result.messages == ["a note"] and result.output == "printed"
+    training = result.parts[2]
+    assert training.message == ("training mode: no masked position gets probability; dropout acts on the "
+                                "probabilities (attention())")
+    doc = result.to_dict()
+    assert doc["score"] == 16.0 and doc["max_score"] == 16.0 and doc["verdict"] == "pass"
+    assert doc["parts"][0].pop("error") < 1e-6
+    assert doc["parts"][0] == {"name": "forward", "max": 8.0, "points": 8.0, "status": "pass", "message": ""}
+    assert set(doc) == {"name", "score", "max_score", "verdict", "diagnosis", "diagnosis_key", "messages", "info",
+                        "parts", "output"} and doc["output"] == "printed" and doc["name"] == "attention"
+
+
+def test_attention_without_attention_is_graded_through_forward(attention_q):
+    t = attention_answers(attention_q)
+    del t["attention.left"]
+    result = checks.check_attention(ok(t, attention_q), SCORER)
+    assert result.parts[1].message == checks.THROUGH_FORWARD and result.parts[1].status == "pass"
+
+
+@pytest.mark.parametrize("bug", ref.ATTENTION_BUGS)
+def test_an_attention_bug_is_named_and_costs_forward_and_attention(attention_q, bug):
+    result = checks.check_attention(ok(attention_answers(attention_q, (bug,)), attention_q), SCORER)
+    assert result.diagnosis_key == bug and result.diagnosis == ref.BUGS[bug]
+    forward, attention, training = result.parts
+    assert (forward.status, forward.points, attention.points) == ("fail", 0.0, 0.0)
+    assert forward.message.startswith("forward() (no padding, right and left padding) differs from the reference "
+                                      "(max error "), forward.message
+    assert attention.message.startswith("attention() differs from the reference (max error ")
+    # training is judged on that bug's probabilities: only a missing causal mask shows there too (future keys)
+    if bug == "no_causal":
+        assert training.message.startswith("in training mode masked positions get probability (up to ")
+        assert (training.status, result.verdict, result.score) == ("fail", "fail", 0.0)
+    else:
+        assert (training.status, result.verdict, result.score) == ("pass", "partial", 4.0)
+
+
+def test_attention_off_by_a_little_is_close_without_a_bug_named(attention_q):
+    t = attention_answers(attention_q)
+    for c in MASKS:
+        t[f"forward.{c}"] = t[f"forward.{c}"] + 1e-3
+    t["attention.left"] = t["forward.left"]
+    result = checks.check_attention(ok(t, attention_q), SCORER)
+    assert summary(result)["forward"] == ("close", 4.0) and summary(result)["attention"] == ("close", 2.0)
+    assert result.diagnosis_key == "" and result.diagnosis.startswith("no typical bug matches exactly (closest: ")
+    assert result.parts[0].message.startswith("forward() (no padding, right and left padding) close but not exact "
+                                              "(max error 0.001 > 1e-05): look for a small deviation")
+    assert (result.verdict, result.score) == ("partial", 10.0)
+
+
+def training_of(g, t, values=None) -> tuple[checks.Part, checks.CheckResult]:
+    result = checks.check_attention(ok(t, g, values), SCORER)
+    return result.parts[2], result
+
+
+def test_attention_training_without_dropout_is_named(attention_q):
+    t = attention_answers(attention_q)
+    t["probs.train"] = t["probs.eval"].clone()
+    part, result = training_of(attention_q, t)
+    assert (part.status, part.points) == ("fail", 0.0)
+    assert part.message == ("in training mode the attention probabilities are not dropped out (probed through "
+                            "attention(), dropout p=0.5)")
+    assert result.diagnosis_key == "no_attention_dropout" and result.diagnosis == checks.BUGS["no_attention_dropout"]
+
+
+def test_attention_dropout_before_the_softmax_leaks_and_is_named(attention_q):
+    g = attention_q
+    t = attention_answers(g)
+    q, k = g["train.q"], g["train.k"]
+    scores = (q @ k.transpose(-1, -2)) / (q.shape[-1] ** 0.5) * keep_mask((3, H, 7, 7), 1) / (1 - P)
+    allowed = ref.bool_mask(MASKS["right"])
+    t["probs.train"] = F.softmax(scores.masked_fill(~allowed, 0.0), -1)  # masked keys get probability
+    part, result = training_of(g, t)
+    assert part.message.startswith("in training mode masked positions get probability (up to ")
+    assert "dropout is not applied to the probabilities after the softmax (kept entries are not p/(1-p))" in \
+        part.message
+    assert result.diagnosis_key == "dropout_before_softmax"
+
+
+def test_attention_dropout_at_the_wrong_rate_is_found(attention_q):
+    t = attention_answers(attention_q)
+    pe = t["probs.eval"]
+    t["probs.train"] = pe * (torch.rand(pe.shape, generator=torch.Generator().manual_seed(2)) >= 0.1) / (1 - P)
+    part, result = training_of(attention_q, t)
+    assert part.status == "fail" and part.message.startswith(
+        "in training mode the attention probabilities are not dropped out at rate p: ")
+    assert part.message.endswith("(6 standard deviations) (probed through attention(), dropout p=0.5)")
+    assert result.diagnosis_key == ""
+
+
+def test_attention_training_is_not_graded_on_eval_probabilities_not_the_references(attention_q):
+    t = attention_answers(attention_q)
+    t["probs.eval"] = t["probs.eval"] + 1e-3
+    part, _ = training_of(attention_q, t)
+    assert (part.status, part.message) == ("fail", "training mode not graded: the eval-mode attention probabilities "
+                                                   "(probed through attention()) are not the reference's")
+    del t["probs.train"]
+    assert training_of(attention_q, t)[0].status == "fail"
+
+
+def test_attention_training_through_forward_uses_the_forward_route(attention_q):
+    t = attention_answers(attention_q, route="forward()")
+    part, _ = training_of(attention_q, t, {"probs_route": "forward()"})
+    assert part.status == "pass" and part.message.endswith("(forward())")
+    part, _ = training_of(attention_q, t)  # the attention() route's reference: other inputs
+    assert part.status == "fail" and "(probed through attention())" in part.message
+
+
+# ---- kept fraction, max_err, Scorer -------------------------------------------------------------------------------
+
+def test_kept_fraction_problem_within_six_standard_deviations():
+    assert checks.kept_fraction_problem(0, 0, P) == "no entry to judge the dropout on"
+    assert checks.kept_fraction_problem(500, 1000, P) == ""
+    sd = (1000 * P * (1 - P)) ** 0.5
+    assert checks.kept_fraction_problem(int(500 + 6 * sd), 1000, P) == ""
+    assert checks.kept_fraction_problem(math.ceil(500 - 6 * sd), 1000, P) == ""
+    assert checks.kept_fraction_problem(math.floor(500 - 6 * sd), 1000, P).startswith("405 of 1000 entries kept")
+    assert checks.kept_fraction_problem(int(500 + 6 * sd) + 1, 1000, P) == \
+        "595 of 1000 entries kept where dropout with p=0.5 keeps 500 +- 95 (6 standard deviations)"
+    assert checks.kept_fraction_problem(1000, 1000, P).startswith("1000 of 1000 entries kept")
+    assert checks.kept_fraction_problem(0, 1000, P).startswith("0 of 1000 entries kept")
+
+
+def test_max_err_over_rows_missing_and_non_finite():
+    a, b = torch.zeros(2, 3, 1), torch.zeros(2, 3, 1)
+    a[1, 2] = 5.0
+    rows = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    assert checks.max_err(a, b) == 5.0 and checks.max_err(a, b, rows) == 0.0
+    assert checks.max_err(None, b) == checks.max_err(a[:1], b) == float("inf")
+    a[0, 0] = float("nan")
+    assert checks.max_err(a, b) == float("inf")
+    assert checks.max_err(torch.zeros(0), torch.zeros(0)) == 0.0
+
+
+def test_scorer_bounds_are_inclusive_and_messages_name_the_part():
+    for err, status, points in ((1e-5, "pass", 8.0), (1e-2, "close", 4.0), (0.011, "fail", 0.0)):
+        part = checks.Part("forward", 8.0)
+        SCORER.score(part, err, what="forward()")
+        assert (part.status, part.points, part.error) == (status, points, err)
+    part = checks.Part("forward", 8.0)
+    SCORER.score(part, 0.5, what="forward()")
+    assert part.message == "forward() differs from the reference (max error 0.5)"
+    SCORER.score(part, float("inf"), what="forward()")
+    assert part.message == "forward() has the wrong shape or non-finite values"
+    SCORER.score(part, 1e-4, exact=1e-3, what="x")
+    assert part.status == "pass"
+    assert [(p.name, p.max) for p in SCORER.parts("layer")] == [("add", 3.0), ("forward", 9.0), ("training", 2.0)]
+
+
+# ---- failed runs, answers, part failures ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("run, status, message", [
+    (Run(problem="timed out after 5 s"), "error", "timed out after 5 s"),
+    (Run(info={"status": "not_implemented", "message": "TODO"}), "not implemented", "not implemented: TODO"),
+    (Run(info={"status": "error", "message": "ValueError: x"}), "error", "the submission raised ValueError: x"),
+    (Run(info={"status": "weird"}), "error", "the check produced no result"),
+])
+def test_a_run_without_a_result_scores_zero_and_says_why(run, status, message):
+    run.findings = ["wrote /tmp/x"]
+    result = checks.check_embed(run, SCORER)
+    assert [(p.status, p.points, p.message) for p in result.parts] == [(status, 0.0, message)] * 2
+    assert result.verdict == status and result.messages == [message, "finding: wrote /tmp/x"]
+
+
+def test_a_device_finding_is_reported_with_the_error():
+    run = Run(info={"status": "error", "message": "RuntimeError: cuda", "device": "asked for a GPU"})
+    result = checks.check_embed(run, SCORER)
+    assert result.messages == ["the submission raised RuntimeError: cuda", "finding: asked for a GPU"]
+
+
+def test_unasked_or_misshapen_answers_are_dropped_and_said():
+    g = questions.ask("embed", 0)
+    want = F.embedding(g["ids"].long(), g["word_embedding.weight"]) + g["pos_embedding.weight"][:7]
+    t = {"embed": want, "embed.train": want[:, :3], **{f"extra{i}": torch.zeros(1) for i in range(5)}}
+    result = checks.check_embed(ok(t, g), SCORER)
+    assert result.messages == [
+        "finding: the check returned 6 tensor(s) the grader did not ask for or of the wrong shape, ignored: "
+        "embed.train (3, 3, 32) (expected (3, 7, 32)), extra0 (1,), extra1 (1,), extra2 (1,), extra3 (1,) ..."]
+    assert result.parts[1].message == "training mode: embed() gave no output of the expected shape"
+
+
+def test_part_failures_score_zero_with_their_reason():
+    result = checks.CheckResult("model", SCORER.parts("model"))
+    failed = checks.part_failures(result, {"parts": {"forward": "not implemented: TODO", "hidden_state_to_token": "boom"}})
+    assert failed == {"forward", "hidden_state_to_token"}
+    assert [(p.status, p.message) for p in result.parts] == [
+        ("not implemented", "forward: not implemented: TODO"), ("error", "hidden_state_to_token: boom")]
+    assert checks.part_failures(result, {"parts": "x"}) == set() and checks.values_of(Run(info={"values": 3})) == {}
+
+
+# ---- layer ----------------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def layer_q():
+    return questions.ask("layer", 2)
+
+
+def layer_answers(g, act="exact", eps=(1e-5, 1e-5), bugs=(), drop="right") -> dict:
+    w = checks.weights_of(g)
+    t = {f"forward.{c}": ref.f_layer(g["x"], w, m, H, act, *eps, bugs) for c, m in MASKS.items()}
+    t["add"] = g["add.input"] + F.linear(g["add.output"], w["attention_dense.weight"], w["attention_dense.bias"])
+    masks = (g["train.mask_attention"], g["train.mask_out"], P)
+    t["train"] = {"right": lambda: ref.f_layer(g["x"], w, MASKS["nopad"], H, act, *eps, bugs, drop=masks),
+                  "never": lambda: t["forward.nopad"],
+                  "swapped": lambda: ref.f_layer(g["x"], w, MASKS["nopad"], H, act, *eps, bugs,
+                                                 drop=(masks[1], masks[0], P))}[drop]()
+    for n, e in zip(("attention_layer_norm", "out_layer_norm"), eps):
+        t[f"ln.{n}"] = F.layer_norm(g["ln.input"], (D,), g[f"{n}.weight"], g[f"{n}.bias"], e)
+    t["gelu"] = F.gelu(g["gelu.input"], approximate="tanh" if act == "tanh" else "none")
+    return t
+
+
+def test_a_correct_layer_scores_full_marks_and_its_exact_gelu_is_noted(layer_q):
+    result = checks.check_layer(ok(layer_answers(layer_q), layer_q), SCORER)
+    assert summary(result) == {"add": ("pass", 3.0), "forward": ("pass", 9.0), "training": ("pass", 2.0)}
+    assert (result.verdict, result.diagnosis_key, result.messages) == ("pass", "", [])
+    assert len(result.info) == 1 and result.info[0].startswith(
+        "uses exact GELU (F.gelu, as the course's starter gives); transformers' GPT-2 uses the tanh approximation: "
+        "with it the outputs differ by up to ")
+    assert result.info[0].endswith(" (no points lost)")
+    tanh = checks.check_layer(ok(layer_answers(layer_q, "tanh", (1e-3, 1e-6)), layer_q), SCORER)
+    assert tanh.score == 14 and tanh.info == [] and tanh.messages == []
+
+
+def test_a_layer_whose_norms_and_gelu_cannot_be_read_is_graded_with_the_defaults_and_says_so(layer_q):
+    t = layer_answers(layer_q, "tanh")
+    for k in ("ln.attention_layer_norm", "ln.out_layer_norm", "gelu"):
+        del t[k]
+    result = checks.check_layer(ok(t, layer_q), SCORER)
+    assert result.messages == [
+        "attention_layer_norm does not act as a LayerNorm on the grader's input; graded with eps 1e-5",
+        "out_layer_norm does not act as a LayerNorm on the grader's input; graded with eps 1e-5",
+        "interm_af not found as exact or tanh GELU; graded with the closer one (tanh)"]
+    assert result.score == 14
+
+
+def test_add_is_graded_through_forward_when_absent(layer_q):
+    t = layer_answers(layer_q)
+    del t["add"]
+    result = checks.check_layer(ok(t, layer_q), SCORER)
+    assert result.parts[0].status == "pass" and result.parts[0].message == " " + checks.THROUGH_FORWARD
+
+
+@pytest.mark.parametrize("bug", ["no_ln_attn", "post_ln", "residual_normed", "no_causal"])
+def test_a_layer_bug_is_named_and_costs_forward_only(layer_q, bug):
+    result = checks.check_layer(ok(layer_answers(layer_q, bugs=(bug,)), layer_q), SCORER)
+    assert result.diagnosis_key == bug and result.diagnosis == ref.BUGS[bug]
+    assert summary(result) == {"add": ("pass", 3.0), "forward": ("fail", 0.0), "training": ("pass", 2.0)}
+    assert result.parts[1].message.startswith("forward() differs from the reference (max error ")
+
+
+@pytest.mark.parametrize("drop, message", [
+    ("never", "training mode: the residual dropouts are never applied"),
+    ("swapped", "training mode: the residual dropouts are not applied (once each) to the outputs of attention_dense "
+                "and out_dense")])
+def test_misplaced_residual_dropout_is_named(layer_q, drop, message):
+    result = checks.check_layer(ok(layer_answers(layer_q, drop=drop), layer_q), SCORER)
+    training = result.parts[2]
+    assert (training.status, training.points, training.message) == ("fail", 0.0, message)
+    assert (result.diagnosis_key, result.diagnosis) == ("dropout_misplaced", checks.BUGS["dropout_misplaced"])
+    assert (result.verdict, result.score) == ("partial", 12.0)
+
+
+def test_layer_training_is_not_graded_when_forward_is_wrong_or_skipped(layer_q):
+    t = layer_answers(layer_q)
+    for c in MASKS:
+        t[f"forward.{c}"] = t[f"forward.{c}"] + 0.5
+    result = checks.check_layer(ok(t, layer_q), SCORER)
+    assert result.parts[2].message == ("training mode not graded: forward() is wrong in eval mode (and no single "
+                                       "known bug)")
+    assert result.diagnosis_key == "" and result.parts[2].points == 0.0
+    values = {"parts": {"training": "error: skipped: no attention_dropout"}}
+    result = checks.check_layer(ok(layer_answers(layer_q), layer_q, values), SCORER)
+    assert (result.parts[2].status, result.parts[2].message) == (
+        "error", "training mode not graded: the residual dropouts could not be found by the course's names "
+                 "(no attention_dropout)")
+    assert result.diagnosis_key == "" and result.max_score == 14
+    result = checks.check_layer(ok(layer_answers(layer_q), layer_q, {"parts": {"training": "boom"}}), SCORER)
+    assert (result.parts[2].status, result.parts[2].message) == ("fail", "training mode: boom")
+
+
+# ---- measured eps, GELU -------------------------------------------------------------------------------------------
+
+def test_measured_eps_refuses_what_is_not_a_layer_norm(layer_q):
+    x, gain, bias = layer_q["ln.input"], layer_q["out_layer_norm.weight"], layer_q["out_layer_norm.bias"]
+    assert checks.measured_eps(None, x, gain, bias) is None
+    assert checks.measured_eps(F.layer_norm(x, (D,), gain, bias, 0.05), x, gain, bias) is None  # past 1e-2
+    assert checks.measured_eps(F.layer_norm(x, (D,), gain, bias, 1e-3), x, gain, bias) == pytest.approx(1e-3, 1e-3)
+    y = F.layer_norm(x, (D,), gain, bias, 1e-5)
+    assert checks.measured_eps(y + 2e-3, x, gain, bias) is None  # no eps reproduces it
+    assert checks.measured_eps(y, x, gain, bias) == pytest.approx(1e-5, 1e-3)
+
+
+def test_gelu_is_read_as_exact_or_tanh_or_neither(layer_q):
+    x = layer_q["gelu.input"]
+    assert checks.gelu_of(F.gelu(x), x) == "exact" and checks.gelu_of(F.gelu(x, approximate="tanh"), x) == "tanh"
+    assert checks.gelu_of(None, x) is None and checks.gelu_of(F.relu(x), x) is None
+    assert checks.gelu_of(F.gelu(x) + 2e-6, x) is None
+
+
+# ---- embed ----------------------------------------------------------------------------------------------------------
+
+def embed_case(kind: str):
+    g = questions.ask("embed", 3)
+    ids = g["ids"].long()
+    want = F.embedding(ids, g["word_embedding.weight"]) + g["pos_embedding.weight"][: ids.shape[1]]
+    train = {"right": want * keep_mask(want.shape) / (1 - P), "never": want, "unscaled": want * keep_mask(want.shape),
+             "rate": want / (1 - P)}[kind]
+    if kind == "rate":
+        train[0, 0, 0] = 0.0  # one entry dropped of 672
+    return g, {"embed": want, "embed.train": train}
+
+
+def test_a_correct_embed_scores_full_marks():
+    g, t = embed_case("right")
+    result = checks.check_embed(ok(t, g), SCORER)
+    assert summary(result) == {"embed": ("pass", 6.0), "training": ("pass", 2.0)} and result.verdict == "pass"
+
+
+@pytest.mark.parametrize("kind, message", [
+    ("never", "training mode: embed_dropout is never applied (output as in eval)"),
+    ("unscaled", "training mode: embed() output is not the eval output dropped out once with p=0.5"),
+    ("rate", "training mode: embed_dropout does not drop at rate p: 671 of 672 entries kept where dropout with p=0.5 "
+             "keeps 336 +- 78 (6 standard deviations)")])
+def test_embed_dropout_faults_are_named(kind, message):
+    g, t = embed_case(kind)
+    result = checks.check_embed(ok(t, g), SCORER)
+    assert (result.parts[1].status, result.parts[1].points, result.parts[1].message) == ("fail", 0.0, message)
+    assert (result.verdict, result.score) == ("partial", 6.0)
+
+
+def test_embed_without_positions_is_named_and_training_not_graded():
+    g, t = embed_case("right")
+    t["embed"] = F.embedding(g["ids"].long(), g["word_embedding.weight"])
+    result = checks.check_embed(ok(t, g), SCORER)
+    assert (result.diagnosis_key, result.diagnosis) == ("no_positions", ref.BUGS["no_positions"])
+    assert result.parts[1].message == "training mode not graded: embed() is wrong in eval mode"
+    assert (result.verdict, result.score) == ("fail", 0.0)
+
+
+# ---- model ----------------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def model_case():
+    g = questions.ask("model", 4)
+    w = checks.weights_of(g)
+    layers = [dict(probes.STAND_IN) for _ in range(probes.L)]
+    h, last = ref.f_model(g["ids"].long(), MASKS["right"], w, H, layers, 1e-5, "tanh")
+    t = {"last_hidden_state": h, "last_token": last, "logits": F.linear(g["head.input"], w["word_embedding.weight"]),
+         "logits.tied": F.linear(g["head.input"], g["head.word_embedding"]),
+         "ln.final_layer_norm": F.layer_norm(g["ln.input"], (D,), w["final_layer_norm.weight"],
+                                             w["final_layer_norm.bias"], 1e-5)}
+    for i in range(probes.L):
+        t[f"gelu.gpt_layers.{i}"] = F.gelu(g["gelu.input"], approximate="tanh")
+        for n in ("attention_layer_norm", "out_layer_norm"):
+            t[f"ln.gpt_layers.{i}.{n}"] = F.layer_norm(g["ln.input"], (D,), w[f"gpt_layers.{i}.{n}.weight"],
+                                                       w[f"gpt_layers.{i}.{n}.bias"], 1e-5)
+    return g, t
+
+
+def test_a_correct_model_scores_full_marks(model_case):
+    g, t = model_case
+    for values in ({}, {"own_components": True}):
+        result = checks.check_model(ok(dict(t), g, values), SCORER)
+        assert summary(result) == {"forward": ("pass", 10.0), "hidden_state_to_token": ("pass", 4.0)}, values
+        assert (result.verdict, result.diagnosis_key, result.messages, result.info) == ("pass", "", [], [])
+
+
+def test_an_untied_head_is_named(model_case):
+    g, t = model_case
+    t = {**t, "logits.tied": t["logits"]}
+    result = checks.check_model(ok(t, g), SCORER)
+    head = result.parts[1]
+    assert (head.status, head.points, head.message) == ("fail", 0.0, "the logits do not follow word_embedding: the "
+                                                                      "head is not tied")
+    assert (result.diagnosis_key, result.diagnosis) == ("untied_head", checks.BUGS["untied_head"])
+    assert (result.verdict, result.score) == ("partial", 10.0)
+
+
+@pytest.mark.parametrize("bug", ["no_final_ln", "no_positions", "last_position"])
+def test_a_model_bug_is_named(model_case, bug):
+    g, t = model_case
+    layers = [dict(probes.STAND_IN) for _ in range(probes.L)]
+    h, last = ref.f_model(g["ids"].long(), MASKS["right"], checks.weights_of(g), H, layers, 1e-5, "tanh", (bug,))
+    result = checks.check_model(ok({**t, "last_hidden_state": h, "last_token": last}, g), SCORER)
+    assert result.diagnosis_key == bug and summary(result)["forward"] == ("fail", 0.0)
+    assert result.parts[0].message.startswith("forward() (last_hidden_state and last_token, right padding) differs "
+                                              "from the reference (max error ")
+
+
+def test_a_model_part_that_failed_in_the_probe_scores_zero(model_case):
+    g, t = model_case
+    values = {"parts": {"forward": "not implemented: TODO"}}
+    result = checks.check_model(ok(dict(t), g, values), SCORER)
+    assert summary(result) == {"forward": ("not implemented", 0.0), "hidden_state_to_token": ("pass", 4.0)}
+    assert result.verdict == "partial"
+
+
+# ---- from_pretrained ----------------------------------------------------------------------------------------
+
+def test_from_pretrained_is_graded_by_the_weights_it_loads():
+    hub = checks.weights_of(questions.ask("model", 5))
+    g = {"ids": questions.ask("embed", 5)["ids"]}
+    result = checks.check_from_pretrained(ok(dict(hub), g), SCORER, hub, "the hub note")
+    assert summary(result) == {"from_pretrained": ("pass", 18.0)} and result.info == ["the hub note"]
+    assert result.messages == ["graded by the weights it loads (the model's outputs depend on components graded in "
+                               "their own checks)"]
+    for bug in ("conv1d_not_transposed", "qkv_swapped"):
+        result = checks.check_from_pretrained(ok(ref.mis_loaded(hub, bug, probes.L), g), SCORER, hub, "note")
+        assert (result.diagnosis_key, result.score) == (bug, 0.0)
+        assert result.messages[-1].startswith(("8 loaded tensor(s)", "4 loaded tensor(s)")), result.messages
+    values = {"parts": {"outputs": "ValueError: x"}}
+    result = checks.check_from_pretrained(ok(dict(hub), g, values), SCORER, hub, "note")
+    assert result.info[-1] == "running the loaded model: ValueError: x (no points: graded by its weights)"
+
+
+
+# ---- forbidden calls ------------------------------------------------------------------------------------------------
+
+SDPA = "torch.nn.functional.scaled_dot_product_attention"
+
+
+def graded_attention(records, unwatched=None, through_forward=False) -> checks.CheckResult:
+    """A full-marks attention result, then the forbidden calls the check's process recorded."""
+    result = checks.CheckResult("attention", SCORER.parts("attention"))
+    for p in result.parts:
+        p.points, p.status = p.max, "pass"
+    if through_forward:
+        result.parts[1].message = checks.THROUGH_FORWARD
+    result.verdict = "pass"
+    values = {} if records is None else {"forbidden_calls": records}
+    if unwatched is not None:
+        values["forbidden_unwatched"] = unwatched
+    checks.forbidden_findings(result, ok({}, {}, values), [SDPA, "torch.nn.*"])
+    return result
+
+
+def record(part="forward", call=SDPA, where="attention.py:12"):
+    return {"call": call, "part": part, "where": where}
+
+
+def test_a_forbidden_call_costs_the_part_it_was_made_in():
+    result = graded_attention([record(), record("training", "math.sqrt")])
+    assert summary(result) == {"forward": ("fail", 0.0), "attention": ("pass", 4.0), "training": ("pass", 4.0)}
+    assert result.parts[0].message == f"forbidden call {SDPA} at attention.py:12 (the rubric's forbidden_calls)"
+    assert result.messages == [f"finding: forbidden call {SDPA} at attention.py:12, while grading forward (the "
+                               f"rubric's forbidden_calls): forward scores 0"]
+    assert result.verdict == "partial"
+
+
+def test_a_forbidden_call_in_forward_costs_a_part_graded_through_it_and_a_module_pattern_matches():
+    result = graded_attention([record(call="torch.nn.Linear")], through_forward=True)
+    assert summary(result) == {"forward": ("fail", 0.0), "attention": ("fail", 0.0), "training": ("pass", 4.0)}
+    result = graded_attention([record(part="nowhere")])
+    assert result.score == 16 and result.messages == [] and result.verdict == "pass"
+
+
+def test_a_removed_watch_costs_the_whole_check():
+    result = graded_attention([record(part="*")])
+    assert result.score == 0 and result.verdict == "fail"
+    assert {p.message for p in result.parts} == {f"the submission removed the grader's watch on {SDPA} (the "
+                                                 f"rubric's forbidden_calls)"}
+    assert result.messages == [f"finding: the submission removed the grader's watch on {SDPA} (the rubric's "
+                               f"forbidden_calls): the whole check scores 0"]
+
+
+@pytest.mark.parametrize("records", [None, "x", [record()] * 101, [{"call": SDPA, "part": "forward"}],
+                                     [record(where=3)], [record(where="x" * 501)], [[SDPA, "forward", "x"]]])
+def test_a_missing_or_malformed_record_of_forbidden_calls_scores_zero(records):
+    result = graded_attention(records)
+    assert result.score == 0 and result.verdict == "error"
+    assert {p.message for p in result.parts} == {"the check's record of forbidden calls is missing or malformed "
+                                                 "(the rubric's forbidden_calls)"}
+    assert result.messages[0] == ("finding: the check's output was malformed: its record of the forbidden calls (the "
+                                  "rubric's forbidden_calls) is missing or not a list of {call, part, where}")
+
+
+def test_no_record_is_needed_when_nothing_is_watched_or_nothing_scored():
+    result = checks.CheckResult("attention", SCORER.parts("attention"), verdict="fail")
+    checks.forbidden_findings(result, ok({}, {}), [SDPA])
+    assert (result.verdict, result.messages) == ("fail", [])
+    assert checks.forbidden_records({"forbidden_calls": [record()] * 100}) == [record()] * 100
+    result = graded_attention([])
+    result2 = checks.CheckResult("attention", SCORER.parts("attention"))
+    checks.forbidden_findings(result2, ok({}, {}), [])
+    assert result.score == 16 and result2.messages == []
+
+
+def test_calls_the_process_could_not_watch_are_reported():
+    result = graded_attention([], unwatched=[f"u{i}" for i in range(7)])
+    assert result.messages == ["the check's process reports forbidden calls it could not watch: u0; u1; u2; u3; u4"]
+    assert result.score == 16

@@ -10,9 +10,9 @@ from conftest import tiny_config
 
 from models.gpt2 import GPT2LMHeadModel
 from tasks import pretrain
+from training import distributed as dist
 from training.batches import EpochBatches
 from training.engine import TrainConfig, fit, load_weights
-from training import distributed as dist
 from training.steps import grad_norm, improved, micro_weight, nonfinite, nonfinite_error, optimizer_step
 from training.train_config import NonFiniteError
 

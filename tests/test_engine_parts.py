@@ -10,9 +10,11 @@ from conftest import tiny_config
 
 from models.gpt2 import GPT2LMHeadModel
 from tasks import pretrain
+from training import distributed as dist
 from training.batches import EpochBatches
 from training.engine import TrainConfig, fit, load_weights
-from training.steps import grad_norm, improved, micro_weight
+from training.steps import grad_norm, improved, micro_weight, nonfinite, nonfinite_error, optimizer_step
+from training.train_config import NonFiniteError
 
 SCORES = [0.5, 0.7, 0.6, 0.7]  # evaluations after steps 1-4: the best is step 2's, tied at step 4
 
@@ -97,6 +99,64 @@ def test_grad_norm_clips_to_the_bound_and_leaves_smaller_gradients_alone():
     unbounded = _params_with_grads(torch.full((3,), 4.0))
     grad_norm(unbounded)  # max_norm 0: no clipping
     assert torch.equal(unbounded[0].grad, torch.full((3,), 4.0))
+    no_grads = [torch.nn.Parameter(torch.ones(2))]  # e.g. a frozen body whose head got no gradient this step
+    for bound in (0.0, 1.0):
+        norm = grad_norm(no_grads, max_norm=bound)
+        assert norm.shape == () and norm.item() == 0.0 and no_grads[0].grad is None
+
+
+# ---- the non-finite check and its error -------------------------------------------------------------------------
+
+def test_nonfinite_tells_a_bad_loss_from_a_bad_gradient():
+    t = torch.tensor
+    assert nonfinite(t(2.5), t(0.3)) == (False, False)
+    assert nonfinite(t(float("nan")), t(0.3)) == (True, True)
+    assert nonfinite(t(float("inf")), t(float("nan"))) == (True, True)
+    assert nonfinite(t(2.5), t(float("inf"))) == (True, False)  # the gradient alone: an fp16 overflow, say
+    assert nonfinite(t(-2.0), t(float("nan"))) == (True, False)
+    assert nonfinite(t(3e38), t(3e38)) == (False, False)  # finite both, though their float32 sum is not
+
+
+def test_nonfinite_error_names_what_where_the_kept_checkpoint_and_the_way_out():
+    where = "optimizer step 3 (epoch 1, batch 3 of 4)"
+    stopped = nonfinite_error("loss nan", where, "no checkpoint had been written yet", 1, skipping=False)
+    assert isinstance(stopped, NonFiniteError)
+    assert str(stopped) == ("non-finite loss nan at optimizer step 3 (epoch 1, batch 3 of 4): training stopped; "
+                            "no checkpoint had been written yet. Pass --skip_nonfinite to skip such batches; "
+                            "a lower --lr or --max_grad_norm may help")
+    diverged = nonfinite_error("gradient norm inf", where, "the last good checkpoint out/last is kept", 21, True)
+    assert str(diverged) == ("non-finite gradient norm inf at optimizer step 3 (epoch 1, batch 3 of 4): training "
+                             "stopped; the last good checkpoint out/last is kept. 21 bad steps in a row despite "
+                             "--skip_nonfinite: the run is diverging; a lower --lr or --max_grad_norm may help")
+
+
+# ---- the update ---------------------------------------------------------------------------------------------------
+
+def test_optimizer_step_updates_on_its_threads_then_the_loop_is_back_on_one_and_gradients_are_freed():
+    """With threads (Muon beside --split_batch) the update runs on them and the loop gets its one thread back; the
+    gradients are freed (None, not zero tensors: no memory held between steps, and a parameter left out of the next
+    backward has no stale gradient for the optimizer to apply)."""
+    seen = []
+
+    class Recording(torch.optim.SGD):
+        def step(self, closure=None):
+            seen.append(torch.get_num_threads())
+            return super().step(closure)
+
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = Recording([p], lr=0.5)
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    p.grad = torch.full((3,), 2.0)
+    optimizer_step(opt, scaler, schedule, threads=3)
+    assert seen == [3] and torch.get_num_threads() == 1
+    assert torch.equal(p.detach(), torch.zeros(3)) and opt.param_groups[0]["lr"] == 0.25
+    assert p.grad is None
+    torch.set_num_threads(2)
+    p.grad = torch.full((3,), 2.0)
+    optimizer_step(opt, scaler, schedule)  # no threads: the count is left alone
+    assert seen == [3, 2] and torch.get_num_threads() == 2 and torch.equal(p.detach(), torch.full((3,), -0.5))
+    assert p.grad is None
 
 
 def test_fit_clips_a_huge_gradient_to_max_grad_norm(tmp_path):
@@ -114,6 +174,8 @@ def test_fit_clips_a_huge_gradient_to_max_grad_norm(tmp_path):
 
 def test_micro_weight_divides_a_share_among_micro_batches():
     assert micro_weight(2, 2, 1) == 1.0 and micro_weight(2, 4, 2) == 0.25 and micro_weight(1, 4, 2, world=2) == 0.25
+    assert micro_weight(0.25, 0.5, 1) == 0.5  # counted units need not be whole (a count_fn of example weights)
+    assert micro_weight(0.0, 0.0, 2) == 0.0  # nothing counted on any rank: weight 0, not a division by zero
 
 
 @pytest.mark.parametrize("n, batch_size, grad_accum", [(7, 2, 2), (5, 2, 2), (9, 4, 3), (6, 3, 1)])
@@ -174,4 +236,114 @@ def test_each_epoch_is_a_new_permutation_repeated_by_the_seed_and_by_a_resume():
     rest = [resumed.next_step() for _ in range(full.total_steps - 4)]
     assert [[mb.batch["x"].tolist() for mb in s.micro] for s in rest] == \
         [[mb.batch["x"].tolist() for mb in s.micro] for s in steps[4:]]
+    again = EpochBatches(16, 3, 2, 3, 7, lambda idx: {"x": torch.tensor(idx)})
+    for _ in range(4):
+        again.next_step()
+    assert again.state_dict() == {"position": 4}  # OUT/last's "batches" entry: what the resume above read
+
+
+def test_the_shuffle_of_a_seed_and_epoch_is_the_one_earlier_runs_trained_on():
+    """The order is part of what a checkpoint means: a run resumed from OUT/last written by an earlier version (or
+    rerun with the same --seed) must see the same examples in the same order."""
+    batches = EpochBatches(8, 2, 1, 3, 1, None)
+    assert [batches.epoch_order(e) for e in range(3)] == [[3, 1, 5, 6, 7, 4, 0, 2], [5, 7, 1, 3, 6, 0, 4, 2],
+                                                          [7, 5, 0, 4, 3, 6, 1, 2]]
+    assert EpochBatches(8, 2, 1, 3, 2, None).epoch_order(0) == [6, 3, 2, 5, 0, 4, 1, 7]
+
+
+def test_the_shuffle_is_drawn_once_per_epoch_not_once_per_step():
+    drawn = []
+
+    class Counting(EpochBatches):
+        def epoch_order(self, epoch):
+            drawn.append(epoch)
+            return super().epoch_order(epoch)
+
+    batches = Counting(12, 2, 1, 2, 0, lambda idx: {"x": torch.tensor(idx)})
+    while batches.next_step() is not None:
+        pass
+    assert drawn == [0, 1]
+
+
+def test_steps_name_their_batches_and_epoch_and_end_each_epoch():
+    batches = EpochBatches(5, 2, 2, 2, 0, lambda idx: {"x": torch.tensor(idx)})  # 3 batches: steps of 2 and 1
+    steps = [batches.next_step() for _ in range(batches.total_steps)]
+    assert batches.next_step() is None
+    assert [s.where for s in steps] == ["optimizer step {step} (epoch 1, batches 1-2 of 3)",
+                                        "optimizer step {step} (epoch 1, batch 3 of 3)",
+                                        "optimizer step {step} (epoch 2, batches 1-2 of 3)",
+                                        "optimizer step {step} (epoch 2, batch 3 of 3)"]
+    assert [s.epoch for s in steps] == [0.5, 1.0, 1.5, 2.0]
+    assert [s.ends_epoch for s in steps] == [False, True, False, True]
+    assert [len(s.micro) for s in steps] == [2, 1, 2, 1]
+
+
+def test_batches_arrive_on_the_sources_device_and_other_values_pass_through():
+    batches = EpochBatches(4, 2, 1, 1, 0, lambda idx: {"input_ids": torch.tensor(idx), "ids": [f"e{i}" for i in idx]},
+                           device="meta")  # a device every machine has
+    mb = batches.next_step().micro[0]
+    assert mb.batch["input_ids"].device.type == "meta"
+    assert mb.batch["ids"] == [f"e{i}" for i in batches.epoch_order(0)[:2]]
+    assert mb.tokens == 0  # no attention_mask: tokens are not counted
+
+
+# ---- under torchrun (simulated): each rank's slice, weighted so that DDP's average is one process's mean ---------
+
+LENGTHS = [1 + i % 3 for i in range(8)]  # example i's real tokens
+LOSS_SUMS = [0.1 * (i + 1) for i in range(8)]  # example i's loss summed over its counted units
+
+
+def _loss_batch(idx):
+    mask = torch.tensor([[int(t < LENGTHS[i]) for t in range(3)] for i in idx])
+    return {"attention_mask": mask, "loss_sum": torch.tensor([LOSS_SUMS[i] for i in idx]),
+            "ids": [str(i) for i in idx]}
+
+
+def _tokens(batch):
+    return batch["attention_mask"].sum()
+
+
+def _ranks_steps(monkeypatch, world, count_fn):
+    """Every rank's steps of one epoch of 8 examples (batches of 3, 2 per step) in a simulated world: dist's rank and
+    world size patched, the all-reduce answered with the sum over ranks of what each counted (learned in a first
+    pass). Returns the steps per rank and the number of all-reduces a rank made."""
+    monkeypatch.setattr(dist, "world_size", lambda: world)
+    counted = {}
+
+    def run(answer):
+        per_rank, calls = [], []
+        for r in range(world):
+            monkeypatch.setattr(dist, "rank", lambda r=r: r)
+            calls.clear()
+            monkeypatch.setattr(dist, "all_reduce_sum", lambda c, r=r: calls.append(c) or answer(r, len(calls), c))
+            batches = EpochBatches(8, 3, 2, 1, 0, _loss_batch, count_fn=count_fn)
+            per_rank.append([batches.next_step() for _ in range(batches.total_steps)])
+        return per_rank, len(calls)
+
+    run(lambda r, i, c: counted.setdefault(i, {}).setdefault(r, c))
+    return run(lambda r, i, c: sum(counted[i].values()))
+
+
+@pytest.mark.parametrize("count_fn", [None, _tokens])
+def test_ranks_weights_make_ddps_average_the_one_process_mean(monkeypatch, count_fn):
+    """Batches [3, 3, 2] over 3 ranks: the last batch leaves rank 2 empty. The mean over ranks of each rank's
+    weighted micro-batch losses (what DDP's gradient average gives) is the single-process step loss: the mean over
+    the step's micro-batches of each one's loss per counted unit (examples, or tokens with count_fn)."""
+    (one,), _ = _ranks_steps(monkeypatch, 1, count_fn)
+    ranks, reduces = _ranks_steps(monkeypatch, 3, count_fn)
+    assert reduces == (3 if count_fn else 0)  # the rows are known everywhere: no collective without count_fn
+    unit = (lambda b: float(_tokens(b))) if count_fn else (lambda b: len(b["ids"]))
+    for s, step in enumerate(one):
+        ids = [[int(i) for i in mb.batch["ids"]] for mb in step.micro]
+        expected = sum(sum(LOSS_SUMS[i] for i in mb) / sum((LENGTHS[i] if count_fn else 1) for i in mb)
+                       for mb in ids) / len(ids)
+        ddp = sum(mb.weight * float(mb.batch["loss_sum"].sum()) / unit(mb.batch)
+                  for rank in ranks for mb in rank[s].micro) / 3
+        assert ddp == pytest.approx(expected), step.where
+        for m, mb_ids in enumerate(ids):
+            assert sum(rank[s].micro[m].tokens for rank in ranks) == sum(LENGTHS[i] for i in mb_ids)
+            assert step.micro[m].tokens == sum(LENGTHS[i] for i in mb_ids)
+    idle = ranks[2][1].micro[0]  # rank 2's slice of the 2-example batch is empty
+    assert idle.weight == 0.0 and idle.tokens == 0
+    assert len(idle.batch["ids"]) == 1  # it still joins the all-reduce, with the least work: one example
 

@@ -28,15 +28,17 @@ def grad_norm(params: list[torch.nn.Parameter], max_norm: float = 0.0) -> torch.
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return torch.zeros(())
+    # (torch's foreach default: its multi-tensor kernels on CPU and CUDA, a per-tensor loop on other devices)
     if max_norm:
-        return torch.nn.utils.clip_grad_norm_([p for p in params if p.grad is not None], max_norm, foreach=True)
-    return torch.nn.utils.get_total_norm(grads, foreach=True)
+        return torch.nn.utils.clip_grad_norm_([p for p in params if p.grad is not None], max_norm)
+    return torch.nn.utils.get_total_norm(grads)
 
 
 def nonfinite(step_loss: torch.Tensor, norm: torch.Tensor) -> tuple[bool, bool]:
     """(loss or gradient not finite, the loss itself not finite), with one read-back from the device when all is
-    well."""
-    bad = not bool(torch.isfinite(step_loss + norm.to(step_loss.device)))
+    well. Each is checked on its own: a finite loss and norm whose sum overflows (two values above 1.7e38) are fine.
+    (norm is 0-dim: on the CPU, as grad_norm's zero is, it combines with a loss on any device.)"""
+    bad = not bool(torch.isfinite(step_loss) & torch.isfinite(norm))
     return bad, bad and not bool(torch.isfinite(step_loss))
 
 

@@ -314,7 +314,8 @@ def prepared(weight: torch.Tensor, bias: torch.Tensor | None = None, scale: torc
     out_features, n_in = weight.shape[0], in_features(weight)
     group = 0  # int4's group size; the other kinds ignore it
     if weight.dtype == torch.uint8:
-        if scale is None or scale.dim() != 2 or scale.shape[0] != out_features or n_in % max(scale.shape[1], 1):
+        if scale is None or scale.dim() != 2 or scale.shape[0] != out_features or not scale.shape[1] \
+                or n_in % scale.shape[1]:
             raise ValueError(f"an int4 weight of {out_features} rows and {n_in} features needs (out, in / group) "
                              f"group scales, got {None if scale is None else tuple(scale.shape)}")
         group = n_in // scale.shape[1]

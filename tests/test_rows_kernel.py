@@ -2,6 +2,8 @@
 (fp32 rounding of sums up to 768 long: atol 1e-4) for every row count it takes, the weight dtypes it reads, tails of
 in_features that are not a multiple of the vector width, with and without bias; and the refusals. int4 weights
 against F.linear on their dequantized values (in_features whole groups of 32 or 64, no tail by construction)."""
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -107,6 +109,10 @@ def test_int4_refusals_name_the_problem(lib):
             rows.rows_linear(x, q.q, None, q.scale[:, 0], lib=lib)
         with pytest.raises(ValueError, match="groups of a multiple of 32 values, got 16"):
             rows.rows_linear(x, q.q, None, torch.ones(4, 4), lib=lib)
+        for shape in ((5, 2), (4, 0), (4, 3)):  # scales for another row count, none per row, groups that do not divide
+            message = f"an int4 weight of 4 rows and 64 features needs (out, in / group) group scales, got {shape}"
+            with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+                rows.rows_linear(x, q.q, None, torch.ones(shape), lib=lib)
     # the kernel's own check, for callers other than rows.py: -2 and nothing written for a group that does not fit
     kernel = lib or rows.library()
     y = torch.full((1, 4), 7.0)
@@ -122,8 +128,10 @@ def test_refusals_name_the_problem():
         assert not rows.applies(x, w)  # 9 rows: more than the kernel takes
         with pytest.raises(ValueError, match="1 to 8 rows"):
             rows.rows_linear(x, w)
-        with pytest.raises(ValueError, match="per-row scale"):
+        with pytest.raises(ValueError, match="^an int8 weight needs its per-row scale$"):
             rows.rows_linear(x[:1], quantize_int8(w).q)
+        with pytest.raises(ValueError, match=r"^the weight must be contiguous \(row-major\)$"):
+            rows.rows_linear(x[:1], torch.randn(16, 4).t())
         assert rows.applies(x[:8], w)
         assert not rows.applies(x[:1], w.t())  # a transposed view: not row-major
     assert not rows.applies(x[:1], w)  # gradients on: training takes F.linear
@@ -257,3 +265,14 @@ def test_rows_linear_runs_the_kernel_it_is_given():
     with torch.no_grad():
         torch.testing.assert_close(rows.rows_linear(x, w, lib=Spy()), F.linear(x, w), atol=1e-5, rtol=1e-5)
     assert Spy.calls
+
+
+def test_each_weight_kind_takes_the_kernel_form_its_plan_chose(monkeypatch):
+    asked = []
+    real = rows.library_for
+    monkeypatch.setattr(rows, "library_for", lambda kind: asked.append(kind) or real(kind))
+    w = torch.randn(4, 64)
+    for weight, scale in ((w, None), (quantize_int8(w).q, quantize_int8(w).scale), (w.bfloat16(), None),
+                          (quantize_int4(w).q, quantize_int4(w).scale)):
+        rows.prepared(weight, None, scale)
+    assert asked == ["fp32", "int8", "bf16", "int4"]

@@ -10,8 +10,8 @@ from torch import nn
 
 import optimizer as optimizer_module
 from models.gpt2 import GPT2LMHeadModel
-from modules.linear import Linear
 from modules import packed
+from modules.linear import Linear
 from optimizer import AdamW, param_groups_for_weight_decay
 from tasks import ladder
 

@@ -32,7 +32,14 @@ def test_the_plan_can_be_switched_off(fresh_plan, monkeypatch):
     monkeypatch.setenv("GPT2_DECODE_PLAN", "off")
     monkeypatch.setattr(rows, "time_forms", lambda *a, **k: pytest.fail("timed with the plan off"))
     chosen = rows.plan()
-    assert set(chosen["forms"].values()) == {"native"} and "GPT2_DECODE_PLAN=off" in chosen["source"]
+    assert chosen == {"forms": {"fp32": "native", "int8": "native", "int4": "native"}, "speeds": {},
+                      "source": "GPT2_DECODE_PLAN=off"}
+    monkeypatch.setenv("GPT2_DECODE_PLAN", "on")
+    monkeypatch.setattr(rows, "_plan", None)
+    monkeypatch.setattr(rows, "_capability", lambda: "AVX2")  # one form of the kernel: nothing to choose
+    chosen = rows.plan()
+    assert chosen == {"forms": {"fp32": "native", "int8": "native", "int4": "native"}, "speeds": {},
+                      "source": "one form of the kernel here"}
 
 
 @pytest.mark.skipif(not AVX512, reason="two forms of the kernel exist only on an AVX512 CPU with the kernel built")
@@ -41,9 +48,10 @@ def test_the_plan_is_timed_once_and_cached(fresh_plan, monkeypatch):
               "int4": {"native": 6.0, "avx2": 5.0}}
     monkeypatch.setattr(rows, "time_forms", lambda libs, **k: speeds)
     chosen = rows.plan()
-    assert chosen["forms"] == {"fp32": "native", "int8": "avx2", "int4": "native"}
-    (cached,) = fresh_plan.glob("plan-*.json")
-    assert json.loads(cached.read_text())["forms"] == chosen["forms"]
+    assert chosen["forms"] == {"fp32": "native", "int8": "avx2", "int4": "native"} and chosen["speeds"] == speeds
+    (cached,) = fresh_plan.glob("plan-*")  # one whole file, no temporary one left
+    assert cached.name == f"plan-{rows._cache_key(rows.SOURCE)}.json"
+    assert chosen["source"] == f"timed, cached in {cached}" and json.loads(cached.read_text()) == chosen
     assert rows.library_for("int8").rows_vector_width() == 8  # the AVX2 build
     assert rows.library_for("fp32").rows_vector_width() == 16
     monkeypatch.setattr(rows, "_plan", None)
@@ -126,3 +134,22 @@ def test_busy_is_strictly_above_three_quarters_and_an_unknown_core_count_is_one(
     monkeypatch.setattr(rows.os, "cpu_count", lambda: None)
     monkeypatch.setattr(rows.os, "getloadavg", lambda: (0.8, 0.0, 0.0))
     assert rows.machine_busy() == "load average 0.8 on 1 cores"
+
+
+@pytest.mark.skipif(not AVX512, reason="two forms of the kernel exist only on an AVX512 CPU with the kernel built")
+def test_a_plan_that_cannot_be_timed_or_cached_says_why(fresh_plan, monkeypatch):
+    monkeypatch.setattr(rows, "time_forms", lambda libs, **k: (_ for _ in ()).throw(RuntimeError("no AVX2 build")))
+    assert rows.plan() == {"forms": {"fp32": "native", "int8": "native", "int4": "native"}, "speeds": {},
+                           "source": "not timed (RuntimeError: no AVX2 build)"}
+    monkeypatch.setattr(rows, "_plan", None)
+    monkeypatch.setattr(rows, "machine_busy", lambda: "load average 3.5 on 2 cores")
+    assert rows.plan()["source"] == "not timed: the machine is busy (load average 3.5 on 2 cores)"
+    monkeypatch.setattr(rows, "_plan", None)
+    monkeypatch.setattr(rows, "machine_busy", lambda: None)
+    speeds = {k: {"native": 1.0, "avx2": 2.0} for k in ("fp32", "int8", "int4")}
+    monkeypatch.setattr(rows, "time_forms", lambda libs, **k: speeds)
+    monkeypatch.setattr(rows, "_plan_path", lambda: fresh_plan / "missing" / "plan.json")
+    monkeypatch.setattr(rows.Path, "mkdir", lambda *a, **k: (_ for _ in ()).throw(PermissionError("read-only")))
+    chosen = rows.plan()  # a cache it cannot write: the plan holds for this process
+    assert chosen["forms"] == {"fp32": "avx2", "int8": "avx2", "int4": "avx2"}
+    assert chosen["source"] == "timed, not cached (read-only)" and not list(fresh_plan.rglob("*.json"))

@@ -276,3 +276,33 @@ def test_each_weight_kind_takes_the_kernel_form_its_plan_chose(monkeypatch):
                           (quantize_int4(w).q, quantize_int4(w).scale)):
         rows.prepared(weight, None, scale)
     assert asked == ["fp32", "int8", "bf16", "int4"]
+
+
+def test_a_fresh_cache_builds_the_kernel_under_its_key_and_a_failed_build_says_what_the_compiler_said(
+        monkeypatch, tmp_path):
+    """_build in an empty cache (its folders made as needed): the library lands under the source's stem and its key,
+    loads, and computes; a source that does not compile raises with the command and the last 2000 characters of
+    the compiler's messages."""
+    monkeypatch.setenv("GPT2_KERNEL_CACHE", str(tmp_path / "a" / "b"))
+    built = rows._build(rows.AVX2)
+    assert built == tmp_path / "a" / "b" / f"rows-{rows._cache_key(rows.SOURCE, ' '.join(rows.AVX2))}.so"
+    assert [p.name for p in (tmp_path / "a" / "b").iterdir()] == [built.name]  # no temporary folder left
+    lib = rows.library(rows.AVX2)
+    x, w = torch.randn(1, 16), torch.randn(4, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(rows.rows_linear(x, w, lib=lib), F.linear(x, w), atol=1e-5, rtol=1e-5)
+    bad = tmp_path / "bad.cpp"
+    bad.write_text("".join(f"int f{i}() {{ return undefined_{i}; }}\n" for i in range(60)))
+    with pytest.raises(RuntimeError) as raised:
+        rows._build(rows.NATIVE, source=bad)
+    command, _, messages = str(raised.value).partition(" failed:\n")
+    assert command.split()[1:2] == ["-O3"] and command.endswith(f"-std=c++17 {bad} -o {command.split()[-1]}")
+    assert "undefined_59" in messages and len(messages) == 2000  # the end of a longer output
+
+
+def test_the_kernel_cache_follows_xdg_cache_home(monkeypatch, tmp_path):
+    monkeypatch.delenv("GPT2_KERNEL_CACHE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert rows._cache_dir() == tmp_path / "gpt2-cs224n" / "kernels"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert rows._cache_dir() == rows.Path.home() / ".cache" / "gpt2-cs224n" / "kernels"

@@ -1,8 +1,14 @@
 """Atomic, verified training checkpoints (training/checkpoint.py), and the run folder made of them
 (training/runfolder.py): OUT/last and OUT/best, new runs, resumes and --overwrite, head and LoRA weights."""
+import hashlib
+import io
 import json
+import os
 import random
+import shutil
+from fractions import Fraction
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -93,6 +99,137 @@ def test_crash_between_renames_keeps_the_previous_checkpoint(tmp_path, monkeypat
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last"]
 
 
+
+def test_save_writes_parents_the_scheduler_the_tokenizer_and_a_head_file_transformers_reads(tmp_path):
+    model, opt = _model_and_optimizer()
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5)
+
+    class Tokenizer:  # anything with save_pretrained(dir), like an HF tokenizer
+        def save_pretrained(self, directory):
+            (Path(directory) / "tokenizer.json").write_text("{}")
+            (Path(directory) / "extras").mkdir()  # a folder in a checkpoint is kept, not hashed
+
+    path = ck.save_checkpoint(tmp_path / "a" / "b" / "last", model, optimizer=opt, scheduler=schedule,
+                              extra_tensors={"head.weight": torch.ones(2)}, tokenizer=Tokenizer())
+    assert (path / "tokenizer.json").read_text() == "{}" and (path / "extras").is_dir()
+    from safetensors import safe_open
+    with safe_open(path / ck.EXTRA, "pt") as f:
+        assert f.metadata() == {"format": "pt"}  # what transformers' and safetensors' torch loaders expect
+    on_disk = torch.load(path / ck.STATE, weights_only=True)
+    assert sorted(on_disk) == ["optimizer", "scheduler", "state"] and on_disk["state"] == {}
+    assert ck.load_checkpoint(path).scheduler == schedule.state_dict() == on_disk["scheduler"]
+    text = (path / ck.MANIFEST).read_text()
+    manifest = json.loads(text)
+    assert sorted(manifest) == sorted(["config.json", ck.EXTRA, "model.safetensors", ck.STATE, "tokenizer.json"])
+    assert text == json.dumps(manifest, indent=1, sort_keys=True)  # one entry per line, for a reader
+    assert manifest["tokenizer.json"] == {"bytes": 2, "sha256": hashlib.sha256(b"{}").hexdigest()}
+
+
+def test_stale_temporary_folders_of_dead_processes_go_and_a_live_ones_stays(tmp_path):
+    dead = tmp_path / ".my-last.tmp-999999999"  # no such process (a hyphen in the name, too)
+    live = tmp_path / f".my-last.tmp-{os.getppid()}"  # another process saving right now
+    stray = tmp_path / ".my-last.tmp-999999998"  # a file, not a folder: left alone, and no error
+    for folder in (dead, live):
+        folder.mkdir()
+    stray.write_text("x")
+    ck.save_checkpoint(tmp_path / "my-last", state={"step": 1})
+    assert not dead.exists() and live.is_dir() and stray.is_file()
+
+
+def test_a_save_interrupted_again_keeps_the_last_good_checkpoint(tmp_path, monkeypatch):
+    """After a crash between the renames only .last.old is whole; a second crash before the new folder is moved in
+    must still leave it (the recovery moves it back first); and a leftover .last.old beside a whole last/ goes."""
+    ck.save_checkpoint(tmp_path / "last", state={"step": 1})
+    os.replace(tmp_path / "last", tmp_path / ".last.old")  # the first crash
+    real_replace = ck.os.replace
+
+    def crash_moving_the_new_one_in(src, dst):
+        if ".tmp-" in Path(src).name:
+            raise KeyboardInterrupt
+        real_replace(src, dst)
+
+    monkeypatch.setattr(ck.os, "replace", crash_moving_the_new_one_in)
+    with pytest.raises(KeyboardInterrupt):
+        ck.save_checkpoint(tmp_path / "last", state={"step": 2})
+    monkeypatch.undo()
+    assert ck.load_checkpoint(tmp_path / "last").state == {"step": 1}
+    ck.save_checkpoint(tmp_path / "last", state={"step": 2})
+    shutil.copytree(tmp_path / "last", tmp_path / ".last.old")  # a crash after the new one moved in
+    ck.save_checkpoint(tmp_path / "last", state={"step": 3})
+    assert ck.load_checkpoint(tmp_path / "last").state == {"step": 3} and not (tmp_path / ".last.old").exists()
+
+
+def test_every_kind_of_unreadable_checkpoint_says_what_is_wrong(tmp_path):
+    path = ck.save_checkpoint(tmp_path / "c", state={"step": 1})
+    (path / ck.MANIFEST).write_text("{not json")
+    with pytest.raises(ck.CorruptCheckpointError, match=rf"^checkpoint {path}: manifest\.json is not valid JSON \("):
+        ck.load_checkpoint(path)
+    path = ck.save_checkpoint(tmp_path / "c", state={"step": 1})
+    (path / ck.STATE).unlink()
+    with pytest.raises(ck.CorruptCheckpointError, match=rf"^checkpoint {path} is missing training_state\.pt$"):
+        ck.load_checkpoint(path)
+
+    def rewritten(state_bytes: bytes) -> Path:  # a training_state.pt that its manifest vouches for
+        folder = ck.save_checkpoint(tmp_path / "c", state={"step": 1})
+        (folder / ck.STATE).write_bytes(state_bytes)
+        manifest = json.loads((folder / ck.MANIFEST).read_text())
+        manifest[ck.STATE] = {"bytes": len(state_bytes), "sha256": hashlib.sha256(state_bytes).hexdigest()}
+        (folder / ck.MANIFEST).write_text(json.dumps(manifest))
+        return folder
+
+    buf = io.BytesIO()
+    torch.save({"state": {"step": Fraction(1, 3)}}, buf)  # a Python object: unpickling it could run code
+    path = rewritten(buf.getvalue())
+    with pytest.raises(ck.CorruptCheckpointError, match=rf"^refusing to load {path / ck.STATE}: it holds Python "
+                                                        r"objects other than tensors and plain values, which could "
+                                                        r"run code when unpickled \(weights_only=True\)$"):
+        ck.load_checkpoint(path)
+    path = rewritten(b"not a torch file")
+    with pytest.raises(ck.CorruptCheckpointError, match=rf"^checkpoint {path}: cannot read training_state\.pt \("):
+        ck.load_checkpoint(path)
+
+
+def test_read_step_reads_the_counter_alone_and_names_a_broken_file(tmp_path):
+    ck.save_checkpoint(tmp_path / "last", state={"step": 42, "big": torch.zeros(1000)})
+    assert ck.read_step(tmp_path / "last") == 42
+    os.replace(tmp_path / "last", tmp_path / ".last.old")  # a crash between renames: the survivor is read
+    assert ck.read_step(tmp_path / "last") == 42
+    (tmp_path / ".last.old" / ck.STATE).write_bytes(b"broken")
+    with pytest.raises(ck.CorruptCheckpointError, match=rf"^checkpoint {tmp_path / '.last.old'}: cannot read its step "
+                                                        r"from training_state\.pt \(.*\); pass --overwrite to start "
+                                                        r"afresh$"):
+        ck.read_step(tmp_path / "last")
+
+
+def test_resume_rule_names_each_changed_setting_and_lets_only_the_extendable_grow():
+    saved = {"lr": 1e-3, "seed": 1, "epochs": 3, "data": "a.csv"}
+    ck.check_resume_settings(saved, dict(saved), "OUT/last")
+    ck.check_resume_settings(saved, {**saved, "epochs": 5}, "OUT/last", extendable=("epochs",))  # may grow
+    ck.check_resume_settings(saved, {**saved, "new_flag": True}, "OUT/last")  # not recorded then: not compared
+    ck.check_resume_settings({"lr": 1e-3}, {"lr": 1e-3, "epochs": 2}, "x", extendable=("epochs",))
+    with pytest.raises(ValueError) as e:
+        ck.check_resume_settings(saved, {**saved, "lr": 1e-2, "data": "b.csv", "epochs": 2}, "OUT/last",
+                                 extendable=("epochs", "max_iters"))
+    assert str(e.value) == ("cannot resume OUT/last: these settings differ from the saved run's: lr was 0.001, now "
+                            "0.01; data was 'a.csv', now 'b.csv'; epochs was 3, now 2 (it may only grow). Pass the "
+                            "run's own settings (only epochs, max_iters may be raised), or start a new run")
+    with pytest.raises(ValueError, match=r"^cannot resume x: these settings differ from the saved run's: epochs was 3, "
+                                         r"now 4\. Pass the run's own settings \(only none may be raised\)"):
+        ck.check_resume_settings(saved, {"epochs": 4}, "x")
+    with pytest.raises(ValueError, match=r"epochs was 3, now 2 \(it may only grow\)\. Pass"):
+        ck.check_resume_settings(saved, {"epochs": 2}, "x", extendable=("epochs",))
+
+
+def test_rng_restores_from_lists_and_without_the_generator_it_saved():
+    gen = torch.Generator().manual_seed(3)
+    state = ck.capture_rng(gen)
+    expected = (random.random(), torch.rand(1, generator=gen))
+    state["python"] = json.loads(json.dumps(state["python"]))  # tuples as lists (as JSON, or an older writer)
+    ck.restore_rng(state)  # no generator given: its saved state is not needed
+    assert random.random() == expected[0]
+    ck.restore_rng(state, gen)
+    assert torch.equal(torch.rand(1, generator=gen), expected[1])
+
 # ---- the run folder (training/runfolder.py) ----------------------------------------------------------------------
 
 class Headed(torch.nn.Module):
@@ -129,6 +266,10 @@ def test_a_task_models_body_and_head_round_trip_and_another_head_or_architecture
     with pytest.raises(ArchitectureMismatchError, match=r"model\): n_positions 32 vs 40, n_layer 2 vs 3$"):
         rf.check_architecture(tiny_config("h5"), tiny_config("h5", n_layer=3, n_positions=40), path)
     rf.check_architecture(tiny_config("h5"), tiny_config("h5", resid_pdrop=0.3), path)  # not the architecture
+    config = tiny_config("h5")
+    older = SimpleNamespace(**{k: getattr(config, k) for k in rf.ARCHITECTURE if k != "logit_softcap"})
+    rf.check_architecture(older, config, path)  # a field an older config lacks counts as None (its default)
+    rf.check_architecture(config, older, path)
 
 
 def _lora_lm(seed: int, base_model: str | None):

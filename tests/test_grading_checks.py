@@ -462,6 +462,11 @@ def test_from_pretrained_is_graded_by_the_weights_it_loads():
         result = checks.check_from_pretrained(ok(ref.mis_loaded(hub, bug, probes.L), g), SCORER, hub, "note")
         assert (result.diagnosis_key, result.score) == (bug, 0.0)
         assert result.messages[-1].startswith(("8 loaded tensor(s)", "4 loaded tensor(s)")), result.messages
+    h, last = ref.model_forward(ref.hf_model(hub, H, "tanh", 1e-5), g["ids"].long(), MASKS["right"])
+    result = checks.check_from_pretrained(ok({**hub, "last_hidden_state": h, "last_token": last}, g), SCORER, hub,
+                                          "note")
+    assert result.info == ["note", "the loaded model's outputs differ from transformers' GPT-2 (eps 1e-5, tanh GELU) "
+                                   "by up to 0 (its attention and layers as graded in their checks; no points)"]
     values = {"parts": {"outputs": "ValueError: x"}}
     result = checks.check_from_pretrained(ok(dict(hub), g, values), SCORER, hub, "note")
     assert result.info[-1] == "running the loaded model: ValueError: x (no points: graded by its weights)"

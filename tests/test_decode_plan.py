@@ -49,9 +49,15 @@ def test_the_plan_can_be_switched_off(fresh_plan, monkeypatch):
 def test_the_plan_is_timed_once_and_cached(fresh_plan, monkeypatch):
     speeds = {"fp32": {"native": 20.0, "avx2": 19.0}, "int8": {"native": 10.0, "avx2": 12.0},
               "int4": {"native": 6.0, "avx2": 5.0}}
-    monkeypatch.setattr(rows, "time_forms", lambda libs, **k: speeds)
+    timed = []
+    monkeypatch.setattr(rows, "time_forms", lambda libs, **k: timed.append(libs) or speeds)
+    monkeypatch.setenv("GPT2_KERNEL_CACHE", str(fresh_plan / "x" / "y"))  # folders the plan's file needs are made
     chosen = rows.plan()
+    (libs,) = timed  # the native build and the AVX2 one, by name
+    assert sorted(libs) == ["avx2", "native"] and libs["native"] is rows._load()
+    assert libs["avx2"].rows_vector_width() == 8
     assert chosen["forms"] == {"fp32": "native", "int8": "avx2", "int4": "native"} and chosen["speeds"] == speeds
+    fresh_plan = fresh_plan / "x" / "y"
     (cached,) = fresh_plan.glob("plan-*")  # one whole file, no temporary one left
     assert cached.name == f"plan-{rows._cache_key(rows.SOURCE)}.json"
     assert chosen["source"] == f"timed, cached in {cached}" and json.loads(cached.read_text()) == chosen
@@ -156,3 +162,21 @@ def test_a_plan_that_cannot_be_timed_or_cached_says_why(fresh_plan, monkeypatch)
     chosen = rows.plan()  # a cache it cannot write: the plan holds for this process
     assert chosen["forms"] == {"fp32": "avx2", "int8": "avx2", "int4": "avx2"}
     assert chosen["source"] == "timed, not cached (read-only)" and not list(fresh_plan.rglob("*.json"))
+
+
+def test_the_kernel_loads_once_where_the_cpu_has_avx2_and_says_what_runs_instead_when_it_cannot(monkeypatch):
+    monkeypatch.setattr(rows, "_library", None)
+    monkeypatch.setenv("GPT2_ROWS_KERNEL", "0")
+    assert rows.available() is False
+    monkeypatch.delenv("GPT2_ROWS_KERNEL")
+    for capability, loads in (("DEFAULT", False), ("AVX2", True), ("AVX512", True)):
+        monkeypatch.setattr(rows, "_library", None)
+        monkeypatch.setattr(rows, "_capability", lambda c=capability: c)
+        monkeypatch.setattr(rows, "library", lambda: "the library")
+        assert rows.available() is loads and rows._load() == ("the library" if loads else False)
+    monkeypatch.setattr(rows, "_library", None)
+    monkeypatch.setattr(rows, "library", lambda: (_ for _ in ()).throw(RuntimeError("g++: not found")))
+    with pytest.warns(UserWarning) as caught:
+        assert rows.available() is False
+    assert str(caught[0].message) == ("the decoding kernel modules/rows.cpp could not be built (RuntimeError: g++: "
+                                      "not found); decoding uses torch's products (slower)")

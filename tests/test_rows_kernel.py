@@ -126,8 +126,9 @@ def test_refusals_name_the_problem():
     x, w = torch.randn(9, 16), torch.randn(4, 16)
     with torch.no_grad():
         assert not rows.applies(x, w)  # 9 rows: more than the kernel takes
-        with pytest.raises(ValueError, match="1 to 8 rows"):
+        with pytest.raises(ValueError, match="^the rows kernel takes 1 to 8 rows, got 9$"):
             rows.rows_linear(x, w)
+        assert rows.prepared(w)(x[:6].view(2, 3, 16)).shape == (2, 3, 4)  # any leading shape
         with pytest.raises(ValueError, match="^an int8 weight needs its per-row scale$"):
             rows.rows_linear(x[:1], quantize_int8(w).q)
         with pytest.raises(ValueError, match=r"^the weight must be contiguous \(row-major\)$"):

@@ -211,6 +211,8 @@ def test_scorer_bounds_are_inclusive_and_messages_name_the_part():
     (Run(info={"status": "not_implemented", "message": "TODO"}), "not implemented", "not implemented: TODO"),
     (Run(info={"status": "error", "message": "ValueError: x"}), "error", "the submission raised ValueError: x"),
     (Run(info={"status": "weird"}), "error", "the check produced no result"),
+    (Run(info={"status": "not_implemented"}), "not implemented", "not implemented: "),
+    (Run(info={"status": "error"}), "error", "the submission raised "),
 ])
 def test_a_run_without_a_result_scores_zero_and_says_why(run, status, message):
     run.findings = ["wrote /tmp/x"]

@@ -15,8 +15,12 @@ from grading import reference as ref
 from grading.grader import load_rubric
 from grading.sandbox import Run
 
-SCORER = checks.Scorer(load_rubric())
 MASKS, H, P, D = checks.MASKS, probes.H, probes.DROPOUT_P, probes.D
+
+
+def scorer() -> checks.Scorer:
+    """The default rubric's scorer, built in each test (not at import, so the test exercises its construction)."""
+    return checks.Scorer(load_rubric())
 
 
 def ok(tensors: dict, given: dict, values: dict | None = None, notes=()) -> Run:
@@ -49,7 +53,7 @@ def attention_q():
 
 
 def test_a_correct_attention_scores_full_marks(attention_q):
-    result = checks.check_attention(ok(attention_answers(attention_q), attention_q, notes=["a note"]), SCORER)
+    result = checks.check_attention(ok(attention_answers(attention_q), attention_q, notes=["a note"]), scorer())
     assert summary(result) == {"forward": ("pass", 8.0), "attention": ("pass", 4.0), "training": ("pass", 4.0)}
     assert (result.verdict, result.score, result.max_score, result.diagnosis) == ("pass", 16.0, 16.0, "")
     assert result.messages == ["a note"] and result.output == "printed"
@@ -67,13 +71,13 @@ def test_a_correct_attention_scores_full_marks(attention_q):
 def test_attention_without_attention_is_graded_through_forward(attention_q):
     t = attention_answers(attention_q)
     del t["attention.left"]
-    result = checks.check_attention(ok(t, attention_q), SCORER)
+    result = checks.check_attention(ok(t, attention_q), scorer())
     assert result.parts[1].message == checks.THROUGH_FORWARD and result.parts[1].status == "pass"
 
 
 @pytest.mark.parametrize("bug", ref.ATTENTION_BUGS)
 def test_an_attention_bug_is_named_and_costs_forward_and_attention(attention_q, bug):
-    result = checks.check_attention(ok(attention_answers(attention_q, (bug,)), attention_q), SCORER)
+    result = checks.check_attention(ok(attention_answers(attention_q, (bug,)), attention_q), scorer())
     assert result.diagnosis_key == bug and result.diagnosis == ref.BUGS[bug]
     forward, attention, training = result.parts
     assert (forward.status, forward.points, attention.points) == ("fail", 0.0, 0.0)
@@ -93,7 +97,7 @@ def test_attention_off_by_a_little_is_close_without_a_bug_named(attention_q):
     for c in MASKS:
         t[f"forward.{c}"] = t[f"forward.{c}"] + 1e-3
     t["attention.left"] = t["forward.left"]
-    result = checks.check_attention(ok(t, attention_q), SCORER)
+    result = checks.check_attention(ok(t, attention_q), scorer())
     assert summary(result)["forward"] == ("close", 4.0) and summary(result)["attention"] == ("close", 2.0)
     assert result.diagnosis_key == "" and result.diagnosis.startswith("no typical bug matches exactly (closest: ")
     assert result.parts[0].message.startswith("forward() (no padding, right and left padding) close but not exact "
@@ -102,7 +106,7 @@ def test_attention_off_by_a_little_is_close_without_a_bug_named(attention_q):
 
 
 def training_of(g, t, values=None) -> tuple[checks.Part, checks.CheckResult]:
-    result = checks.check_attention(ok(t, g, values), SCORER)
+    result = checks.check_attention(ok(t, g, values), scorer())
     return result.parts[2], result
 
 
@@ -188,16 +192,16 @@ def test_max_err_over_rows_missing_and_non_finite():
 def test_scorer_bounds_are_inclusive_and_messages_name_the_part():
     for err, status, points in ((1e-5, "pass", 8.0), (1e-2, "close", 4.0), (0.011, "fail", 0.0)):
         part = checks.Part("forward", 8.0)
-        SCORER.score(part, err, what="forward()")
+        scorer().score(part, err, what="forward()")
         assert (part.status, part.points, part.error) == (status, points, err)
     part = checks.Part("forward", 8.0)
-    SCORER.score(part, 0.5, what="forward()")
+    scorer().score(part, 0.5, what="forward()")
     assert part.message == "forward() differs from the reference (max error 0.5)"
-    SCORER.score(part, float("inf"), what="forward()")
+    scorer().score(part, float("inf"), what="forward()")
     assert part.message == "forward() has the wrong shape or non-finite values"
-    SCORER.score(part, 1e-4, exact=1e-3, what="x")
+    scorer().score(part, 1e-4, exact=1e-3, what="x")
     assert part.status == "pass"
-    assert [(p.name, p.max) for p in SCORER.parts("layer")] == [("add", 3.0), ("forward", 9.0), ("training", 2.0)]
+    assert [(p.name, p.max) for p in scorer().parts("layer")] == [("add", 3.0), ("forward", 9.0), ("training", 2.0)]
 
 
 # ---- failed runs, answers, part failures ---------------------------------------------------------------------------
@@ -207,17 +211,19 @@ def test_scorer_bounds_are_inclusive_and_messages_name_the_part():
     (Run(info={"status": "not_implemented", "message": "TODO"}), "not implemented", "not implemented: TODO"),
     (Run(info={"status": "error", "message": "ValueError: x"}), "error", "the submission raised ValueError: x"),
     (Run(info={"status": "weird"}), "error", "the check produced no result"),
+    (Run(info={"status": "not_implemented"}), "not implemented", "not implemented: "),
+    (Run(info={"status": "error"}), "error", "the submission raised "),
 ])
 def test_a_run_without_a_result_scores_zero_and_says_why(run, status, message):
     run.findings = ["wrote /tmp/x"]
-    result = checks.check_embed(run, SCORER)
+    result = checks.check_embed(run, scorer())
     assert [(p.status, p.points, p.message) for p in result.parts] == [(status, 0.0, message)] * 2
     assert result.verdict == status and result.messages == [message, "finding: wrote /tmp/x"]
 
 
 def test_a_device_finding_is_reported_with_the_error():
     run = Run(info={"status": "error", "message": "RuntimeError: cuda", "device": "asked for a GPU"})
-    result = checks.check_embed(run, SCORER)
+    result = checks.check_embed(run, scorer())
     assert result.messages == ["the submission raised RuntimeError: cuda", "finding: asked for a GPU"]
 
 
@@ -225,7 +231,7 @@ def test_unasked_or_misshapen_answers_are_dropped_and_said():
     g = questions.ask("embed", 0)
     want = F.embedding(g["ids"].long(), g["word_embedding.weight"]) + g["pos_embedding.weight"][:7]
     t = {"embed": want, "embed.train": want[:, :3], **{f"extra{i}": torch.zeros(1) for i in range(5)}}
-    result = checks.check_embed(ok(t, g), SCORER)
+    result = checks.check_embed(ok(t, g), scorer())
     assert result.messages == [
         "finding: the check returned 6 tensor(s) the grader did not ask for or of the wrong shape, ignored: "
         "embed.train (3, 3, 32) (expected (3, 7, 32)), extra0 (1,), extra1 (1,), extra2 (1,), extra3 (1,) ..."]
@@ -233,7 +239,7 @@ def test_unasked_or_misshapen_answers_are_dropped_and_said():
 
 
 def test_part_failures_score_zero_with_their_reason():
-    result = checks.CheckResult("model", SCORER.parts("model"))
+    result = checks.CheckResult("model", scorer().parts("model"))
     failed = checks.part_failures(result, {"parts": {"forward": "not implemented: TODO", "hidden_state_to_token": "boom"}})
     assert failed == {"forward", "hidden_state_to_token"}
     assert [(p.status, p.message) for p in result.parts] == [
@@ -264,14 +270,14 @@ def layer_answers(g, act="exact", eps=(1e-5, 1e-5), bugs=(), drop="right") -> di
 
 
 def test_a_correct_layer_scores_full_marks_and_its_exact_gelu_is_noted(layer_q):
-    result = checks.check_layer(ok(layer_answers(layer_q), layer_q), SCORER)
+    result = checks.check_layer(ok(layer_answers(layer_q), layer_q), scorer())
     assert summary(result) == {"add": ("pass", 3.0), "forward": ("pass", 9.0), "training": ("pass", 2.0)}
     assert (result.verdict, result.diagnosis_key, result.messages) == ("pass", "", [])
     assert len(result.info) == 1 and result.info[0].startswith(
         "uses exact GELU (F.gelu, as the course's starter gives); transformers' GPT-2 uses the tanh approximation: "
         "with it the outputs differ by up to ")
     assert result.info[0].endswith(" (no points lost)")
-    tanh = checks.check_layer(ok(layer_answers(layer_q, "tanh", (1e-3, 1e-6)), layer_q), SCORER)
+    tanh = checks.check_layer(ok(layer_answers(layer_q, "tanh", (1e-3, 1e-6)), layer_q), scorer())
     assert tanh.score == 14 and tanh.info == [] and tanh.messages == []
 
 
@@ -279,7 +285,7 @@ def test_a_layer_whose_norms_and_gelu_cannot_be_read_is_graded_with_the_defaults
     t = layer_answers(layer_q, "tanh")
     for k in ("ln.attention_layer_norm", "ln.out_layer_norm", "gelu"):
         del t[k]
-    result = checks.check_layer(ok(t, layer_q), SCORER)
+    result = checks.check_layer(ok(t, layer_q), scorer())
     assert result.messages == [
         "attention_layer_norm does not act as a LayerNorm on the grader's input; graded with eps 1e-5",
         "out_layer_norm does not act as a LayerNorm on the grader's input; graded with eps 1e-5",
@@ -290,13 +296,13 @@ def test_a_layer_whose_norms_and_gelu_cannot_be_read_is_graded_with_the_defaults
 def test_add_is_graded_through_forward_when_absent(layer_q):
     t = layer_answers(layer_q)
     del t["add"]
-    result = checks.check_layer(ok(t, layer_q), SCORER)
+    result = checks.check_layer(ok(t, layer_q), scorer())
     assert result.parts[0].status == "pass" and result.parts[0].message == " " + checks.THROUGH_FORWARD
 
 
 @pytest.mark.parametrize("bug", ["no_ln_attn", "post_ln", "residual_normed", "no_causal"])
 def test_a_layer_bug_is_named_and_costs_forward_only(layer_q, bug):
-    result = checks.check_layer(ok(layer_answers(layer_q, bugs=(bug,)), layer_q), SCORER)
+    result = checks.check_layer(ok(layer_answers(layer_q, bugs=(bug,)), layer_q), scorer())
     assert result.diagnosis_key == bug and result.diagnosis == ref.BUGS[bug]
     assert summary(result) == {"add": ("pass", 3.0), "forward": ("fail", 0.0), "training": ("pass", 2.0)}
     assert result.parts[1].message.startswith("forward() differs from the reference (max error ")
@@ -307,7 +313,7 @@ def test_a_layer_bug_is_named_and_costs_forward_only(layer_q, bug):
     ("swapped", "training mode: the residual dropouts are not applied (once each) to the outputs of attention_dense "
                 "and out_dense")])
 def test_misplaced_residual_dropout_is_named(layer_q, drop, message):
-    result = checks.check_layer(ok(layer_answers(layer_q, drop=drop), layer_q), SCORER)
+    result = checks.check_layer(ok(layer_answers(layer_q, drop=drop), layer_q), scorer())
     training = result.parts[2]
     assert (training.status, training.points, training.message) == ("fail", 0.0, message)
     assert (result.diagnosis_key, result.diagnosis) == ("dropout_misplaced", checks.BUGS["dropout_misplaced"])
@@ -318,17 +324,17 @@ def test_layer_training_is_not_graded_when_forward_is_wrong_or_skipped(layer_q):
     t = layer_answers(layer_q)
     for c in MASKS:
         t[f"forward.{c}"] = t[f"forward.{c}"] + 0.5
-    result = checks.check_layer(ok(t, layer_q), SCORER)
+    result = checks.check_layer(ok(t, layer_q), scorer())
     assert result.parts[2].message == ("training mode not graded: forward() is wrong in eval mode (and no single "
                                        "known bug)")
     assert result.diagnosis_key == "" and result.parts[2].points == 0.0
     values = {"parts": {"training": "error: skipped: no attention_dropout"}}
-    result = checks.check_layer(ok(layer_answers(layer_q), layer_q, values), SCORER)
+    result = checks.check_layer(ok(layer_answers(layer_q), layer_q, values), scorer())
     assert (result.parts[2].status, result.parts[2].message) == (
         "error", "training mode not graded: the residual dropouts could not be found by the course's names "
                  "(no attention_dropout)")
     assert result.diagnosis_key == "" and result.max_score == 14
-    result = checks.check_layer(ok(layer_answers(layer_q), layer_q, {"parts": {"training": "boom"}}), SCORER)
+    result = checks.check_layer(ok(layer_answers(layer_q), layer_q, {"parts": {"training": "boom"}}), scorer())
     assert (result.parts[2].status, result.parts[2].message) == ("fail", "training mode: boom")
 
 
@@ -366,7 +372,7 @@ def embed_case(kind: str):
 
 def test_a_correct_embed_scores_full_marks():
     g, t = embed_case("right")
-    result = checks.check_embed(ok(t, g), SCORER)
+    result = checks.check_embed(ok(t, g), scorer())
     assert summary(result) == {"embed": ("pass", 6.0), "training": ("pass", 2.0)} and result.verdict == "pass"
 
 
@@ -377,7 +383,7 @@ def test_a_correct_embed_scores_full_marks():
              "keeps 336 +- 78 (6 standard deviations)")])
 def test_embed_dropout_faults_are_named(kind, message):
     g, t = embed_case(kind)
-    result = checks.check_embed(ok(t, g), SCORER)
+    result = checks.check_embed(ok(t, g), scorer())
     assert (result.parts[1].status, result.parts[1].points, result.parts[1].message) == ("fail", 0.0, message)
     assert (result.verdict, result.score) == ("partial", 6.0)
 
@@ -385,7 +391,7 @@ def test_embed_dropout_faults_are_named(kind, message):
 def test_embed_without_positions_is_named_and_training_not_graded():
     g, t = embed_case("right")
     t["embed"] = F.embedding(g["ids"].long(), g["word_embedding.weight"])
-    result = checks.check_embed(ok(t, g), SCORER)
+    result = checks.check_embed(ok(t, g), scorer())
     assert (result.diagnosis_key, result.diagnosis) == ("no_positions", ref.BUGS["no_positions"])
     assert result.parts[1].message == "training mode not graded: embed() is wrong in eval mode"
     assert (result.verdict, result.score) == ("fail", 0.0)
@@ -414,7 +420,7 @@ def model_case():
 def test_a_correct_model_scores_full_marks(model_case):
     g, t = model_case
     for values in ({}, {"own_components": True}):
-        result = checks.check_model(ok(dict(t), g, values), SCORER)
+        result = checks.check_model(ok(dict(t), g, values), scorer())
         assert summary(result) == {"forward": ("pass", 10.0), "hidden_state_to_token": ("pass", 4.0)}, values
         assert (result.verdict, result.diagnosis_key, result.messages, result.info) == ("pass", "", [], [])
 
@@ -422,7 +428,7 @@ def test_a_correct_model_scores_full_marks(model_case):
 def test_an_untied_head_is_named(model_case):
     g, t = model_case
     t = {**t, "logits.tied": t["logits"]}
-    result = checks.check_model(ok(t, g), SCORER)
+    result = checks.check_model(ok(t, g), scorer())
     head = result.parts[1]
     assert (head.status, head.points, head.message) == ("fail", 0.0, "the logits do not follow word_embedding: the "
                                                                       "head is not tied")
@@ -435,7 +441,7 @@ def test_a_model_bug_is_named(model_case, bug):
     g, t = model_case
     layers = [dict(probes.STAND_IN) for _ in range(probes.L)]
     h, last = ref.f_model(g["ids"].long(), MASKS["right"], checks.weights_of(g), H, layers, 1e-5, "tanh", (bug,))
-    result = checks.check_model(ok({**t, "last_hidden_state": h, "last_token": last}, g), SCORER)
+    result = checks.check_model(ok({**t, "last_hidden_state": h, "last_token": last}, g), scorer())
     assert result.diagnosis_key == bug and summary(result)["forward"] == ("fail", 0.0)
     assert result.parts[0].message.startswith("forward() (last_hidden_state and last_token, right padding) differs "
                                               "from the reference (max error ")
@@ -444,7 +450,7 @@ def test_a_model_bug_is_named(model_case, bug):
 def test_a_model_part_that_failed_in_the_probe_scores_zero(model_case):
     g, t = model_case
     values = {"parts": {"forward": "not implemented: TODO"}}
-    result = checks.check_model(ok(dict(t), g, values), SCORER)
+    result = checks.check_model(ok(dict(t), g, values), scorer())
     assert summary(result) == {"forward": ("not implemented", 0.0), "hidden_state_to_token": ("pass", 4.0)}
     assert result.verdict == "partial"
 
@@ -454,21 +460,21 @@ def test_a_model_part_that_failed_in_the_probe_scores_zero(model_case):
 def test_from_pretrained_is_graded_by_the_weights_it_loads():
     hub = checks.weights_of(questions.ask("model", 5))
     g = {"ids": questions.ask("embed", 5)["ids"]}
-    result = checks.check_from_pretrained(ok(dict(hub), g), SCORER, hub, "the hub note")
+    result = checks.check_from_pretrained(ok(dict(hub), g), scorer(), hub, "the hub note")
     assert summary(result) == {"from_pretrained": ("pass", 18.0)} and result.info == ["the hub note"]
     assert result.messages == ["graded by the weights it loads (the model's outputs depend on components graded in "
                                "their own checks)"]
     for bug in ("conv1d_not_transposed", "qkv_swapped"):
-        result = checks.check_from_pretrained(ok(ref.mis_loaded(hub, bug, probes.L), g), SCORER, hub, "note")
+        result = checks.check_from_pretrained(ok(ref.mis_loaded(hub, bug, probes.L), g), scorer(), hub, "note")
         assert (result.diagnosis_key, result.score) == (bug, 0.0)
         assert result.messages[-1].startswith(("8 loaded tensor(s)", "4 loaded tensor(s)")), result.messages
     h, last = ref.model_forward(ref.hf_model(hub, H, "tanh", 1e-5), g["ids"].long(), MASKS["right"])
-    result = checks.check_from_pretrained(ok({**hub, "last_hidden_state": h, "last_token": last}, g), SCORER, hub,
+    result = checks.check_from_pretrained(ok({**hub, "last_hidden_state": h, "last_token": last}, g), scorer(), hub,
                                           "note")
     assert result.info == ["note", "the loaded model's outputs differ from transformers' GPT-2 (eps 1e-5, tanh GELU) "
                                    "by up to 0 (its attention and layers as graded in their checks; no points)"]
     values = {"parts": {"outputs": "ValueError: x"}}
-    result = checks.check_from_pretrained(ok(dict(hub), g, values), SCORER, hub, "note")
+    result = checks.check_from_pretrained(ok(dict(hub), g, values), scorer(), hub, "note")
     assert result.info[-1] == "running the loaded model: ValueError: x (no points: graded by its weights)"
 
 
@@ -480,7 +486,7 @@ SDPA = "torch.nn.functional.scaled_dot_product_attention"
 
 def graded_attention(records, unwatched=None, through_forward=False) -> checks.CheckResult:
     """A full-marks attention result, then the forbidden calls the check's process recorded."""
-    result = checks.CheckResult("attention", SCORER.parts("attention"))
+    result = checks.CheckResult("attention", scorer().parts("attention"))
     for p in result.parts:
         p.points, p.status = p.max, "pass"
     if through_forward:
@@ -534,12 +540,12 @@ def test_a_missing_or_malformed_record_of_forbidden_calls_scores_zero(records):
 
 
 def test_no_record_is_needed_when_nothing_is_watched_or_nothing_scored():
-    result = checks.CheckResult("attention", SCORER.parts("attention"), verdict="fail")
+    result = checks.CheckResult("attention", scorer().parts("attention"), verdict="fail")
     checks.forbidden_findings(result, ok({}, {}), [SDPA])
     assert (result.verdict, result.messages) == ("fail", [])
     assert checks.forbidden_records({"forbidden_calls": [record()] * 100}) == [record()] * 100
     result = graded_attention([])
-    result2 = checks.CheckResult("attention", SCORER.parts("attention"))
+    result2 = checks.CheckResult("attention", scorer().parts("attention"))
     checks.forbidden_findings(result2, ok({}, {}), [])
     assert result.score == 16 and result2.messages == []
 

@@ -642,22 +642,18 @@ def test_int4_dequantizes_in_fp32_whatever_the_scales_dtype():
     assert torch.equal(half.dequantize(), expected)
 
 
-def test_int4_errors_name_the_format_and_the_features():
-    with pytest.raises(ValueError, match=r"^int4 quantization takes a 2-d \(out, in\) weight, got shape \(64,\)$"):
-        quantize_int4(torch.randn(64))
-    with pytest.raises(ValueError, match=r"^int4 quantization takes a floating-point weight, got torch\.int64$"):
-        quantize_int4(torch.ones(4, 64, dtype=torch.long))
-    with pytest.raises(ValueError, match=r"^input has 5 features, the int4 weight takes 32$"):
-        int4_linear(torch.randn(2, 3, 5), quantize_int4(torch.randn(3, 32)))
+@pytest.mark.parametrize("name, quantizer, product, n_in", [("int8", quantize_int8, int8_linear, 4),
+                                                            ("int4", quantize_int4, int4_linear, 32)])
+def test_quantization_errors_read_in_full(name, quantizer, product, n_in):
+    with pytest.raises(ValueError, match=rf"^{name} quantization takes a 2-d \(out, in\) weight, got shape \(64,\)$"):
+        quantizer(torch.randn(64))
+    with pytest.raises(ValueError, match=rf"^{name} quantization takes a floating-point weight, got torch\.int64$"):
+        quantizer(torch.ones(4, 64, dtype=torch.long))
+    with pytest.raises(ValueError, match=rf"^input has 5 features, the {name} weight takes {n_in}$"):
+        product(torch.randn(2, 3, 5), quantizer(torch.randn(3, n_in)))
 
 
-def test_quantization_errors_read_in_full():
-    with pytest.raises(ValueError, match=r"^int8 quantization takes a 2-d \(out, in\) weight, got shape \(4,\)$"):
-        quantize_int8(torch.randn(4))
-    with pytest.raises(ValueError, match=r"^int8 quantization takes a floating-point weight, got torch\.int64$"):
-        quantize_int8(torch.ones(4, 4, dtype=torch.long))
-    with pytest.raises(ValueError, match=r"^input has 5 features, the int8 weight takes 4$"):
-        int8_linear(torch.randn(2, 3, 5), quantize_int8(torch.randn(3, 4)))
+def test_int4_group_errors_read_in_full():
     with pytest.raises(ValueError, match=r"^int4 groups must be a positive multiple of 32 columns, got group=16$"):
         quantize_int4(torch.randn(4, 96), group=16)
     with pytest.raises(ValueError, match=r"^int4 quantization needs in_features divisible by the group: 48 features, "

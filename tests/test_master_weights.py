@@ -96,12 +96,67 @@ def test_state_dict_round_trip_keeps_masters_and_moments_in_fp32_and_resumes_exa
 
     resumed = [torch.nn.Parameter(p) for p in saved_params]
     opt2 = AdamW(resumed, **HYPER, fused=fused, master_weights=True)
+    untouched = copy.deepcopy(saved_state)
     opt2.load_state_dict(saved_state)  # torch's loader would round the fp32 state to the parameters' bf16
     assert all(opt2.state[p]["master"].dtype == torch.float32 for p in resumed)
     run(resumed, opt2, 5, start=5)
     for p, q in zip(params, resumed):
         assert torch.equal(p, q)
         assert torch.equal(opt.state[p]["master"], opt2.state[q]["master"])
+    for i, state in untouched["state"].items():  # the loaded state is a copy: the steps since left the dict alone
+        for key in ("master", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(saved_state["state"][i][key], state[key]), (i, key)
+
+
+def test_without_master_weights_a_state_dict_keeps_bf16_moments_and_resumes_exactly():
+    params = bf16_params()
+    opt = AdamW(params, **HYPER)
+    run(params, opt, 5)
+    saved_params, saved_state = [p.detach().clone() for p in params], copy.deepcopy(opt.state_dict())
+    run(params, opt, 5, start=5)
+    resumed = [torch.nn.Parameter(p) for p in saved_params]
+    opt2 = AdamW(resumed, **HYPER)
+    opt2.load_state_dict(saved_state)
+    assert all(opt2.state[p][key].dtype == torch.bfloat16 for p in resumed for key in ("exp_avg", "exp_avg_sq"))
+    run(resumed, opt2, 5, start=5)
+    for p, q in zip(params, resumed):
+        assert torch.equal(p, q) and torch.equal(opt.state[p]["exp_avg"], opt2.state[q]["exp_avg"])
+
+
+def test_master_weights_switched_on_mid_run_start_from_the_parameters_and_widen_the_moments():
+    """A group whose master_weights is turned on after bf16 steps without it: its saved state (bf16 moments, no
+    master) loads with the moments in fp32, and the first step starts each master from its parameter."""
+    params = bf16_params()
+    opt = AdamW(params, **HYPER)
+    run(params, opt, 3)
+    opt.param_groups[0]["master_weights"] = True
+    saved = copy.deepcopy(opt.state_dict())
+    resumed = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt2 = AdamW(resumed, **HYPER, master_weights=True)
+    opt2.load_state_dict(saved)
+    for p, q in zip(params, resumed):
+        assert "master" not in opt2.state[q]
+        for key in ("exp_avg", "exp_avg_sq"):  # widened on loading, not left in (or rounded to) bf16
+            assert opt2.state[q][key].dtype == torch.float32
+            assert torch.equal(opt2.state[q][key], opt.state[p][key].float())
+    for o, ps in ((opt, params), (opt2, resumed)):
+        run(ps, o, 2, start=3)
+    for p, q in zip(params, resumed):
+        assert torch.equal(p, q) and torch.equal(opt.state[p]["master"], opt2.state[q]["master"])
+        assert opt.state[p]["master"].dtype == opt.state[p]["exp_avg"].dtype == torch.float32
+
+
+def test_loaded_masters_and_moments_go_to_the_parameters_device():
+    """The meta device stands in for an accelerator: the state saved on the CPU follows each parameter."""
+    params = bf16_params()
+    opt = AdamW(params, **HYPER, master_weights=True)
+    run(params, opt, 1)
+    elsewhere = [torch.nn.Parameter(torch.empty_like(p, device="meta")) for p in params]
+    moved = AdamW(elsewhere, **HYPER, master_weights=True)
+    moved.load_state_dict(opt.state_dict())
+    for p in elsewhere:
+        assert {key: (t.device.type, t.dtype) for key, t in moved.state[p].items() if key != "step"} == {
+            key: ("meta", torch.float32) for key in ("master", "exp_avg", "exp_avg_sq")}
 
 
 def test_fp32_parameters_in_a_master_weights_group_step_as_without_it():

@@ -10,7 +10,7 @@ from torch import nn
 import run_pretrain
 from config import GPT2Config
 from models.gpt2 import GPT2LMHeadModel, GPT2Model
-from optimizer import AdamW, Muon, MuonWithAdamW, make_lr_scheduler, muon_param_groups, orthogonalize
+from optimizer import AdamW, Muon, MuonWithAdamW, adjusted_lr, make_lr_scheduler, muon_param_groups, orthogonalize
 
 SHAPES = [(8, 8), (12, 5), (5, 12), (16, 6)]  # square, tall, wide: the orientation and the lr adjustment differ
 
@@ -134,6 +134,30 @@ def test_float32_newton_schulz_leaves_the_momentum_buffer_alone():
     assert torch.equal(opt.state[p]["momentum_buffer"], torch.full_like(p, 0.5))
 
 
+def test_adjusted_lr_is_torchs():
+    """Jordan's sqrt(max(1, rows / cols)) and Moonshot's 0.2 sqrt(max(rows, cols)), on the first two sides of any
+    shape (as torch.optim.Muon's, which also reads a convolution's (out, in, h, w) so)."""
+    cases = {((12, 3), None): 0.02 * 2, ((12, 3), "original"): 0.02 * 2, ((3, 12), None): 0.02,
+             ((16, 4, 3, 3), None): 0.02 * 2, ((3, 12), "match_rms_adamw"): 0.02 * 0.2 * 12**0.5,
+             ((12, 3), "match_rms_adamw"): 0.02 * 0.2 * 12**0.5, ((16, 4, 3, 3), "match_rms_adamw"): 0.02 * 0.2 * 4}
+    for (shape, fn), expected in cases.items():
+        assert adjusted_lr(0.02, fn, torch.Size(shape)) == pytest.approx(expected, rel=1e-12), (shape, fn)
+        assert adjusted_lr(0.02, fn, torch.Size(shape)) == torch.optim._muon._adjust_lr(0.02, fn, torch.Size(shape))
+    with pytest.raises(ValueError) as error:
+        adjusted_lr(0.02, "rms", torch.Size((3, 3)))
+    assert str(error.value) == "Invalid adjust_lr_fn: 'rms' (choose from None, 'original', 'match_rms_adamw')"
+
+
+def test_a_matrix_without_a_gradient_is_skipped_not_the_rest_of_its_group():
+    frozen, a = matrices()[:2]
+    before = frozen.detach().clone(), a.detach().clone()
+    opt = Muon([frozen, a], lr=0.02)
+    a.grad = torch.ones_like(a)
+    opt.step()
+    assert torch.equal(frozen.detach(), before[0]) and not opt.state[frozen]
+    assert not torch.equal(a.detach(), before[1]) and "momentum_buffer" in opt.state[a]
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # What Muon refuses
 
@@ -152,24 +176,132 @@ def test_parameters_that_are_not_matrices_are_refused_naming_their_shape():
         MuonWithAdamW([{"params": [nn.Parameter(torch.zeros(3, 3))]}])
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(lr=-1e-3), "learning rate"),
-    (dict(lr=float("nan")), "learning rate"),
-    (dict(weight_decay=-0.1), "weight_decay"),
-    (dict(momentum=1.0), "momentum"),
-    (dict(momentum=-0.1), "momentum"),
-    (dict(eps=0.0), "eps"),
-    (dict(ns_coefficients=(3.4, -4.7)), "ns_coefficients"),
-    (dict(ns_steps=100), "ns_steps"),
-    (dict(adjust_lr_fn="rms"), "adjust_lr_fn"),
-    (dict(ns_dtype=torch.int32), "ns_dtype"),
+def test_sparse_gradients_and_complex_matrices_raise():
+    w = nn.Parameter(torch.zeros(3, 3))
+    w.grad = torch.eye(3).to_sparse()
+    with pytest.raises(RuntimeError) as error:
+        Muon([w]).step()
+    assert str(error.value) == "Muon does not support sparse gradients"
+    z = nn.Parameter(torch.zeros(3, 3, dtype=torch.complex64))
+    z.grad = torch.ones_like(z)
+    with pytest.raises(RuntimeError) as error:
+        Muon([z]).step()
+    assert str(error.value) == "Muon does not support complex parameters"
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(lr=-1e-3), "Invalid learning rate: -0.001 (must be >= 0)"),
+    (dict(lr=float("nan")), "Invalid learning rate: nan (must be >= 0)"),
+    (dict(weight_decay=-0.1), "Invalid weight_decay value: -0.1 (must be >= 0)"),
+    (dict(momentum=1.0), "Invalid momentum value: 1.0 (must be in [0, 1))"),
+    (dict(momentum=-0.1), "Invalid momentum value: -0.1 (must be in [0, 1))"),
+    (dict(eps=0.0), "Invalid eps value: 0.0 (must be > 0: it keeps a zero update from dividing by zero)"),
+    (dict(ns_coefficients=(3.4, -4.7)), "Invalid ns_coefficients: (3.4, -4.7) (need three values a, b, c)"),
+    (dict(ns_coefficients=(3.4, -4.7, 2.0, 0.1)),
+     "Invalid ns_coefficients: (3.4, -4.7, 2.0, 0.1) (need three values a, b, c)"),
+    (dict(ns_steps=100), "Invalid ns_steps: 100 (must be an integer in [0, 100))"),
+    (dict(ns_steps=-1), "Invalid ns_steps: -1 (must be an integer in [0, 100))"),
+    (dict(ns_steps=5.0), "Invalid ns_steps: 5.0 (must be an integer in [0, 100))"),
+    (dict(adjust_lr_fn="rms"), "Invalid adjust_lr_fn: 'rms' (choose from None, 'original', 'match_rms_adamw')"),
+    (dict(ns_dtype=torch.int32), "Invalid ns_dtype: torch.int32 (need a floating torch.dtype)"),
+    (dict(ns_dtype="float32"), "Invalid ns_dtype: float32 (need a floating torch.dtype)"),
 ])
-def test_invalid_hyperparameters_raise(kwargs, match):
+def test_invalid_hyperparameters_raise(kwargs, message):
     w = nn.Parameter(torch.zeros(2, 2))
-    with pytest.raises(ValueError, match=match):
-        Muon([w], **kwargs)
-    with pytest.raises(ValueError, match=match):  # a group's own override is checked too
-        Muon([{"params": [w], **kwargs}])
+    for params in ([w], [{"params": [w], **kwargs}]):  # a group's own override is checked too
+        with pytest.raises(ValueError) as error:
+            Muon(params, **(kwargs if params[0] is w else {}))
+        assert str(error.value) == message
+    with pytest.raises(ValueError) as error:  # and each Muon group of MuonWithAdamW
+        MuonWithAdamW([{"params": [w], "use_muon": True, **kwargs}])
+    assert str(error.value) == message
+
+
+def test_the_edges_of_the_valid_ranges_are_accepted():
+    """Zero lr, decay and momentum, no Newton-Schulz iteration at all, the largest step count: valid settings."""
+    w = nn.Parameter(torch.ones(2, 2))
+    edges = dict(lr=0.0, weight_decay=0.0, momentum=0.0, ns_steps=0)
+    opt = Muon([w], **edges)
+    w.grad = torch.eye(2)
+    opt.step()
+    assert torch.equal(w.detach(), torch.ones(2, 2)) and torch.equal(opt.state[w]["momentum_buffer"], torch.eye(2))
+    Muon([w], ns_steps=99, ns_dtype=torch.float32).step()
+    assert not torch.equal(w.detach(), torch.ones(2, 2))
+    for kwargs in (edges, dict(ns_steps=99)):
+        MuonWithAdamW([{"params": [w], "use_muon": True, **kwargs}])
+
+
+def test_muon_with_adamw_refuses_groups_without_a_kind_saying_how_to_make_them():
+    message = ("MuonWithAdamW takes parameter groups (dicts) that each say 'use_muon': True (hidden 2-D matrices) or "
+               "False (AdamW: embeddings, heads, gains, biases); muon_param_groups(model, weight_decay) makes them")
+    w = nn.Parameter(torch.zeros(3, 3))
+    for params in ([w], [{"params": [w]}], [{"params": [w], "use_muon": "yes"}]):
+        with pytest.raises(ValueError) as error:
+            MuonWithAdamW(params)
+        assert str(error.value) == message
+    opt = MuonWithAdamW([{"params": [w], "use_muon": True}])
+    with pytest.raises(ValueError) as error:
+        opt.add_param_group([nn.Parameter(torch.zeros(3))])  # not a dict
+    assert str(error.value) == message
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Defaults: those of torch.optim.Muon (and, in MuonWithAdamW's AdamW groups, those of our AdamW)
+
+# torch.optim.Muon's signature on torch 2.13, Keller Jordan's values (https://kellerjordan.github.io/posts/muon/)
+TORCH_MUON_DEFAULTS = dict(lr=1e-3, weight_decay=0.1, momentum=0.95, nesterov=True,
+                           ns_coefficients=(3.4445, -4.7750, 2.0315), eps=1e-7, ns_steps=5, adjust_lr_fn=None)
+ADAMW_DEFAULTS = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.0, correct_bias=True, foreach=True)
+
+
+def test_muons_defaults_are_torch_muons():
+    """Muon's names and defaults mirror torch.optim.Muon's (ns_dtype, ours, defaults to torch's bf16 iteration)."""
+    ours, ref = Muon(matrices()).defaults, torch.optim.Muon(matrices()).defaults
+    assert {k: ref[k] for k in TORCH_MUON_DEFAULTS} == TORCH_MUON_DEFAULTS
+    assert ours == {**TORCH_MUON_DEFAULTS, "ns_dtype": torch.bfloat16}
+
+
+def kinds(opt: MuonWithAdamW) -> tuple[dict, dict]:
+    """The AdamW group and the Muon group of `opt` without their parameters."""
+    adamw, muon = ({k: v for k, v in g.items() if k not in ("params", "use_muon")} for g in opt.param_groups)
+    return adamw, muon
+
+
+def one_of_each() -> list[dict]:
+    matrix, gain = nn.Parameter(torch.randn(6, 4)), nn.Parameter(torch.randn(4))
+    return [{"params": [gain], "use_muon": False}, {"params": [matrix], "use_muon": True}]
+
+
+def test_muon_with_adamw_groups_take_adamws_and_muons_defaults():
+    """Groups that name only their kind get AdamW's defaults (AdamW groups) and Muon's (Muon groups), but for the two
+    documented ones: a Muon group's lr is muon_lr (Jordan's 0.02), and both kinds decay by weight_decay (0.0, AdamW's
+    default, not Muon's 0.1)."""
+    adamw, muon = kinds(MuonWithAdamW(one_of_each()))
+    assert adamw == ADAMW_DEFAULTS
+    assert {k: AdamW([nn.Parameter(torch.zeros(1))]).defaults[k] for k in ADAMW_DEFAULTS} == ADAMW_DEFAULTS
+    assert muon == {**TORCH_MUON_DEFAULTS, "ns_dtype": torch.bfloat16, "lr": 0.02, "weight_decay": 0.0}
+
+
+def test_muon_with_adamw_hands_each_keyword_to_its_kinds_groups_and_steps_as_muon_and_adamw_would():
+    adamw_hyper = dict(lr=3e-3, betas=(0.8, 0.9), eps=1e-8, weight_decay=0.05, correct_bias=False, foreach=False)
+    muon_hyper = dict(momentum=0.9, nesterov=False, ns_coefficients=(3.0, -3.5, 1.5), ns_steps=3,
+                      adjust_lr_fn="match_rms_adamw", ns_dtype=torch.float32)
+    combined = one_of_each()
+    opt = MuonWithAdamW(combined, **adamw_hyper, muon_lr=0.05, ns_eps=1e-4, **muon_hyper)
+    adamw, muon = kinds(opt)
+    assert adamw == adamw_hyper
+    assert muon == {**muon_hyper, "lr": 0.05, "weight_decay": 0.05, "eps": 1e-4}
+
+    apart = one_of_each()
+    for a, b in zip(combined, apart):
+        b["params"][0].data.copy_(a["params"][0])
+    pair = [AdamW(apart[0]["params"], **adamw_hyper),
+            Muon(apart[1]["params"], lr=0.05, weight_decay=0.05, eps=1e-4, **muon_hyper)]
+    params = [g["params"][0] for g in combined]
+    steps(params, [opt], 3)
+    steps([g["params"][0] for g in apart], pair, 3)
+    for a, b in zip(params, (g["params"][0] for g in apart)):
+        assert torch.equal(a, b)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -208,9 +340,86 @@ def test_split_of_a_model_with_a_head_and_frozen_weights():
     assert decay["param_names"] == ["head.weight"] and decay["weight_decay"] == 0.1  # a head is AdamW's
     assert "head.bias" in no_decay["param_names"]
     assert len(muon["params"]) == 11 and "gpt.gpt_layers.0.interm_dense.weight" not in muon["param_names"]
-    with pytest.raises(ValueError, match="no 2-D parameters inside a module named 'layers'"):
+    with pytest.raises(ValueError, match="^Classifier has no 2-D parameters inside a module named 'layers'"):
         muon_param_groups(model, 0.1, blocks="layers")
     assert isinstance(model.gpt, GPT2Model)
+
+
+def test_split_with_decaying_embeddings_decays_them_in_adamw():
+    """decay_embeddings=True: the word and position embeddings join AdamW's decaying group; Muon's matrices stay."""
+    model = tiny_gpt()
+    _, _, muon = muon_param_groups(model, 0.1)
+    decay, no_decay, muon_too = muon_param_groups(model, 0.1, decay_embeddings=True)
+    assert decay["param_names"] == ["gpt.word_embedding.weight", "gpt.pos_embedding.weight"]
+    assert decay["weight_decay"] == 0.1 and decay["use_muon"] is False
+    assert muon_too["param_names"] == muon["param_names"]
+    assert all(p.ndim == 1 for p in no_decay["params"])
+
+
+class ProjectedEmbedding(nn.Embedding):
+    """An embedding with a projection inside it: the projection's matrix belongs to a Linear, not to an embedding."""
+
+    def __init__(self):
+        super().__init__(20, 4)
+        self.up = nn.Linear(4, 8, bias=False)
+
+
+class Block(nn.Module):
+    """A block with, besides its matrix, what Muon must not take: an embedding table, a 3-D weight and a gain."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8, bias=False)
+        self.table = nn.Embedding(5, 8)
+        self.mix = nn.Parameter(torch.randn(2, 8, 8))
+        self.gain = nn.Parameter(torch.ones(8))
+        self.embed = ProjectedEmbedding()
+
+
+class Deep(nn.Module):
+    """The blocks three modules down ("net.trunk.layers"), and an embedding outside them."""
+
+    def __init__(self, block=Block):
+        super().__init__()
+        self.net = nn.Module()
+        self.net.trunk = nn.Module()
+        self.net.trunk.layers = nn.ModuleList([block(), block()])
+        self.vocab = nn.Embedding(20, 8)
+
+
+@pytest.mark.parametrize("decay_embeddings", [False, True])
+def test_split_takes_only_the_blocks_matrices_that_are_not_embeddings_at_any_depth(decay_embeddings):
+    """Muon gets exactly the 2-D weights found under a module named `blocks` however deep it sits, minus the
+    weights of embeddings there (whichever group those go to); a 3-D weight there is AdamW's, and so is an
+    embedding's own table, though not the matrix of a Linear inside an embedding module."""
+    model = Deep()
+    decay, no_decay, muon = muon_param_groups(model, 0.1, blocks="layers", decay_embeddings=decay_embeddings)
+    prefixes = ["net.trunk.layers.0.", "net.trunk.layers.1."]
+    assert muon["param_names"] == [f"{b}{n}" for b in prefixes for n in ("proj.weight", "embed.up.weight")]
+    tables = ["vocab.weight"] + [f"{b}{n}" for b in prefixes for n in ("table.weight", "embed.weight")]
+    assert (set(tables) <= set(decay["param_names"])) == decay_embeddings
+    assert (set(tables) <= set(no_decay["param_names"])) != decay_embeddings
+    assert {f"{b}mix" for b in prefixes} <= set(decay["param_names"])
+    assert {f"{b}gain" for b in prefixes} <= set(no_decay["param_names"])
+    assert sorted(decay["param_names"] + no_decay["param_names"] + muon["param_names"]) == sorted(
+        n for n, _ in model.named_parameters())
+
+
+class NoMatrices(nn.Module):
+    """A block whose only 2-D weight is an embedding table (and a 3-D weight, a gain): nothing for Muon."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Embedding(5, 8)
+        self.mix = nn.Parameter(torch.randn(2, 8, 8))
+        self.gain = nn.Parameter(torch.ones(8))
+
+
+def test_blocks_without_matrices_of_their_own_are_refused_naming_the_model():
+    with pytest.raises(ValueError, match=r"^Deep has no 2-D parameters inside a module named 'layers': Muon needs"):
+        muon_param_groups(Deep(NoMatrices), 0.1, blocks="layers")
+    with pytest.raises(ValueError, match=r"^Deep has no 2-D parameters"):
+        muon_param_groups(Deep(NoMatrices), 0.1, blocks="layers", decay_embeddings=True)
 
 
 def lm_steps(model, opt, n: int, scaler=None, seed: int = 3) -> None:

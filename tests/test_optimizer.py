@@ -13,7 +13,7 @@ from torch import nn
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tolerances import ADAMW_FUSED_VS_TORCH, ADAMW_VS_COURSE, assert_same_update  # noqa: E402
+from tolerances import ADAMW_FUSED_VS_TORCH, ADAMW_VS_COURSE, ADAMW_VS_TORCH, assert_same_update  # noqa: E402
 
 import optimizer as optimizer_module  # noqa: E402
 from models.hub import shared_dir  # noqa: E402
@@ -133,6 +133,23 @@ def test_matches_torch_adamw_two_groups_with_schedule(foreach):
         assert ours.state[p]["step"].item() == ref.state[q]["step"].item() == 200
 
 
+@pytest.mark.parametrize("path", ["foreach", "loop", "fused"])
+@pytest.mark.parametrize("weight_decay", [0.0, 1.0])
+def test_a_decay_of_zero_or_one_matches_torch_adamw(path, weight_decay):
+    """The boundary decays: 0 (no decay at all) and 1 (theta shrinks by lr each step), on every path."""
+    if path == "fused" and not fused_kernel.available():
+        pytest.skip("the fused AdamW kernel cannot be built here (no g++ or not x86-64)")
+    ours_net, torch_net = make_net(), make_net()
+    ours = AdamW(ours_net.parameters(), lr=3e-2, eps=EPS, weight_decay=weight_decay, foreach=path == "foreach",
+                 fused=path == "fused")
+    ref = torch.optim.AdamW(torch_net.parameters(), lr=3e-2, eps=EPS, weight_decay=weight_decay, foreach=True)
+    data = batches(20)
+    train(ours_net, ours, data)
+    train(torch_net, ref, data)
+    for p, q in zip(ours_net.parameters(), torch_net.parameters()):
+        torch.testing.assert_close(p, q, **(ADAMW_FUSED_VS_TORCH if path == "fused" else ADAMW_VS_TORCH))
+
+
 def test_foreach_blocks_and_loop_agree_bit_for_bit(monkeypatch):
     """Cutting tensors into blocks (here 7 float32 elements, so most tensors are split) changes no bit."""
     monkeypatch.setattr(optimizer_module, "BLOCK_BYTES", 28)
@@ -143,6 +160,29 @@ def test_foreach_blocks_and_loop_agree_bit_for_bit(monkeypatch):
         train(net, opt, data)
     for p, q in zip(*(net.parameters() for net in nets)):
         assert torch.equal(p, q)
+
+
+def test_the_multi_tensor_path_cuts_and_packs_blocks_of_at_most_block_bytes(monkeypatch):
+    """The blocks `_blocks` hands the foreach kernels (the sizes of each block's pieces): per device and dtype, in
+    order; a contiguous tensor larger than BLOCK_BYTES is cut into flat pieces of at most BLOCK_BYTES; pieces are
+    packed into a block until the next would not fit; a non-contiguous tensor is never cut (nor preceded by an empty
+    block); off the CPU (here the meta device) a device and dtype are one block; a block holds at least one
+    element."""
+    monkeypatch.setattr(optimizer_module, "BLOCK_BYTES", 28)  # 7 float32 or 14 bfloat16 elements
+
+    def blocks(*tensors):
+        cut = optimizer_module._blocks(tensors, tensors, tensors, tensors, [1] * len(tensors), 0.9, 0.999, True)
+        return [[piece.numel() for piece in block[0]] for block in cut]
+
+    sizes = [torch.zeros(n) for n in (2, 3, 1, 16, 4, 3)]
+    assert blocks(*sizes) == [[2, 3, 1], [7], [7], [2, 4], [3]]
+    assert blocks(torch.zeros(4, 3).t(), torch.zeros(2)) == [[12], [2]]
+    assert blocks(torch.zeros(4), torch.zeros(10, dtype=torch.bfloat16), torch.zeros(6, dtype=torch.bfloat16),
+                  torch.zeros(3)) == [[4, 3], [10], [6]]
+    assert blocks(torch.zeros(5), torch.zeros(3), torch.zeros(4)) == [[5], [3, 4]]  # each new block starts empty
+    assert blocks(torch.zeros(20, device="meta"), torch.zeros(30, device="meta")) == [[20, 30]]
+    monkeypatch.setattr(optimizer_module, "BLOCK_BYTES", 3)  # less than one float32: a block still takes one element
+    assert blocks(torch.zeros(3)) == [[1], [1], [1]]
 
 
 def test_without_bias_correction_follows_the_equations():
@@ -170,6 +210,16 @@ def test_first_step_size():
         w.grad = torch.randn(100).sign() * (1 + torch.rand(100))  # |g| >= 1, so eps is negligible
         AdamW([w], lr=1e-3, correct_bias=correct_bias).step()
         torch.testing.assert_close(w.detach(), -1e-3 * expected * w.grad.sign(), atol=0, rtol=1e-4)
+
+
+def test_defaults_are_the_courses():
+    """CS224N's AdamW(params, lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.0, correct_bias=True): torch's
+    lr and betas, but not its eps (1e-8) or weight decay (1e-2); the multi-tensor path, no kernel, no masters."""
+    w = torch.zeros(2, requires_grad=True)
+    assert AdamW([w]).defaults == dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.0, correct_bias=True,
+                                       foreach=True, fused=False, master_weights=False)
+    ref = torch.optim.AdamW([w]).defaults
+    assert (ref["lr"], ref["betas"], ref["eps"], ref["weight_decay"]) == (1e-3, (0.9, 0.999), 1e-8, 1e-2)
 
 
 def test_deterministic():
@@ -262,31 +312,64 @@ def test_bfloat16_parameters_update_in_their_dtype():
 
 
 @pytest.mark.parametrize(
-    "kwargs, match",
+    "kwargs, message",
     [
-        (dict(lr=-1e-3), "learning rate"),
-        (dict(lr=float("nan")), "learning rate"),
-        (dict(eps=-1e-8), "epsilon"),
-        (dict(weight_decay=-0.1), "weight_decay"),
-        (dict(betas=(-0.1, 0.999)), "beta parameter at index 0"),
-        (dict(betas=(1.0, 0.999)), "beta parameter at index 0"),
-        (dict(betas=(0.9, 1.0)), "beta parameter at index 1"),
-        (dict(betas=(0.9, -1e-3)), "beta parameter at index 1"),
+        (dict(lr=-1e-3), "Invalid learning rate: -0.001 (must be >= 0)"),
+        (dict(lr=float("nan")), "Invalid learning rate: nan (must be >= 0)"),
+        (dict(eps=-1e-8), "Invalid epsilon value: -1e-08 (must be >= 0)"),
+        (dict(weight_decay=-0.1), "Invalid weight_decay value: -0.1 (must be >= 0)"),
+        (dict(betas=(-0.1, 0.999)), "Invalid beta parameter at index 0: -0.1 (must be in [0, 1))"),
+        (dict(betas=(1.0, 0.999)), "Invalid beta parameter at index 0: 1.0 (must be in [0, 1))"),
+        (dict(betas=(0.9, 1.0)), "Invalid beta parameter at index 1: 1.0 (must be in [0, 1))"),
+        (dict(betas=(0.9, -1e-3)), "Invalid beta parameter at index 1: -0.001 (must be in [0, 1))"),
+        (dict(betas=(0.9,)), "Invalid betas: (0.9,) (need two values)"),
+        (dict(betas=(0.9, 0.99, 0.999)), "Invalid betas: (0.9, 0.99, 0.999) (need two values)"),
     ],
 )
-def test_invalid_hyperparameters_raise(kwargs, match):
+def test_invalid_hyperparameters_raise(kwargs, message):
     w = torch.zeros(2, requires_grad=True)
-    with pytest.raises(ValueError, match=match):
-        AdamW([w], **kwargs)
-    with pytest.raises(ValueError, match=match):  # a group's own override is checked too
-        AdamW([{"params": [w], **kwargs}])
+    for make in (lambda: AdamW([w], **kwargs), lambda: AdamW([{"params": [w], **kwargs}])):  # group overrides too
+        with pytest.raises(ValueError) as error:
+            make()
+        assert str(error.value) == message
+
+
+def test_the_edges_of_the_valid_ranges_are_accepted():
+    """lr, eps, weight decay and both betas of 0 are valid. At lr 0 nothing moves; at lr 1 every entry moves by
+    exactly 1 against its gradient's sign (with betas of 0 and no eps, m / sqrt(v) = g / |g|)."""
+    w = torch.tensor([1.0, -2.0], requires_grad=True)
+    opt = AdamW([w], lr=0.0, eps=0.0, weight_decay=0.0, betas=(0.0, 0.0))
+    w.grad = torch.tensor([0.5, -4.0])
+    opt.step()
+    assert torch.equal(w.detach(), torch.tensor([1.0, -2.0]))
+    opt.param_groups[0]["lr"] = 1.0
+    opt.step()
+    assert torch.equal(w.detach(), torch.tensor([0.0, -1.0]))
 
 
 def test_sparse_gradients_raise():
     emb = nn.Embedding(10, 4, sparse=True)
     emb(torch.tensor([1, 2])).sum().backward()
-    with pytest.raises(RuntimeError, match="sparse"):
+    with pytest.raises(RuntimeError) as error:
         AdamW(emb.parameters()).step()
+    assert str(error.value) == "AdamW does not support sparse gradients (use torch.optim.SparseAdam)"
+
+
+def test_complex_parameters_raise():
+    z = nn.Parameter(torch.zeros(3, dtype=torch.complex64))
+    z.grad = torch.ones_like(z)
+    with pytest.raises(RuntimeError) as error:
+        AdamW([z]).step()
+    assert str(error.value) == "AdamW does not support complex parameters"
+
+
+def test_a_parameter_without_a_gradient_is_skipped_not_the_rest_of_its_group():
+    frozen, a, b = (nn.Parameter(torch.ones(3)) for _ in range(3))
+    opt = AdamW([frozen, a, b], lr=0.1)
+    a.grad, b.grad = torch.ones(3), -torch.ones(3)
+    opt.step()
+    assert torch.equal(frozen.detach(), torch.ones(3)) and not opt.state[frozen]
+    assert torch.allclose(a.detach(), torch.full((3,), 0.9)) and torch.allclose(b.detach(), torch.full((3,), 1.1))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -353,6 +436,13 @@ def test_schedule_invalid_arguments():
         make_lr_scheduler(AdamW([torch.zeros(1, requires_grad=True)]), 1, 2, schedule="step")
 
 
+@pytest.mark.parametrize("schedule", [warmup_cosine, warmup_linear])
+def test_schedule_edges(schedule):
+    """A warmup as long as the whole run (no decay phase: flat at the end), and a floor of 1 (no decay at all)."""
+    assert [schedule(s, 4, 4, 0.5) for s in range(6)] == [0.25, 0.5, 0.75, 1.0, 0.5, 0.5]
+    assert [schedule(s, 2, 6, 1.0) for s in range(8)] == [0.5] + [1.0] * 7
+
+
 def test_make_lr_scheduler_drives_the_learning_rate():
     w = torch.zeros(1, requires_grad=True)
     opt = AdamW([w], lr=1.0)
@@ -364,6 +454,20 @@ def test_make_lr_scheduler_drives_the_learning_rate():
         opt.step()
         sched.step()
     assert seen == pytest.approx([0.5, 1.0, 1.0, 0.625, 0.25, 0.25])
+
+
+def test_make_lr_scheduler_defaults_to_a_cosine_down_to_zero():
+    w = torch.zeros(1, requires_grad=True)
+    opt = AdamW([w], lr=1.0)
+    sched = make_lr_scheduler(opt, warmup_steps=0, total_steps=4)
+    seen = []
+    for _ in range(5):
+        seen.append(opt.param_groups[0]["lr"])
+        w.grad = torch.ones(1)
+        opt.step()
+        sched.step()
+    assert seen == pytest.approx([warmup_cosine(s, 0, 4) for s in range(5)]) and seen[-1] == 0.0
+    assert seen[1] == pytest.approx(0.5 * (1 + math.cos(math.pi / 4)))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -434,6 +538,41 @@ def test_fused_leaves_what_it_cannot_take_to_the_multi_tensor_path():
     for x, y in zip(a[:2], b[:2]):
         assert torch.equal(x, y)
     torch.testing.assert_close(a[2], b[2], **ADAMW_FUSED_VS_TORCH)
+
+
+def transposed_copy(t: torch.Tensor) -> torch.Tensor:
+    """The same values in column-major memory: equal to `t`, not contiguous."""
+    return t.t().contiguous().t()
+
+
+@needs_fused_kernel
+@pytest.mark.parametrize("odd", ["param", "grad", "exp_avg", "exp_avg_sq"])
+def test_fused_leaves_a_parameter_with_any_non_contiguous_tensor_to_the_multi_tensor_path(odd):
+    """The kernel reads every tensor as contiguous memory: a parameter whose own tensor, gradient or either moment
+    is not (a strided view; a gradient or moment with other strides, as from a state dict saved where the parameter
+    was transposed) takes the multi-tensor path, the same bits as AdamW(fused=False)."""
+    def run(fused: bool) -> tuple[torch.Tensor, dict]:
+        torch.manual_seed(0)
+        data = torch.randn(40, 60)
+        p = nn.Parameter(data[:, ::2] if odd == "param" else data[:, :30].contiguous())
+        opt = AdamW([p], lr=1e-2, weight_decay=0.1, fused=fused)
+        if odd.startswith("exp_avg"):  # a fresh state whose one moment is column-major
+            state = {"step": torch.tensor(0.0), "exp_avg": torch.zeros(40, 30), "exp_avg_sq": torch.zeros(40, 30)}
+            state[odd] = transposed_copy(state[odd])
+            opt.load_state_dict({"state": {0: state}, "param_groups": opt.state_dict()["param_groups"]})
+        g = torch.Generator().manual_seed(1)
+        for _ in range(4):
+            grad = torch.randn(40, 30, generator=g)
+            p.grad = transposed_copy(grad) if odd == "grad" else grad
+            opt.step()
+        tensors = {"param": p, "grad": p.grad, **opt.state[p]}
+        assert [k for k in ("param", "grad", "exp_avg", "exp_avg_sq") if not tensors[k].is_contiguous()] == [odd]
+        return p.detach(), opt.state[p]
+
+    (fused, fused_state), (ref, ref_state) = run(True), run(False)
+    assert torch.equal(fused, ref)
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert torch.equal(fused_state[key], ref_state[key])
 
 
 @needs_fused_kernel

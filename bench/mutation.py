@@ -158,6 +158,20 @@ def run_module(module: str, args) -> dict:
             stopped = True
             os.killpg(proc.pid, signal.SIGTERM)
             proc.wait()
+    if retested and not stopped and proc.returncode == 0:  # a named run tests only those: then any mutant without
+        # a result (a function changed since, so mutmut made its mutants anew) gets one
+        left = [n for n, c in json.loads(meta.read_text())["exit_code_by_key"].items() if c is None]
+        if left:
+            with open(log, "a") as out:
+                proc = subprocess.Popen(command[:4], cwd=work, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                        start_new_session=True)
+                left_s = None if args.budget is None else max(1.0, args.budget - (time.perf_counter() - start))
+                try:
+                    proc.wait(timeout=left_s)
+                except subprocess.TimeoutExpired:
+                    stopped = True
+                    os.killpg(proc.pid, signal.SIGTERM)
+                    proc.wait()
     seconds = time.perf_counter() - start
     if not meta.exists():
         tail = log.read_text()[-2000:]

@@ -217,8 +217,8 @@ def test_filters_work_on_every_row_of_logits_with_more_dimensions_and_on_bf16():
         torch.testing.assert_close(top_k_filter(logits, k), TopKLogitsWarper(k)(None, rows.clone()).view(2, 3, 50))
     for p in (0.2, 0.9):
         torch.testing.assert_close(top_p_filter(logits, p), TopPLogitsWarper(p)(None, rows.clone()).view(2, 3, 50))
-        half = logits.bfloat16()  # numpy has no bf16: the torch.sort path
-        assert torch.equal(top_p_filter(half, p), top_p_filter(half, p, fast_sort=False))
+        half = logits.bfloat16()  # numpy has no bf16: the torch.sort path, row by row as well
+        assert torch.equal(top_p_filter(half, p), top_p_filter(half.reshape(6, 50), p).view(2, 3, 50))
 
 
 def test_top_p_1_and_top_k_of_the_vocabulary_keep_every_token_even_where_the_mass_rounds_to_1():
@@ -241,6 +241,7 @@ def test_top_p_answers_without_torch_sort_unless_ties_straddle_the_cut(monkeypat
     monkeypatch.setattr(torch, "sort", lambda *a, **k: sorts.append(1) or real(*a, **k))
     logits = torch.randn(4, 1000, generator=torch.Generator().manual_seed(3))
     for p in (0.1, 0.5, 0.9):
+        assert torch.equal(top_p_filter(logits.view(2, 2, 1000), p), top_p_filter(logits, p).view(2, 2, 1000))
         got = top_p_filter(logits, p)
         assert not sorts, p
         assert torch.equal(got, top_p_filter(logits, p, fast_sort=False)) and sorts
@@ -393,7 +394,8 @@ def test_the_decode_head_takes_each_batch_sizes_kernel_and_equals_the_models_hea
         monkeypatch.setattr(generation, name, lambda *a, _real=real, _name=name: used.append(_name) or _real(*a))
     run = row_kernel.run
     monkeypatch.setattr(row_kernel, "run", lambda *a: used.append("rows") or run(*a))
-    cases = [(1, True, "rows"), (3, True, "rows"), (1, False, "blocked_product"), (3, False, "weight_first")]
+    cases = [(1, True, "rows"), (3, True, "rows"), (1, False, "blocked_product"), (2, False, "weight_first"),
+             (3, False, "weight_first")]
     for batch, kernel, expected in cases:
         monkeypatch.setattr(row_kernel, "available", lambda kernel=kernel, real=row_kernel.available: kernel and real())
         if expected == "rows" and not row_kernel.available():
@@ -409,16 +411,26 @@ def test_the_decode_head_takes_each_batch_sizes_kernel_and_equals_the_models_hea
     assert generation.decode_lm_head(meta, 1) == meta.hidden_state_to_token
 
 
+@pytest.mark.parametrize("kernel", [True, False], ids=["prepared", "no-kernel"])
 @pytest.mark.parametrize("mode", ["int8", "int4"])
-def test_a_quantized_decode_head_reads_its_copy_at_batch_1_only(mode):
+def test_a_quantized_decode_head_reads_its_copy_at_batch_1_only(monkeypatch, mode, kernel):
     """quantize= at batch 1: the head's logits are the quantized copy's (kept on the model, made again after the
     weights change) for fp32, bf16 or strided rows alike, soft-capped; other batch sizes keep the model's head; a
     head the format cannot take is refused naming the LM head."""
     import re
 
+    import models.generation as generation
     from models.generation import decode_lm_head
     from modules.quant import quantize, quantized_linear
 
+    prepared_calls = []  # fp32 contiguous rows take the prepared kernel product where there is one
+    real = generation.prepared_quantized
+
+    def prepared(head):
+        call = real(head) if kernel else None
+        return None if call is None else lambda hidden: prepared_calls.append(1) or call(hidden)
+
+    monkeypatch.setattr(generation, "prepared_quantized", prepared)
     torch.manual_seed(0)
     body = GPT2LMHeadModel(tiny_config("h4-wide", logit_softcap=4.0)).eval().gpt  # n_embd 64: int4's groups fit
     head = decode_lm_head(body, 1, mode)
@@ -426,7 +438,10 @@ def test_a_quantized_decode_head_reads_its_copy_at_batch_1_only(mode):
     wide = torch.randn(1, 128, generator=torch.Generator().manual_seed(0))
     for hidden in (wide[:, :64], wide[:, ::2], wide[:, :64].bfloat16()):  # contiguous fp32, strided, bf16
         expected = body.logit_softcap(quantized_linear(hidden, copy))  # a bf16 row gives bf16 logits
+        prepared_calls.clear()
         torch.testing.assert_close(head(hidden), expected, atol=1e-4, rtol=1e-3)
+        fp32_rows = hidden.dtype == torch.float32 and hidden.is_contiguous()
+        assert len(prepared_calls) == (1 if kernel and fp32_rows and real(copy) is not None else 0)
         assert not torch.allclose(expected.float(), body.hidden_state_to_token(hidden.float()), atol=1e-3)
     with torch.no_grad():
         body.word_embedding.weight.mul_(-1.0)  # an edit in place: the next decode quantizes again

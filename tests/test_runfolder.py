@@ -12,10 +12,11 @@ from conftest import make_hf_model, tiny_config
 
 from models.gpt2 import GPT2LMHeadModel, GPT2Model
 from models.lora import apply_lora
+from tasks.char_tokenizer import CharTokenizer
 from training import distributed as dist
 from training import runfolder as rf
 from training.batches import EpochBatches
-from training.checkpoint import load_checkpoint, save_checkpoint
+from training.checkpoint import capture_rng, load_checkpoint, save_checkpoint
 from training.train_config import ArchitectureMismatchError, TrainConfig
 
 ROWS = torch.randint(0, 257, (8, 7), generator=torch.Generator().manual_seed(5))
@@ -47,9 +48,9 @@ class Run:
             self.state.step += 1
             self.state.epoch = step.epoch
 
-    def save(self, out, best: bool = False, run_info=None) -> None:
+    def save(self, out, best: bool = False, run_info=None, tokenizer=None) -> None:
         rf.save_run(out, self.model, self.state, run_info or {"lr": 1e-2}, best, self.opt, self.schedule,
-                    self.scaler, self.batches)
+                    self.scaler, self.batches, tokenizer)
 
     def resume(self, out, run_info=None, weights_loaded: bool = False) -> rf.RunState:
         ck = rf.open_run(TrainConfig(output_dir=str(out), resume=True))
@@ -70,7 +71,7 @@ def test_a_run_saved_after_2_steps_and_resumed_by_a_new_process_ends_as_the_unin
     whole.state.best = {"step": 2, "epoch": 0.5, "metrics": {"acc": 0.25}}
     whole.state.history = [{"acc": 0.25}]
     whole.state.log_sums, whole.state.wall_s = {"loss": 3.5}, 1.25
-    whole.save(tmp_path / "run", best=True)
+    whole.save(tmp_path / "run", best=True, tokenizer=CharTokenizer.from_text("ab c"))
     saved_state = rf.RunState(**vars(whole.state))
     whole.steps(2)
     expected_draw = torch.rand(4)
@@ -90,6 +91,8 @@ def test_a_run_saved_after_2_steps_and_resumed_by_a_new_process_ends_as_the_unin
     best = load_checkpoint(tmp_path / "run" / "best")  # the weights, the counters and the run's settings
     assert best.state == {"step": 2, "epoch": 0.5, "best": saved_state.best, "run": {"lr": 1e-2}}
     assert best.optimizer is None and best.scheduler is None
+    for name in ("best", "last"):  # each checkpoint carries the run's tokenizer
+        assert CharTokenizer.from_pretrained(tmp_path / "run" / name).chars == [" ", "a", "b", "c"]
 
 
 def test_resume_loads_the_weights_unless_the_caller_built_the_model_from_the_checkpoint(tmp_path):
@@ -116,6 +119,16 @@ def test_resume_refuses_changed_settings_and_lets_epochs_and_max_iters_grow(tmp_
         Run(1).resume(tmp_path, {**grown, "seed": 4})
 
 
+def test_a_last_from_before_the_settings_were_recorded_resumes_with_nothing_to_compare(tmp_path):
+    run, rng = Run(0), capture_rng()
+    draw = torch.rand(2)
+    save_checkpoint(tmp_path / "last", run.model, optimizer=run.opt, scheduler=run.schedule,
+                    state={"step": 3, "rng": rng, "batches": {"position": 3}})
+    resumed = Run(1)
+    assert resumed.resume(tmp_path, {"lr": 1e-2, "seed": 3}) == rf.RunState(step=3)
+    assert torch.equal(torch.rand(2), draw) and resumed.batches.position == 3
+
+
 def test_under_torchrun_each_rank_continues_its_own_rng_and_only_rank_0_keeps_the_summed_meters(tmp_path,
                                                                                              monkeypatch):
     """Two ranks draw different dropout masks: OUT/last keeps both RNG states (rank 0 gathers them), and each
@@ -124,7 +137,7 @@ def test_under_torchrun_each_rank_continues_its_own_rng_and_only_rank_0_keeps_th
     states, draws = [], {}
     for r, seed in seeds.items():
         torch.manual_seed(seed)
-        states.append(rf.capture_rng())
+        states.append(capture_rng())
         draws[r] = torch.rand(3)
     monkeypatch.setattr(dist, "gather_objects", lambda obj: list(states))
     run = Run(0)

@@ -336,6 +336,16 @@ def test_overwrite_removes_a_file_where_a_checkpoint_folder_belongs_and_ignores_
     assert not (tmp_path / "missing").exists()
 
 
+def test_overwrite_removes_a_linked_checkpoint_folder_as_a_link_and_keeps_what_it_points_to(tmp_path, capsys):
+    out, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
+    save_checkpoint(elsewhere, state={"step": 1})
+    out.mkdir()
+    (out / "last").symlink_to(elsewhere, target_is_directory=True)
+    assert rf.open_run(TrainConfig(output_dir=str(out), overwrite=True)) is None  # not "pass --overwrite"
+    assert list(out.iterdir()) == [] and load_checkpoint(elsewhere).state == {"step": 1}
+    assert capsys.readouterr().out == f"--overwrite: removed the checkpoints in {out}\n"
+
+
 def test_only_rank_0_removes(tmp_path, monkeypatch):
     out = tmp_path / "run"
     _leftovers(out)

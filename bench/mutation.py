@@ -55,7 +55,7 @@ MODULE_TESTS = {
     "models/generation.py": ["tests/test_generation.py", "tests/test_beam_search.py", "tests/test_survivors.py"],
     "training/steps.py": ["tests/test_engine_parts.py"],
     "training/batches.py": ["tests/test_engine_parts.py", "tests/test_task_data.py"],
-    "training/runfolder.py": ["tests/test_engine_parts.py", "tests/test_checkpoint.py"],
+    "training/runfolder.py": ["tests/test_engine_parts.py", "tests/test_checkpoint.py", "tests/test_runfolder.py"],
     "training/checkpoint.py": ["tests/test_checkpoint.py"],
     "grading/questions.py": ["tests/test_grading_questions.py", "tests/test_grading_tolerance.py",
                              "tests/test_grading_forge.py"],

@@ -132,8 +132,8 @@ def remove_run(out: Path) -> None:
         doomed = [out / f"{p}{name}{s}" for name in CHECKPOINTS for p, s in (("", ""), (".", ".old"))]
         doomed += list(out.glob(".*.tmp-*")) + [out / name for name in RUN_FILES]
         existing = [f for f in doomed if f.exists()]
-        for f in existing:
-            shutil.rmtree(f, ignore_errors=True) if f.is_dir() else f.unlink()
+        for f in existing:  # a link goes, not what it points to (rmtree refuses links, and ignore_errors hid that)
+            shutil.rmtree(f, ignore_errors=True) if f.is_dir() and not f.is_symlink() else f.unlink()
         if any(f.name.lstrip(".").split(".")[0] in CHECKPOINTS for f in existing):
             print(f"--overwrite: removed the checkpoints in {out}")
     dist.barrier()

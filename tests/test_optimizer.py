@@ -443,29 +443,27 @@ def test_schedule_edges(schedule):
     assert [schedule(s, 2, 6, 1.0) for s in range(8)] == [0.5] + [1.0] * 7
 
 
-def test_make_lr_scheduler_drives_the_learning_rate():
+def learning_rates(steps: int, **schedule) -> list[float]:
+    """The learning rate of each of `steps` AdamW steps at lr 1.0 under make_lr_scheduler(**schedule)."""
     w = torch.zeros(1, requires_grad=True)
     opt = AdamW([w], lr=1.0)
-    sched = make_lr_scheduler(opt, warmup_steps=2, total_steps=4, min_ratio=0.25, schedule="linear")
+    sched = make_lr_scheduler(opt, **schedule)
     seen = []
-    for _ in range(6):
+    for _ in range(steps):
         seen.append(opt.param_groups[0]["lr"])
         w.grad = torch.ones(1)
         opt.step()
         sched.step()
+    return seen
+
+
+def test_make_lr_scheduler_drives_the_learning_rate():
+    seen = learning_rates(6, warmup_steps=2, total_steps=4, min_ratio=0.25, schedule="linear")
     assert seen == pytest.approx([0.5, 1.0, 1.0, 0.625, 0.25, 0.25])
 
 
 def test_make_lr_scheduler_defaults_to_a_cosine_down_to_zero():
-    w = torch.zeros(1, requires_grad=True)
-    opt = AdamW([w], lr=1.0)
-    sched = make_lr_scheduler(opt, warmup_steps=0, total_steps=4)
-    seen = []
-    for _ in range(5):
-        seen.append(opt.param_groups[0]["lr"])
-        w.grad = torch.ones(1)
-        opt.step()
-        sched.step()
+    seen = learning_rates(5, warmup_steps=0, total_steps=4)
     assert seen == pytest.approx([warmup_cosine(s, 0, 4) for s in range(5)]) and seen[-1] == 0.0
     assert seen[1] == pytest.approx(0.5 * (1 + math.cos(math.pi / 4)))
 

@@ -511,7 +511,9 @@ def mutation(records: list[dict], **_) -> str:
                      share + (f" ({untested} not checked; {r['killed_share_tested']:.1%} of those tested)"
                               if untested and r.get("killed_share_tested") is not None else ""),
                      (minutes(r["seconds"]) if r.get("seconds") is not None else "")
-                     + (f" (+ {r['checked_before']} mutants tested by an earlier run)" if r.get("checked_before") else ""),
+                     + (f" (+ {r['checked_before']} mutants tested by an earlier run"
+                        + (f"; {r['retested']} of them, survivors, tested again with new tests" if r.get("retested")
+                           else "") + ")" if r.get("checked_before") else ""),
                      f"{machine_name(r['machine'])}; {when(r)}"])
     if not rows:
         return "(no mutation records yet: run `python bench/mutation.py`)\n"

@@ -5,10 +5,10 @@ Each module runs on its own: a scratch copy of the project under mutants/by-modu
 [tool.mutmut] (pyproject.toml) but mutates only that module and selects only the test files of MODULE_TESTS; mutmut
 records which of those tests call each function and runs just those tests per mutant. One record per module goes to
 bench/results/mutation.jsonl: killed / survived / equivalent / timeout / no tests / skipped counts, the killed share,
-the run time and every survivor with its diff line. Killed share = (killed + timeout) / (mutants - equivalent ones):
-bench/mutation_equivalents.toml lists the survivors that cannot change behaviour, each with its reason. A scratch
-copy is kept, so a second run only tests mutants not yet tested (--fresh starts over; --retest, after new tests, tests
-the survivors again).
+the run time and every survivor with its diff line. Killed share = (killed + timeout + segfault) / (mutants -
+equivalent ones): bench/mutation_equivalents.toml lists the survivors that cannot change behaviour, each with its
+reason. A scratch copy is kept, so a second run only tests mutants not yet tested (--fresh starts over; --retest,
+after new tests, tests the survivors again).
 
     pip install -r requirements-dev.txt
     nice -n 19 python bench/mutation.py                              # every module of MODULE_TESTS, smallest first
@@ -195,7 +195,8 @@ def run_module(module: str, args) -> dict:
     counts["equivalent"] = len(equivalent)
     total = len(status)
     scored = total - len(equivalent)  # equivalent mutants cannot be killed: they are left out of the score
-    detected = counts["killed"] + counts["timeout"]  # a mutant that makes the tests hang is caught too
+    # a mutant that makes the tests hang (timeout) or crash the test process (segfault) is caught too
+    detected = counts["killed"] + counts["timeout"] + counts["segfault"]
     tested = scored - counts["no tests"] - counts["skipped"] - counts["not checked"]
     return {"module": module, "counts": {k: counts[k] for k in COUNTED}, "total": total, "tested": tested,
             "killed_share": detected / scored if scored else None,
@@ -245,7 +246,7 @@ def main() -> None:
         rec = Recorder("mutation")
         rec.add(module, {k: c[k] for k in COUNTED if c[k] or k in ("killed", "survived", "timeout", "skipped")},
                 "mutants", ratio=r["killed_share"],
-                ratio_of="(killed + timeout) / (all mutants - equivalent ones)",
+                ratio_of="(killed + timeout + segfault) / (all mutants - equivalent ones)",
                 notes=f"mutmut {mutmut.__version__}, {args.max_children} worker(s), {r['seconds']:.0f} s this run"
                       f"{' (stopped at the budget: the rest not checked)' if r['stopped'] else ''}"
                       f"{f', {before} mutants checked by earlier runs' if (before := r['checked_before']) else ''}"

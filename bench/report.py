@@ -506,7 +506,7 @@ def mutation(records: list[dict], **_) -> str:
         untested = round(v.get("not checked", 0))
         share = f"{r['ratio']:.1%}" if r.get("ratio") is not None else ""
         rows.append([f"`{name}`", str(round(sum(v.values()))), count("killed"), count("survived"), count("equivalent"),
-                     count("timeout"),
+                     str(round(v.get("timeout", 0) + v.get("segfault", 0))),
                      count("no tests"), count("skipped"),
                      share + (f" ({untested} not checked; {r['killed_share_tested']:.1%} of those tested)"
                               if untested and r.get("killed_share_tested") is not None else ""),
@@ -517,7 +517,7 @@ def mutation(records: list[dict], **_) -> str:
                      f"{machine_name(r['machine'])}; {when(r)}"])
     if not rows:
         return "(no mutation records yet: run `python bench/mutation.py`)\n"
-    return table(["module", "mutants", "killed", "survived", "equivalent", "timeout", "no tests", "skipped",
+    return table(["module", "mutants", "killed", "survived", "equivalent", "timeout or crash", "no tests", "skipped",
                   "killed share",
                   "run time", "machine; date, load, commit"], rows)
 

@@ -166,6 +166,9 @@ def test_gpt2s_attention_scaling_flags_equal_transformers(flags, path):
 
     config = tiny_config("h4-wide", **flags)
     hf = make_hf_model(config, seed=3)
+    with torch.no_grad():  # scores far from zero, so that how they are scaled shows in the outputs
+        for block in hf.transformer.h:
+            block.attn.c_attn.weight.mul_(6.0)
     ours = GPT2Model(config.replace(**path)).eval()
     ours.load_state_dict(hf_to_ours(hf.state_dict(), config.n_layer))
     ids = torch.randint(0, config.vocab_size, (2, 6), generator=torch.Generator().manual_seed(4))

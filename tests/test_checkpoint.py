@@ -126,14 +126,22 @@ def test_save_writes_parents_the_scheduler_the_tokenizer_and_a_head_file_transfo
 
 
 def test_stale_temporary_folders_of_dead_processes_go_and_a_live_ones_stays(tmp_path):
-    dead = tmp_path / ".my-last.tmp-999999999"  # no such process (a hyphen in the name, too)
-    live = tmp_path / f".my-last.tmp-{os.getppid()}"  # another process saving right now
-    stray = tmp_path / ".my-last.tmp-999999998"  # a file, not a folder: left alone, and no error
-    for folder in (dead, live):
-        folder.mkdir()
-    stray.write_text("x")
-    ck.save_checkpoint(tmp_path / "my-last", state={"step": 1})
-    assert not dead.exists() and live.is_dir() and stray.is_file()
+    import subprocess
+
+    other = subprocess.Popen(["sleep", "60"])  # another process saving right now
+    try:
+        dead = tmp_path / ".my-last.tmp-999999999"  # no such process (a hyphen in the name, too)
+        live = tmp_path / f".my-last.tmp-{other.pid}"
+        stray = tmp_path / ".my-last.tmp-999999998"  # a file, not a folder: left alone, and no error
+        for folder in (dead, live):
+            folder.mkdir()
+        stray.write_text("x")
+        ck.save_checkpoint(tmp_path / "my-last", state={"step": 1})
+        assert not dead.exists() and live.is_dir() and stray.is_file()
+        assert other.poll() is None  # asking whether it is alive sent it no signal
+    finally:
+        other.kill()
+        other.wait()
 
 
 def test_a_save_interrupted_again_keeps_the_last_good_checkpoint(tmp_path, monkeypatch):

@@ -127,6 +127,22 @@ def survivor_diffs(work: Path, module: str, names: list[str]) -> dict[str, str]:
     return {n: " / ".join(line.strip() for line in d.splitlines()[2:] if line[:1] in "-+") for n, d in diffs.items()}
 
 
+def run_mutmut(command: list[str], work: Path, env: dict, log: Path, mode: str, budget: float | None):
+    """One `mutmut run` in the scratch copy, its output to `log` (mode "w" or "a") -> (exit code, stopped at the
+    budget). Its own session: a budget stops mutmut, its fork server and worker together; results so far are saved
+    per mutant, the rest stay "not checked"."""
+    with open(log, mode) as out:
+        proc = subprocess.Popen(command, cwd=work, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            proc.wait(timeout=budget)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait()
+            return proc.returncode, True
+    return proc.returncode, False
+
+
 def run_module(module: str, args) -> dict:
     from mutmut.stats import status_by_exit_code
 
@@ -148,49 +164,31 @@ def run_module(module: str, args) -> dict:
             command += retested
     start = time.perf_counter()
     log = work / "mutmut-run.log"
-    stopped = False
-    with open(log, "w") as out:  # its own session: a budget stops mutmut, its fork server and worker together
-        proc = subprocess.Popen(command, cwd=work, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-        try:
-            proc.wait(timeout=args.budget)
-        except subprocess.TimeoutExpired:  # results so far are saved per mutant; the rest stay "not checked"
-            stopped = True
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait()
-    if retested and not stopped and proc.returncode == 0:  # a named run tests only those: then any mutant without
-        # a result (a function changed since, so mutmut made its mutants anew) gets one
-        left = [n for n, c in json.loads(meta.read_text())["exit_code_by_key"].items() if c is None]
-        if left:
-            with open(log, "a") as out:
-                proc = subprocess.Popen(command[:4], cwd=work, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                        start_new_session=True)
-                left_s = None if args.budget is None else max(1.0, args.budget - (time.perf_counter() - start))
-                try:
-                    proc.wait(timeout=left_s)
-                except subprocess.TimeoutExpired:
-                    stopped = True
-                    os.killpg(proc.pid, signal.SIGTERM)
-                    proc.wait()
+    returncode, stopped = run_mutmut(command, work, env, log, "w", args.budget)
+    if retested and not stopped and returncode == 0:  # a named run tests only those: then any mutant without a
+        # result (a function changed since, so mutmut made its mutants anew) gets one
+        if any(c is None for c in json.loads(meta.read_text())["exit_code_by_key"].values()):
+            left_s = None if args.budget is None else max(1.0, args.budget - (time.perf_counter() - start))
+            returncode, stopped = run_mutmut(command[:4], work, env, log, "a", left_s)
     seconds = time.perf_counter() - start
     if not meta.exists():
         tail = log.read_text()[-2000:]
-        raise RuntimeError(f"{module}: mutmut wrote no results (exit {proc.returncode}); {log}:\n{tail}")
+        raise RuntimeError(f"{module}: mutmut wrote no results (exit {returncode}); {log}:\n{tail}")
     codes = json.loads(meta.read_text())["exit_code_by_key"]
-    if proc.returncode != 0 and not stopped and all(c is None for c in codes.values()):
+    if returncode != 0 and not stopped and all(c is None for c in codes.values()):
         tail = log.read_text()[-2000:]
-        raise RuntimeError(f"{module}: mutmut stopped before testing a mutant (exit {proc.returncode}); {log}:\n{tail}")
+        raise RuntimeError(f"{module}: mutmut stopped before testing a mutant (exit {returncode}); {log}:\n{tail}")
     status = {name: status_by_exit_code[code] for name, code in codes.items()}
     counts = Counter(status.values())
     survivors = sorted((n for n, s in status.items() if s == "survived"), key=lambda n: int(n.rpartition("_")[2]))
-    survivors = sorted(survivors, key=lambda n: n.rpartition("__mutmut_")[0])
+    survivors = sorted(survivors, key=function_of)
     diffs = survivor_diffs(work, module, survivors)
     known = {(e["mutant"], e["diff"]): e["reason"] for e in equivalents(module)}
-    equivalent = [{"mutant": n, "diff": diffs.get(n, ""), "reason": known[(function_of(n), diffs.get(n, ""))]}
-                  for n in survivors if (function_of(n), diffs.get(n, "")) in known]
-    used = {(function_of(e["mutant"]), e["diff"]) for e in equivalent}
+    key = {n: (function_of(n), diffs.get(n, "")) for n in survivors}  # what an equivalents entry names
+    equivalent = [{"mutant": n, "diff": key[n][1], "reason": known[key[n]]} for n in survivors if key[n] in known]
+    used = {key[e["mutant"]] for e in equivalent}
     stale = [{"mutant": m, "diff": d} for (m, d) in known if (m, d) not in used]
-    survivors = [n for n in survivors if (function_of(n), diffs.get(n, "")) not in known]
+    survivors = [n for n in survivors if key[n] not in known]
     counts["survived"] -= len(equivalent)
     counts["equivalent"] = len(equivalent)
     total = len(status)
@@ -203,7 +201,7 @@ def run_module(module: str, args) -> dict:
             "killed_share_tested": detected / tested if tested else None,
             "equivalents": equivalent, "stale_equivalents": stale,
             "seconds": seconds, "checked_before": checked_before, "retested": len(retested), "stopped": stopped,
-            "exit_code": proc.returncode,
+            "exit_code": returncode,
             "tests": MODULE_TESTS[module],
             "survivors": [{"mutant": n, "diff": diffs.get(n, "")} for n in survivors]}
 

@@ -209,6 +209,50 @@ def test_read_step_reads_the_counter_alone_and_names_a_broken_file(tmp_path):
         ck.read_step(tmp_path / "last")
 
 
+def test_read_step_does_not_unpickle_python_objects(tmp_path):
+    """read_step chooses between folders before any is verified, so it must not run a file's pickled code either."""
+    path = ck.save_checkpoint(tmp_path / "last", state={"step": 1})
+    torch.save({"state": {"step": Fraction(7, 2)}}, path / ck.STATE)  # int() of it would be 3
+    with pytest.raises(ck.CorruptCheckpointError, match=rf"(?s)^checkpoint {path}: cannot read its step from "
+                                                        r"training_state\.pt \(.*Unsupported global"):
+        ck.read_step(path)
+
+
+def test_a_checkpoint_written_on_a_gpu_resumes_and_reads_its_step_on_a_cpu_only_machine(tmp_path, monkeypatch):
+    """A run trained on a GPU machine is resumed or chosen on a CPU-only one: its training_state.pt tags each tensor
+    with cuda:0, and both readers map them to the CPU. torch's own serializer writes the GPU's tags here, its
+    location tag forced to cuda:0, so no GPU is needed."""
+    model, opt = _model_and_optimizer()
+    with monkeypatch.context() as gpu:
+        gpu.setattr(torch.serialization, "location_tag", lambda storage: "cuda:0")
+        path = ck.save_checkpoint(tmp_path / "last", model, optimizer=opt, state={"step": 5})
+    if not torch.cuda.is_available():  # the file really is a GPU's: a plain load refuses it here
+        with pytest.raises(RuntimeError, match="deserialize object on a CUDA device"):
+            torch.load(path / ck.STATE, weights_only=True)
+    assert ck.read_step(path) == 5
+    loaded = ck.load_checkpoint(path)
+    saved = opt.state_dict()["state"]
+    for i, moments in loaded.optimizer["state"].items():
+        assert moments["exp_avg"].device.type == "cpu"
+        torch.testing.assert_close(moments["exp_avg"], saved[i]["exp_avg"], rtol=0, atol=0)
+
+
+def test_a_temporary_folder_of_another_users_live_process_stays(tmp_path, monkeypatch):
+    """Where the pid belongs to another user, asking whether it is alive raises PermissionError: it is alive."""
+    folder = tmp_path / ".last.tmp-4242"
+    folder.mkdir()
+    real_kill = os.kill
+
+    def kill(pid, sig):
+        if pid == 4242:
+            raise PermissionError(1, "Operation not permitted")
+        return real_kill(pid, sig)
+
+    monkeypatch.setattr(os, "kill", kill)
+    ck.save_checkpoint(tmp_path / "last", state={"step": 1})
+    assert folder.is_dir()
+
+
 def test_resume_rule_names_each_changed_setting_and_lets_only_the_extendable_grow():
     saved = {"lr": 1e-3, "seed": 1, "epochs": 3, "data": "a.csv"}
     ck.check_resume_settings(saved, dict(saved), "OUT/last")

@@ -23,6 +23,7 @@ import run_sonnet
 from models.gpt2 import GPT2LMHeadModel, position_ids_from_mask
 from models.loading import hf_to_ours
 from optimizer import AdamW
+from training import checkpoint as ck
 
 DRY_RUN = os.environ.get("GPT2_CUDA_TESTS_ON_CPU") == "1"
 HAS_CUDA = torch.cuda.is_available()
@@ -30,7 +31,7 @@ DEVICE = "cuda" if HAS_CUDA else "cpu"
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(
     not (HAS_CUDA or DRY_RUN),
     reason="no CUDA device: the GPU path runs on a GPU machine (bench/gpu_check.sh; GPT2_CUDA_TESTS_ON_CPU=1 dry-runs it)")]
-needs_gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs a real CUDA device (nccl)")
+needs_gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs a real CUDA device (its generator, nccl)")
 
 # Tolerances, stated once. fp32 with TF32 off: as on the CPU. Half precision: relative to the logits' scale (bf16
 # keeps 8 significant bits, fp16 11; a few layers of tiny models stay well within these).
@@ -162,7 +163,7 @@ def test_pretraining_on_the_device_resumes_there_and_loads_on_the_cpu(tmp_path, 
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(TEXT, encoding="utf-8")
     common = ["--data", str(corpus), *TINY, "--eval_interval", "4", "--lr_decay_iters", "8", "--device", DEVICE,
-              "--dtype", dtype]
+              "--dtype", dtype, "--dropout", "0.1"]  # dropout draws from the device's generator, which resume restores
     full = run_pretrain.main(common + ["--out_dir", str(tmp_path / "full"), "--max_iters", "8"])
     run_pretrain.main(common + ["--out_dir", str(tmp_path / "split"), "--max_iters", "4"])
     resumed = run_pretrain.main(common + ["--out_dir", str(tmp_path / "split"), "--max_iters", "8", "--resume"])
@@ -175,6 +176,22 @@ def test_pretraining_on_the_device_resumes_there_and_loads_on_the_cpu(tmp_path, 
         cpu_logits = on_cpu(ids)["logits"]
         dev_logits = on_cpu.to(DEVICE)(ids.to(DEVICE))["logits"].cpu()  # and back on the device
     torch.testing.assert_close(dev_logits, cpu_logits, atol=FP32_ATOL, rtol=0)
+
+
+@needs_gpu
+def test_the_cuda_generator_round_trips_through_a_checkpoint_and_a_cpu_state_restores_on_a_gpu(tmp_path):
+    """Dropout and sampling on the GPU draw from the CUDA generator: a resume must restore it exactly. A state captured
+    on a CPU-only machine has no CUDA generator in it and restores on a GPU machine too, leaving that one as it was."""
+    torch.cuda.manual_seed_all(3)
+    ck.save_checkpoint(tmp_path / "c", state={"rng": ck.capture_rng()})
+    first = torch.rand(5, device="cuda")
+    torch.rand(100, device="cuda")
+    ck.restore_rng(ck.load_checkpoint(tmp_path / "c").state["rng"])
+    assert torch.equal(torch.rand(5, device="cuda"), first)
+    cpu_state = {k: v for k, v in ck.capture_rng().items() if k != "cuda"}
+    before = torch.cuda.get_rng_state_all()
+    ck.restore_rng(cpu_state)
+    assert all(torch.equal(a, b) for a, b in zip(torch.cuda.get_rng_state_all(), before, strict=True))
 
 
 @needs_gpu

@@ -189,7 +189,7 @@ def load_checkpoint(directory: str | os.PathLike) -> Checkpoint:
     try:
         training_state = torch.load(folder / STATE, map_location="cpu", weights_only=True)
     except Exception as e:
-        if "unsupported global" in str(e).lower() or "allowed global" in str(e).lower():
+        if "unsupported global" in str(e).lower():  # torch's weights-only refusal of a class not allowed
             raise CorruptCheckpointError(f"refusing to load {folder / STATE}: it holds Python objects other than "
                                          "tensors and plain values, which could run code when unpickled "
                                          "(weights_only=True)") from None

@@ -294,6 +294,9 @@ def test_a_fresh_cache_builds_the_kernel_under_its_key_and_a_failed_build_says_w
     built = rows._build(rows.AVX2)
     assert built == tmp_path / "a" / "b" / f"rows-{rows._cache_key(rows.SOURCE, ' '.join(rows.AVX2))}.so"
     assert [p.name for p in (tmp_path / "a" / "b").iterdir()] == [built.name]  # no temporary folder left
+    # built with OpenMP: its parallel loops run on the threads asked for (without -fopenmp the pragmas are dropped
+    # and the library, linking no libgomp, runs on one thread)
+    assert b"libgomp.so" in built.read_bytes()
     lib = rows.library(rows.AVX2)
     x, w = torch.randn(1, 16), torch.randn(4, 16)
     with torch.no_grad():

@@ -134,6 +134,19 @@ def test_float32_newton_schulz_leaves_the_momentum_buffer_alone():
     assert torch.equal(opt.state[p]["momentum_buffer"], torch.full_like(p, 0.5))
 
 
+def test_a_groups_newton_schulz_dtype_is_the_one_its_step_iterates_in():
+    """One step without momentum or decay moves p by -lr' * orthogonalize(grad) in the group's ns_dtype: float32's
+    result, which bf16's iteration does not give."""
+    (p,) = matrices()[:1]
+    start, grad = p.detach().clone(), torch.randn_like(p)
+    opt = Muon([p], lr=0.02, momentum=0.0, nesterov=False, weight_decay=0.0, ns_dtype=torch.float32)
+    p.grad = grad.clone()
+    opt.step()
+    step = adjusted_lr(0.02, None, p.shape)
+    torch.testing.assert_close(p.detach(), start - step * orthogonalize(grad, dtype=torch.float32), rtol=0, atol=1e-6)
+    assert not torch.allclose(p.detach(), start - step * orthogonalize(grad), rtol=0, atol=1e-4)
+
+
 def test_adjusted_lr_is_torchs():
     """Jordan's sqrt(max(1, rows / cols)) and Moonshot's 0.2 sqrt(max(rows, cols)), on the first two sides of any
     shape (as torch.optim.Muon's, which also reads a convolution's (out, in, h, w) so)."""

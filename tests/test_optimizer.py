@@ -428,9 +428,11 @@ def test_schedule_shapes_differ():
 
 
 def test_schedule_invalid_arguments():
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"^need 0 <= warmup_steps <= total_steps, got 10 and 5$"):
         warmup_cosine(0, warmup_steps=10, total_steps=5)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"^need 0 <= warmup_steps <= total_steps, got -1 and 5$"):
+        warmup_linear(0, warmup_steps=-1, total_steps=5)
+    with pytest.raises(ValueError, match=r"^min_ratio must be in \[0, 1\], got 1\.5$"):
         warmup_linear(0, warmup_steps=0, total_steps=5, min_ratio=1.5)
     with pytest.raises(ValueError, match="unknown schedule"):
         make_lr_scheduler(AdamW([torch.zeros(1, requires_grad=True)]), 1, 2, schedule="step")

@@ -524,11 +524,13 @@ def check_embed(run: Run, scorer: Scorer) -> CheckResult:
 
 def model_reference(g, layers, eps_final, act, result):
     """(last_hidden_state, last_token) of transformers' GPT2Model on the grader's weights, with the given eps/GELU;
-    the functional twin where the LayerNorm eps differ (transformers takes one)."""
+    the functional twin where the LayerNorm eps differ (transformers takes one). Eps measured off a submission's
+    outputs (measured_eps) differ in their last digits where the submission uses one value: within 0.1% of each
+    other they are that one value."""
     w = weights_of(g)
     ids, mask = g["ids"].long(), MASKS["right"]
-    eps_all = {eps_final} | {e for info in layers for e in (info["eps_attn"], info["eps_mlp"])}
-    if len(eps_all) > 1:
+    eps_all = [eps_final] + [e for info in layers for e in (info["eps_attn"], info["eps_mlp"])]
+    if max(eps_all) - min(eps_all) > 1e-3 * max(eps_all):
         return ref.f_model(ids, mask, w, H, layers, eps_final, act)
     h, last = ref.model_forward(ref.hf_model(w, H, act, eps_final), ids, mask)
     _self_check(ref.f_model(ids, mask, w, H, layers, eps_final, act)[0], h, mask, "model")

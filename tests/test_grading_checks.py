@@ -436,6 +436,30 @@ def test_an_untied_head_is_named(model_case):
     assert (result.verdict, result.score) == ("partial", 10.0)
 
 
+def test_the_model_reference_is_transformers_where_the_measured_eps_are_one_value(model_case, monkeypatch):
+    """Eps measured off a submission's outputs differ in their last digits (9.9999992e-06 for 1e-5): within 0.1% of
+    each other they are one value, and the reference is transformers' GPT2Model (with the functional twin checked
+    against it); a layer with its own eps gets the functional twin, which follows each layer's eps."""
+    g, _ = model_case
+    w, ids, mask = checks.weights_of(g), g["ids"].long(), MASKS["right"]
+    real, built = ref.hf_model, []
+    monkeypatch.setattr(ref, "hf_model", lambda *args: built.append(args[3]) or real(*args))
+    result = checks.CheckResult("model", [])
+    one = [{"eps_attn": 1e-5 * (1 + 4e-4), "eps_mlp": 1e-5 * (1 - 3e-8)} for _ in range(probes.L)]
+    h, last = checks.model_reference(g, one, 9.9999992e-06, "tanh", result)
+    assert built == [9.9999992e-06]
+    hf_h, hf_last = ref.model_forward(real(w, H, "tanh", 1e-5), ids, mask)
+    torch.testing.assert_close(h, hf_h, rtol=0, atol=1e-6)
+    torch.testing.assert_close(last, hf_last, rtol=0, atol=1e-6)
+    for own in (1e-5 * (1 + 2e-3), 1e-6):
+        layers = [dict(one[0]), *one[1:]]
+        layers[0]["eps_mlp"] = own
+        h, last = checks.model_reference(g, layers, 1e-5, "tanh", result)
+        assert len(built) == 1  # no transformers model: it takes one eps
+        f_h, f_last = ref.f_model(ids, mask, w, H, layers, 1e-5, "tanh")
+        assert torch.equal(h, f_h) and torch.equal(last, f_last)
+
+
 @pytest.mark.parametrize("bug", ["no_final_ln", "no_positions", "last_position"])
 def test_a_model_bug_is_named(model_case, bug):
     g, t = model_case

@@ -663,14 +663,12 @@ def torch_adamw_run(given: dict, bug: str | None = None, form: str = "torch") ->
     groups = probes.adamw_groups(net)
     data = list(zip(given["x"], given["y"]))
     if bug is None and form == "torch":
-        opt = torch.optim.AdamW(groups, lr=1e-3, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.0)
+        opt = torch.optim.AdamW(groups, betas=(0.9, 0.99), eps=1e-8)  # each group sets its lr and weight decay
         for x, y in data:
             opt.zero_grad()
             ((net(x) - y) ** 2).mean().backward()
             opt.step()
     else:
-        for g in groups:
-            g.setdefault("lr", 1e-3)
         it = iter(data)
 
         def grads():

@@ -471,6 +471,69 @@ def test_a_model_bug_is_named(model_case, bug):
                                               "from the reference (max error ")
 
 
+def test_a_head_with_wrong_logits_is_called_untied_only_where_its_logits_did_not_move(model_case):
+    """Wrong logits that stay put when the grader swaps in a second word_embedding (a snapshot of the matrix) are
+    an untied head; wrong logits that follow the swap (tied, computed wrongly) keep the score's own message."""
+    g, t = model_case
+    h = g["head.input"]
+    wrong = F.linear(h, 2 * g["word_embedding.weight"])
+    result = checks.check_model(ok({**t, "logits": wrong, "logits.tied": wrong.clone()}, g), scorer())
+    head = result.parts[1]
+    assert (head.status, head.points, head.message) == ("fail", 0.0, "the logits do not follow word_embedding: the "
+                                                                      "head is not tied")
+    assert result.diagnosis_key == "untied_head"
+    moved = F.linear(h, 2 * g["head.word_embedding"])
+    result = checks.check_model(ok({**t, "logits": wrong, "logits.tied": moved}, g), scorer())
+    head = result.parts[1]
+    assert (head.status, head.points) == ("fail", 0.0) and result.diagnosis_key != "untied_head"
+    assert head.message.startswith("hidden_state_to_token() differs from the reference (max error ")
+    barely = wrong + 1e-3  # moved, if only a little: not a snapshot
+    result = checks.check_model(ok({**t, "logits": wrong, "logits.tied": barely}, g), scorer())
+    assert result.parts[1].message.startswith("hidden_state_to_token() differs") and not result.diagnosis_key
+
+
+def test_the_model_is_graded_on_the_real_positions_with_the_submissions_own_choices(model_case):
+    """Hidden states at right padding are not graded; a submission that ran its own layers is graded with the GELU
+    and eps its layers compute (here exact GELU and eps 1e-6, against the stand-in's tanh and 1e-5); a final norm
+    that is not a LayerNorm on the grader's input is graded with eps 1e-5 and said so; the run's notes are kept."""
+    g, t = model_case
+    mask = MASKS["right"]
+    h = t["last_hidden_state"].clone()
+    h[mask == 0] = 123.0  # whatever a submission leaves at the padding
+    run = ok({**t, "last_hidden_state": h}, g, notes=["a note"])
+    run.findings = ["wrote /tmp/x"]
+    result = checks.check_model(run, scorer())
+    assert summary(result)["forward"] == ("pass", 10.0)
+    assert result.messages == ["finding: wrote /tmp/x", "a note"]  # the findings, then the run's notes
+    run = ok(dict(t), g)
+    del run.info["notes"]  # a probe that left none
+    assert checks.check_model(run, scorer()).messages == []
+
+    w = checks.weights_of(g)
+    layers = [{"eps_attn": 1e-6, "eps_mlp": 1e-6} for _ in range(probes.L)]
+    own_h, own_last = ref.f_model(g["ids"].long(), mask, w, H, layers, 1e-6, "exact")
+    own = {**t, "last_hidden_state": own_h, "last_token": own_last}
+    for name, eps in [("final_layer_norm", 1e-6)] + [(f"gpt_layers.{i}.{n}", 1e-6) for i in range(probes.L)
+                                                     for n in ("attention_layer_norm", "out_layer_norm")]:
+        own[f"ln.{name}"] = F.layer_norm(g["ln.input"], (D,), w[f"{name}.weight"], w[f"{name}.bias"], eps)
+    for i in range(probes.L):
+        own[f"gelu.gpt_layers.{i}"] = F.gelu(g["gelu.input"])
+    result = checks.check_model(ok(own, g, {"own_components": True}), scorer())
+    assert summary(result)["forward"] == ("pass", 10.0), result.parts[0].message
+
+    not_ln = {**t, "ln.final_layer_norm": torch.zeros_like(t["ln.final_layer_norm"])}
+    result = checks.check_model(ok(not_ln, g), scorer())
+    assert "final_layer_norm does not act as a LayerNorm on the grader's input; graded with eps 1e-5" in result.messages
+
+
+def test_a_head_that_failed_in_the_probe_is_not_graded_again(model_case):
+    g, t = model_case
+    values = {"parts": {"hidden_state_to_token": "not implemented: TODO"}}
+    result = checks.check_model(ok(dict(t), g, values), scorer())
+    assert summary(result) == {"forward": ("pass", 10.0), "hidden_state_to_token": ("not implemented", 0.0)}
+    assert result.parts[1].message == "hidden_state_to_token: not implemented: TODO"
+
+
 def test_a_model_part_that_failed_in_the_probe_scores_zero(model_case):
     g, t = model_case
     values = {"parts": {"forward": "not implemented: TODO"}}
@@ -578,3 +641,28 @@ def test_calls_the_process_could_not_watch_are_reported():
     result = graded_attention([], unwatched=[f"u{i}" for i in range(7)])
     assert result.messages == ["the check's process reports forbidden calls it could not watch: u0; u1; u2; u3; u4"]
     assert result.score == 16
+
+
+# ---- AdamW ----------------------------------------------------------------------------------------------------------
+
+def test_the_adamw_reference_is_torchs_adamw_on_the_questions_net_and_each_form_and_bug_its_own():
+    """torch_adamw_run against a run written here: the question's net and its two groups (each with its own lr and
+    weight decay), torch.optim.AdamW with betas (0.9, 0.99) and eps 1e-8 on each batch's mean squared error. The
+    handout's correct form stays within the course's tolerance of it and is not the same computation; each bug
+    variant lands far from both."""
+    given = questions.ask("adamw", 7)
+    net = probes.adamw_net(given)
+    opt = torch.optim.AdamW(probes.adamw_groups(net), betas=(0.9, 0.99), eps=1e-8)
+    for x, y in zip(given["x"], given["y"]):
+        opt.zero_grad()
+        ((net(x) - y) ** 2).mean().backward()
+        opt.step()
+    want = {n: p.detach() for n, p in net.named_parameters()}
+    got = checks.torch_adamw_run(given)
+    assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want)
+    handout = checks.torch_adamw_run(given, form="handout")
+    assert all(torch.allclose(handout[n], want[n], atol=1e-6, rtol=1e-4) for n in want)
+    assert not all(torch.equal(handout[n], want[n]) for n in want)
+    for bug in ref.ADAMW_BUGS:
+        wrong = checks.torch_adamw_run(given, bug)
+        assert max(checks.max_err(wrong[n], want[n]) for n in want) > 1e-3, bug

@@ -522,7 +522,7 @@ def check_embed(run: Run, scorer: Scorer) -> CheckResult:
     return finish(result)
 
 
-def model_reference(g, layers, eps_final, act, result):
+def model_reference(g, layers, eps_final, act):
     """(last_hidden_state, last_token) of transformers' GPT2Model on the grader's weights, with the given eps/GELU;
     the functional twin where the LayerNorm eps differ (transformers takes one). Eps measured off a submission's
     outputs (measured_eps) differ in their last digits where the submission uses one value: within 0.1% of each
@@ -558,16 +558,16 @@ def check_model(run: Run, scorer: Scorer) -> CheckResult:
     if v.get("own_components") is True:  # its own layers ran (it said so): their eps and GELU, as measured
         layers = [{"eps_attn": layer_eps(t, g, f"gpt_layers.{i}.", "attention_layer_norm", result),
                    "eps_mlp": layer_eps(t, g, f"gpt_layers.{i}.", "out_layer_norm", result)} for i in range(probes.L)]
-        act = pick_activation(gelus[0], lambda a: model_errors(t, model_reference(g, layers, eps_final, a, result)),
+        act = pick_activation(gelus[0], lambda a: model_errors(t, model_reference(g, layers, eps_final, a)),
                               result)
     else:  # the reference layers stood in: their choices
         layers = [dict(probes.STAND_IN) for _ in range(probes.L)]
         act = probes.STAND_IN["activation"]
-    h_last = model_reference(g, layers, eps_final, act, result)
+    h_last = model_reference(g, layers, eps_final, act)
     err = model_errors(t, h_last)
     scorer.score(parts["forward"], err, what="forward() (last_hidden_state and last_token, right padding)")
     if gelus[0] == "exact":
-        other = model_reference(g, layers, eps_final, "tanh" if act == "exact" else "exact", result)
+        other = model_reference(g, layers, eps_final, "tanh" if act == "exact" else "exact")
         gelu_info(result, "exact", max(max_err(other[0], h_last[0], MASKS["right"]), max_err(other[1], h_last[1])))
     if err > scorer.exact:
         ids, w = g["ids"].long(), weights_of(g)

@@ -444,9 +444,8 @@ def test_the_model_reference_is_transformers_where_the_measured_eps_are_one_valu
     w, ids, mask = checks.weights_of(g), g["ids"].long(), MASKS["right"]
     real, built = ref.hf_model, []
     monkeypatch.setattr(ref, "hf_model", lambda *args: built.append(args[3]) or real(*args))
-    result = checks.CheckResult("model", [])
     one = [{"eps_attn": 1e-5 * (1 + 4e-4), "eps_mlp": 1e-5 * (1 - 3e-8)} for _ in range(probes.L)]
-    h, last = checks.model_reference(g, one, 9.9999992e-06, "tanh", result)
+    h, last = checks.model_reference(g, one, 9.9999992e-06, "tanh")
     assert built == [9.9999992e-06]
     hf_h, hf_last = ref.model_forward(real(w, H, "tanh", 1e-5), ids, mask)
     torch.testing.assert_close(h, hf_h, rtol=0, atol=1e-6)
@@ -454,7 +453,7 @@ def test_the_model_reference_is_transformers_where_the_measured_eps_are_one_valu
     for own in (1e-5 * (1 + 2e-3), 1e-6):
         layers = [dict(one[0]), *one[1:]]
         layers[0]["eps_mlp"] = own
-        h, last = checks.model_reference(g, layers, 1e-5, "tanh", result)
+        h, last = checks.model_reference(g, layers, 1e-5, "tanh")
         assert len(built) == 1  # no transformers model: it takes one eps
         f_h, f_last = ref.f_model(ids, mask, w, H, layers, 1e-5, "tanh")
         assert torch.equal(h, f_h) and torch.equal(last, f_last)
@@ -520,6 +519,15 @@ def test_the_model_is_graded_on_the_real_positions_with_the_submissions_own_choi
         own[f"gelu.gpt_layers.{i}"] = F.gelu(g["gelu.input"])
     result = checks.check_model(ok(own, g, {"own_components": True}), scorer())
     assert summary(result)["forward"] == ("pass", 10.0), result.parts[0].message
+    tanh_h, tanh_last = ref.f_model(g["ids"].long(), mask, w, H, layers, 1e-6, "tanh")
+    apart = max(checks.max_err(tanh_h, own_h, mask), checks.max_err(tanh_last, own_last))
+    assert apart > 1e-4 and result.info == [
+        f"uses exact GELU (F.gelu, as the course's starter gives); transformers' GPT-2 uses the tanh approximation: "
+        f"with it the outputs differ by up to {apart:.2g} (no points lost)"]
+    unread = {k: x for k, x in own.items() if not k.startswith("gelu.")}  # its GELU cannot be read off a layer
+    result = checks.check_model(ok(unread, g, {"own_components": True}), scorer())
+    assert summary(result)["forward"] == ("pass", 10.0) and result.info == []
+    assert result.messages == ["interm_af not found as exact or tanh GELU; graded with the closer one (exact)"]
 
     not_ln = {**t, "ln.final_layer_norm": torch.zeros_like(t["ln.final_layer_norm"])}
     result = checks.check_model(ok(not_ln, g), scorer())
@@ -666,3 +674,24 @@ def test_the_adamw_reference_is_torchs_adamw_on_the_questions_net_and_each_form_
     for bug in ref.ADAMW_BUGS:
         wrong = checks.torch_adamw_run(given, bug)
         assert max(checks.max_err(wrong[n], want[n]) for n in want) > 1e-3, bug
+
+
+def test_the_course_part_takes_the_courses_tolerances_and_is_skipped_without_its_reference():
+    """optimizer_test.py's allclose(atol=1e-6, rtol=1e-4): an answer within them passes, one past either fails; with
+    the course's reference file absent the part is skipped and says which file."""
+    given = questions.ask("adamw", 3)
+    torch_answers = {f"torch.{n}": x for n, x in checks.torch_adamw_run(given).items()}
+    course = torch.tensor([[0.0, 1.0, 2.0], [-1.0, 0.5, 3.0]])  # the shape of optimizer_test.npy
+
+    def course_part(answer, reference=course):
+        result = checks.check_adamw(ok({**torch_answers, "course.weight": answer}, given), scorer(), reference,
+                                    "data/optimizer_test.npy")
+        assert result.output == "printed" and summary(result)["torch_adamw"][0] == "pass"
+        return result.parts[0]
+
+    assert course_part(course + torch.tensor([[9e-7, 5e-5, 1e-4], [-5e-5, 0.0, 0.0]])).status == "pass"
+    assert course_part(course + torch.tensor([[2e-6, 0.0, 0.0], [0.0, 0.0, 0.0]])).status != "pass"  # past atol at 0
+    assert course_part(course + torch.tensor([[0.0, 2e-4, 0.0], [0.0, 0.0, 0.0]])).status != "pass"  # past rtol at 1
+    skipped = course_part(course, reference=None)
+    assert (skipped.status, skipped.points) == ("skipped", 0.0)
+    assert skipped.message == "skipped: the course's reference data/optimizer_test.npy is absent"

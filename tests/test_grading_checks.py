@@ -695,3 +695,29 @@ def test_the_course_part_takes_the_courses_tolerances_and_is_skipped_without_its
     skipped = course_part(course, reference=None)
     assert (skipped.status, skipped.points) == ("skipped", 0.0)
     assert skipped.message == "skipped: the course's reference data/optimizer_test.npy is absent"
+
+
+def test_the_torch_part_passes_a_correct_run_and_names_each_bug_and_the_course_part_its_error():
+    given = questions.ask("adamw", 3)
+    course = torch.zeros(2, 3)
+
+    def grade(params: dict, course_answer=course):
+        answers = {**{f"torch.{n}": x for n, x in params.items()}, "course.weight": course_answer}
+        return checks.check_adamw(ok(answers, given), scorer(), course, "x.npy")
+
+    result = grade(checks.torch_adamw_run(given))
+    assert [(p.status, p.points == p.max) for p in result.parts] == [("pass", True), ("pass", True)]
+    assert (result.verdict, result.diagnosis_key) == ("pass", "")
+    for bug in ref.ADAMW_BUGS:
+        result = grade(checks.torch_adamw_run(given, bug))
+        torch_part = result.parts[1]
+        assert (torch_part.status, torch_part.points) == ("fail", 0.0) and result.diagnosis_key == bug
+        assert torch_part.message.startswith("200 steps against torch.optim.AdamW (two groups, weight decay) differs "
+                                             "from the reference (max error ")
+    assert result.parts[1].error == max(checks.max_err(x, want) for x, want in zip(
+        checks.torch_adamw_run(given, bug).values(), checks.torch_adamw_run(given).values()))
+    assert grade({}).parts[1].status == "fail"  # no answers
+    course_part = grade(checks.torch_adamw_run(given), course + 0.5).parts[0]
+    assert (course_part.status, course_part.error) == ("fail", 0.5)
+    assert course_part.message.startswith("1000 steps of the course's optimizer_test differs from the reference (max "
+                                          "error 0.5")

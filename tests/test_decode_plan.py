@@ -66,6 +66,10 @@ def test_the_plan_is_timed_once_and_cached(fresh_plan, monkeypatch):
     monkeypatch.setattr(rows, "_plan", None)
     monkeypatch.setattr(rows, "time_forms", lambda *a, **k: pytest.fail("timed again despite the cache"))
     assert rows.plan()["forms"] == chosen["forms"]
+    cached.unlink()  # --retime: the folder is there now, and the new timing is cached in it
+    monkeypatch.setattr(rows, "_plan", None)
+    monkeypatch.setattr(rows, "time_forms", lambda libs, **k: speeds)
+    assert rows.plan()["source"] == f"timed, cached in {cached}" and cached.is_file()
 
 
 @pytest.mark.skipif(not AVX512, reason="two forms of the kernel exist only on an AVX512 CPU with the kernel built")

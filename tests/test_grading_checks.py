@@ -399,22 +399,26 @@ def test_embed_without_positions_is_named_and_training_not_graded():
 
 # ---- model ----------------------------------------------------------------------------------------------------------
 
+def model_answers(g: dict, eps: float = 1e-5, act: str = "tanh") -> dict:
+    """A correct model's answers where every LayerNorm uses `eps` and every layer the GELU `act`."""
+    w = checks.weights_of(g)
+    layers = [{"eps_attn": eps, "eps_mlp": eps} for _ in range(probes.L)]
+    h, last = ref.f_model(g["ids"].long(), MASKS["right"], w, H, layers, eps, act)
+    t = {"last_hidden_state": h, "last_token": last, "logits": F.linear(g["head.input"], w["word_embedding.weight"]),
+         "logits.tied": F.linear(g["head.input"], g["head.word_embedding"])}
+    norms = ["final_layer_norm"] + [f"gpt_layers.{i}.{n}" for i in range(probes.L)
+                                    for n in ("attention_layer_norm", "out_layer_norm")]
+    for name in norms:
+        t[f"ln.{name}"] = F.layer_norm(g["ln.input"], (D,), w[f"{name}.weight"], w[f"{name}.bias"], eps)
+    for i in range(probes.L):
+        t[f"gelu.gpt_layers.{i}"] = F.gelu(g["gelu.input"], approximate="tanh" if act == "tanh" else "none")
+    return t
+
+
 @pytest.fixture(scope="module")
 def model_case():
     g = questions.ask("model", 4)
-    w = checks.weights_of(g)
-    layers = [dict(probes.STAND_IN) for _ in range(probes.L)]
-    h, last = ref.f_model(g["ids"].long(), MASKS["right"], w, H, layers, 1e-5, "tanh")
-    t = {"last_hidden_state": h, "last_token": last, "logits": F.linear(g["head.input"], w["word_embedding.weight"]),
-         "logits.tied": F.linear(g["head.input"], g["head.word_embedding"]),
-         "ln.final_layer_norm": F.layer_norm(g["ln.input"], (D,), w["final_layer_norm.weight"],
-                                             w["final_layer_norm.bias"], 1e-5)}
-    for i in range(probes.L):
-        t[f"gelu.gpt_layers.{i}"] = F.gelu(g["gelu.input"], approximate="tanh")
-        for n in ("attention_layer_norm", "out_layer_norm"):
-            t[f"ln.gpt_layers.{i}.{n}"] = F.layer_norm(g["ln.input"], (D,), w[f"gpt_layers.{i}.{n}.weight"],
-                                                       w[f"gpt_layers.{i}.{n}.bias"], 1e-5)
-    return g, t
+    return g, model_answers(g)  # the stand-in layers' choices: eps 1e-5, tanh GELU
 
 
 def test_a_correct_model_scores_full_marks(model_case):
@@ -508,19 +512,12 @@ def test_the_model_is_graded_on_the_real_positions_with_the_submissions_own_choi
     del run.info["notes"]  # a probe that left none
     assert checks.check_model(run, scorer()).messages == []
 
-    w = checks.weights_of(g)
-    layers = [{"eps_attn": 1e-6, "eps_mlp": 1e-6} for _ in range(probes.L)]
-    own_h, own_last = ref.f_model(g["ids"].long(), mask, w, H, layers, 1e-6, "exact")
-    own = {**t, "last_hidden_state": own_h, "last_token": own_last}
-    for name, eps in [("final_layer_norm", 1e-6)] + [(f"gpt_layers.{i}.{n}", 1e-6) for i in range(probes.L)
-                                                     for n in ("attention_layer_norm", "out_layer_norm")]:
-        own[f"ln.{name}"] = F.layer_norm(g["ln.input"], (D,), w[f"{name}.weight"], w[f"{name}.bias"], eps)
-    for i in range(probes.L):
-        own[f"gelu.gpt_layers.{i}"] = F.gelu(g["gelu.input"])
+    own = model_answers(g, eps=1e-6, act="exact")
     result = checks.check_model(ok(own, g, {"own_components": True}), scorer())
     assert summary(result)["forward"] == ("pass", 10.0), result.parts[0].message
-    tanh_h, tanh_last = ref.f_model(g["ids"].long(), mask, w, H, layers, 1e-6, "tanh")
-    apart = max(checks.max_err(tanh_h, own_h, mask), checks.max_err(tanh_last, own_last))
+    tanh = model_answers(g, eps=1e-6, act="tanh")
+    apart = max(checks.max_err(tanh["last_hidden_state"], own["last_hidden_state"], mask),
+                checks.max_err(tanh["last_token"], own["last_token"]))
     assert apart > 1e-4 and result.info == [
         f"uses exact GELU (F.gelu, as the course's starter gives); transformers' GPT-2 uses the tanh approximation: "
         f"with it the outputs differ by up to {apart:.2g} (no points lost)"]
@@ -676,16 +673,23 @@ def test_the_adamw_reference_is_torchs_adamw_on_the_questions_net_and_each_form_
         assert max(checks.max_err(wrong[n], want[n]) for n in want) > 1e-3, bug
 
 
+def graded_adamw(given: dict, params: dict, course_answer: torch.Tensor, course_reference: torch.Tensor | None,
+                 course_path: str = "data/optimizer_test.npy") -> checks.CheckResult:
+    """check_adamw on the answers of a run whose trained parameters are `params` and whose course test gave
+    `course_answer`."""
+    answers = {**{f"torch.{n}": x for n, x in params.items()}, "course.weight": course_answer}
+    return checks.check_adamw(ok(answers, given), scorer(), course_reference, course_path)
+
+
 def test_the_course_part_takes_the_courses_tolerances_and_is_skipped_without_its_reference():
     """optimizer_test.py's allclose(atol=1e-6, rtol=1e-4): an answer within them passes, one past either fails; with
     the course's reference file absent the part is skipped and says which file."""
     given = questions.ask("adamw", 3)
-    torch_answers = {f"torch.{n}": x for n, x in checks.torch_adamw_run(given).items()}
+    correct = checks.torch_adamw_run(given)
     course = torch.tensor([[0.0, 1.0, 2.0], [-1.0, 0.5, 3.0]])  # the shape of optimizer_test.npy
 
     def course_part(answer, reference=course):
-        result = checks.check_adamw(ok({**torch_answers, "course.weight": answer}, given), scorer(), reference,
-                                    "data/optimizer_test.npy")
+        result = graded_adamw(given, correct, answer, reference)
         assert result.output == "printed" and summary(result)["torch_adamw"][0] == "pass"
         return result.parts[0]
 
@@ -699,25 +703,20 @@ def test_the_course_part_takes_the_courses_tolerances_and_is_skipped_without_its
 
 def test_the_torch_part_passes_a_correct_run_and_names_each_bug_and_the_course_part_its_error():
     given = questions.ask("adamw", 3)
-    course = torch.zeros(2, 3)
-
-    def grade(params: dict, course_answer=course):
-        answers = {**{f"torch.{n}": x for n, x in params.items()}, "course.weight": course_answer}
-        return checks.check_adamw(ok(answers, given), scorer(), course, "x.npy")
-
-    result = grade(checks.torch_adamw_run(given))
+    correct, course = checks.torch_adamw_run(given), torch.zeros(2, 3)
+    result = graded_adamw(given, correct, course, course)
     assert [(p.status, p.points == p.max) for p in result.parts] == [("pass", True), ("pass", True)]
     assert (result.verdict, result.diagnosis_key) == ("pass", "")
     for bug in ref.ADAMW_BUGS:
-        result = grade(checks.torch_adamw_run(given, bug))
+        wrong = checks.torch_adamw_run(given, bug)
+        result = graded_adamw(given, wrong, course, course)
         torch_part = result.parts[1]
         assert (torch_part.status, torch_part.points) == ("fail", 0.0) and result.diagnosis_key == bug
         assert torch_part.message.startswith("200 steps against torch.optim.AdamW (two groups, weight decay) differs "
                                              "from the reference (max error ")
-    assert result.parts[1].error == max(checks.max_err(x, want) for x, want in zip(
-        checks.torch_adamw_run(given, bug).values(), checks.torch_adamw_run(given).values()))
-    assert grade({}).parts[1].status == "fail"  # no answers
-    course_part = grade(checks.torch_adamw_run(given), course + 0.5).parts[0]
+    assert result.parts[1].error == max(checks.max_err(wrong[n], correct[n]) for n in correct)
+    assert graded_adamw(given, {}, course, course).parts[1].status == "fail"  # no answers
+    course_part = graded_adamw(given, correct, course + 0.5, course).parts[0]
     assert (course_part.status, course_part.error) == ("fail", 0.5)
     assert course_part.message.startswith("1000 steps of the course's optimizer_test differs from the reference (max "
                                           "error 0.5")

@@ -568,7 +568,7 @@ def check_model(run: Run, scorer: Scorer) -> CheckResult:
     scorer.score(parts["forward"], err, what="forward() (last_hidden_state and last_token, right padding)")
     if gelus[0] == "exact":
         other = model_reference(g, layers, eps_final, "tanh" if act == "exact" else "exact")
-        gelu_info(result, "exact", max(max_err(other[0], h_last[0], MASKS["right"]), max_err(other[1], h_last[1])))
+        gelu_info(result, "exact", model_errors({"last_hidden_state": other[0], "last_token": other[1]}, h_last))
     if err > scorer.exact:
         ids, w = g["ids"].long(), weights_of(g)
         variants = {b: ref.f_model(ids, MASKS["right"], w, H, layers, eps_final, act, (b,)) for b in ref.MODEL_BUGS}

@@ -188,6 +188,10 @@ def adamw_variant(params, grads_fn, groups, steps, bug=None, betas=(0.9, 0.99), 
     them) and the decay after the update; over 200 steps it drifts from torch's form by up to ~3e-5 on a few
     questions in a thousand, past the course's tolerance, so a correct submission of either form is compared with
     its own."""
+    if form not in ("torch", "handout"):
+        raise ValueError(f"adamw_variant: form must be 'torch' or 'handout', got {form!r}")
+    if bug is not None and bug not in ADAMW_BUGS:
+        raise ValueError(f"adamw_variant: unknown bug {bug!r} (known: {', '.join(ADAMW_BUGS)})")
     state = {id(p): (torch.zeros_like(p), torch.zeros_like(p)) for p in params}
     b1, b2 = betas
     for t in range(1, steps + 1):

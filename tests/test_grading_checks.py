@@ -92,6 +92,16 @@ def test_an_attention_bug_is_named_and_costs_forward_and_attention(attention_q, 
         assert (training.status, result.verdict, result.score) == ("pass", "partial", 4.0)
 
 
+def test_an_attention_bug_is_named_whatever_the_padding_holds(attention_q):
+    """The diagnosis, like the score, looks at the real positions only."""
+    t = attention_answers(attention_q, ("no_scale",))
+    for c, m in MASKS.items():
+        t[f"forward.{c}"] = t[f"forward.{c}"].masked_fill(~m.bool()[..., None], 123.0)
+    t["attention.left"] = t["forward.left"]
+    result = checks.check_attention(ok(t, attention_q), scorer())
+    assert result.diagnosis_key == "no_scale" and result.diagnosis == ref.BUGS["no_scale"]
+
+
 def test_attention_off_by_a_little_is_close_without_a_bug_named(attention_q):
     t = attention_answers(attention_q)
     for c in MASKS:
@@ -128,10 +138,22 @@ def test_attention_dropout_before_the_softmax_leaks_and_is_named(attention_q):
     allowed = ref.bool_mask(MASKS["right"])
     t["probs.train"] = F.softmax(scores.masked_fill(~allowed, 0.0), -1)  # masked keys get probability
     part, result = training_of(g, t)
-    assert part.message.startswith("in training mode masked positions get probability (up to ")
-    assert "dropout is not applied to the probabilities after the softmax (kept entries are not p/(1-p))" in \
-        part.message
+    leak = float(t["probs.train"][~allowed.expand_as(t["probs.train"]) & MASKS["right"].bool()[:, None, :, None]].max())
+    assert part.message == (f"in training mode masked positions get probability (up to {leak:.2g}); dropout is not "
+                            f"applied to the probabilities after the softmax (kept entries are not p/(1-p)) (probed "
+                            f"through attention(), dropout p=0.5)")
     assert result.diagnosis_key == "dropout_before_softmax"
+
+
+def test_attention_dropout_on_minus_inf_scores_is_a_leak(attention_q):
+    """Dropout applied to scores already at -inf gives NaN at the masked keys (0 * -inf): that is a leak, not 0."""
+    t = attention_answers(attention_q)
+    masked = ~ref.bool_mask(MASKS["right"]).expand_as(t["probs.train"])
+    t["probs.train"] = t["probs.train"].masked_fill(masked, float("nan"))
+    part, _ = training_of(attention_q, t)
+    assert (part.status, part.points, part.message) == (
+        "fail", 0.0, "in training mode masked positions get probability (up to inf) (probed through attention(), "
+                     "dropout p=0.5)")
 
 
 def test_attention_dropout_at_the_wrong_rate_is_found(attention_q):
@@ -143,16 +165,62 @@ def test_attention_dropout_at_the_wrong_rate_is_found(attention_q):
         "in training mode the attention probabilities are not dropped out at rate p: ")
     assert part.message.endswith("(6 standard deviations) (probed through attention(), dropout p=0.5)")
     assert result.diagnosis_key == ""
+    kept, n = (int(x) for x in part.message.split(": ")[1].split(" entries kept")[0].split(" of "))
+    assert kept > 0.8 * n  # the entries it kept (about 90%), not the ones it dropped
 
 
 def test_attention_training_is_not_graded_on_eval_probabilities_not_the_references(attention_q):
     t = attention_answers(attention_q)
     t["probs.eval"] = t["probs.eval"] + 1e-3
     part, _ = training_of(attention_q, t)
-    assert (part.status, part.message) == ("fail", "training mode not graded: the eval-mode attention probabilities "
-                                                   "(probed through attention()) are not the reference's")
+    not_graded = ("fail", 0.0, "training mode not graded: the eval-mode attention probabilities (probed through "
+                               "attention()) are not the reference's")
+    assert (part.status, part.points, part.message) == not_graded
     del t["probs.train"]
     assert training_of(attention_q, t)[0].status == "fail"
+    t = attention_answers(attention_q)  # right eval-mode probabilities, no training-mode ones
+    del t["probs.train"]
+    part, _ = training_of(attention_q, t)
+    assert (part.status, part.points, part.message) == not_graded
+
+
+def off_eval(t: dict, by: float) -> dict:
+    """The answers with eval-mode probabilities off by `by` where they are not 0 (masked keys stay at 0) and
+    training-mode ones dropped out from those."""
+    pe = t["probs.eval"] + by * (t["probs.eval"] > 0)
+    return {**t, "probs.eval": pe, "probs.train": pe * keep_mask(pe.shape) / (1 - P)}
+
+
+@pytest.mark.parametrize("bugs, graded", [((), False), (("no_scale",), True), (("softmax_axis",), True),
+                                          (("merge_no_transpose",), False)])
+def test_eval_probabilities_are_held_to_1e5_or_to_a_named_bugs_match(attention_q, bugs, graded):
+    """The eval-mode probabilities must be the reference's within 1e-5; a forward() diagnosed with a bug of the
+    probabilities is held to that bug's probabilities within MATCH (1e-4), as the diagnosis is; a bug elsewhere
+    (merging the heads) leaves the probabilities to the 1e-5 of a correct one."""
+    t = off_eval(attention_answers(attention_q, bugs), 5e-5)
+    part, result = training_of(attention_q, t)
+    assert result.diagnosis_key == (bugs[0] if bugs else "")
+    assert part.status == ("pass" if graded else "fail"), part.message
+    assert part.message.startswith("training mode not graded") != graded
+
+
+def test_attention_dropout_is_judged_on_the_real_queries_only(attention_q):
+    """Padded query rows are not graded: left undropped there, with the real rows' kept count near the edge of
+    KEPT_Z standard deviations, the training part passes (counting the padded rows in would put it past)."""
+    t = attention_answers(attention_q)
+    pe = t["probs.eval"]
+    real_q = MASKS["right"].bool()[:, None, :, None].expand_as(pe)
+    live = real_q & ref.bool_mask(MASKS["right"]).expand_as(pe) & (pe > 0)
+    n = int(live.sum())
+    keep_n = int(n * (1 - P) + checks.KEPT_Z * math.sqrt(n * P * (1 - P))) - 1
+    keep = torch.zeros(n)
+    keep[:keep_n] = 1.0
+    keep = keep[torch.randperm(n, generator=torch.Generator().manual_seed(3))]
+    pt = pe.clone()  # padded query rows: as in eval mode
+    pt[live] = pe[live] * keep / (1 - P)
+    part, result = training_of(attention_q, {**t, "probs.train": pt})
+    assert (part.status, result.diagnosis_key) == ("pass", ""), part.message
+    assert int((~real_q & (pe > 0)).sum()) > 40  # what the padded rows would add
 
 
 def test_attention_training_through_forward_uses_the_forward_route(attention_q):
@@ -168,6 +236,9 @@ def test_attention_training_through_forward_uses_the_forward_route(attention_q):
 def test_kept_fraction_problem_within_six_standard_deviations():
     assert checks.kept_fraction_problem(0, 0, P) == "no entry to judge the dropout on"
     assert checks.kept_fraction_problem(500, 1000, P) == ""
+    assert checks.kept_fraction_problem(80, 100, 0.5) == checks.kept_fraction_problem(20, 100, 0.5) == ""  # 6 sd: 30
+    assert checks.kept_fraction_problem(81, 100, 0.5) == "81 of 100 entries kept where dropout with p=0.5 keeps 50 " \
+                                                         "+- 30 (6 standard deviations)"
     sd = (1000 * P * (1 - P)) ** 0.5
     assert checks.kept_fraction_problem(int(500 + 6 * sd), 1000, P) == ""
     assert checks.kept_fraction_problem(math.ceil(500 - 6 * sd), 1000, P) == ""
@@ -320,6 +391,35 @@ def test_misplaced_residual_dropout_is_named(layer_q, drop, message):
     assert (result.verdict, result.score) == ("partial", 12.0)
 
 
+@pytest.mark.parametrize("act", ["exact", "tanh"])
+def test_residual_dropout_never_applied_is_told_from_misplaced_with_the_layers_gelu_and_bug(layer_q, act):
+    """"Never applied" means the training output is the eval output of the same layer (its GELU, its known bug);
+    an output near it but not it (off by 1e-3) is a misplaced dropout."""
+    result = checks.check_layer(ok(layer_answers(layer_q, act, drop="never"), layer_q), scorer())
+    assert result.parts[2].message == "training mode: the residual dropouts are never applied"
+    t = layer_answers(layer_q, act, bugs=("post_ln",), drop="never")
+    result = checks.check_layer(ok(t, layer_q), scorer())
+    assert result.diagnosis_key == "post_ln"
+    assert (result.parts[2].status, result.parts[2].message) == (
+        "fail", "training mode: the residual dropouts are never applied")
+    t = layer_answers(layer_q, act)
+    t["train"] = t["forward.nopad"] + 1e-3
+    result = checks.check_layer(ok(t, layer_q), scorer())
+    assert result.parts[2].message == ("training mode: the residual dropouts are not applied (once each) to the "
+                                       "outputs of attention_dense and out_dense")
+
+
+@pytest.mark.parametrize("bugs, graded", [((), False), (("post_ln",), True)])
+def test_layer_training_is_held_to_1e5_or_to_a_named_bugs_match(layer_q, bugs, graded):
+    """The training-mode output is the grader's within 1e-5; with forward()'s bug named, within MATCH (1e-4) of
+    that bug's training-mode output, as the diagnosis is."""
+    t = layer_answers(layer_q, bugs=bugs)
+    t["train"] = t["train"] + 5e-5
+    result = checks.check_layer(ok(t, layer_q), scorer())
+    assert result.diagnosis_key == (bugs[0] if bugs else "dropout_misplaced")
+    assert (result.parts[2].status == "pass") == graded, result.parts[2].message
+
+
 def test_layer_training_is_not_graded_when_forward_is_wrong_or_skipped(layer_q):
     t = layer_answers(layer_q)
     for c in MASKS:
@@ -333,7 +433,8 @@ def test_layer_training_is_not_graded_when_forward_is_wrong_or_skipped(layer_q):
     assert (result.parts[2].status, result.parts[2].message) == (
         "error", "training mode not graded: the residual dropouts could not be found by the course's names "
                  "(no attention_dropout)")
-    assert result.diagnosis_key == "" and result.max_score == 14
+    assert result.diagnosis_key == "" and result.max_score == 14 and result.parts[2].points == 0.0
+    assert result.score == 12
     result = checks.check_layer(ok(layer_answers(layer_q), layer_q, {"parts": {"training": "boom"}}), scorer())
     assert (result.parts[2].status, result.parts[2].message) == ("fail", "training mode: boom")
 
@@ -454,6 +555,10 @@ def test_the_model_reference_is_transformers_where_the_measured_eps_are_one_valu
     hf_h, hf_last = ref.model_forward(real(w, H, "tanh", 1e-5), ids, mask)
     torch.testing.assert_close(h, hf_h, rtol=0, atol=1e-6)
     torch.testing.assert_close(last, hf_last, rtol=0, atol=1e-6)
+    zero = [{"eps_attn": 0.0, "eps_mlp": 0.0} for _ in range(probes.L)]  # eps 0 everywhere: one value too
+    checks.model_reference(g, zero, 0.0, "tanh")
+    assert built == [9.9999992e-06, 0.0]
+    del built[1]
     for own in (1e-5 * (1 + 2e-3), 1e-6):
         layers = [dict(one[0]), *one[1:]]
         layers[0]["eps_mlp"] = own
@@ -526,9 +631,72 @@ def test_the_model_is_graded_on_the_real_positions_with_the_submissions_own_choi
     assert summary(result)["forward"] == ("pass", 10.0) and result.info == []
     assert result.messages == ["interm_af not found as exact or tanh GELU; graded with the closer one (exact)"]
 
+    one_read = {k: x for k, x in own.items() if k != "gelu.gpt_layers.1"}  # read off the first layer
+    result = checks.check_model(ok(one_read, g, {"own_components": True}), scorer())
+    assert summary(result)["forward"] == ("pass", 10.0) and result.messages == [] and len(result.info) == 1
+
     not_ln = {**t, "ln.final_layer_norm": torch.zeros_like(t["ln.final_layer_norm"])}
     result = checks.check_model(ok(not_ln, g), scorer())
     assert "final_layer_norm does not act as a LayerNorm on the grader's input; graded with eps 1e-5" in result.messages
+    unread = {**t, **{f"ln.gpt_layers.{i}.{n}": torch.zeros_like(t["ln.final_layer_norm"])
+                      for i, n in ((0, "attention_layer_norm"), (probes.L - 1, "out_layer_norm"))}}
+    result = checks.check_model(ok(unread, g, {"own_components": True}), scorer())
+    assert summary(result)["forward"] == ("pass", 10.0) and result.messages == [
+        f"gpt_layers.{i}.{n} does not act as a LayerNorm on the grader's input; graded with eps 1e-5"
+        for i, n in ((0, "attention_layer_norm"), (probes.L - 1, "out_layer_norm"))]
+
+
+def test_an_exact_gelu_in_the_submissions_layers_is_noted_when_the_stand_ins_ran(model_case):
+    """With the reference layers standing in (tanh GELU) the model is graded with theirs, and a submission whose
+    own layers compute the exact GELU is told how far apart the two GELUs put the outputs."""
+    g, t = model_case
+    exact = {**t, **{f"gelu.gpt_layers.{i}": F.gelu(g["gelu.input"]) for i in range(probes.L)}}
+    result = checks.check_model(ok(exact, g), scorer())
+    assert summary(result)["forward"] == ("pass", 10.0) and result.messages == []
+    other = model_answers(g, act="exact")
+    apart = max(checks.max_err(other["last_hidden_state"], t["last_hidden_state"], MASKS["right"]),
+                checks.max_err(other["last_token"], t["last_token"]))
+    assert apart > 1e-4 and result.info == [
+        f"uses exact GELU (F.gelu, as the course's starter gives); transformers' GPT-2 uses the tanh approximation: "
+        f"with it the outputs differ by up to {apart:.2g} (no points lost)"]
+
+
+def test_the_model_references_self_check_compares_real_positions_and_names_the_model(model_case, monkeypatch):
+    """The functional twin is checked against transformers' model on the real positions only; where it differs
+    the grader stops with its own bug, naming the model."""
+    g, _ = model_case
+    layers = [dict(probes.STAND_IN) for _ in range(probes.L)]
+    real = ref.f_model
+
+    def padding_differs(*args):
+        h, last = real(*args)
+        return h.masked_fill(~MASKS["right"].bool()[..., None], 123.0), last
+
+    monkeypatch.setattr(ref, "f_model", padding_differs)
+    checks.model_reference(g, layers, 1e-5, "tanh")  # no error
+    monkeypatch.setattr(ref, "f_model", lambda *args: (real(*args)[0] + 1e-3, real(*args)[1]))
+    with pytest.raises(RuntimeError, match=r"^grader bug: the functional model reference differs from the module "
+                                           r"reference by 0\.001$"):
+        checks.model_reference(g, layers, 1e-5, "tanh")
+
+
+def test_a_forward_exactly_at_the_exact_tolerance_passes_with_no_diagnosis(attention_q, layer_q, model_case):
+    """The rubric's exact tolerance is inclusive (Scorer.score) and so is the diagnosis's: a forward() whose error is
+    the tolerance itself passes and no bug is looked for. The tolerance is set to the error a first grading
+    measured."""
+    def forward_of(result):
+        return {p.name: p for p in result.parts}["forward"]
+
+    g_model, t_model = model_case
+    for check, t, g in ((checks.check_attention, attention_answers(attention_q), attention_q),
+                        (checks.check_layer, layer_answers(layer_q), layer_q),
+                        (checks.check_model, dict(t_model), g_model)):
+        err = forward_of(check(ok(dict(t), g), scorer())).error
+        rubric = load_rubric()
+        rubric["tolerance"]["exact"] = err
+        result = check(ok(dict(t), g), checks.Scorer(rubric))
+        forward = forward_of(result)
+        assert (forward.status, forward.error, result.diagnosis, result.verdict) == ("pass", err, "", "pass"), check
 
 
 def test_a_head_that_failed_in_the_probe_is_not_graded_again(model_case):
@@ -636,6 +804,7 @@ def test_no_record_is_needed_when_nothing_is_watched_or_nothing_scored():
     checks.forbidden_findings(result, ok({}, {}), [SDPA])
     assert (result.verdict, result.messages) == ("fail", [])
     assert checks.forbidden_records({"forbidden_calls": [record()] * 100}) == [record()] * 100
+    assert checks.forbidden_records({"forbidden_calls": [record(where="x" * 500)]}) == [record(where="x" * 500)]
     result = graded_attention([])
     result2 = checks.CheckResult("attention", scorer().parts("attention"))
     checks.forbidden_findings(result2, ok({}, {}), [])
@@ -720,3 +889,25 @@ def test_the_torch_part_passes_a_correct_run_and_names_each_bug_and_the_course_p
     assert (course_part.status, course_part.error) == ("fail", 0.5)
     assert course_part.message.startswith("1000 steps of the course's optimizer_test differs from the reference (max "
                                           "error 0.5")
+
+
+def test_the_torch_part_takes_the_courses_tolerances_and_a_failed_allclose_is_never_exact():
+    """Within allclose(atol=1e-6, rtol=1e-4) of the reference passes even where the largest difference is past the
+    rubric's exact tolerance (1e-5); off by 3e-6 everywhere, past atol on the parameters near 0, is not a pass
+    though no difference reaches 1e-5 (it is scored just past exact)."""
+    given = questions.ask("adamw", 3)
+    correct, course = checks.torch_adamw_run(given), torch.zeros(2, 3)
+    scaled = {n: x * (1 + 9e-5) for n, x in correct.items()}
+    assert max(checks.max_err(scaled[n], correct[n]) for n in correct) > 1e-5
+    assert graded_adamw(given, scaled, course, course).parts[1].status == "pass"
+    shifted = {n: x + 3e-6 for n, x in correct.items()}
+    part = graded_adamw(given, shifted, course, course).parts[1]
+    assert part.status == "close" and part.error == 1e-5 + 1e-12
+
+
+def test_the_adamw_variants_refuse_a_form_or_bug_they_do_not_know():
+    given = questions.ask("adamw", 3)
+    with pytest.raises(ValueError, match="form must be 'torch' or 'handout', got 'Torch'"):
+        checks.torch_adamw_run(given, form="Torch")
+    with pytest.raises(ValueError, match="unknown bug 'no_decay'"):
+        checks.torch_adamw_run(given, "no_decay")

@@ -465,23 +465,40 @@ def embed_case(kind: str):
     ids = g["ids"].long()
     want = F.embedding(ids, g["word_embedding.weight"]) + g["pos_embedding.weight"][: ids.shape[1]]
     train = {"right": want * keep_mask(want.shape) / (1 - P), "never": want, "unscaled": want * keep_mask(want.shape),
-             "rate": want / (1 - P)}[kind]
+             "rate": want / (1 - P), "nothing dropped": want / (1 - P),
+             "off": (want / (1 - P) + 0.01) * keep_mask(want.shape), "missing": None}[kind]
     if kind == "rate":
         train[0, 0, 0] = 0.0  # one entry dropped of 672
-    return g, {"embed": want, "embed.train": train}
+    return g, {"embed": want} if train is None else {"embed": want, "embed.train": train}
 
 
 def test_a_correct_embed_scores_full_marks():
     g, t = embed_case("right")
     result = checks.check_embed(ok(t, g), scorer())
     assert summary(result) == {"embed": ("pass", 6.0), "training": ("pass", 2.0)} and result.verdict == "pass"
+    assert (result.diagnosis, result.messages, result.parts[0].message) == ("", [], "")
+
+
+def test_embed_training_is_held_to_four_times_the_eval_error():
+    """An embed() off by 5e-6 in eval mode (within exact) has its training output judged within 4x that (2e-5):
+    kept entries off by 1.8e-5 pass, by 2.2e-5 do not."""
+    g, t = embed_case("right")
+    want, mask = t["embed"], keep_mask(t["embed"].shape)
+    for off, status in ((1.8e-5, "pass"), (2.2e-5, "fail")):
+        answers = {"embed": want + 5e-6, "embed.train": (want / (1 - P) + off) * mask}
+        result = checks.check_embed(ok(answers, g), scorer())
+        assert result.parts[0].status == "pass" and result.parts[1].status == status, (off, result.parts[1].message)
+    assert result.parts[1].message == "training mode: embed() output is not the eval output dropped out once with p=0.5"
 
 
 @pytest.mark.parametrize("kind, message", [
     ("never", "training mode: embed_dropout is never applied (output as in eval)"),
     ("unscaled", "training mode: embed() output is not the eval output dropped out once with p=0.5"),
     ("rate", "training mode: embed_dropout does not drop at rate p: 671 of 672 entries kept where dropout with p=0.5 "
-             "keeps 336 +- 78 (6 standard deviations)")])
+             "keeps 336 +- 78 (6 standard deviations)"),
+    ("nothing dropped", "training mode: embed() output is not the eval output dropped out once with p=0.5"),
+    ("off", "training mode: embed() output is not the eval output dropped out once with p=0.5"),
+    ("missing", "training mode: embed() gave no output of the expected shape")])
 def test_embed_dropout_faults_are_named(kind, message):
     g, t = embed_case(kind)
     result = checks.check_embed(ok(t, g), scorer())
@@ -494,7 +511,9 @@ def test_embed_without_positions_is_named_and_training_not_graded():
     t["embed"] = F.embedding(g["ids"].long(), g["word_embedding.weight"])
     result = checks.check_embed(ok(t, g), scorer())
     assert (result.diagnosis_key, result.diagnosis) == ("no_positions", ref.BUGS["no_positions"])
-    assert result.parts[1].message == "training mode not graded: embed() is wrong in eval mode"
+    assert result.parts[0].message.startswith("embed() differs from the reference (max error ")
+    assert (result.parts[1].status, result.parts[1].message) == (
+        "fail", "training mode not graded: embed() is wrong in eval mode")
     assert (result.verdict, result.score) == ("fail", 0.0)
 
 
@@ -736,6 +755,43 @@ def test_from_pretrained_is_graded_by_the_weights_it_loads():
     values = {"parts": {"outputs": "ValueError: x"}}
     result = checks.check_from_pretrained(ok(dict(hub), g, values), scorer(), hub, "note")
     assert result.info[-1] == "running the loaded model: ValueError: x (no points: graded by its weights)"
+    values = {"parts": {"outputs": "E" * 600}}  # what the probe reports is cut at 500 characters
+    result = checks.check_from_pretrained(ok(dict(hub), g, values), scorer(), hub, "note")
+    assert result.info[-1] == f"running the loaded model: {'E' * 500} (no points: graded by its weights)"
+
+
+@pytest.mark.parametrize("n_wrong", [1, 6, 7])
+def test_from_pretrained_names_the_tensors_it_loaded_wrong_up_to_six(n_wrong):
+    """The loaded tensors that differ from the checkpoint, by name, six at most (then "..."); the part's message
+    names the loaded weights; the run's findings and notes come first; a tensor it was not asked for is said."""
+    hub = checks.weights_of(questions.ask("model", 5))
+    g = {"ids": questions.ask("embed", 5)["ids"]}
+    names = list(hub)[:n_wrong]
+    loaded = {k: x + 0.5 if k in names else x for k, x in hub.items()}
+    run = ok({**loaded, "extra": torch.zeros(2)}, g, notes=["a note"])
+    run.findings = ["wrote /tmp/x"]
+    result = checks.check_from_pretrained(run, scorer(), hub, "note")
+    assert summary(result) == {"from_pretrained": ("fail", 0.0)} and result.diagnosis_key == ""
+    assert result.parts[0].message == "the loaded weights differs from the reference (max error 0.5)"
+    assert result.messages == [
+        "finding: wrote /tmp/x",
+        "finding: the check returned 1 tensor(s) the grader did not ask for or of the wrong shape, ignored: extra (2,)",
+        "a note",
+        "graded by the weights it loads (the model's outputs depend on components graded in their own checks)",
+        f"{n_wrong} loaded tensor(s) differ from the checkpoint: {', '.join(names[:6])}" + (" ..." if n_wrong > 6 else "")]
+
+
+def test_from_pretrained_exactly_at_the_exact_tolerance_passes_and_names_no_tensor():
+    hub = checks.weights_of(questions.ask("model", 5))
+    g = {"ids": questions.ask("embed", 5)["ids"]}
+    first = next(iter(hub))
+    loaded = {**hub, first: hub[first] + 3e-6}
+    rubric = load_rubric()
+    rubric["tolerance"]["exact"] = checks.max_err(loaded[first], hub[first])
+    result = checks.check_from_pretrained(ok(loaded, g), checks.Scorer(rubric), hub, "note")
+    assert summary(result) == {"from_pretrained": ("pass", 18.0)}
+    assert result.messages == ["graded by the weights it loads (the model's outputs depend on components graded in "
+                               "their own checks)"]
 
 
 

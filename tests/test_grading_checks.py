@@ -699,6 +699,20 @@ def test_the_model_references_self_check_compares_real_positions_and_names_the_m
         checks.model_reference(g, layers, 1e-5, "tanh")
 
 
+def test_the_runs_findings_then_its_notes_head_the_messages(attention_q, layer_q):
+    """What the sandbox found, then what the probe noted, for the attention and layer checks (the model's and
+    from_pretrained's have their own tests); a probe that wrote no notes leaves none."""
+    for check, t, g in ((checks.check_attention, attention_answers(attention_q), attention_q),
+                        (checks.check_layer, layer_answers(layer_q), layer_q)):
+        run = ok(dict(t), g, notes=["a note", "another"])
+        run.findings = ["wrote /tmp/x"]
+        result = check(run, scorer())
+        assert result.messages == ["finding: wrote /tmp/x", "a note", "another"] and result.verdict == "pass", check
+        run = ok(dict(t), g)
+        del run.info["notes"]
+        assert check(run, scorer()).messages == [], check
+
+
 def test_a_forward_exactly_at_the_exact_tolerance_passes_with_no_diagnosis(attention_q, layer_q, model_case):
     """The rubric's exact tolerance is inclusive (Scorer.score) and so is the diagnosis's: a forward() whose error is
     the tolerance itself passes and no bug is looked for. The tolerance is set to the error a first grading

@@ -341,13 +341,15 @@ def layer_answers(g, act="exact", eps=(1e-5, 1e-5), bugs=(), drop="right") -> di
 
 
 def test_a_correct_layer_scores_full_marks_and_its_exact_gelu_is_noted(layer_q):
-    result = checks.check_layer(ok(layer_answers(layer_q), layer_q), scorer())
+    t = layer_answers(layer_q)
+    result = checks.check_layer(ok(t, layer_q), scorer())
     assert summary(result) == {"add": ("pass", 3.0), "forward": ("pass", 9.0), "training": ("pass", 2.0)}
     assert (result.verdict, result.diagnosis_key, result.messages) == ("pass", "", [])
-    assert len(result.info) == 1 and result.info[0].startswith(
-        "uses exact GELU (F.gelu, as the course's starter gives); transformers' GPT-2 uses the tanh approximation: "
-        "with it the outputs differ by up to ")
-    assert result.info[0].endswith(" (no points lost)")
+    tanh_t = layer_answers(layer_q, "tanh")
+    apart = max(checks.max_err(tanh_t[f"forward.{c}"], t[f"forward.{c}"], m) for c, m in MASKS.items())
+    assert apart > 1e-4 and result.info == [
+        f"uses exact GELU (F.gelu, as the course's starter gives); transformers' GPT-2 uses the tanh approximation: "
+        f"with it the outputs differ by up to {apart:.2g} (no points lost)"]
     tanh = checks.check_layer(ok(layer_answers(layer_q, "tanh", (1e-3, 1e-6)), layer_q), scorer())
     assert tanh.score == 14 and tanh.info == [] and tanh.messages == []
 
@@ -362,6 +364,29 @@ def test_a_layer_whose_norms_and_gelu_cannot_be_read_is_graded_with_the_defaults
         "out_layer_norm does not act as a LayerNorm on the grader's input; graded with eps 1e-5",
         "interm_af not found as exact or tanh GELU; graded with the closer one (tanh)"]
     assert result.score == 14
+
+
+def test_a_wrong_add_is_named_in_its_message(layer_q):
+    t = layer_answers(layer_q)
+    result = checks.check_layer(ok({**t, "add": t["add"] + 0.5}, layer_q), scorer())
+    assert (result.parts[0].status, result.parts[0].message) == (
+        "fail", "add() differs from the reference (max error 0.5)")
+
+
+@pytest.mark.parametrize("what", ["attention", "layer"])
+def test_the_functional_reference_is_checked_against_the_module_and_a_difference_stops_the_grader(
+        attention_q, layer_q, what, monkeypatch):
+    """The functional twin (which also makes the bug variants) is held to the module reference (transformers'
+    layer, the course's attention) within 1e-5 on the real positions; past that the grader stops with its own bug,
+    naming which reference."""
+    name = {"attention": "f_attention", "layer": "f_layer"}[what]
+    real = getattr(ref, name)
+    monkeypatch.setattr(ref, name, lambda *args, **kw: real(*args, **kw) + 1e-3)
+    check, t, g = {"attention": (checks.check_attention, attention_answers(attention_q), attention_q),
+                   "layer": (checks.check_layer, layer_answers(layer_q), layer_q)}[what]
+    with pytest.raises(RuntimeError, match=rf"^grader bug: the functional {what} reference differs from the module "
+                                           rf"reference by 0\.001$"):
+        check(ok(t, g), scorer())
 
 
 def test_add_is_graded_through_forward_when_absent(layer_q):

@@ -394,6 +394,11 @@ def test_add_is_graded_through_forward_when_absent(layer_q):
     del t["add"]
     result = checks.check_layer(ok(t, layer_q), scorer())
     assert result.parts[0].status == "pass" and result.parts[0].message == " " + checks.THROUGH_FORWARD
+    for c in MASKS:
+        t[f"forward.{c}"] = t[f"forward.{c}"] + 0.5
+    result = checks.check_layer(ok(t, layer_q), scorer())
+    assert (result.parts[0].status, result.parts[0].message) == (
+        "fail", f"add() (through forward()) differs from the reference (max error 0.5) {checks.THROUGH_FORWARD}")
 
 
 @pytest.mark.parametrize("bug", ["no_ln_attn", "post_ln", "residual_normed", "no_causal"])
@@ -474,6 +479,14 @@ def test_measured_eps_refuses_what_is_not_a_layer_norm(layer_q):
     y = F.layer_norm(x, (D,), gain, bias, 1e-5)
     assert checks.measured_eps(y + 2e-3, x, gain, bias) is None  # no eps reproduces it
     assert checks.measured_eps(y, x, gain, bias) == pytest.approx(1e-5, 1e-3)
+
+
+def test_measured_eps_reads_each_row_on_its_own_scale(layer_q):
+    """Rows of different scales (here one 30x smaller) are each measured on their own large entries."""
+    x, gain, bias = layer_q["ln.input"].clone(), layer_q["out_layer_norm.weight"], layer_q["out_layer_norm.bias"]
+    x[0] /= 30
+    y = F.layer_norm(x, (D,), gain, bias, 1e-7)
+    assert checks.measured_eps(y, x, gain, bias) == pytest.approx(1e-7, rel=1e-2)
 
 
 def test_gelu_is_read_as_exact_or_tanh_or_neither(layer_q):

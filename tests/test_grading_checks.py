@@ -494,6 +494,7 @@ def test_gelu_is_read_as_exact_or_tanh_or_neither(layer_q):
     assert checks.gelu_of(F.gelu(x), x) == "exact" and checks.gelu_of(F.gelu(x, approximate="tanh"), x) == "tanh"
     assert checks.gelu_of(None, x) is None and checks.gelu_of(F.relu(x), x) is None
     assert checks.gelu_of(F.gelu(x) + 2e-6, x) is None
+    assert checks.gelu_of(F.gelu(x) + 5e-7, x) == "exact"  # within 1e-6: rounding of another formula
 
 
 # ---- embed ----------------------------------------------------------------------------------------------------------
@@ -905,6 +906,13 @@ def test_a_missing_or_malformed_record_of_forbidden_calls_scores_zero(records):
                                                  "(the rubric's forbidden_calls)"}
     assert result.messages[0] == ("finding: the check's output was malformed: its record of the forbidden calls (the "
                                   "rubric's forbidden_calls) is missing or not a list of {call, part, where}")
+
+
+def test_a_missing_record_costs_a_check_that_scored_any_points():
+    result = checks.CheckResult("attention", scorer().parts("attention"), verdict="partial")
+    result.parts[2].points, result.parts[2].status = 0.5, "close"
+    checks.forbidden_findings(result, ok({}, {}), [SDPA])
+    assert (result.score, result.verdict) == (0.0, "error")
 
 
 def test_no_record_is_needed_when_nothing_is_watched_or_nothing_scored():

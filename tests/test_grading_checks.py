@@ -901,18 +901,26 @@ def test_a_removed_watch_costs_the_whole_check():
                                      [record(where=3)], [record(where="x" * 501)], [[SDPA, "forward", "x"]]])
 def test_a_missing_or_malformed_record_of_forbidden_calls_scores_zero(records):
     result = graded_attention(records)
-    assert result.score == 0 and result.verdict == "error"
+    assert result.score == 0 and result.verdict == "error" and {p.status for p in result.parts} == {"error"}
     assert {p.message for p in result.parts} == {"the check's record of forbidden calls is missing or malformed "
                                                  "(the rubric's forbidden_calls)"}
     assert result.messages[0] == ("finding: the check's output was malformed: its record of the forbidden calls (the "
                                   "rubric's forbidden_calls) is missing or not a list of {call, part, where}")
 
 
-def test_a_missing_record_costs_a_check_that_scored_any_points():
-    result = checks.CheckResult("attention", scorer().parts("attention"), verdict="partial")
+def test_a_missing_record_costs_a_check_that_scored_any_points_and_its_finding_comes_first():
+    result = checks.CheckResult("attention", scorer().parts("attention"), verdict="partial",
+                                messages=["how it was graded"])
     result.parts[2].points, result.parts[2].status = 0.5, "close"
     checks.forbidden_findings(result, ok({}, {}), [SDPA])
     assert (result.score, result.verdict) == (0.0, "error")
+    assert result.messages[0].startswith("finding: the check's output was malformed") and \
+        result.messages[1:] == ["how it was graded"]
+
+
+def test_each_recorded_call_is_weighed_past_ones_not_watched():
+    result = graded_attention([record("training", "math.sqrt"), record()])
+    assert summary(result) == {"forward": ("fail", 0.0), "attention": ("pass", 4.0), "training": ("pass", 4.0)}
 
 
 def test_no_record_is_needed_when_nothing_is_watched_or_nothing_scored():

@@ -918,6 +918,18 @@ def test_a_missing_record_costs_a_check_that_scored_any_points_and_its_finding_c
         result.messages[1:] == ["how it was graded"]
 
 
+@pytest.mark.parametrize("left, verdict", [(0.0, "fail"), (0.5, "partial")])
+def test_the_verdict_after_a_forbidden_call_follows_the_points_left(left, verdict):
+    """A partial check whose forward() made a forbidden call is partial while any points are left (half a point
+    included), else it fails."""
+    result = checks.CheckResult("attention", scorer().parts("attention"), verdict="partial")
+    forward, attention, training = result.parts
+    forward.points, forward.status = forward.max, "pass"
+    attention.points, attention.status = left, "close" if left else "fail"
+    checks.forbidden_findings(result, ok({}, {}, {"forbidden_calls": [record()]}), [SDPA])
+    assert (result.score, result.verdict) == (left, verdict)
+
+
 def test_each_recorded_call_is_weighed_past_ones_not_watched():
     result = graded_attention([record("training", "math.sqrt"), record()])
     assert summary(result) == {"forward": ("fail", 0.0), "attention": ("pass", 4.0), "training": ("pass", 4.0)}
@@ -938,6 +950,8 @@ def test_no_record_is_needed_when_nothing_is_watched_or_nothing_scored():
 def test_calls_the_process_could_not_watch_are_reported():
     result = graded_attention([], unwatched=[f"u{i}" for i in range(7)])
     assert result.messages == ["the check's process reports forbidden calls it could not watch: u0; u1; u2; u3; u4"]
+    result = graded_attention([], unwatched=["x" * 400])  # each cut at 300 characters
+    assert result.messages == [f"the check's process reports forbidden calls it could not watch: {'x' * 300}"]
     assert result.score == 16
 
 

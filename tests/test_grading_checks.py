@@ -73,6 +73,11 @@ def test_attention_without_attention_is_graded_through_forward(attention_q):
     del t["attention.left"]
     result = checks.check_attention(ok(t, attention_q), scorer())
     assert result.parts[1].message == checks.THROUGH_FORWARD and result.parts[1].status == "pass"
+    for c in MASKS:
+        t[f"forward.{c}"] = t[f"forward.{c}"] + 0.5
+    result = checks.check_attention(ok(t, attention_q), scorer())
+    assert (result.parts[1].status, result.parts[1].message) == (
+        "fail", f"attention() (through forward()) differs from the reference (max error 0.5) {checks.THROUGH_FORWARD}")
 
 
 @pytest.mark.parametrize("bug", ref.ATTENTION_BUGS)

@@ -312,6 +312,26 @@ def test_unasked_or_misshapen_answers_are_dropped_and_said():
         "finding: the check returned 6 tensor(s) the grader did not ask for or of the wrong shape, ignored: "
         "embed.train (3, 3, 32) (expected (3, 7, 32)), extra0 (1,), extra1 (1,), extra2 (1,), extra3 (1,) ..."]
     assert result.parts[1].message == "training mode: embed() gave no output of the expected shape"
+    del t["extra4"]  # five: all named, no "..."
+    assert checks.check_embed(ok(t, g), scorer()).messages == [
+        "finding: the check returned 5 tensor(s) the grader did not ask for or of the wrong shape, ignored: "
+        "embed.train (3, 3, 32) (expected (3, 7, 32)), extra0 (1,), extra1 (1,), extra2 (1,), extra3 (1,)"]
+
+
+def test_finish_fails_a_close_part_that_matches_a_bug_and_leaves_skipped_parts_out_of_the_verdict():
+    result = checks.CheckResult("attention", scorer().parts("attention"), diagnosis_key="no_scale")
+    forward, attention, training = result.parts
+    scorer().score(forward, 1e-3, what="forward() (no padding)")
+    attention.points, attention.status = attention.max, "pass"
+    training.status = "skipped"
+    checks.finish(result)
+    assert (forward.status, forward.points, forward.message) == (
+        "fail", 0.0, "forward() (no padding) matches a typical bug (max error 0.001)")
+    result = checks.CheckResult("attention", scorer().parts("attention"))
+    for p in result.parts[:2]:
+        p.points, p.status = p.max, "pass"
+    result.parts[2].status = "skipped"
+    assert checks.finish(result).verdict == "pass"
 
 
 def test_part_failures_score_zero_with_their_reason():

@@ -332,6 +332,9 @@ def test_finish_fails_a_close_part_that_matches_a_bug_and_leaves_skipped_parts_o
         p.points, p.status = p.max, "pass"
     result.parts[2].status = "skipped"
     assert checks.finish(result).verdict == "pass"
+    result = checks.CheckResult("attention", scorer().parts("attention"))
+    result.parts[1].points, result.parts[1].status = 0.5, "close"  # half a point is partial, not a fail
+    assert checks.finish(result).verdict == "partial"
 
 
 def test_part_failures_score_zero_with_their_reason():
@@ -833,6 +836,10 @@ def test_from_pretrained_is_graded_by_the_weights_it_loads():
     values = {"parts": {"outputs": "ValueError: x"}}
     result = checks.check_from_pretrained(ok(dict(hub), g, values), scorer(), hub, "note")
     assert result.info[-1] == "running the loaded model: ValueError: x (no points: graded by its weights)"
+    run = ok(dict(hub), g)
+    del run.info["notes"]  # a probe that left none
+    assert checks.check_from_pretrained(run, scorer(), hub, "note").messages == [
+        "graded by the weights it loads (the model's outputs depend on components graded in their own checks)"]
     values = {"parts": {"outputs": "E" * 600}}  # what the probe reports is cut at 500 characters
     result = checks.check_from_pretrained(ok(dict(hub), g, values), scorer(), hub, "note")
     assert result.info[-1] == f"running the loaded model: {'E' * 500} (no points: graded by its weights)"

@@ -36,6 +36,12 @@ def summary(result: checks.CheckResult) -> dict:
     return {p.name: (p.status, p.points) for p in result.parts}
 
 
+def shift_forward(t: dict, by: float) -> None:
+    """Every padding case's forward() answer off by `by`, in place."""
+    for c in MASKS:
+        t[f"forward.{c}"] = t[f"forward.{c}"] + by
+
+
 # ---- attention ------------------------------------------------------------------------------------------------------
 
 def attention_answers(g: dict, bugs=(), route="attention()") -> dict:
@@ -73,8 +79,7 @@ def test_attention_without_attention_is_graded_through_forward(attention_q):
     del t["attention.left"]
     result = checks.check_attention(ok(t, attention_q), scorer())
     assert result.parts[1].message == checks.THROUGH_FORWARD and result.parts[1].status == "pass"
-    for c in MASKS:
-        t[f"forward.{c}"] = t[f"forward.{c}"] + 0.5
+    shift_forward(t, 0.5)
     result = checks.check_attention(ok(t, attention_q), scorer())
     assert (result.parts[1].status, result.parts[1].message) == (
         "fail", f"attention() (through forward()) differs from the reference (max error 0.5) {checks.THROUGH_FORWARD}")
@@ -109,8 +114,7 @@ def test_an_attention_bug_is_named_whatever_the_padding_holds(attention_q):
 
 def test_attention_off_by_a_little_is_close_without_a_bug_named(attention_q):
     t = attention_answers(attention_q)
-    for c in MASKS:
-        t[f"forward.{c}"] = t[f"forward.{c}"] + 1e-3
+    shift_forward(t, 1e-3)
     t["attention.left"] = t["forward.left"]
     result = checks.check_attention(ok(t, attention_q), scorer())
     assert summary(result)["forward"] == ("close", 4.0) and summary(result)["attention"] == ("close", 2.0)
@@ -422,8 +426,7 @@ def test_add_is_graded_through_forward_when_absent(layer_q):
     del t["add"]
     result = checks.check_layer(ok(t, layer_q), scorer())
     assert result.parts[0].status == "pass" and result.parts[0].message == " " + checks.THROUGH_FORWARD
-    for c in MASKS:
-        t[f"forward.{c}"] = t[f"forward.{c}"] + 0.5
+    shift_forward(t, 0.5)
     result = checks.check_layer(ok(t, layer_q), scorer())
     assert (result.parts[0].status, result.parts[0].message) == (
         "fail", f"add() (through forward()) differs from the reference (max error 0.5) {checks.THROUGH_FORWARD}")
@@ -480,8 +483,7 @@ def test_layer_training_is_held_to_1e5_or_to_a_named_bugs_match(layer_q, bugs, g
 
 def test_layer_training_is_not_graded_when_forward_is_wrong_or_skipped(layer_q):
     t = layer_answers(layer_q)
-    for c in MASKS:
-        t[f"forward.{c}"] = t[f"forward.{c}"] + 0.5
+    shift_forward(t, 0.5)
     result = checks.check_layer(ok(t, layer_q), scorer())
     assert result.parts[2].message == ("training mode not graded: forward() is wrong in eval mode (and no single "
                                        "known bug)")
@@ -817,9 +819,14 @@ def test_a_model_part_that_failed_in_the_probe_scores_zero(model_case):
 
 # ---- from_pretrained ----------------------------------------------------------------------------------------
 
-def test_from_pretrained_is_graded_by_the_weights_it_loads():
-    hub = checks.weights_of(questions.ask("model", 5))
-    g = {"ids": questions.ask("embed", 5)["ids"]}
+@pytest.fixture(scope="module")
+def pretrained_case():
+    """The checkpoint's weights (this project's names) and the ids the loaded model runs on."""
+    return checks.weights_of(questions.ask("model", 5)), {"ids": questions.ask("embed", 5)["ids"]}
+
+
+def test_from_pretrained_is_graded_by_the_weights_it_loads(pretrained_case):
+    hub, g = pretrained_case
     result = checks.check_from_pretrained(ok(dict(hub), g), scorer(), hub, "the hub note")
     assert summary(result) == {"from_pretrained": ("pass", 18.0)} and result.info == ["the hub note"]
     assert result.messages == ["graded by the weights it loads (the model's outputs depend on components graded in "
@@ -846,11 +853,10 @@ def test_from_pretrained_is_graded_by_the_weights_it_loads():
 
 
 @pytest.mark.parametrize("n_wrong", [1, 6, 7])
-def test_from_pretrained_names_the_tensors_it_loaded_wrong_up_to_six(n_wrong):
+def test_from_pretrained_names_the_tensors_it_loaded_wrong_up_to_six(pretrained_case, n_wrong):
     """The loaded tensors that differ from the checkpoint, by name, six at most (then "..."); the part's message
     names the loaded weights; the run's findings and notes come first; a tensor it was not asked for is said."""
-    hub = checks.weights_of(questions.ask("model", 5))
-    g = {"ids": questions.ask("embed", 5)["ids"]}
+    hub, g = pretrained_case
     names = list(hub)[:n_wrong]
     loaded = {k: x + 0.5 if k in names else x for k, x in hub.items()}
     run = ok({**loaded, "extra": torch.zeros(2)}, g, notes=["a note"])
@@ -866,9 +872,8 @@ def test_from_pretrained_names_the_tensors_it_loaded_wrong_up_to_six(n_wrong):
         f"{n_wrong} loaded tensor(s) differ from the checkpoint: {', '.join(names[:6])}" + (" ..." if n_wrong > 6 else "")]
 
 
-def test_from_pretrained_exactly_at_the_exact_tolerance_passes_and_names_no_tensor():
-    hub = checks.weights_of(questions.ask("model", 5))
-    g = {"ids": questions.ask("embed", 5)["ids"]}
+def test_from_pretrained_exactly_at_the_exact_tolerance_passes_and_names_no_tensor(pretrained_case):
+    hub, g = pretrained_case
     first = next(iter(hub))
     loaded = {**hub, first: hub[first] + 3e-6}
     rubric = load_rubric()

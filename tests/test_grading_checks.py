@@ -1017,6 +1017,13 @@ def test_the_adamw_reference_is_torchs_adamw_on_the_questions_net_and_each_form_
         assert max(checks.max_err(wrong[n], want[n]) for n in want) > 1e-3, bug
 
 
+@pytest.fixture(scope="module")
+def adamw_case():
+    """A question and a correct run's trained parameters on it (torch.optim.AdamW's)."""
+    given = questions.ask("adamw", 3)
+    return given, checks.torch_adamw_run(given)
+
+
 def graded_adamw(given: dict, params: dict, course_answer: torch.Tensor, course_reference: torch.Tensor | None,
                  course_path: str = "data/optimizer_test.npy") -> checks.CheckResult:
     """check_adamw on the answers of a run whose trained parameters are `params` and whose course test gave
@@ -1025,11 +1032,10 @@ def graded_adamw(given: dict, params: dict, course_answer: torch.Tensor, course_
     return checks.check_adamw(ok(answers, given), scorer(), course_reference, course_path)
 
 
-def test_the_course_part_takes_the_courses_tolerances_and_is_skipped_without_its_reference():
+def test_the_course_part_takes_the_courses_tolerances_and_is_skipped_without_its_reference(adamw_case):
     """optimizer_test.py's allclose(atol=1e-6, rtol=1e-4): an answer within them passes, one past either fails; with
     the course's reference file absent the part is skipped and says which file."""
-    given = questions.ask("adamw", 3)
-    correct = checks.torch_adamw_run(given)
+    given, correct = adamw_case
     course = torch.tensor([[0.0, 1.0, 2.0], [-1.0, 0.5, 3.0]])  # the shape of optimizer_test.npy
 
     def course_part(answer, reference=course):
@@ -1045,9 +1051,8 @@ def test_the_course_part_takes_the_courses_tolerances_and_is_skipped_without_its
     assert skipped.message == "skipped: the course's reference data/optimizer_test.npy is absent"
 
 
-def test_the_torch_part_passes_a_correct_run_and_names_each_bug_and_the_course_part_its_error():
-    given = questions.ask("adamw", 3)
-    correct, course = checks.torch_adamw_run(given), torch.zeros(2, 3)
+def test_the_torch_part_passes_a_correct_run_and_names_each_bug_and_the_course_part_its_error(adamw_case):
+    (given, correct), course = adamw_case, torch.zeros(2, 3)
     result = graded_adamw(given, correct, course, course)
     assert [(p.status, p.points == p.max) for p in result.parts] == [("pass", True), ("pass", True)]
     assert (result.verdict, result.diagnosis_key) == ("pass", "")
@@ -1066,12 +1071,11 @@ def test_the_torch_part_passes_a_correct_run_and_names_each_bug_and_the_course_p
                                           "error 0.5")
 
 
-def test_the_torch_part_takes_the_courses_tolerances_and_a_failed_allclose_is_never_exact():
+def test_the_torch_part_takes_the_courses_tolerances_and_a_failed_allclose_is_never_exact(adamw_case):
     """Within allclose(atol=1e-6, rtol=1e-4) of the reference passes even where the largest difference is past the
     rubric's exact tolerance (1e-5); off by 3e-6 everywhere, past atol on the parameters near 0, is not a pass
     though no difference reaches 1e-5 (it is scored just past exact)."""
-    given = questions.ask("adamw", 3)
-    correct, course = checks.torch_adamw_run(given), torch.zeros(2, 3)
+    (given, correct), course = adamw_case, torch.zeros(2, 3)
     scaled = {n: x * (1 + 9e-5) for n, x in correct.items()}
     assert max(checks.max_err(scaled[n], correct[n]) for n in correct) > 1e-5
     assert graded_adamw(given, scaled, course, course).parts[1].status == "pass"
@@ -1080,8 +1084,8 @@ def test_the_torch_part_takes_the_courses_tolerances_and_a_failed_allclose_is_ne
     assert part.status == "close" and part.error == 1e-5 + 1e-12
 
 
-def test_the_adamw_variants_refuse_a_form_or_bug_they_do_not_know():
-    given = questions.ask("adamw", 3)
+def test_the_adamw_variants_refuse_a_form_or_bug_they_do_not_know(adamw_case):
+    given, _ = adamw_case
     with pytest.raises(ValueError, match="form must be 'torch' or 'handout', got 'Torch'"):
         checks.torch_adamw_run(given, form="Torch")
     with pytest.raises(ValueError, match="unknown bug 'no_decay'"):

@@ -2,7 +2,7 @@
 the course's prediction files {mode}-{sst,cfimdb}-{dev,test}-out.csv (`id \\t Predicted_Sentiment`) into the run's
 folder (OUTPUT_DIR/predictions; `--predictions_dir predictions` for the course's layout).
 
-    # the course's run: SST then CFIMDB from data/ (or ../shared/data/cs224n), official gpt2 weights
+    # the course's run: SST then CFIMDB from data/ (the course layout) or else data/cs224n (bundled), official gpt2 weights
     python run_classifier.py --fine-tune-mode last-linear-layer --lr 1e-3
     python run_classifier.py --fine-tune-mode full-model --lr 1e-5
     # the same, writing predictions/ as the course's layout (what a submission holds)
@@ -25,7 +25,7 @@ folder (OUTPUT_DIR/predictions; `--predictions_dir predictions` for the course's
 --model takes a hub id, a folder in HF format (a pretrained run's output, a best/ checkpoint), a weights file, or
 random:[PRESET,]key=value,... for random initialisation (vocabulary 50257, so the GPT-2 tokenizer fits).
 An existing prediction file is replaced only with --overwrite or --resume. Without the hub, the default gpt2
-tokenizer is the shared copy (../shared/gpt2-tokenizer) after one probe of the hub; a --model folder holding a
+tokenizer is the bundled copy (data/gpt2-tokenizer) after one probe of the hub; a --model folder holding a
 tokenizer brings its own. Grade the files with `python -m tasks.evaluate --task sst --pred ... --gold ...`.
 """
 import argparse
@@ -56,14 +56,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dropout before the linear head (the course's classifier.py called this --hidden_dropout_prob)")
     g.add_argument("--tokenizer", default=None,
                    help="AutoTokenizer name or folder (default: the --model folder's own tokenizer when it holds one, "
-                        "else gpt2: the HF cache, the hub, or offline ../shared/gpt2-tokenizer)")
+                        "else gpt2: the HF cache, the hub, or offline data/gpt2-tokenizer)")
     g.add_argument("--max_length", type=int, default=None, help="truncate inputs to this many tokens "
                                                                 "(default and maximum: the model's n_positions)")
     d = parser.add_argument_group("data")
     d.add_argument("--task", choices=("sst", "cfimdb", "both"), default=None,
                    help="course datasets to run (default: both, or the one named by --train)")
     d.add_argument("--data_dir", default=None, help="folder of ids-{sst,cfimdb}-{train,dev,test-student}.csv "
-                                                     "(default: data/, else ../shared/data/cs224n)")
+                                                     "(default: data/ in the course layout, else data/cs224n)")
     d.add_argument("--train", help="training file (instead of --task's)")
     d.add_argument("--dev", help="dev file with labels")
     d.add_argument("--test", help="test file without labels (optional with --train)")

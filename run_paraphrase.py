@@ -7,10 +7,10 @@ course's layout; an existing file is replaced only with --overwrite or --resume)
     python run_paraphrase.py --para_train data/quora-train.csv --para_dev data/quora-dev.csv \\
         --para_test data/quora-test-student.csv --epochs 10 --lr 1e-5 --batch_size 8
     # the 20,214-pair subset here, split into 16,000 train / 4,212 dev (2 malformed rows skipped), small model
-    python run_paraphrase.py --train ../shared/data/quora/quora-dev-minbert.csv --split_dev 16000 --skip_bad_rows \\
+    python run_paraphrase.py --train data/quora/quora-dev-minbert.csv --split_dev 16000 --skip_bad_rows \\
         --model random:n_layer=4,n_head=4,n_embd=256 --lr 3e-4 --epochs 2 --batch_size 32 --bf16
     # continue an interrupted run exactly
-    python run_paraphrase.py --train ../shared/data/quora/quora-dev-minbert.csv --split_dev 16000 --skip_bad_rows --resume
+    python run_paraphrase.py --train data/quora/quora-dev-minbert.csv --split_dev 16000 --skip_bad_rows --resume
     # data-parallel on 4 GPUs: each takes its slice of every batch of 32 (same weights as one process, batch 32)
     torchrun --standalone --nproc_per_node=4 run_paraphrase.py --use_gpu --batch_size 32 \\
         --para_train data/quora-train.csv --para_dev data/quora-dev.csv
@@ -24,14 +24,14 @@ import argparse
 import os
 import sys
 
-from models.hub import shared_dir, with_offline_help
+from models.hub import data_dir, with_offline_help
 from tasks.lora import add_lora_args, check_lora_args
 from tasks.paraphrase import MODES, ParaphraseConfig, run
 from tasks.training import add_model_args, add_training_args, offline_recipe, run_cli
 
 # the offline hint's run of a few minutes: these flags join the user's own (offline_recipe), whose settings win
 NO_HUB_RECIPE = [("--model", "random:n_layer=2,n_head=2,n_embd=128"),
-                 ("--train", str(shared_dir() / "data" / "quora" / "quora-dev-minbert.csv"), "--split_dev", "16000",
+                 ("--train", str(data_dir() / "quora" / "quora-dev-minbert.csv"), "--split_dev", "16000",
                   "--skip_bad_rows"),
                  ("--lr", "1e-3"), ("--epochs", "1"), ("--batch_size", "32"), ("--max_length", "64"), ("--threads", "1")]
 
@@ -44,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(g)
     g.add_argument("--tokenizer", default=None,
                    help="AutoTokenizer name or folder (default: the --model folder's own tokenizer when it holds one, "
-                        "else gpt2: the HF cache, the hub, or offline ../shared/gpt2-tokenizer)")
+                        "else gpt2: the HF cache, the hub, or offline data/gpt2-tokenizer)")
     g.add_argument("--max_length", type=int, default=None, help="truncate prompts to this many tokens "
                                                                 "(default and maximum: the model's n_positions)")
     d = parser.add_argument_group("data")

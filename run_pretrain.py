@@ -1,25 +1,24 @@
 """Train a GPT-2 from scratch on a text file, then sample from it ("Let's build GPT").
 
-    # nanoGPT's CPU configuration on tiny shakespeare (every default below is that configuration):
-    python run_pretrain.py --data ../shared/data/tinyshakespeare/input.txt --output_dir out/shakespeare-char
+    # nanoGPT's CPU configuration on tiny shakespeare (every default below is that configuration, the corpus too:
+    # data/tinyshakespeare/input.txt, bundled with the project):
+    python run_pretrain.py --output_dir out/shakespeare-char
     # continue an interrupted run exactly where its last checkpoint left off
-    python run_pretrain.py --data ../shared/data/tinyshakespeare/input.txt --output_dir out/shakespeare-char --resume
+    python run_pretrain.py --output_dir out/shakespeare-char --resume
     # Muon for the blocks' matrices (lr 0.02), AdamW for embeddings, LM head, LayerNorms and biases (lr 1e-3)
-    python run_pretrain.py --data ../shared/data/tinyshakespeare/input.txt --output_dir out/char-muon --optimizer muon
+    python run_pretrain.py --output_dir out/char-muon --optimizer muon
     # GPT-2 BPE tokens, a preset size with a shorter context, gradient accumulation
     python run_pretrain.py --data corpus.txt --tokenizer gpt2 --preset gpt2 --n_positions 256 --block_size 256 \\
         --batch_size 8 --grad_accum 4 --output_dir out/corpus-bpe
     # two processes sharing each batch (DDP; gloo on CPU, nccl on GPUs): the same weights as one process
-    torchrun --standalone --nproc_per_node=2 run_pretrain.py --data ../shared/data/tinyshakespeare/input.txt \\
-        --output_dir out/shakespeare-char-ddp
+    torchrun --standalone --nproc_per_node=2 run_pretrain.py --output_dir out/shakespeare-char-ddp
     # a modern variant: nanochat's GPT at depth 4 (RMSNorm, RoPE, ReLU^2, q/k norm, no biases, untied soft-capped
     # head), or GPT-2 with some of its parts swapped
-    python run_pretrain.py --data ../shared/data/tinyshakespeare/input.txt --output_dir out/nanochat-d4 --depth 4
-    python run_pretrain.py --data ../shared/data/tinyshakespeare/input.txt --output_dir out/rope-gqa \
+    python run_pretrain.py --output_dir out/nanochat-d4 --depth 4
+    python run_pretrain.py --output_dir out/rope-gqa \
         --position_embedding rope --n_kv_head 1 --norm rmsnorm --activation relu2 --no-bias
     # the bigram baseline of the same corpus (a next-token table; the lecture trains it with lr 1e-2)
-    python run_pretrain.py --arch bigram --lr 1e-2 --min_lr 1e-3 \\
-        --data ../shared/data/tinyshakespeare/input.txt --output_dir out/shakespeare-bigram
+    python run_pretrain.py --arch bigram --lr 1e-2 --min_lr 1e-3 --output_dir out/shakespeare-bigram
     # sample from a saved checkpoint
     python run_pretrain.py --sample --model out/shakespeare-char/best --prompt "ROMEO:" --max_new_tokens 500 \\
         --temperature 0.8 --top_k 200 --num_samples 3
@@ -63,7 +62,8 @@ def _non_negative_int(text: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("data")
-    g.add_argument("--data", help="UTF-8 text file to train on")
+    g.add_argument("--data", help="UTF-8 text file to train on (default: tiny shakespeare, bundled in "
+                                  "data/tinyshakespeare/input.txt; $GPT2_SHARED_DIR/data/... when that is set)")
     g.add_argument("--tokenizer", default="char",
                    help="'char' (vocabulary = the corpus's characters), 'gpt2' or a folder with a GPT-2 BPE tokenizer")
     g.add_argument("--val_fraction", type=float, default=0.1, help="last fraction of the token ids held out for val")
@@ -169,8 +169,6 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv=None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if not args.sample and not args.data:
-        parser.error("--data is required to train (or pass --sample to sample from a checkpoint)")
     if not 0 <= args.min_lr <= args.lr:
         parser.error(f"--min_lr must be in [0, --lr], got {args.min_lr}")
     if args.warmup_iters > (args.lr_decay_iters or args.max_iters):

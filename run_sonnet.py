@@ -8,7 +8,7 @@ checkpoints/sonnet-generate-{greedy,sample,beamN}[-int8|-int4] and checkpoints/s
     # the course's run: official gpt2 weights, 10 epochs, batch 8, lr 1e-5, sampling at temperature 1.2, top-p 0.9
     python run_sonnet.py --use_gpu
     # a model pretrained here by run_pretrain.py (a folder with its tokenizer), fp32 on a busy CPU
-    python run_sonnet.py --model checkpoints/shakespeare-bpe-4x256/best --tokenizer ../shared/gpt2-tokenizer \\
+    python run_sonnet.py --model checkpoints/shakespeare-bpe-4x256/best --tokenizer data/gpt2-tokenizer \\
         --lr 3e-4 --epochs 10 --threads 1 --output_dir checkpoints/sonnet-4x256
     # decode the fine-tuned model again, greedily or with beam search (no training; best/ holds its tokenizer;
     # files in checkpoints/sonnet-generate-greedy/predictions and checkpoints/sonnet-generate-beam4/predictions)
@@ -22,7 +22,7 @@ checkpoints/sonnet-generate-{greedy,sample,beamN}[-int8|-int4] and checkpoints/s
     # data-parallel on 2 GPUs (rank 0 alone generates the dev sonnets and writes files)
     torchrun --standalone --nproc_per_node=2 run_sonnet.py --use_gpu --batch_size 8
 
-Data files default to data/ (the course layout) or else ../shared/data/cs224n. Every sonnet of the training file
+Data files default to data/ (the course layout) or else data/cs224n (bundled). Every sonnet of the training file
 ends with EOS, so the model learns to stop; generation stops each sonnet at EOS or after --max_new_tokens.
 Grade a file again with `python -m tasks.evaluate --task sonnet --pred FILE --gold TRUE_sonnets_held_out_dev.txt`.
 """
@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(g, "hub id, HF folder (e.g. a run_pretrain.py checkpoint), weights file, or random:key=value,...")
     g.add_argument("--tokenizer", default=None,
                    help="AutoTokenizer name or folder (default: the --model folder's own tokenizer when it holds one, "
-                        "else gpt2: the HF cache, the hub, or offline ../shared/gpt2-tokenizer)")
+                        "else gpt2: the HF cache, the hub, or offline data/gpt2-tokenizer)")
     g.add_argument("--max_length", type=int, default=None,
                    help="cut training sonnets to this many tokens (default and maximum: the model's n_positions)")
     d = parser.add_argument_group("data")

@@ -31,9 +31,9 @@ sys.path.insert(0, str(ROOT))
 from bench.machine import print_machine_header  # noqa: E402
 from bench.pretrain_shakespeare import precise_val_loss  # noqa: E402
 from bench.results import Recorder  # noqa: E402
-from models.hub import shared_dir  # noqa: E402
+from models.hub import data_dir, not_found  # noqa: E402
 
-CORPUS = shared_dir() / "data/tinyshakespeare/input.txt"
+CORPUS = data_dir() / "tinyshakespeare" / "input.txt"
 SEEDS = (1337, 2024)  # the runs' seed, and the second fp32 run's
 
 
@@ -100,7 +100,7 @@ def main() -> None:
     parser.add_argument("extra", nargs="*", help="more run_pretrain.py flags, after --")
     args = parser.parse_args()
     if not CORPUS.is_file():
-        raise SystemExit(f"{CORPUS} is missing: this benchmark needs ../shared/data/tinyshakespeare")
+        raise SystemExit(not_found("this benchmark's corpus", CORPUS))
     print_machine_header()
     runs = []
     with tempfile.TemporaryDirectory() as tmp:

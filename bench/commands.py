@@ -3,10 +3,9 @@
     python bench/commands.py                    # both, one run each; records in bench/results/commands.jsonl
     python bench/commands.py --only main --repeats 2
 
-main: `python run_pretrain.py --data ../shared/data/tinyshakespeare/input.txt --output_dir <a fresh temporary
-folder> --overwrite` from the project root (the README's command; only the output folder differs, so a run never
-touches checkpoints/): wall time from launch to exit, ms/step and the val loss from its last line, the peak RSS of
-the process. tests: `ruff check . && python -m pytest -q`, wall time and the counts from pytest's last line.
+main: `python run_pretrain.py --output_dir <a fresh temporary folder> --overwrite` (the bundled tiny shakespeare)
+from the project root (the README's command; only the output folder differs, so a run never touches checkpoints/):
+wall time from launch to exit, ms/step and the val loss from its last line, the peak RSS of the process. tests: `ruff check . && python -m pytest -q`, wall time and the counts from pytest's last line.
 Each row is recorded with the machine, commit, date and load (bench/results.py); `python -m bench.report` puts the
 latest per CPU class into the README's timing table.
 """
@@ -26,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.machine import print_machine_header  # noqa: E402
 from bench.results import Recorder  # noqa: E402
-from models.hub import shared_dir  # noqa: E402
+from models.hub import data_dir, not_found  # noqa: E402
 
 DONE = re.compile(r"^done: step (\d+) \| val ([\d.]+) \| best val ([\d.]+) \| ([\d.]+) ms/step")
 PYTEST_COUNTS = re.compile(r"(\d+) (passed|skipped|failed|errors?|xfailed|xpassed)")
@@ -45,12 +44,12 @@ def timed(cmd: list[str]) -> tuple[float, float, subprocess.CompletedProcess]:
 
 
 def main_job(rec: Recorder) -> None:
-    data = shared_dir() / "data/tinyshakespeare/input.txt"
+    data = data_dir() / "tinyshakespeare" / "input.txt"  # the default corpus of run_pretrain.py
     if not data.exists():
-        raise SystemExit(f"the main job needs {data} (set GPT2_SHARED_DIR to the shared folder)")
+        raise SystemExit(f"the main job needs its corpus: {not_found('corpus file', data)}")
     with tempfile.TemporaryDirectory(prefix="bench-main-job-") as out:
         load = os.getloadavg()[0]
-        seconds, peak_mb, proc = timed([sys.executable, "run_pretrain.py", "--data", str(data), "--output_dir",
+        seconds, peak_mb, proc = timed([sys.executable, "run_pretrain.py", "--output_dir",
                                         str(Path(out) / "shakespeare-char"), "--overwrite"])
     done = next((DONE.match(line) for line in proc.stdout.splitlines() if DONE.match(line)), None)
     if proc.returncode != 0 or done is None:

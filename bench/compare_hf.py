@@ -58,7 +58,7 @@ from bench.machine import print_machine_header  # noqa: E402
 from bench.results import Recorder  # noqa: E402
 from config import GPT2Config  # noqa: E402
 from models.gpt2 import GPT2LMHeadModel  # noqa: E402
-from models.hub import shared_dir  # noqa: E402
+from models.hub import data_dir, tokenizer_dir  # noqa: E402
 from models.loading import hf_to_ours  # noqa: E402
 from training.allocator import in_effect as allocator_in_effect  # noqa: E402
 from training.allocator import keep_freed_memory  # noqa: E402
@@ -82,7 +82,6 @@ GENERATE_ROWS = ("b1", "b8", "sample", "beam4", "ttft", "int8")  # greedy b1 and
 SAMPLING = dict(temperature=0.8, top_p=0.9)  # the sampling row's settings (transformers' default top_k=50 is off)
 SAMPLING_VS_GREEDY = 0.9  # target: ours' sampling at least this fraction of ours' greedy speed
 PROMPT_LENGTHS_B8 = [16, 13, 10, 16, 7, 12, 15, 9]  # the batch-8 prompts, left-padded to 16
-SHARED = shared_dir()
 DEVICE = torch.device("cpu")  # --device; the inputs and every contender live there
 CPU_ONLY_SECTIONS = ("memory", "xl", "checkpointing")  # they measure the process's RSS
 RECORDS = Recorder("compare_hf")  # every printed row also goes to bench/results/compare_hf.jsonl (bench/results.py)
@@ -126,8 +125,8 @@ def build(impl: str, preset: str, state: dict | None, dtype: torch.dtype = torch
 
 
 def training_batch(batch: int, length: int, seed: int) -> torch.Tensor:
-    """Token ids of tinyshakespeare (GPT-2 tokenizer) when ../shared has them, else random ids."""
-    text, tok = SHARED / "data/tinyshakespeare/input.txt", SHARED / "gpt2-tokenizer"
+    """Token ids of tinyshakespeare (GPT-2 tokenizer) when the data folder has them, else random ids."""
+    text, tok = data_dir() / "tinyshakespeare" / "input.txt", tokenizer_dir()
     if text.exists() and tok.exists():
         ids = transformers.AutoTokenizer.from_pretrained(tok)(text.read_text()[:200_000])["input_ids"]
         return torch.tensor(ids[: batch * length]).view(batch, length).to(DEVICE)

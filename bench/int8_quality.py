@@ -3,7 +3,7 @@ int8 weights (every linear layer and the LM head, per-row scales) and with int4 
 how many greedy continuations keep their first tokens.
 
     # a small BPE model pretrained on tiny shakespeare, then its int8 and int4 quality
-    python run_pretrain.py --data ../shared/data/tinyshakespeare/input.txt --tokenizer ../shared/gpt2-tokenizer \
+    python run_pretrain.py --tokenizer data/gpt2-tokenizer \
         --n_layer 2 --n_head 4 --n_embd 128 --n_positions 128 --block_size 64 --output_dir out/bpe-tiny
     python bench/int8_quality.py --model out/bpe-tiny/best --prompts 20 --new-tokens 32
 """
@@ -26,6 +26,7 @@ import transformers  # noqa: E402
 from bench.machine import print_machine_header  # noqa: E402
 from bench.results import Recorder  # noqa: E402
 from models.gpt2 import GPT2LMHeadModel  # noqa: E402
+from models.hub import data_dir, tokenizer_dir  # noqa: E402
 from modules.linear import Linear  # noqa: E402
 from modules.quant import quantize, quantized_linear  # noqa: E402
 
@@ -59,9 +60,9 @@ def perplexity(model, ids: torch.Tensor, block: int, mode: str | None = None) ->
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="a checkpoint folder (HF format) or a hub id")
-    parser.add_argument("--data", default=str(ROOT.parent / "shared/data/tinyshakespeare/input.txt"),
+    parser.add_argument("--data", default=str(data_dir() / "tinyshakespeare" / "input.txt"),
                         help="text whose last --val-fraction is the validation split")
-    parser.add_argument("--tokenizer", default=str(ROOT.parent / "shared/gpt2-tokenizer"), help="tokenizer folder")
+    parser.add_argument("--tokenizer", default=str(tokenizer_dir()), help="tokenizer folder")
     parser.add_argument("--val-fraction", type=float, default=0.1, help="tail of the text used for validation")
     parser.add_argument("--prompts", type=int, default=20, help="greedy continuations compared")
     parser.add_argument("--prompt-tokens", type=int, default=16, help="tokens per prompt")

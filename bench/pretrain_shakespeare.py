@@ -31,9 +31,8 @@ sys.path.insert(0, str(ROOT))
 
 from bench.machine import print_machine_header  # noqa: E402
 from bench.results import Recorder  # noqa: E402
-from models.hub import shared_dir  # noqa: E402
+from models.hub import data_dir, not_found  # noqa: E402
 
-SHARED = shared_dir()
 NANOGPT = {"val_loss": 1.886, "seconds": 93.0}
 FINAL_EVAL = re.compile(r"^step +(\d+) \| train ([\d.]+) \| val ([\d.]+)")
 
@@ -78,7 +77,7 @@ def precise_val_loss(out_dir: Path, data: Path) -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("benchmark")
-    g.add_argument("--data", default=str(SHARED / "data" / "tinyshakespeare" / "input.txt"), help="corpus")
+    g.add_argument("--data", default=str(data_dir() / "tinyshakespeare" / "input.txt"), help="corpus")
     g.add_argument("--repeats", type=int, default=3, help="fresh-process runs")
     g.add_argument("--max_iters", type=int, default=2000, help="training steps (nanoGPT's figure is for 2000)")
     g.add_argument("--show_log", action="store_true", help="print each run's full training log")
@@ -87,7 +86,7 @@ def main() -> None:
     print_machine_header()
     data = Path(args.data)
     if not data.is_file():
-        raise SystemExit(f"corpus not found: {data} (set GPT2_SHARED_DIR to the shared folder)")
+        raise SystemExit(not_found("corpus", data))
 
     runs = []
     for i in range(args.repeats):

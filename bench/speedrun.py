@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.machine import print_machine_header  # noqa: E402
 from bench.results import Recorder  # noqa: E402
-from models.hub import shared_dir  # noqa: E402
+from models.hub import data_dir  # noqa: E402
 
 # name -> (what it changes, run_pretrain.py flags on top of the defaults)
 CONTENDERS: dict[str, tuple[str, list[str]]] = {
@@ -194,7 +194,7 @@ def plot(results: list[dict], target: float, path: Path, target_label: str) -> N
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data", type=Path, default=shared_dir() / "data" / "tinyshakespeare" / "input.txt")
+    p.add_argument("--data", type=Path, default=data_dir() / "tinyshakespeare" / "input.txt")
     p.add_argument("--only", nargs="+", choices=sorted(CONTENDERS), help="contenders to run (the baseline always)")
     p.add_argument("--repeats", type=int, default=1, help="runs per contender (medians reported)")
     p.add_argument("--eval_interval", type=int, default=50, help="steps between whole-split evaluations")

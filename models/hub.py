@@ -1,7 +1,8 @@
-"""Where files come from: the shared data folder, and tokenizers from the Hugging Face hub with one offline fallback.
+"""Where files come from: the data folder, and tokenizers from the Hugging Face hub with one offline fallback.
 
-    shared_dir()                       # $GPT2_SHARED_DIR, else ../shared beside the project (course data, tokenizer)
-    tokenizer = load_tokenizer("gpt2")  # the HF cache, else the hub, else (offline) the shared copy of GPT-2's BPE
+    data_dir() / "tinyshakespeare" / "input.txt"   # the project's data/, or $GPT2_SHARED_DIR/data when that is set
+    tokenizer_dir()                    # GPT-2's BPE: data/gpt2-tokenizer, or $GPT2_SHARED_DIR/gpt2-tokenizer
+    tokenizer = load_tokenizer("gpt2")  # the HF cache, else the hub, else (offline) tokenizer_dir(), the same BPE
     hub_reachable()                    # one request, once per process; unreachable: offline mode from then on
     tokenizer_for(None, "checkpoints/run/best")   # a model folder's own tokenizer when it holds one, else "gpt2"
 """
@@ -14,17 +15,51 @@ from typing import Callable, TypeVar
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 T = TypeVar("T")
-GPT2_IDS = ("gpt2", "openai-community/gpt2")  # the names the shared tokenizer may stand in for
+BUNDLED_DATA = PROJECT_ROOT / "data"  # what the main job and the tests need, with data/SOURCES.md
+GPT2_IDS = ("gpt2", "openai-community/gpt2")  # the names the bundled tokenizer may stand in for
+
+
+def _override() -> Path | None:
+    """$GPT2_SHARED_DIR: a shared folder (data/<set>/ and gpt2-tokenizer/, e.g. larger copies) used instead of the
+    bundled data/. Read at each call, so setting the variable later takes effect."""
+    value = os.environ.get("GPT2_SHARED_DIR")
+    return Path(os.path.expanduser(value)) if value else None
+
+
+def data_dir() -> Path:
+    """The data folder (tinyshakespeare/, cs224n/, quora/): $GPT2_SHARED_DIR/data when the variable is set, else the
+    project's own data/. One or the other, never a mix, so a run reads what the variable says."""
+    override = _override()
+    return override / "data" if override else BUNDLED_DATA
+
+
+def tokenizer_dir() -> Path:
+    """GPT-2's BPE tokenizer: $GPT2_SHARED_DIR/gpt2-tokenizer when the variable is set, else data/gpt2-tokenizer."""
+    override = _override()
+    return override / "gpt2-tokenizer" if override else BUNDLED_DATA / "gpt2-tokenizer"
+
+
+def missing_data(path: str | os.PathLike) -> str:
+    """Where a data file that is not there comes from and how to get it: for the error that names it."""
+    if _override():
+        return (f"$GPT2_SHARED_DIR is set ({_override()}) and replaces the project's data/: put the file there, or "
+                f"unset the variable to use the bundled copy")
+    return ("the project's data/ folder holds the bundled data in a full clone (git checkout -- data/ restores it; "
+            "data/SOURCES.md says where each file comes from), or set GPT2_SHARED_DIR to a folder with data/ and "
+            "gpt2-tokenizer/ in it")
+
+
+def not_found(what: str, path: str | os.PathLike) -> str:
+    """'WHAT not found: PATH', and missing_data()'s how-to-get-it when PATH is in the data folder."""
+    where = Path(os.path.abspath(expand(path)))
+    ours = any(where.is_relative_to(os.path.abspath(root)) for root in (data_dir(), tokenizer_dir(), BUNDLED_DATA))
+    return f"{what} not found: {path}" + (f" ({missing_data(path)})" if ours else "")
 
 
 def shared_dir() -> Path:
-    """The shared folder (course data, the GPT-2 tokenizer): $GPT2_SHARED_DIR when set, else ../shared beside the
-    project root. Read at each call, so setting the variable later takes effect."""
-    return Path(os.path.expanduser(os.environ.get("GPT2_SHARED_DIR", PROJECT_ROOT.parent / "shared")))
-
-
-def shared_tokenizer_dir() -> Path:
-    return shared_dir() / "gpt2-tokenizer"
+    """$GPT2_SHARED_DIR when set, else ../shared beside the project: the old place of the data, still read by
+    grading/ (its optimizer_test.npy). Everything else reads data_dir() and tokenizer_dir()."""
+    return _override() or PROJECT_ROOT.parent / "shared"
 
 
 def expand(spec: str | os.PathLike) -> str:
@@ -123,7 +158,7 @@ def tokenizer_for(spec: str | os.PathLike | None, model: str | os.PathLike | Non
 def load_tokenizer(spec: str | os.PathLike = "gpt2"):
     """AutoTokenizer for a hub id or a folder. A hub id is looked up in the local HF cache first (no network), then
     on the hub if it answers (hub_reachable); the one fallback: `gpt2` (or `openai-community/gpt2`) that neither
-    has loads the shared copy of the same tokenizer, saying so. The pad token is set to EOS where the tokenizer has
+    has loads the bundled copy of the same tokenizer (tokenizer_dir()), saying so. The pad token is set to EOS where the tokenizer has
     none (GPT-2 has none; padding is given by attention masks anyway)."""
     from transformers import AutoTokenizer
 
@@ -134,13 +169,13 @@ def load_tokenizer(spec: str | os.PathLike = "gpt2"):
         try:
             tokenizer = AutoTokenizer.from_pretrained(spec, local_files_only=True)
         except (OSError, ValueError) as e:
-            tokenizer = _from_hub_or_shared(spec, e)
+            tokenizer = _from_hub_or_bundled(spec, e)
     if tokenizer.pad_token is None and tokenizer.eos_token is not None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
 
 
-def _from_hub_or_shared(spec: str, cache_error: Exception):
+def _from_hub_or_bundled(spec: str, cache_error: Exception):
     from transformers import AutoTokenizer
 
     error: Exception = cache_error
@@ -149,10 +184,11 @@ def _from_hub_or_shared(spec: str, cache_error: Exception):
             return AutoTokenizer.from_pretrained(spec)
         except (OSError, ValueError) as e:
             error = e
-    fallback = shared_tokenizer_dir()
+    fallback = tokenizer_dir()
     if spec not in GPT2_IDS or not fallback.is_dir():
         where = "the hub" if hub_reachable() else "the local cache, and the hub does not answer"
-        raise OSError(f"cannot load tokenizer {spec!r} from {where}: {error}") from None
+        bundled = f"\n{not_found('the offline fallback', fallback)}" if spec in GPT2_IDS else ""
+        raise OSError(f"cannot load tokenizer {spec!r} from {where}: {error}{bundled}") from None
     print(f"tokenizer {spec!r} is not in the local cache and cannot be had from the hub; using {fallback} "
           f"(the same GPT-2 BPE)")
     return AutoTokenizer.from_pretrained(fallback)

@@ -19,7 +19,7 @@ import torch
 
 from config import PRESETS, GPT2Config
 from models.gpt2 import GPT2LMHeadModel, position_ids_from_mask
-from models.hub import expand, load_tokenizer, shared_tokenizer_dir
+from models.hub import expand, load_tokenizer, tokenizer_dir
 
 SENTENCES = [
     "Shall I compare thee to a summer's day?",
@@ -42,9 +42,9 @@ def make_random_reference(preset: str, directory: Path, seed: int = 0) -> Path:
 
 
 def pick_tokenizer(name: str | None, model: str):
-    """The tokenizer asked for, else the model folder's own, else GPT-2's (the shared copy first, to spare the
+    """The tokenizer asked for, else the model folder's own, else GPT-2's (the bundled copy first, to spare the
     hub's retries offline); None when none loads (the comparison then uses random ids)."""
-    candidates = [name] if name else [model, str(shared_tokenizer_dir()), "gpt2"]
+    candidates = [name] if name else [model, str(tokenizer_dir()), "gpt2"]
     for candidate in candidates:
         folder = Path(expand(candidate))
         if not name and folder.is_dir() and not any((folder / f).is_file() for f in ("tokenizer.json", "vocab.json")):

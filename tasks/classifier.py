@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.hub import shared_dir, tokenizer_for
+from models.hub import data_dir, tokenizer_for
 from tasks import lora
 from tasks.data import NUM_LABELS, check_vocab, collate, encode, load_sentiment, load_task_tokenizer
 from tasks.evaluate import classification_metrics, write_predictions
@@ -102,10 +102,10 @@ def jobs(args) -> list[tuple]:
         if num_labels is None:
             raise ValueError(f"cannot tell the number of classes of {args.train}: pass --num_labels")
         return [(name or "custom", args.train, args.dev, args.test, num_labels)]
-    data_dir = Path(args.data_dir) if args.data_dir else (Path("data") if Path("data/ids-sst-train.csv").is_file()
-                                                          else shared_dir() / "data" / "cs224n")
+    folder = Path(args.data_dir) if args.data_dir else (Path("data") if Path("data/ids-sst-train.csv").is_file()
+                                                        else data_dir() / "cs224n")
     tasks = ("sst", "cfimdb") if args.task in (None, "both") else (args.task,)
-    return [(t, data_dir / f"ids-{t}-train.csv", data_dir / f"ids-{t}-dev.csv", data_dir / f"ids-{t}-test-student.csv",
+    return [(t, folder / f"ids-{t}-train.csv", folder / f"ids-{t}-dev.csv", folder / f"ids-{t}-test-student.csv",
              args.num_labels or NUM_LABELS[t]) for t in tasks]
 
 

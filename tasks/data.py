@@ -1,8 +1,8 @@
 """Task data: readers for the course's tab-separated files, tokenization, and padded batches.
 
-    examples = load_sentiment("../shared/data/cs224n/ids-sst-train.csv", split="train", num_labels=5)
-    examples = load_paraphrase("../shared/data/quora/quora-dev-minbert.csv", split="train", skip_bad_rows=True)
-    tokenizer = load_task_tokenizer("gpt2")             # falls back to ../shared/gpt2-tokenizer when offline
+    examples = load_sentiment("data/cs224n/ids-sst-train.csv", split="train", num_labels=5)
+    examples = load_paraphrase("data/quora/quora-dev-minbert.csv", split="train", skip_bad_rows=True)
+    tokenizer = load_task_tokenizer("gpt2")             # falls back to data/gpt2-tokenizer when offline
     encoded = encode(examples, tokenizer, max_length=1024, prompt=sentiment_text)
     for batch in iterate_batches(encoded, batch_size=8, order=range(len(encoded))): ...
 
@@ -29,7 +29,7 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 
-from models.hub import load_tokenizer
+from models.hub import load_tokenizer, not_found
 
 NUM_LABELS = {"sst": 5, "cfimdb": 2}  # the course's datasets
 # Column names used by hub datasets for the same fields (first match wins).
@@ -94,7 +94,7 @@ def read_table(source: str | os.PathLike, required: Sequence[str]) -> _Table:
         return _read_hub(source, required)
     path = Path(source)
     if not path.is_file():
-        raise FileNotFoundError(f"data file not found: {source}")
+        raise FileNotFoundError(not_found("data file", source))
     text = _read_utf8(path)
     header_line = io.StringIO(text, newline="").readline()  # ends at \n, \r\n or \r
     if not header_line.strip():

@@ -1,11 +1,11 @@
 """Grade prediction files against gold files: accuracy and macro-F1 (scikit-learn), a table, and JSON.
 
     python -m tasks.evaluate --task sst --pred predictions/full-model-sst-dev-out.csv \\
-        --gold ../shared/data/cs224n/ids-sst-dev.csv --json out.json
+        --gold data/cs224n/ids-sst-dev.csv --json out.json
     python -m tasks.evaluate --task para --pred predictions/para-dev-output.csv --gold quora-dev.csv \\
         --task cfimdb --pred predictions/full-model-cfimdb-dev-out.csv --gold ids-cfimdb-dev.csv
     python -m tasks.evaluate --task sonnet --pred predictions/generated_sonnets_dev.txt \\
-        --gold ../shared/data/cs224n/TRUE_sonnets_held_out_dev.txt
+        --gold data/cs224n/TRUE_sonnets_held_out_dev.txt
 
 Prediction files are the course's graded format: a header `id \\t Predicted_Sentiment ` (or
 `Predicted_Is_Paraphrase`), then one `<id>, <label> ` row per example; paraphrase labels are the token ids of

@@ -2,12 +2,12 @@
 validation losses and plot them.
 
     # the lecture's own settings and architectures, its reported losses beside ours (each rung a minute or less)
-    python -m tasks.ladder --preset lecture --data ../shared/data/tinyshakespeare/input.txt
+    python -m tasks.ladder --preset lecture --data data/tinyshakespeare/input.txt
     # its scaled-up model (batch 64, block 256, n_embd 384, 6 heads, 6 layers, dropout 0.2): a GPU job
     python -m tasks.ladder --preset lecture --data input.txt --rungs scaled --device cuda
     # the same budget for every rung (nanoGPT's CPU scale: block 64, batch 12, 4 layers, 4 heads, n_embd 128,
     # lr 1e-3 -> 1e-4 cosine, beta2 0.99, GPT-2's init and GELU)
-    python -m tasks.ladder --data ../shared/data/tinyshakespeare/input.txt --max_iters 2000
+    python -m tasks.ladder --data data/tinyshakespeare/input.txt --max_iters 2000
     # one change against the lecture preset: its rungs with GPT-2's N(0, 0.02) init
     python -m tasks.ladder --preset lecture --data input.txt --init gpt2 --rungs multi_head feed_forward
 

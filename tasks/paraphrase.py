@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.hub import shared_dir, tokenizer_for
+from models.hub import data_dir, tokenizer_for
 from tasks import lora
 from tasks.data import (
     Example,
@@ -127,14 +127,14 @@ def run(args: ParaphraseConfig) -> dict:
     return run_on(args, device)
 
 
-def shared_pairs_hint() -> str:
-    """What to add to the error for a training file that is not there: the shared Quora pairs, when they are there
+def bundled_pairs_hint() -> str:
+    """What to add to the error for a training file that is not there: the bundled Quora pairs, when they are there
     (the course's data/quora-*.csv files are not shipped with the project)."""
-    shared = shared_dir() / "data" / "quora" / "quora-dev-minbert.csv"
-    if not shared.is_file():
+    pairs = data_dir() / "quora" / "quora-dev-minbert.csv"
+    if not pairs.is_file():
         return ""
-    return (f"; the shared data holds labelled Quora pairs, one file that --split_dev cuts into train and dev "
-            f"(--skip_bad_rows: 2 rows are malformed): --train {shared} --split_dev 16000 --skip_bad_rows")
+    return (f"; the data folder holds labelled Quora pairs, one file that --split_dev cuts into train and dev "
+            f"(--skip_bad_rows: 2 rows are malformed): --train {pairs} --split_dev 16000 --skip_bad_rows")
 
 
 def run_on(args, device: torch.device) -> dict:
@@ -142,7 +142,7 @@ def run_on(args, device: torch.device) -> dict:
     try:
         train_ex = load_paraphrase(args.train, "train", args.skip_bad_rows)
     except FileNotFoundError as e:  # read_table's "data file not found: PATH", with where the data is
-        raise FileNotFoundError(f"{e}{shared_pairs_hint()}") from None
+        raise FileNotFoundError(f"{e}{bundled_pairs_hint()}") from None
     if args.split_dev:
         if args.dev:
             raise ValueError("give either --dev or --split_dev, not both")

@@ -37,7 +37,7 @@ from config import GPT2Config, nanochat_preset
 from models.bigram import BigramConfig, BigramLM, load_lm
 from models.generation import process_logits
 from models.gpt2 import GPT2LMHeadModel
-from models.hub import expand, load_tokenizer
+from models.hub import data_dir, expand, load_tokenizer, not_found
 from modules.cross_entropy import cross_entropy
 from tasks.char_tokenizer import VOCAB_FILE, CharTokenizer
 from training import distributed as dist
@@ -143,10 +143,16 @@ class Corpus:
         return self.tokens[self.num_train:]
 
 
+def default_corpus() -> Path:
+    """The corpus of a run without --data: tiny shakespeare from the data folder (the project's data/, or
+    $GPT2_SHARED_DIR/data when set)."""
+    return data_dir() / "tinyshakespeare" / "input.txt"
+
+
 def check_corpus_file(path: str | os.PathLike) -> Path:
     path = Path(path)
     if not path.exists():
-        raise FileNotFoundError(f"corpus file not found: {path}")
+        raise FileNotFoundError(not_found("corpus file", path))
     if not path.is_file():
         raise ValueError(f"corpus path {path} is not a file")
     if not os.access(path, os.R_OK):
@@ -332,7 +338,7 @@ def check_block_size(block_size: int, config: GPT2Config) -> None:
 class PretrainConfig:
     """run_pretrain.py's flags as a dataclass (the Python API: `train(PretrainConfig(data="input.txt", ...))`); each
     field means what the flag of the same name does (see `python run_pretrain.py --help`)."""
-    data: str | None = None
+    data: str | None = None  # None: the bundled tiny shakespeare (default_corpus())
     tokenizer: str = "char"
     val_fraction: float = 0.1
     data_dir: str | None = None
@@ -478,6 +484,7 @@ def setup(cfg: PretrainConfig, engine_cfg: TrainConfig):
         check_resume_settings(saved, run_settings(cfg), ck.path, extendable=("max_iters",))
     tokenizer = tokenizer_for(ck.path) if ck is not None else (
         "char" if cfg.tokenizer == "char" else tokenizer_for(cfg.tokenizer))
+    cfg.data = cfg.data or str(default_corpus())
     with dist.main_first():  # under torchrun rank 0 encodes the corpus, the others then map the cached ids
         corpus = prepare_corpus(cfg.data, tokenizer, cfg.data_dir or Path(cfg.output_dir) / "data", cfg.val_fraction)
     check_split_sizes(corpus, cfg.block_size)

@@ -1,6 +1,6 @@
 """Sonnet generation (CS224N): the course's sonnet files, SonnetGPT, chrF, and `run` (the task run_sonnet.py calls).
 
-    sonnets = read_sonnets("../shared/data/cs224n/sonnets.txt")          # 131 strings
+    sonnets = read_sonnets("data/cs224n/sonnets.txt")             # 131 strings
     texts = complete_sonnets(model, tokenizer, prompts, Decoding(), batch_size=16)
     score = chrf(texts, gold)                                               # sacrebleu CHRF() corpus score
 
@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from models.gpt2 import GPT2LMHeadModel
-from models.hub import shared_dir, tokenizer_for
+from models.hub import data_dir, not_found, tokenizer_for
 from tasks import lora
 from tasks.data import Encoded, check_vocab, collate, load_task_tokenizer
 from tasks.outputs import claim_outputs, predictions_folder
@@ -72,7 +72,7 @@ def read_sonnets(path: str | Path) -> list[str]:
     """The sonnets of a course file, header dropped, each stripped."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"sonnet file not found: {path}")
+        raise FileNotFoundError(not_found("sonnet file", path))
     raw = path.read_bytes().removeprefix(b"\xef\xbb\xbf")  # a byte-order mark
     try:
         text = raw.decode("utf-8")
@@ -310,9 +310,10 @@ def describe(d: Decoding) -> str:
 
 
 def course_file(name: str) -> str:
-    """data/NAME if it is there, else the shared copy of the course's file."""
+    """data/NAME if it is there (the course's layout, run from its folder), else data_dir()'s copy of the course's
+    file (the project's data/cs224n, or $GPT2_SHARED_DIR's)."""
     local = Path("data") / name
-    return str(local if local.is_file() else shared_dir() / "data" / "cs224n" / name)
+    return str(local if local.is_file() else data_dir() / "cs224n" / name)
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Shared fixtures: tiny configs, reference transformers models saved in HF format, the shared data folder."""
+"""Shared fixtures: tiny configs, reference transformers models saved in HF format, the data folder."""
 from __future__ import annotations
 
 import os
@@ -21,7 +21,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from config import GPT2Config  # noqa: E402
-from models.hub import shared_dir  # noqa: E402
+from models.hub import data_dir, missing_data, shared_dir, tokenizer_dir  # noqa: E402
 
 # Odd shapes on purpose: head counts 3 and 5, n_inner set, vocab sizes that are not multiples of 64.
 TINY_CONFIGS = {
@@ -103,8 +103,27 @@ def packed_switch(monkeypatch):
     return Switch
 
 
+def data_path(*parts: str) -> Path:
+    """A file of the data folder (models.hub.data_dir(): the bundled data/, or $GPT2_SHARED_DIR/data), e.g.
+    data_path("cs224n", "sonnets.txt"); skips the test, saying why, where it is absent (a folder named by
+    GPT2_SHARED_DIR without it: a clone has the whole data/)."""
+    return _present(data_dir().joinpath(*parts))
+
+
+def tokenizer_path() -> Path:
+    """GPT-2's tokenizer folder (models.hub.tokenizer_dir()), or skip as data_path does."""
+    return _present(tokenizer_dir())
+
+
+def _present(path: Path) -> Path:
+    if not path.exists():
+        pytest.skip(f"data not found: {path} ({missing_data(path)})")
+    return path
+
+
 def shared_path(*parts: str) -> Path:
-    """A file under ../shared, or skip the test with the reason."""
+    """A file under the folder grading/ reads ($GPT2_SHARED_DIR, else ../shared), or skip the test with the reason.
+    Only the grading tests still use it: everything else reads data_path() and tokenizer_path()."""
     path = shared_dir().joinpath(*parts)
     if not path.exists():
         pytest.skip(f"shared data not found: {path} (set GPT2_SHARED_DIR to the shared folder)")

@@ -10,9 +10,9 @@ runs, once per entry point (cached), so the ~15 entry points cost one import eac
 `pip`, `ruff`, `python -m pytest`, `python -c` and other programs are skipped.
 
 Marker: a command whose last line ends with `# quick` is also run for real (its project commands, not its `pip`
-part), from a scratch folder that mirrors the project with symlinks and has `../shared` beside it, so outputs land
-there, never in the checkout. Mark only commands that take seconds on 2 cores. Where the shared folder (or a
-`../shared/...` path the command names) is absent the run is skipped, saying so.
+part), from a scratch folder that mirrors the project with symlinks (the bundled data/ included; $GPT2_SHARED_DIR
+unset, so the commands read what a clone has), so outputs land there, never in the checkout. Mark only commands that
+take seconds on 2 cores. A `data/...` path the command names must exist.
 
 Links: every `[text](target)` outside code blocks in those files whose target is not a URL must name an existing
 file or folder, relative to the page; a `#anchor` must match one of the target page's headings (GitHub's slugs).
@@ -38,13 +38,6 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 QUICK = re.compile(r"#\s*quick\s*$")
 QUICK_TIMEOUT = 300  # s: generous for a loaded 2-core machine; quick commands take seconds
 OUTPUT_DIRS = {"checkpoints", "predictions", "runs", "out", ".git", "__pycache__", ".pytest_cache", ".hypothesis"}
-
-
-def _shared_dir() -> Path:
-    sys.path.insert(0, str(ROOT))
-    from models.hub import shared_dir
-
-    return Path(shared_dir())
 
 
 # ---- collecting commands -------------------------------------------------------------------------------------------
@@ -221,26 +214,20 @@ def test_unknown_flag_is_caught():
 
 @pytest.fixture(scope="module")
 def scratch_project(tmp_path_factory):
-    """A folder laid out like the project's (symlinks to its files) with ../shared beside it; outputs stay here."""
+    """A folder laid out like the project's (symlinks to its files and folders, data/ too); outputs stay here."""
     base = tmp_path_factory.mktemp("docs-commands")
     project = base / "project"
     project.mkdir()
     for entry in ROOT.iterdir():
         if entry.name not in OUTPUT_DIRS:
             (project / entry.name).symlink_to(entry)
-    shared = _shared_dir()
-    if shared.exists():
-        (base / "shared").symlink_to(shared.resolve())
     return project
 
 
 @pytest.mark.parametrize("page,line,command", QUICK_COMMANDS, ids=[f"{p}:{n}" for p, n, _ in QUICK_COMMANDS])
 def test_quick_command_runs(page, line, command, scratch_project):
-    if not (scratch_project.parent / "shared").exists():  # the quick commands read the course data or the corpus
-        pytest.skip(f"needs the shared folder ({_shared_dir()}), which is absent")
-    missing = [w for w in re.findall(r"\.\./shared/\S+", command) if not (scratch_project / w).exists()]
-    if missing:
-        pytest.skip(f"needs the shared data: {', '.join(missing)} absent")
+    missing = [w for w in re.findall(r"(?<![\w./-])data/\S+", command) if not (scratch_project / w).exists()]
+    assert not missing, f"{page}:{line}: names {', '.join(missing)}, which the project's data/ does not hold"
     for words in segments(command):
         found = entry_point(words)
         if found is None:
@@ -251,7 +238,7 @@ def test_quick_command_runs(page, line, command, scratch_project):
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONDONTWRITEBYTECODE": "1",
                **dict(w.split("=", 1) for w in prefix)}
         with contextlib.suppress(KeyError):
-            del env["GPT2_SHARED_DIR"]  # ../shared beside the scratch project is the shared folder
+            del env["GPT2_SHARED_DIR"]  # the bundled data/, as a clone has it
         result = subprocess.run(argv, cwd=scratch_project, env=env, capture_output=True, text=True,
                                 timeout=QUICK_TIMEOUT)
         assert result.returncode == 0, (f"{page}:{line}: exit {result.returncode}: {command}\n"
@@ -363,7 +350,7 @@ def fresh_clone_gaps(commands: list[tuple[int, str]]) -> list[str]:
             if target == "grading" and args and not args[0].startswith("-") and args[0] != "package":
                 inputs.append(args[0])
             for path in inputs:
-                if "/" not in path or path.startswith("../shared/"):  # a hub name; the shared data beside the clone
+                if "/" not in path:  # a hub name
                     continue
                 if (ROOT / path).exists() or any(path == m or path.startswith(m + "/") for m in made):
                     continue
@@ -380,11 +367,12 @@ def test_readme_commands_run_from_a_fresh_clone_or_say_what_they_need():
 
 
 def test_a_command_that_needs_what_a_fresh_clone_lacks_is_caught():
-    commands = [(1, "python run_pretrain.py --data ../shared/x.txt --output_dir checkpoints/a"),
+    commands = [(1, "python run_pretrain.py --data data/tinyshakespeare/input.txt --output_dir checkpoints/a"),
                 (2, "python run_pretrain.py --sample --model checkpoints/a/best"),  # made above
                 (3, "python bench/speedrun.py --nanogpt ../nanoGPT"),
                 (4, "python -m grading path/to/submission"),
                 (5, "python run_classifier.py --task sst"),
-                (6, "python bench/speedrun.py --nanogpt ../nanoGPT   # needs nanoGPT's checkout")]
+                (6, "python bench/speedrun.py --nanogpt ../nanoGPT   # needs nanoGPT's checkout"),
+                (7, "python run_pretrain.py --data ../corpora/input.txt")]  # beside the project: not in a clone
     gaps = fresh_clone_gaps(commands)
-    assert [g.split(":")[0] for g in gaps] == ["line 3", "line 4", "line 5"], gaps
+    assert [g.split(":")[0] for g in gaps] == ["line 3", "line 4", "line 5", "line 7"], gaps

@@ -66,13 +66,13 @@ def dead_hub(monkeypatch):
 def test_an_unreachable_hub_is_asked_once_per_process(tmp_path, monkeypatch, dead_hub, capsys):
     """The default tokenizer with a random model, for both course datasets (two tokenizer loads): one request in
     all, then offline; before, each load retried the hub six times (about 25 s each here)."""
-    from conftest import shared_path
+    from conftest import tokenizer_path
     from huggingface_hub import constants
     from test_task_data import write_sentiment
 
     import run_classifier
 
-    shared_path("gpt2-tokenizer")
+    tokenizer_path()
     for name in ("sst", "cfimdb"):
         write_sentiment(tmp_path, name, 8, num_labels=5 if name == "sst" else 2)
     monkeypatch.chdir(tmp_path)
@@ -169,7 +169,7 @@ def test_the_offline_recipe_keeps_every_flag_the_user_gave(tmp_path, monkeypatch
     assert cfg.model.startswith("random:") and "gpt2 " not in recipe
 
 
-def test_a_missing_quora_file_names_the_shared_pairs_only_where_they_are(tmp_path, monkeypatch, capsys):
+def test_a_missing_quora_file_names_the_bundled_pairs_only_where_they_are(tmp_path, monkeypatch, capsys):
     """Issue 37: `python run_paraphrase.py` said `data file not found: data/quora-train.csv` and nothing else."""
     import run_paraphrase
 
@@ -182,7 +182,7 @@ def test_a_missing_quora_file_names_the_shared_pairs_only_where_they_are(tmp_pat
     shared.write_text("id\tsentence1\tsentence2\tis_duplicate\n")
     assert run_paraphrase.main([]) == 1
     err = capsys.readouterr().err
-    assert err.startswith("error: data file not found: data/quora-train.csv; the shared data holds")
+    assert err.startswith("error: data file not found: data/quora-train.csv; the data folder holds")
     assert f"--train {shared} --split_dev 16000 --skip_bad_rows" in err
 
 

@@ -13,10 +13,10 @@ from torch import nn
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from conftest import data_path  # noqa: E402
 from tolerances import ADAMW_FUSED_VS_TORCH, ADAMW_VS_COURSE, ADAMW_VS_TORCH, assert_same_update  # noqa: E402
 
 import optimizer as optimizer_module  # noqa: E402
-from models.hub import shared_dir  # noqa: E402
 from modules import adamw as fused_kernel  # noqa: E402
 from modules import rows  # noqa: E402
 from optimizer import (  # noqa: E402
@@ -62,9 +62,7 @@ def course_run(opt_class) -> torch.Tensor:
 
 
 def test_course_reference():
-    path = shared_dir() / "data" / "cs224n" / "optimizer_test.npy"
-    if not path.exists():
-        pytest.skip(f"course reference not found: {path} (set GPT2_SHARED_DIR to the shared folder)")
+    path = data_path("cs224n", "optimizer_test.npy")
     ref = torch.tensor(np.load(path))
     torch.testing.assert_close(course_run(AdamW), ref, **ADAMW_VS_COURSE)
 

@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from conftest import shared_path
+from conftest import tokenizer_path
 
 import run_pretrain
 from config import GPT2Config
@@ -53,7 +53,7 @@ def test_corpus_is_encoded_once_split_90_10_and_batches_are_shifted_windows(corp
 
 
 def test_bpe_encoding_in_chunks_equals_encoding_the_whole_text(tmp_path):
-    tok = pretrain.tokenizer_for(shared_path("gpt2-tokenizer"))
+    tok = pretrain.tokenizer_for(tokenizer_path())
     text = "".join(f"line {i}:  spaced   words{' ' * (i % 3)}\n{chr(10) * (i % 4)}\r\n  indent {i}\n"
                    for i in range(200))
     path = tmp_path / "bpe.txt"
@@ -142,7 +142,7 @@ def test_sampling_from_a_checkpoint_beyond_the_context(corpus_file, tmp_path, ca
 
 def test_bpe_checkpoint_loads_in_transformers(corpus_file, tmp_path):
     transformers = pytest.importorskip("transformers")
-    tokenizer_dir = shared_path("gpt2-tokenizer")
+    tokenizer_dir = tokenizer_path()
     summary = run(corpus_file, tmp_path / "out", "--tokenizer", str(tokenizer_dir), "--max_iters", "4",
                   "--eval_interval", "2")
     folder = tmp_path / "out" / "best"

@@ -6,7 +6,7 @@ import re
 import pytest
 import sacrebleu
 import torch
-from conftest import shared_path, tiny_config
+from conftest import data_path, tiny_config
 
 import run_sonnet
 from models.beam_search import beam_search
@@ -85,7 +85,7 @@ def test_writer_is_the_course_format_and_reads_back(tmp_path, capsys):
 
 
 def test_the_course_files():
-    folder = shared_path("data", "cs224n")
+    folder = data_path("cs224n")
     train = S.read_sonnets(folder / "sonnets.txt")  # CRLF
     prompts = S.read_sonnets(folder / "sonnets_held_out_dev.txt")
     gold = S.read_sonnets(folder / "TRUE_sonnets_held_out_dev.txt")

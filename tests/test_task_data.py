@@ -5,7 +5,7 @@ import random
 
 import pytest
 import torch
-from conftest import shared_path
+from conftest import data_path, tokenizer_path
 
 from tasks import data as D
 
@@ -151,8 +151,8 @@ def test_skip_bad_rows_drops_and_lists_them(tmp_path, capsys):
     assert "skipped 1 bad row(s)" in capsys.readouterr().out
 
 
-def test_shared_quora_file_has_two_malformed_rows():
-    path = shared_path("data", "quora", "quora-dev-minbert.csv")
+def test_bundled_quora_file_has_two_malformed_rows():
+    path = data_path("quora", "quora-dev-minbert.csv")
     with pytest.raises(D.DataError, match=r"line 2577: empty 'is_duplicate'"):
         D.load_paraphrase(path)
     assert len(D.load_paraphrase(path, skip_bad_rows=True)) == 20212
@@ -203,40 +203,68 @@ def test_split_head_is_deterministic_and_checked():
         D.split_head(ex, 5)
 
 
-def test_gpt2_tokenizer_falls_back_to_the_shared_copy(capsys):
-    shared_path("gpt2-tokenizer")
+def test_gpt2_tokenizer_falls_back_to_the_bundled_copy(capsys):
+    tokenizer_path()
     tok = D.load_tokenizer("gpt2")  # the hub is off in tests (HF_HUB_OFFLINE=1)
     assert D.single_token_id(tok, "yes") == 8505 and D.single_token_id(tok, "no") == 3919
     assert tok.pad_token_id == tok.eos_token_id == 50256
 
 
+def test_the_bundled_data_is_the_default(monkeypatch):
+    """A clone finds its data in the project's data/ (issue 54): the corpus, the course files, the tokenizer."""
+    from models import hub
+    from tasks import sonnet
+    from tasks.pretrain import default_corpus
+
+    monkeypatch.delenv("GPT2_SHARED_DIR", raising=False)
+    assert hub.data_dir() == hub.PROJECT_ROOT / "data" and hub.tokenizer_dir() == hub.PROJECT_ROOT / "data" / "gpt2-tokenizer"
+    assert default_corpus() == hub.PROJECT_ROOT / "data" / "tinyshakespeare" / "input.txt" and default_corpus().is_file()
+    assert sonnet.course_file("sonnets.txt") == str(hub.PROJECT_ROOT / "data" / "cs224n" / "sonnets.txt")
+    assert (hub.PROJECT_ROOT / "data" / "SOURCES.md").is_file()
+
+
+def test_a_missing_data_file_says_how_to_get_it(tmp_path, monkeypatch):
+    from models import hub
+
+    monkeypatch.delenv("GPT2_SHARED_DIR", raising=False)
+    gone = hub.data_dir() / "cs224n" / "no-such-file.csv"
+    with pytest.raises(FileNotFoundError, match=r"data file not found: .*no-such-file\.csv \(.*git checkout -- data/"):
+        D.read_table(gone, ["id"])
+    monkeypatch.setenv("GPT2_SHARED_DIR", str(tmp_path))
+    with pytest.raises(FileNotFoundError, match=r"GPT2_SHARED_DIR is set .* unset the variable"):
+        D.read_table(hub.data_dir() / "cs224n" / "ids-sst-train.csv", ["id"])
+    with pytest.raises(FileNotFoundError, match=r"^data file not found: mine\.csv$"):  # a user's own file: no hint
+        D.read_table("mine.csv", ["id"])
+
+
 def test_a_moved_shared_folder_is_found_through_gpt2_shared_dir(tmp_path, monkeypatch, capsys):
-    """One resolver (models.hub.shared_dir) for every consumer: the tokenizer fallback, the course data defaults of
-    the CLIs, the parity tool's tokenizer, the tests' data."""
+    """One resolver (models.hub.data_dir and tokenizer_dir) for every consumer: the tokenizer fallback, the course
+    data defaults of the CLIs, the parity tool's tokenizer, the tests' data. $GPT2_SHARED_DIR, when set, replaces
+    the bundled data/ (no mix of the two)."""
     import shutil
 
-    from conftest import shared_path as test_shared_path
+    from conftest import data_path as test_data_path
 
     import run_classifier
     from models import hub, parity
     from tasks import classifier, sonnet
 
     moved = tmp_path / "elsewhere"
-    shutil.copytree(shared_path("gpt2-tokenizer"), moved / "gpt2-tokenizer")
+    shutil.copytree(tokenizer_path(), moved / "gpt2-tokenizer")
     (moved / "data" / "cs224n").mkdir(parents=True)
     (moved / "data" / "cs224n" / "sonnets.txt").write_text("x\n")
     monkeypatch.setenv("GPT2_SHARED_DIR", str(moved))
-    monkeypatch.chdir(tmp_path)  # no data/ folder here: the CLIs fall back to the shared one
-    assert hub.shared_dir() == moved
+    monkeypatch.chdir(tmp_path)  # no data/ folder here: the CLIs fall back to the data folder
+    assert hub.data_dir() == moved / "data" and hub.tokenizer_dir() == moved / "gpt2-tokenizer"
     tok = D.load_tokenizer("gpt2")
     assert str(moved / "gpt2-tokenizer") in capsys.readouterr().out and len(tok) == 50257
     assert parity.pick_tokenizer(None, str(tmp_path)) is not None
     assert sonnet.course_file("sonnets.txt") == str(moved / "data" / "cs224n" / "sonnets.txt")
     jobs = classifier.jobs(run_classifier.get_args(["--task", "sst"]))
     assert jobs[0][1] == moved / "data" / "cs224n" / "ids-sst-train.csv"
-    assert test_shared_path("data", "cs224n", "sonnets.txt") == moved / "data" / "cs224n" / "sonnets.txt"
+    assert test_data_path("cs224n", "sonnets.txt") == moved / "data" / "cs224n" / "sonnets.txt"
     monkeypatch.setenv("GPT2_SHARED_DIR", str(tmp_path / "nowhere"))
-    with pytest.raises(OSError, match="cannot load tokenizer 'gpt2'"):
+    with pytest.raises(OSError, match="(?s)cannot load tokenizer .gpt2.*\\nthe offline fallback not found: .*nowhere"):
         D.load_tokenizer("gpt2")
 
 

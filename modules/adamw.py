@@ -5,7 +5,8 @@ writes every parameter, gradient and moment once per elementwise operation: for 
 passes over 2 GB a step. The kernel reads each element once and writes it once, on every core (OpenMP). It is built
 like the decoding kernel (modules/rows.py: the machine's compiler, once, cached by source, compiler and CPU flags).
 `available()` is False where it cannot be built (no compiler, not x86-64 Linux) or GPT2_FUSED_ADAMW=0 is set; the
-optimizer then keeps its multi-tensor path.
+optimizer then keeps its multi-tensor path. Every tensor a step writes (parameter, moments, a bf16 parameter beside
+its master) has its version bumped as torch's in-place ops do (`rows.wrote`), so the derived-weight caches see the update.
 """
 from __future__ import annotations
 
@@ -68,6 +69,7 @@ def step(p, g, m, v, *, lib=None, **hyper) -> None:
     hyper: lr, beta1, beta2, eps, weight_decay, bias_correction1, bias_correction2_sqrt."""
     lib = lib or _load()
     lib.adamw_step_f32(p.numel(), p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), *_scalars(p.numel(), **hyper))
+    rows.wrote(p, m, v)
 
 
 def step_master(master, low, g, m, v, *, lib=None, **hyper) -> None:
@@ -75,3 +77,5 @@ def step_master(master, low, g, m, v, *, lib=None, **hyper) -> None:
     lib = lib or _load()
     lib.adamw_step_bf16_master(master.numel(), master.data_ptr(), low.data_ptr(), g.data_ptr(), m.data_ptr(),
                                v.data_ptr(), *_scalars(master.numel(), **hyper))
+    rows.wrote(master, low, m, v)
+

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from modules import packed
+from modules import packed, quant
 from modules import rows as row_kernel
 from modules.quant import Int4Weight, Int8Weight, cached_quantized, prepared_quantized, quantized_linear
 
@@ -149,3 +149,10 @@ def quantized_weights(model: nn.Module, mode: str = "int8"):
     finally:
         for _, layer in named:
             layer.quantized = layer.quantized_call = None
+
+
+def clear_derived_weights(model: nn.Module) -> int:
+    """Drop every copy derived from `model`'s weights (packed bf16, modules/packed.py; int8/int4, modules/quant.py);
+    returns how many there were. The caches follow every write torch counts (in-place ops, optimizer steps, the fused
+    AdamW kernel, load_state_dict, LoRA merges); call this after a write through `.data`, which they cannot see."""
+    return packed.clear(model) + quant.clear(model)

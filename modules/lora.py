@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from modules.linear import Linear
+
 
 class LoRALinear(nn.Linear):
     def __init__(self, base: nn.Linear, rank: int, alpha: float, dropout: float = 0.0,
@@ -62,8 +64,9 @@ class LoRALinear(nn.Linear):
             self.merged = False
 
     def to_linear(self) -> nn.Linear:
-        """A plain nn.Linear holding the current weight (merged or base), sharing its Parameters."""
-        linear = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta")
+        """The model's own Linear (modules/linear.py, with its decoding kernels and int8/int4 copies, as a layer
+        loaded from a checkpoint has) holding the current weight (merged or base), sharing its Parameters."""
+        linear = Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta")
         linear.weight, linear.bias = self.weight, self.bias
         return linear
 

@@ -245,10 +245,16 @@ def prepared_quantized(weight: Int8Weight | Int4Weight, bias: torch.Tensor | Non
     return None
 
 
+CACHE_NAMES = ("_quantized_cache", "_quantized_head")  # where cached_quantized keeps copies (layers; the LM head)
+
+
 def cached_quantized(owner: nn.Module, weight: torch.Tensor, mode: str,
                      name: str = "_quantized_cache") -> Int8Weight | Int4Weight:
     """The `mode` copy of `weight` kept on `owner` (one copy: asking for another mode replaces it), quantized again
-    only when the weight changed (new storage or an in-place update: training steps and load_state_dict are seen)."""
+    only when the weight changed: new storage, or a write that bumps its version (torch's in-place ops under
+    no_grad, optimizer steps, the fused AdamW kernel, load_state_dict, LoRA merges). A write through `.data`
+    (`p.data.copy_(w)`) has a version counter of its own that the parameter's does not see: call `clear(model)`
+    after one."""
     key = (weight.data_ptr(), weight._version, tuple(weight.shape), weight.dtype, mode)
     cached = owner.__dict__.get(name)
     if cached is None or cached[0] != key:
@@ -256,3 +262,12 @@ def cached_quantized(owner: nn.Module, weight: torch.Tensor, mode: str,
         owner.__dict__[name] = cached
     return cached[1]
 
+
+def clear(model: nn.Module) -> int:
+    """Drop every int8/int4 copy kept on `model`'s modules (made again at the next quantized decode); returns how
+    many there were. Needed only after writes the version counters cannot see (see cached_quantized)."""
+    dropped = 0
+    for module in model.modules():
+        for name in CACHE_NAMES:
+            dropped += module.__dict__.pop(name, None) is not None
+    return dropped

@@ -118,7 +118,8 @@ def library_step(kind: str = "fp32"):
 # reads a weight kind faster depends on the core, not on rules: on a 2-core Zen 4 (512-bit operations run as two
 # halves) the AVX2 form decoded int8 at 144 tok/s against 129 and int4 at 132 against 149 (fp32 even), 2026-11-26.
 # So the forms are timed once per machine, on weights bigger than the caches (as decoding reads them), and the
-# choice is kept beside the kernel build (plan-<key>.json); GPT2_DECODE_PLAN=off keeps the native form.
+# choice is kept beside the kernel build (plan-<key>.json); GPT2_DECODE_PLAN=off keeps the native form,
+# GPT2_DECODE_PLAN=avx2 (or native) forces that form for every kind.
 # `python -m modules.rows` shows the plan, `python -m modules.rows --retime` times it again (a plan timed while the
 # machine was busy is as noisy as any benchmark run then).
 PLAN_ENV = "GPT2_DECODE_PLAN"
@@ -187,8 +188,11 @@ def plan() -> dict:
     if _plan is not None:
         return _plan
     native = {kind: "native" for kind in PLAN_KINDS}
-    if os.environ.get(PLAN_ENV, "on") == "off":
+    setting = os.environ.get(PLAN_ENV, "on")
+    if setting == "off":
         _plan = {"forms": native, "speeds": {}, "source": f"{PLAN_ENV}=off"}
+    elif setting in FORMS and available():  # one form forced for every kind (the AVX2 form tested on an AVX512 CPU)
+        _plan = {"forms": {kind: setting for kind in PLAN_KINDS}, "speeds": {}, "source": f"{PLAN_ENV}={setting}"}
     elif not available() or _capability() != "AVX512":
         _plan = {"forms": native, "speeds": {}, "source": "one form of the kernel here"}
     else:
@@ -241,6 +245,13 @@ def load_kernel(env: str, build, what: str, otherwise: str, usable=lambda: True)
         warnings.warn(f"{what} could not be built ({type(err).__name__}: {str(err)[:500]}); {otherwise}",
                       stacklevel=4)
         return False
+
+
+def wrote(*tensors: torch.Tensor) -> None:
+    """Leave tensors a kernel wrote through data_ptr() as torch leaves them after an in-place op: their version
+    counters bumped. Caches of derived weights (modules/packed.py, modules/quant.py) key on the version, and autograd
+    refuses a backward through a tensor changed since it was saved; a write torch cannot see would fool both."""
+    torch.autograd.graph.increment_version(tensors)
 
 
 def _load():

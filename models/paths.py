@@ -1,0 +1,196 @@
+"""Every path whose choice depends on the CPU, in one list: what it serves, how to force it on and off, and whether
+this machine takes it and why.
+
+    python -m models.paths          # the matrix for this machine (every benchmark prints and records it)
+    python -m models.paths --json   # the same, as JSON
+
+A fast path chosen by CPU flags is a different program on each CPU class (AVX2, AVX512-BF16, AMX): each one here is
+tested against the plain torch path on every machine where it can run, forced on where the CPU allows and off
+everywhere (tests/test_paths.py; `.ci/run` runs the path-sensitive tests under each forced setting). `force_on` and
+`force_off` are environment settings read when the path is first asked for in a process (set them before the run);
+an empty `force_on` means there is nothing to force: the path is taken wherever it can run.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from models import decode_threads, fast_step
+from modules import adamw, dropout, packed, quant
+from modules import rows as row_kernel
+
+
+@dataclass(frozen=True)
+class Path:
+    name: str
+    serves: str  # the operation the path computes
+    env: str  # the variable that forces it ("" where a call argument or the config chooses)
+    force_on: str  # the value that forces it on where the CPU can run it ("" : nothing to force)
+    force_off: str  # the value that turns it off
+    runs_here: Callable[[], str | None]  # None where this CPU (and build) can run it, else why not
+    default_here: Callable[[], tuple[bool, str]]  # whether a run with no setting takes it here, and why
+    tests: tuple[str, ...]  # the test files that compare it with the plain path
+
+    def state(self) -> dict:
+        why_not = self.runs_here()
+        taken, why = (False, why_not) if why_not else self.default_here()
+        setting = os.environ.get(self.env) if self.env else None
+        return {"path": self.name, "serves": self.serves, "can_run": why_not is None, "taken": taken, "why": why,
+                "env": self.env, "force_on": self.force_on, "force_off": self.force_off, "setting": setting}
+
+
+def _capability() -> str:
+    return torch.backends.cpu.get_cpu_capability()
+
+
+def _kernel(available: Callable[[], bool], env: str, what: str) -> Callable[[], str | None]:
+    def why_not() -> str | None:
+        if os.environ.get(env) == "0":
+            return f"{env}=0"
+        return None if available() else f"{what} does not build or load here (needs x86-64 Linux and a C++ compiler)"
+    return why_not
+
+
+def _packed_runs() -> str | None:
+    if os.environ.get(packed.ENV) == "0":
+        return f"{packed.ENV}=0"
+    return None if packed._bf16_kernels() else "oneDNN has no bf16 kernels on this CPU (needs AVX512-BF16 or AMX)"
+
+
+def _packed_default() -> tuple[bool, str]:
+    if os.environ.get(packed.ENV) == "force":
+        return True, f"{packed.ENV}=force"
+    if packed._amx_bf16():
+        return True, "AMX-BF16: measured faster (docs/performance.md)"
+    return False, "no AMX: taken only when forced (its speed here is not measured)"
+
+
+def _rows_runs() -> str | None:
+    if os.environ.get("GPT2_ROWS_KERNEL") == "0":
+        return "GPT2_ROWS_KERNEL=0"
+    if _capability() not in ("AVX2", "AVX512"):
+        return f"CPU capability {_capability()} (needs AVX2 or AVX512)"
+    return None if row_kernel.available() else "the rows kernel does not build here"
+
+
+def _rows_default() -> tuple[bool, str]:
+    kinds = [name for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16), ("int8", torch.int8),
+                                      ("int4", torch.uint8)) if row_kernel.pays(dtype, 1)]
+    return bool(kinds), f"one-row products in {', '.join(kinds) or 'no kind'} ({_capability()}: where it measured " \
+                        f"faster than torch's)"
+
+
+def _form_runs() -> str | None:
+    return _rows_runs()
+
+
+def _form_default() -> tuple[bool, str]:
+    plan = row_kernel.plan()
+    avx2 = sorted(kind for kind, form in plan["forms"].items() if form == "avx2")
+    return bool(avx2), f"AVX2 form for {', '.join(avx2) or 'no kind'} (plan: {plan['source']})"
+
+
+def _step_runs() -> str | None:
+    if os.environ.get(fast_step.ENV) == "0":
+        return f"{fast_step.ENV}=0"
+    return _rows_runs()
+
+
+def _threads_default() -> tuple[bool, str]:
+    fixed = decode_threads.fixed_threads()
+    if fixed is None:
+        return True, "decode steps timed per thread count (torch's count, its halves, 1)"
+    return False, f"{decode_threads.ENV}={fixed}"
+
+
+def _int8_runs() -> str | None:
+    if row_kernel.pays(torch.int8, 1) and row_kernel.available():
+        return None
+    if quant.compiled_kernel_available():
+        return None
+    return "neither the rows kernel (AVX512) nor inductor's compiled loop: int8 products dequantize"
+
+
+def _int8_default() -> tuple[bool, str]:
+    if row_kernel.pays(torch.int8, 1) and row_kernel.available():
+        return True, "generate(quantize='int8'): the rows kernel (AVX512)"
+    form = "word-packed" if quant.packed_form_chosen() else "byte"
+    return True, f"generate(quantize='int8'): inductor's compiled {form} loop ({_capability()})"
+
+
+def _int4_runs() -> str | None:
+    return _rows_runs()
+
+
+PATHS: tuple[Path, ...] = (
+    Path("packed-bf16", "bf16 Linear of 64+ rows without gradients (evaluation, prompts): oneDNN-packed weights kept "
+         "per layer (modules/packed.py)", packed.ENV, "force", "0", _packed_runs, _packed_default,
+         ("tests/test_packed.py", "tests/test_paths.py")),
+    Path("rows-kernel", "decoding's products of 1-8 rows (modules/rows.cpp)", "GPT2_ROWS_KERNEL", "", "0",
+         _rows_runs, _rows_default, ("tests/test_rows_kernel.py", "tests/test_fast_paths.py", "tests/test_paths.py")),
+    Path("rows-avx2-form", "the rows kernel's AVX2 build instead of the native one (the decode plan's choice)",
+         row_kernel.PLAN_ENV, "avx2", "native", _form_runs, _form_default,
+         ("tests/test_rows_kernel.py", "tests/test_decode_plan.py", "tests/test_paths.py")),
+    Path("decode-step", "batch-1 decoding of plain GPT-2: each step in one C++ call (models/fast_step.py)",
+         fast_step.ENV, "", "0", _step_runs, lambda: (True, "batch 1, fp32, plain GPT-2 blocks"),
+         ("tests/test_fast_step.py", "tests/test_paths.py")),
+    Path("decode-threads", "the decode steps' thread count chosen by timing them (models/decode_threads.py)",
+         decode_threads.ENV, "auto", "off", lambda: None, _threads_default,
+         ("tests/test_decode_threads.py", "tests/test_paths.py")),
+    Path("fused-adamw", "AdamW(fused=True) (fit's default on the CPU): one pass per fp32 tensor or bf16 master "
+         "(modules/adamw.cpp)", "GPT2_FUSED_ADAMW", "", "0",
+         _kernel(adamw.available, "GPT2_FUSED_ADAMW", "the fused AdamW kernel"),
+         lambda: (True, "fp32 CPU parameters and bf16 ones with fp32 masters"),
+         ("tests/test_optimizer.py", "tests/test_master_weights.py", "tests/test_paths.py")),
+    Path("hashed-dropout", "CPU training dropout: a counter-hash mask in one pass, recomputed for backward "
+         "(modules/dropout.cpp)", dropout.ENV, "", "0", _kernel(dropout.available, dropout.ENV, "the dropout kernel"),
+         lambda: (True, "fp32/bf16 CPU training, 0 < p < 1"), ("tests/test_dropout.py", "tests/test_paths.py")),
+    Path("explicit-attention", "attention as scores/softmax/sum instead of torch's SDPA (modules/attention.py)", "",
+         "config attn_implementation='eager'", "config attn_implementation='sdpa'", lambda: None,
+         lambda: (True, "CPU training with attention dropout or bf16 (explicit_is_faster); SDPA otherwise"),
+         ("tests/test_attention.py", "tests/test_fast_paths.py", "tests/test_paths.py")),
+    Path("int8-copies", "generate(quantize='int8'): per-row int8 copies of every Linear, kept until a weight changes "
+         "(modules/quant.py)", "", "generate(..., quantize='int8')", "quantize=None", _int8_runs, _int8_default,
+         ("tests/test_quant.py", "tests/test_paths.py")),
+    Path("int4-copies", "generate(quantize='int4'): 4-bit copies in groups of 32, read by the rows kernel",
+         "", "generate(..., quantize='int4')", "quantize=None", _int4_runs,
+         lambda: (True, "generate(quantize='int4'): the rows kernel"), ("tests/test_quant.py", "tests/test_paths.py")),
+)
+BY_NAME = {p.name: p for p in PATHS}
+ENV_FORCED = tuple(p for p in PATHS if p.env)  # the paths a CI run can force through the environment
+
+
+def matrix() -> list[dict]:
+    """Each path's state on this machine (see Path.state)."""
+    return [p.state() for p in PATHS]
+
+
+def summary() -> str:
+    """One line: each path taken or not here, for a benchmark's header."""
+    return "; ".join(f"{s['path']} {'on' if s['taken'] else 'off'}" for s in matrix())
+
+
+def table() -> str:
+    rows = [f"{'path':<19} {'here':<5} why (force on / off)"]
+    for s in matrix():
+        env = s["env"]
+        on = f"{env}={s['force_on']}" if env and s["force_on"] else (s["force_on"] or "-")
+        off = f"{env}={s['force_off']}" if env else s["force_off"]
+        here = "on" if s["taken"] else "off" if s["can_run"] else "n/a"
+        rows.append(f"{s['path']:<19} {here:<5} {s['why']}  [on: {on}; off: {off}]")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    if "--json" in sys.argv[1:]:
+        print(json.dumps(matrix(), indent=1))
+    else:
+        from modules.rows import cpu_flags
+        flags = [f for f in ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16") if f in cpu_flags().split()]
+        print(f"CPU capability {_capability()}; flags: {' '.join(flags)}")
+        print(table())

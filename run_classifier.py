@@ -35,8 +35,8 @@ from pathlib import Path
 
 from models.hub import with_offline_help
 from tasks.classifier import MODES, ClassifierConfig, run
+from tasks.finetune import add_model_args, add_training_args, offline_recipe, run_cli
 from tasks.lora import add_lora_args, check_lora_args
-from tasks.training import add_model_args, add_training_args, offline_recipe, run_cli
 
 ROOT = Path(__file__).resolve().parent
 

@@ -25,9 +25,9 @@ import os
 import sys
 
 from models.hub import data_dir, with_offline_help
+from tasks.finetune import add_model_args, add_training_args, offline_recipe, run_cli
 from tasks.lora import add_lora_args, check_lora_args
 from tasks.paraphrase import MODES, ParaphraseConfig, run
-from tasks.training import add_model_args, add_training_args, offline_recipe, run_cli
 
 # the offline hint's run of a few minutes: these flags join the user's own (offline_recipe), whose settings win
 NO_HUB_RECIPE = [("--model", "random:n_layer=2,n_head=2,n_embd=128"),

@@ -39,7 +39,7 @@ import torch
 
 from config import ACTIVATIONS, NORMS, POSITION_EMBEDDINGS, PRESETS
 from modules.quant import QUANTIZE_MODES
-from tasks.training import add_device_args, add_precision_args, resolve_dtype
+from tasks.finetune import add_device_args, add_precision_args, resolve_dtype
 
 
 def _positive(kind):

@@ -18,8 +18,7 @@ from models.hub import data_dir, tokenizer_for
 from tasks import lora
 from tasks.data import NUM_LABELS, check_vocab, collate, encode, load_sentiment, load_task_tokenizer
 from tasks.evaluate import classification_metrics, write_predictions
-from tasks.outputs import claim_outputs, predictions_folder
-from tasks.training import (
+from tasks.finetune import (
     FineTuneConfig,
     body_overrides,
     build_body,
@@ -29,6 +28,7 @@ from tasks.training import (
     train,
     train_config,
 )
+from tasks.outputs import claim_outputs, predictions_folder
 from training import distributed as dist
 from training.engine import load_weights
 

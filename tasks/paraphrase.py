@@ -27,8 +27,7 @@ from tasks.data import (
     split_head,
 )
 from tasks.evaluate import NO_ID, YES_ID, classification_metrics, write_predictions
-from tasks.outputs import claim_outputs, predictions_folder
-from tasks.training import (
+from tasks.finetune import (
     FineTuneConfig,
     body_overrides,
     build_body,
@@ -38,6 +37,7 @@ from tasks.training import (
     train,
     train_config,
 )
+from tasks.outputs import claim_outputs, predictions_folder
 from training import distributed as dist
 from training.engine import load_weights
 

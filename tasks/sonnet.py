@@ -24,8 +24,7 @@ from models.gpt2 import GPT2LMHeadModel
 from models.hub import data_dir, not_found, tokenizer_for
 from tasks import lora
 from tasks.data import Encoded, check_vocab, collate, load_task_tokenizer
-from tasks.outputs import claim_outputs, predictions_folder
-from tasks.training import (
+from tasks.finetune import (
     FineTuneConfig,
     body_overrides,
     build_body,
@@ -35,6 +34,7 @@ from tasks.training import (
     train,
     train_config,
 )
+from tasks.outputs import claim_outputs, predictions_folder
 from training import distributed as dist
 from training.engine import autocast, load_weights
 

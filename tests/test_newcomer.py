@@ -151,7 +151,7 @@ def test_the_offline_recipe_keeps_every_flag_the_user_gave(tmp_path, monkeypatch
 
     import run_classifier
     import run_paraphrase
-    from tasks.training import offline_recipe
+    from tasks.finetune import offline_recipe
 
     write_sentiment(tmp_path, "sst", 8)
     monkeypatch.chdir(tmp_path)
@@ -197,7 +197,7 @@ def test_a_lora_run_on_a_random_base_saves_the_base_so_peft_loads_best(tmp_path,
     import run_paraphrase
     from models.gpt2 import GPT2LMHeadModel
     from models.lora import load_adapter
-    from tasks.training import build_body
+    from tasks.finetune import build_body
 
     spec = "random:n_layer=2,n_head=2,n_embd=16,n_positions=64,vocab_size=64"
     args = ["--tokenizer", make_tokenizer(tmp_path / "tok"), "--model", spec, "--epochs", "1", "--threads", "1",

@@ -23,7 +23,7 @@ from tasks import pretrain
 from tasks.classifier import GPT2SentimentClassifier
 from tasks.classifier import loss_fn as sentiment_loss
 from tasks.data import Encoded, collate
-from tasks.training import train
+from tasks.finetune import train
 from training import checkpoint as ck
 from training.engine import ArchitectureMismatchError, NonFiniteError, TrainConfig, load_weights
 

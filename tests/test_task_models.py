@@ -1,10 +1,10 @@
-"""Task heads (GPT2SentimentClassifier, ParaphraseGPT) and fine-tuning on the training engine (tasks/training.py, training/engine.py)."""
+"""Task heads (GPT2SentimentClassifier, ParaphraseGPT) and fine-tuning on the training engine (tasks/finetune.py, training/engine.py)."""
 import pytest
 import torch
 from conftest import padded_batch, tiny_config
 
 from models.gpt2 import GPT2Model
-from tasks import training as T
+from tasks import finetune as T
 from tasks.classifier import GPT2SentimentClassifier
 from tasks.classifier import loss_fn as classifier_loss
 from tasks.data import Encoded, Example, collate

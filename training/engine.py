@@ -1,4 +1,4 @@
-"""The training engine: one loop for fine-tuning (tasks/training.py) and pretraining (tasks/pretrain.py).
+"""The training engine: one loop for fine-tuning (tasks/finetune.py) and pretraining (tasks/pretrain.py).
 
     result = fit(model, batches, loss_fn, evaluate_fn, TrainConfig(output_dir="out", lr=1e-3, ...), run_info)
 

@@ -47,4 +47,10 @@ def machine_header(cpuinfo: str | None = None) -> str:
 
 
 def print_machine_header() -> None:
+    """The machine line, and where the benchmark imported torch, the CPU-dependent paths this machine takes
+    (models/paths.py: `python -m models.paths` says why)."""
     print(machine_header(), flush=True)
+    if "torch" in sys.modules:
+        from models import paths
+
+        print(f"paths: {paths.summary()}", flush=True)

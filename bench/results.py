@@ -61,7 +61,17 @@ def machine_info(device: str = "cpu") -> dict:
             "threads": torch.get_num_threads() if torch is not None else None, "device": device}
     if device.startswith("cuda") and torch is not None and torch.cuda.is_available():
         info["device"] = torch.cuda.get_device_name(0)
+    if torch is not None:  # which CPU-dependent path each operation took (models/paths.py)
+        info["paths"] = path_states()
     return info
+
+
+def path_states() -> dict[str, str]:
+    """{path: 'on' | 'off' | 'n/a', with why} for models/paths.py's matrix on this machine and these settings."""
+    from models import paths
+
+    return {s["path"]: f"{'on' if s['taken'] else 'off' if s['can_run'] else 'n/a'}: {s['why']}"
+            for s in paths.matrix()}
 
 
 def current_commit() -> str | None:

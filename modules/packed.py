@@ -3,7 +3,8 @@
 `F.linear` on bf16 CPU tensors hands the weight to oneDNN, which reorders it into the blocked layout its AMX kernels
 read, at every call. For bf16 inputs of at least MIN_ROWS rows without gradients (an evaluation forward, a long
 prompt), ours keeps that reordered copy instead: made on first use, made again when the weight changes (new storage,
-or an in-place update that bumps its version; edits through `.data` do not, so call `clear(model)` after them). The
+or an in-place update that bumps its version, the fused AdamW kernel's included; edits through `.data` do not,
+so call `clear(model)` or `modules.linear.clear_derived_weights(model)` after them: docs/paths.md). The
 attention's query, key and value weights are packed as one (3 C, C) weight, one product instead of three.
 
 Cost: a second copy of every weight used so (gpt2 in bf16: about 250 MB), kept for the modules (not in them:

@@ -4,9 +4,9 @@ copies and the int8/int4 copies key on the weights' version counters) fails here
 
 Each test holds under any forced setting of the matrix: .ci/path-matrix runs this file with every path forced off,
 and with each path that can be forced on forced on, and prints which ran and which were skipped (and why).
-Tolerances: the fused AdamW kernel and torch's AdamW compute the same update in another order (1-ulp differences),
-which training over N_STEPS with lr 1e-2 grows to about 1e-5 relative in the losses (measured 3e-7 to 4e-6 here):
-TRAIN_RTOL. A derived copy read after a write must give exactly what a fresh model with the same weights gives.
+Tolerances: the fused AdamW kernel and torch's operations compute the same update in another order (1-ulp
+differences), which training over N_STEPS with lr 1e-2 grows to at most 6.7e-8 relative in the fp32 losses and
+1.3e-4 with bf16 weights (measured on a Zen 3): TRAIN_RTOL and BF16_RTOL leave about 15x room. A derived copy read after a write must give exactly what a fresh model with the same weights gives.
 """
 import pytest
 import torch
@@ -23,7 +23,8 @@ from modules.linear import clear_derived_weights
 
 N_STEPS = 24  # training steps per run (issue 52: at least 20, dropout on)
 EVAL_EVERY = 4  # steps between evaluations through the derived-weight caches
-TRAIN_RTOL = 1e-4
+TRAIN_RTOL = 1e-6
+BF16_RTOL = 2e-3
 DROPOUT = dict(resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)
 
 
@@ -73,7 +74,7 @@ def train_step(m, opt, step: int) -> float:
     opt.zero_grad(set_to_none=True)
     loss.backward()
     opt.step()
-    return float(loss)
+    return float(loss.detach())
 
 
 def test_the_matrix_names_every_switch_the_fast_paths_read():
@@ -112,7 +113,7 @@ def test_fused_adamw_trains_as_the_plain_path_and_every_derived_copy_follows_its
     observe(ours, quantize)  # the copies exist before the first step: each write must reach them
     for step in range(N_STEPS):
         a, b = train_step(ours, opt_ours, step), train_step(plain, opt_plain, step)
-        assert a == pytest.approx(b, rel=TRAIN_RTOL if dtype == torch.float32 else 2e-2), f"step {step}"
+        assert a == pytest.approx(b, rel=TRAIN_RTOL if dtype == torch.float32 else BF16_RTOL), f"step {step}"
         if step % EVAL_EVERY == EVAL_EVERY - 1:
             assert_same(observe(ours, quantize), observe(fresh_copy(ours), quantize), f"after step {step}")
 

@@ -52,7 +52,11 @@ def parse_args(argv):
     g = p.add_argument_group("batch")
     g.add_argument("--batch", metavar="DIR|ZIP", help="grade every folder in DIR (one CSV row each), or Gradescope's "
                    "'Export Submissions' folder or zip (submission_metadata.yml: rows keyed by student ids and names)")
-    g.add_argument("--csv", metavar="FILE", help="the batch's scores (required with --batch)")
+    g.add_argument("--export", action="store_true", help="with --batch: the path is Gradescope's export (its "
+                   "submission_metadata.yml at its top or in one of its folders); without it an export is recognised "
+                   "by its top only (the metadata there, or in the one folder the path holds), never by what a "
+                   "student's folder holds")
+    g.add_argument("--csv", metavar="FILE", help="the batch's scores (readable by you only; required with --batch)")
     g.add_argument("--jobs", type=int, default=1, help="submissions graded in parallel (default 1)")
     g.add_argument("--reports", metavar="DIR", help="where each submission's report is kept as it finishes (default: "
                    "beside the CSV, <csv name>-reports/); a rerun grades only what is not there")
@@ -80,8 +84,8 @@ def parse_args(argv):
         p.error("give either a SUBMISSION_DIR or --batch DIR (or --example DIR to write a sample submission)")
     if args.batch and not args.csv:
         p.error("--batch needs --csv FILE")
-    if not args.batch and (args.report or args.reports or args.starter):
-        p.error("--report, --reports and --starter go with --batch")
+    if not args.batch and (args.report or args.reports or args.starter or args.export):
+        p.error("--report, --reports, --starter and --export go with --batch")
     if args.starter and not args.report:
         p.error("--starter is for the class report's similarity table: give --report DIR too")
     if args.jobs < 1 or args.timeout <= 0 or args.submission_timeout <= 0 or args.memory < 256:

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from grading.grader import Grader
 from grading.report import atomic_open, stable_diagnosis, write_json
+from grading.sandbox import shown
 
 GRADING = Path(__file__).resolve().parent
 FORMAT = 1  # of a stored report; a change makes earlier reports stale
@@ -37,28 +38,31 @@ def grader_version() -> str:
     return h.hexdigest()[:16]
 
 
-def content_hash(folder: Path) -> str:
-    """A hash of a submission's files: relative paths and bytes (links by their target's text), caches left out."""
-    from grading.sandbox import SCAN_LIMIT, SKIP_NAMES
+def content_hash(folder: Path, max_files: int = 2000, max_mb: int = 100) -> str:
+    """A hash of exactly what the sandbox copies of `folder` (grading.sandbox.plan_copy, with the batch's limits):
+    each kept entry's relative name (any bytes) and its bytes, or for a link inside the submission its resolved
+    target; and the count and bytes of what is left out, by reason. Two submissions share a record only when what
+    runs is the same; a change to anything that is copied changes the key."""
+    from grading.sandbox import plan_copy
 
-    h, seen = hashlib.sha256(), 0
-    for root, dirs, names in os.walk(folder):
-        skip = set(SKIP_NAMES(root, dirs + names))
-        dirs[:] = sorted(d for d in dirs if d not in skip)
-        for name in sorted(n for n in names if n not in skip):
-            seen += 1
-            if seen > SCAN_LIMIT:
-                h.update(b"...more")
-                return h.hexdigest()
-            path = os.path.join(root, name)
-            rel = os.path.relpath(path, folder).encode()
-            if os.path.islink(path):
-                h.update(b"L" + rel + b"\0" + os.readlink(path).encode() + b"\0")
-            elif os.path.isfile(path):
-                h.update(b"F" + rel + b"\0" + str(os.path.getsize(path)).encode() + b"\0")
-                with open(path, "rb") as f:
-                    for block in iter(lambda: f.read(1 << 20), b""):
-                        h.update(block)
+    plan = plan_copy(folder, max_files, max_mb)
+    h = hashlib.sha256()
+    for rel, _size, link in plan.files:
+        name = os.fsencode(rel)
+        if link is not None:
+            h.update(b"L%d:" % len(name) + name + os.fsencode(link) + b"\0")
+            continue
+        h.update(b"F%d:" % len(name) + name)
+        n = 0
+        try:
+            with open(os.path.join(folder, rel), "rb") as f:
+                for block in iter(lambda f=f: f.read(1 << 20), b""):
+                    h.update(block)
+                    n += len(block)
+        except OSError as e:
+            h.update(f"unreadable: {e.errno}".encode())
+        h.update(b"%d\0" % n)
+    h.update(json.dumps({"skipped": plan.skipped, "findings": plan.findings}, sort_keys=True).encode())
     return h.hexdigest()
 
 
@@ -82,16 +86,15 @@ def _init_worker(rubric, limits, shared):
 
 
 def _grade_one(folder: str, checks, store: str, key: str, name: str) -> dict:
-    """Grade one submission, write its record to store/key.json at once and say so in store/batch.log (from here, not
-    from the batch's process: a batch killed between the two still has a log that names each graded submission)."""
-    from grading.gradescope import find_layout
-
+    """Grade one submission (the folder its key was made of: its layout's), write its record to store/key.json at
+    once and say so in store/batch.log (from here, not from the batch's process: a batch killed between the two
+    still has a log that names each graded submission)."""
     started = time.time()
     try:
-        report = _GRADER.grade(find_layout(Path(folder)) or folder, checks)  # an upload zipped inside a folder too
+        report = _GRADER.grade(folder, checks)
         record = {"key": key, "format": FORMAT, "report": report.to_dict(), "error": "",
                   "graded_at": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(started))}
-        write_json(Path(store) / f"{key}.json", record)
+        write_json(Path(store) / f"{key}.json", record, private=True)
         log_line(Path(store) / "batch.log", "graded", submission=name, key=key,
                  score=f"{report.total:g}/{report.max_total:g}", seconds=f"{report.seconds:.1f}")
     except Exception as e:  # noqa: BLE001  (one broken submission is a row, never an abort; not stored: regraded)
@@ -110,23 +113,40 @@ def row(entry: dict, record: dict) -> dict:
     """The CSV row of one submission: the export's keys and what its report says."""
     out = {k: entry.get(k, "") for k in ("submission", "sids", "names", "emails")}
     report = record.get("report")
+    unpacked = "; ".join(entry.get("unpack", []))
     if not report:
         out["error"] = record.get("error") or "not graded"
+        out["notes"] = unpacked
         return out
     out.update(score=round(report["score"], 4), max_score=report["max_score"], seconds=round(report["seconds"], 1))
     out.update({c["name"]: round(c["score"], 4) for c in report["checks"]})
-    out["notes"] = "; ".join(f"{c['name']}: {stable_diagnosis(c)}" for c in report["checks"]
-                             if c["verdict"] != "pass")
+    # what the grader left out or refused (the copy's caps, links, forbidden calls): said on the row, not only the page
+    findings = dict.fromkeys(m for c in report["checks"] for m in c["messages"] if m.startswith("finding: "))
+    out["notes"] = "; ".join([f"{c['name']}: {stable_diagnosis(c)}" for c in report["checks"]
+                              if c["verdict"] != "pass"] + list(findings) + ([unpacked] if unpacked else []))
     out["environment"] = "; ".join(report.get("environment", []))
     out["error"] = ""
     return out
 
 
+FORMULA = ("=", "+", "-", "@", "\t", "\r")  # a spreadsheet runs a cell that begins with one of these (OWASP)
+
+
+def cell(value):
+    """A CSV cell a spreadsheet shows as text: one that would run as a formula gets a leading single quote (OWASP's
+    CSV injection advice); text of any bytes is written as \\xNN."""
+    if not isinstance(value, str):
+        return value
+    value = shown(value)
+    return "'" + value if value.startswith(FORMULA) else value
+
+
 def write_csv(path: Path, fields: list[str], rows: list[dict]) -> None:
-    with atomic_open(path, newline="") as f:
+    """The batch's CSV, readable by the grader's user only (it holds every student's ids and scores)."""
+    with atomic_open(path, newline="", private=True) as f:
         writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         writer.writeheader()
-        writer.writerows(rows)
+        writer.writerows({k: cell(v) for k, v in r.items()} for r in rows)
 
 
 def load_record(store: Path, key: str) -> dict | None:
@@ -143,11 +163,31 @@ def load_record(store: Path, key: str) -> dict | None:
 def log_line(path: Path, event: str, **fields) -> None:
     """One line of batch.log, appended in one write (O_APPEND: lines from the batch and its workers never mix)."""
     words = " ".join(f"{k}={v}" for k, v in fields.items())
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
     try:
-        os.write(fd, f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {event} {words}\n".encode())
+        os.write(fd, f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {event} {words}\n".encode("utf-8", "backslashreplace"))
     finally:
         os.close(fd)
+
+
+def key_entries(entries: list[dict], version: str, rubric: dict, checks, limits) -> dict:
+    """folder -> its record key, or for an entry that cannot be keyed, {"error": why} (a row of its own; never an
+    abort). The key is made of the folder the worker grades: the layout found in it (an upload zipped in a folder)."""
+    from grading.gradescope import find_layout
+
+    keys = {}
+    for e in entries:
+        if e.get("error"):
+            keys[e["folder"]] = {"error": e["error"]}
+            continue
+        try:
+            e["layout"] = str(find_layout(Path(e["folder"])) or e["folder"])
+            keys[e["folder"]] = report_key(content_hash(Path(e["layout"]), limits.max_files, limits.max_submission_mb),
+                                           version, rubric, checks, limits)
+        except Exception as exc:  # noqa: BLE001  (an entry the grader cannot read is its own row)
+            keys[e["folder"]] = {"error": f"not graded: its files could not be read ({type(exc).__name__}: "
+                                          f"{shown(str(exc))[:300]})"}
+    return keys
 
 
 def grade_batch(entries: list[dict], checks, rubric: dict, limits, shared, jobs: int, store: Path,
@@ -155,24 +195,27 @@ def grade_batch(entries: list[dict], checks, rubric: dict, limits, shared, jobs:
     """Each entry's record (its report, or the error), grading only what store lacks; and counts for the summary."""
     from tqdm import tqdm
 
-    store.mkdir(parents=True, exist_ok=True)
+    store.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(store, 0o700)  # every student's report: the grader's user only
     def log(event, **fields):
         log_line(store / "batch.log", event, **fields)
 
     version = grader_version()
-    keys = {}
-    for e in entries:
-        keys[e["folder"]] = report_key(content_hash(Path(e["folder"])), version, rubric, checks, limits)
+    keys = key_entries(entries, version, rubric, checks, limits)
+    refused = {f: k["error"] for f, k in keys.items() if isinstance(k, dict)}
+    keys = {f: k for f, k in keys.items() if f not in refused}
     records = {k: r for k in set(keys.values()) if (r := load_record(store, k)) is not None}
-    todo = {}  # key -> the first folder holding it (identical submissions are graded once)
+    todo = {}  # key -> the first entry holding it (identical submissions are graded once)
     for e in entries:
-        if keys[e["folder"]] not in records:
+        if e["folder"] in keys and keys[e["folder"]] not in records:
             todo.setdefault(keys[e["folder"]], e)
-    reused = len({keys[e["folder"]] for e in entries} - set(todo))
-    log("start", submissions=len(entries), to_grade=len(todo), from_earlier_runs=reused, grader=version,
-        jobs=jobs, store=store)
+    reused = len(set(keys.values()) - set(todo))
+    log("start", submissions=len(entries), to_grade=len(todo), from_earlier_runs=reused, refused=len(refused),
+        grader=version, jobs=jobs, store=store)
     for e in entries:
-        if keys[e["folder"]] in records:
+        if e["folder"] in refused:
+            log("refused", submission=e["submission"], error=json.dumps(refused[e["folder"]]))
+        elif keys[e["folder"]] in records:
             log("reused", submission=e["submission"], key=keys[e["folder"]])
     graded = died = 0
     pending = list(todo)
@@ -182,7 +225,7 @@ def grade_batch(entries: list[dict], checks, rubric: dict, limits, shared, jobs:
                 futures = {}
                 for key in pending:
                     log("queued", submission=todo[key]["submission"], key=key)
-                    futures[pool.submit(_grade_one, todo[key]["folder"], checks, str(store), key,
+                    futures[pool.submit(_grade_one, todo[key]["layout"], checks, str(store), key,
                                         todo[key]["submission"])] = key
                 try:
                     for fut in as_completed(futures):
@@ -204,22 +247,45 @@ def grade_batch(entries: list[dict], checks, rubric: dict, limits, shared, jobs:
     log("done", graded=graded, from_earlier_runs=reused, worker_deaths=died)
     out = []
     for e in entries:
-        out.append({"entry": {k: e.get(k, "") for k in ("submission", "sids", "names", "emails", "folder")},
-                    **records[keys[e["folder"]]]})
-    return out, {"graded": graded, "reused": reused, "identical": len(entries) - len(set(keys.values())),
-                 "grader": version}
+        record = {"key": "", "report": None, "error": refused[e["folder"]]} if e["folder"] in refused else \
+            records[keys[e["folder"]]]
+        out.append({"entry": {k: e.get(k, "") for k in ("submission", "sids", "names", "emails", "folder", "layout",
+                                                        "unpack")}, **record})
+    return out, {"graded": graded, "reused": reused, "identical": len(keys) - len(set(keys.values())),
+                 "refused": len(refused), "grader": version}
 
 
-def batch_entries(path: str, unpack_to: str) -> list[dict]:
-    """Submissions to grade: Gradescope's export (ids and names from submission_metadata.yml) or plain folders."""
-    from grading.gradescope import is_export, read_export
+EXPORT_LOOKALIKE = ("refused: this folder holds {what}, the layout of Gradescope's export, inside a batch of plain "
+                    "folders (an export is recognised by the top of the --batch path only); not graded. Grade it on "
+                    "its own, or give its path with --batch --export if it is an export")
 
-    if is_export(path):
+
+def batch_entries(path: str, unpack_to: str, export: bool | None = None) -> list[dict]:
+    """Submissions to grade: Gradescope's export (ids and names from submission_metadata.yml) or plain folders.
+
+    An export is recognised only by its own top (grading.gradescope.is_export), never by what a student's folder
+    holds; export=True takes `path` as one (an error if it is not). In a batch of plain folders, a folder that holds
+    an export's metadata is one row saying so, not graded (it once made the whole batch grade a roster its student
+    wrote)."""
+    from grading.gradescope import export_marks, is_export, read_export
+
+    if export or (export is None and is_export(path)):
         return read_export(path, unpack_to)
     if Path(path).is_file():
         raise ValueError(f"{path} is a file but not Gradescope's export (no submission_metadata.yml in the zip)")
-    return [{"folder": str(p), "submission": p.name, "sids": "", "names": "", "emails": ""}
-            for p in sorted(Path(path).iterdir()) if p.is_dir() and not p.name.startswith(".")]
+    entries = []
+    for p in sorted(Path(path).iterdir()):
+        if p.name.startswith(".") or not p.is_dir():
+            continue
+        e = {"folder": str(p), "submission": shown(p.name), "sids": "", "names": "", "emails": ""}
+        try:
+            marks = export_marks(p)
+        except OSError as exc:
+            marks, e["error"] = "", f"not graded: its folder could not be read ({shown(str(exc))[:300]})"
+        if marks:
+            e["error"] = EXPORT_LOOKALIKE.format(what=marks)
+        entries.append(e)
+    return entries
 
 
 def batch(args, rubric, limits) -> int:
@@ -229,7 +295,7 @@ def batch(args, rubric, limits) -> int:
     unpack = tempfile.TemporaryDirectory(prefix=f"grading-batch-{os.getpid()}-")
     try:
         try:
-            entries = batch_entries(args.batch, unpack.name)
+            entries = batch_entries(args.batch, unpack.name, True if args.export else None)
         except (ValueError, OSError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
@@ -242,6 +308,7 @@ def batch(args, rubric, limits) -> int:
         print(f"{len(records)} submissions: {counts['graded']} graded in {seconds:.1f} s (--jobs {args.jobs}), "
               f"{counts['reused']} reports taken from an earlier run of this grader and rubric"
               + (f", {counts['identical']} identical to another" if counts["identical"] else "")
+              + (f", {counts['refused']} not graded (their rows say why)" if counts["refused"] else "")
               + f"; wrote {csv_path} (reports and batch.log in {store})")
         if args.report:
             from grading.classreport import write_class_report

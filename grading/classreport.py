@@ -265,10 +265,8 @@ def write_class_report(out: Path, records: list[dict], checks, starter=None, met
         slug_of[r["entry"]["submission"]] = r["slug"]
     summary = summarise(records)
     plots = _plots(out, records, summary)
-    from grading.gradescope import find_layout
-
-    folders = {r["entry"]["submission"]: find_layout(Path(r["entry"]["folder"])) or Path(r["entry"]["folder"])
-               for r in records if Path(r["entry"].get("folder", "")).is_dir()}
+    # the folder each record was graded from (its layout's); a refused or unreadable entry has none and is left out
+    folders = {r["entry"]["submission"]: Path(r["entry"]["layout"]) for r in records if r["entry"].get("layout")}
     pairs, own, given = similar_pairs(folders, Path(starter) if starter else None, progress=True)
     for r in records:
         (out / "students" / f"{r['slug']}.html").write_text(student_page(r))

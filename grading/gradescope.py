@@ -199,35 +199,101 @@ def run(root: str | os.PathLike) -> int:
 
 # ---- Gradescope's "Export Submissions" ------------------------------------------------------------------------------
 
-def _metadata_dir(folder: Path) -> Path | None:
+UNPACK_MAX_BYTES = 16 * 2**30  # an export's files unpacked, in all (a class of 200 at the 100 MiB upload cap: 20 GB)
+UNPACK_MAX_ENTRIES = 1_000_000  # an export's files and folders
+UNPACK_MAX_PARTS = 48  # folders a member's name may go down (the sandbox looks 32 below a submission's layout)
+
+
+def _visible(folder: Path) -> list[Path]:
+    return [p for p in folder.iterdir() if not p.name.startswith((".", "__MACOSX"))]
+
+
+def _metadata_dir(folder: Path, lenient: bool = False) -> Path | None:
+    """The export's top: `folder` itself when it holds the metadata, or the one folder it holds (a zip's or a
+    download's wrapping) when that does. Never a folder among others: a student's folder that holds the metadata
+    must not make a batch of plain folders an export. `lenient` (--export: the staff say it is one): also the one
+    sub-folder holding the metadata among others."""
     if (folder / METADATA).is_file():
         return folder
-    subs = [p for p in folder.iterdir() if p.is_dir() and (p / METADATA).is_file()]
-    return subs[0] if len(subs) == 1 else None
+    inside = _visible(folder)
+    if len(inside) == 1 and inside[0].is_dir() and not inside[0].is_symlink() and (inside[0] / METADATA).is_file():
+        return inside[0]
+    if lenient:
+        subs = [p for p in inside if p.is_dir() and (p / METADATA).is_file()]
+        return subs[0] if len(subs) == 1 else None
+    return None
+
+
+def export_marks(folder: Path) -> str:
+    """What in a folder of a plain-folder batch looks like an export's top ('' when nothing does)."""
+    if (folder / METADATA).exists() or (folder / METADATA).is_symlink():
+        return f"{METADATA}"
+    found = [p.name for p in _visible(folder) if p.is_dir() and not p.is_symlink() and (p / METADATA).exists()]
+    return f"{found[0]}/{METADATA}" if found else ""
+
+
+def _zip_top(names: list[str]) -> bool:
+    """A zip is an export when the metadata is at its top, or at the top of the one folder everything is in."""
+    parts = [n.replace("\\", "/").strip("/").split("/") for n in names]
+    if [METADATA] in parts:
+        return True
+    tops = {p[0] for p in parts if p[0] and not p[0].startswith((".", "__MACOSX"))}
+    return len(tops) == 1 and [*tops, METADATA] in parts
 
 
 def is_export(path: str | os.PathLike) -> bool:
     path = Path(path)
     if path.is_file() and zipfile.is_zipfile(path):
         with zipfile.ZipFile(path) as z:
-            return any(Path(n).name == METADATA and len(Path(n).parts) <= 2 for n in z.namelist())
+            return _zip_top(z.namelist())
     return path.is_dir() and _metadata_dir(path) is not None
+
+
+def unpack_export(path: Path, dest: Path) -> dict[tuple, list[str]]:
+    """Unpack an export zip member by member: the whole capped (UNPACK_MAX_BYTES, UNPACK_MAX_ENTRIES: a clear error
+    before anything is written), a member that goes more than UNPACK_MAX_PARTS folders down or cannot be written
+    left out, never an abort. Returns what was left out, keyed by the member's folders."""
+    left = {}
+    with zipfile.ZipFile(path) as z:
+        infos = z.infolist()
+        total = sum(i.file_size for i in infos)
+        if len(infos) > UNPACK_MAX_ENTRIES or total > UNPACK_MAX_BYTES:
+            raise ValueError(f"{path}: {len(infos)} entries, {total / 2**30:.1f} GiB unpacked: more than an export may "
+                             f"hold here ({UNPACK_MAX_ENTRIES} entries, {UNPACK_MAX_BYTES >> 30} GiB: "
+                             "grading.gradescope.UNPACK_MAX_ENTRIES / UNPACK_MAX_BYTES); unpack it yourself and give "
+                             "the folder to --batch")
+        for info in infos:
+            parts = tuple(p for p in info.filename.replace("\\", "/").split("/") if p not in ("", ".", ".."))
+            why = None
+            if len(parts) > UNPACK_MAX_PARTS:
+                why = f"more than {UNPACK_MAX_PARTS} folders deep"
+            else:
+                try:
+                    z.extract(info, dest)  # zipfile drops absolute paths and '..' from member names
+                except Exception as e:  # noqa: BLE001  (one bad member is left out and said, never an abort)
+                    why = f"{type(e).__name__}: {e}"[:200]
+            if why:
+                left.setdefault(parts[:3], []).append(why)
+    return left
 
 
 def read_export(path: str | os.PathLike, unpack_to: str | os.PathLike | None = None) -> list[dict]:
     """Submissions of an export (folder or zip): [{'folder', 'submission', 'sids', 'names', 'emails'}], sorted.
 
     submission_metadata.yml maps each submission's folder name to {':submitters': [{':name', ':sid', ':email'}],
-    ...} (Ruby symbols as keys); a group submission has several submitters. A folder without metadata still grades."""
+    ...} (Ruby symbols as keys); a group submission has several submitters. A folder without metadata still grades.
+    Members of a zip that were not unpacked are named in their submission's `unpack` list."""
     import yaml
 
+    from grading.sandbox import shown
+
     path = Path(path)
+    left = {}
     if path.is_file():
         dest = Path(unpack_to or tempfile.mkdtemp(prefix="grading-export-"))
-        with zipfile.ZipFile(path) as z:
-            z.extractall(dest)  # zipfile drops absolute paths and '..' from member names
+        left = unpack_export(path, dest)
         path = dest
-    base = _metadata_dir(path)
+    base = _metadata_dir(path, lenient=True)
     if base is None:
         raise ValueError(f"{path} is not a Gradescope export: no {METADATA} at its top or one folder down")
     try:
@@ -245,8 +311,12 @@ def read_export(path: str | os.PathLike, unpack_to: str | os.PathLike | None = N
         def field(key, people=people):
             return "; ".join(str(p.get(f":{key}", p.get(key, "")) or "") for p in people)
 
-        rows.append({"folder": str(folder), "submission": folder.name, "sids": field("sid"), "names": field("name"),
-                     "emails": field("email")})
+        rel = tuple(folder.relative_to(path).parts)
+        skipped = [w for parts, whys in left.items() if parts[:len(rel)] == rel for w in whys]
+        rows.append({"folder": str(folder), "submission": shown(folder.name), "sids": field("sid"),
+                     "names": field("name"), "emails": field("email"),
+                     "unpack": [f"unpacking the export: {len(skipped)} entries of this submission left out "
+                                f"({'; '.join(sorted(set(skipped))[:3])})"] if skipped else []})
     return rows
 
 

@@ -74,16 +74,20 @@ def gradescope(report: Report) -> dict:
 
 
 @contextmanager
-def atomic_open(path: str | os.PathLike, newline: str | None = None):
-    """A text file written through a temporary name and renamed at the end, so a reader never sees half a file."""
+def atomic_open(path: str | os.PathLike, newline: str | None = None, private: bool = False):
+    """A text file written through a temporary name and renamed at the end, so a reader never sees half a file;
+    `private`: readable and writable by this user only (0600), from its first byte."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", newline=newline) as f:
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600 if private else 0o666)
+    if private:
+        os.fchmod(fd, 0o600)  # a .tmp left by a crash keeps its mode otherwise
+    with open(fd, "w", newline=newline, encoding="utf-8", errors="backslashreplace") as f:
         yield f
     os.replace(tmp, path)
 
 
-def write_json(path: str | os.PathLike, data: dict) -> None:
-    with atomic_open(path) as f:
+def write_json(path: str | os.PathLike, data: dict, private: bool = False) -> None:
+    with atomic_open(path, private=private) as f:
         f.write(json.dumps(data, indent=1, default=str) + "\n")

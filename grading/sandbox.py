@@ -73,69 +73,144 @@ class Run:
     given: dict = field(default_factory=dict)  # the grader's inputs and weights for this check (never read back)
 
 
-def copy_submission(src: Path, dst: Path, max_files: int = 2000, max_mb: int = 100) -> list[str]:
-    """Copy the submission, leaving out VCS folders and caches, files over LARGE_FILE, links that leave it (another
-    student's files are not this one's code), and what lies past the caps on files and bytes (its Python files are
-    copied first); at most SCAN_LIMIT entries are looked at. Returns the findings, each naming what was left out."""
+MAX_DEPTH = 32  # folder levels below the submission's top that are looked at (a walk 1100 deep raised RecursionError)
+
+
+def shown(name: str) -> str:
+    """A file name as text that any writer takes: bytes that are not UTF-8 (os.fsdecode's surrogates) as \\xNN."""
+    return os.fsencode(name).decode("utf-8", "backslashreplace")
+
+
+@dataclass
+class CopyPlan:
+    """What copy_submission copies: the kept entries in order, what it leaves out and why (counts and bytes)."""
+    files: list = field(default_factory=list)  # (rel, size, link): link is the target relative to the top, else None
+    findings: list = field(default_factory=list)
+    skipped: dict = field(default_factory=dict)  # reason -> [count, bytes] (part of the batch's record key)
+
+
+def plan_copy(src: str | os.PathLike, max_files: int = 2000, max_mb: int = 100) -> CopyPlan:
+    """Decide what copy_submission copies, without copying: VCS folders and caches, files over LARGE_FILE, links that
+    leave the submission (another student's files are not this one's code), anything but files, folders and links,
+    folders deeper than MAX_DEPTH and what lies past the caps on files and bytes (its Python files first) are left
+    out; at most SCAN_LIMIT entries are looked at, and no more than max_files in one folder. The walk is iterative (a
+    folder of any depth) and names may be any bytes."""
+    src = os.fspath(src)
     root = os.path.realpath(src)
-    files, large, outside, scanned, unlisted = [], [], [], 0, 0
-    for folder, dirs, names in os.walk(src):  # links to folders arrive in dirs, not followed
-        skip = set(SKIP_NAMES(folder, dirs + names))
+    files, large, outside, other, unreadable = [], [], [], [], []
+    scanned = unlisted = deep = 0
+    stack = [("", 0)]  # folders to look at (relative to the top) and their depth: preorder, as os.walk's
+    while stack:
+        rel_dir, depth = stack.pop()
+        folder = os.path.join(src, rel_dir) if rel_dir else src
+        try:
+            with os.scandir(folder) as it:
+                listed = {e.name: e for e in it}
+        except OSError:
+            unreadable.append(rel_dir)
+            continue
+        skip = set(SKIP_NAMES(folder, list(listed)))
+        kinds = {}
+        for name, e in listed.items():
+            try:
+                kinds[name] = "link" if e.is_symlink() else "dir" if e.is_dir(follow_symlinks=False) else \
+                    "file" if e.is_file(follow_symlinks=False) else "other"
+            except OSError:
+                kinds[name] = "other"
         # folders first (the course's layout lives in them), then Python files; no more than max_files looked at in
         # one folder and SCAN_LIMIT in all, so a folder of 30,000 files neither hides the code nor costs minutes
-        entries = sorted(d for d in dirs if d not in skip) + \
-            sorted((n for n in names if n not in skip), key=lambda n: (not n.endswith(".py"), n))
+        folders = {n for n in listed if n not in skip and (kinds[n] == "dir" or kinds[n] == "link"
+                                                           and os.path.isdir(os.path.join(folder, n)))}
+        dirs = sorted(folders)  # links to folders among them: `models -> v1` is the layout too
+        rest = sorted((n for n in listed if n not in skip and n not in folders),
+                      key=lambda n: (not n.endswith(".py"), n))
+        entries = dirs + rest
         descend = []
         for i, name in enumerate(entries):
             if i >= max_files or scanned >= SCAN_LIMIT:
                 unlisted += len(entries) - i
                 break
             scanned += 1
-            path = os.path.join(folder, name)
-            rel = os.path.relpath(path, src)
-            if os.path.islink(path):
+            rel = os.path.join(rel_dir, name) if rel_dir else name
+            path = os.path.join(src, rel)
+            kind = kinds[name]
+            if kind == "link":
                 target = os.path.realpath(path)
                 if target != root and not target.startswith(root + os.sep):
-                    outside.append(f"{rel} -> {os.readlink(path)}")
+                    outside.append(f"{shown(rel)} -> {shown(os.readlink(path))}")
                 else:
-                    files.append((rel, 0))
-            elif os.path.isdir(path):
-                descend.append(name)
-            elif os.path.isfile(path):
-                size = os.path.getsize(path)
+                    files.append((rel, 0, os.path.relpath(target, root)))
+            elif kind == "dir":
+                if depth + 1 >= MAX_DEPTH:
+                    deep += 1
+                else:
+                    descend.append((rel, depth + 1))
+            elif kind == "file":
+                try:
+                    size = listed[name].stat(follow_symlinks=False).st_size
+                except OSError:
+                    unreadable.append(rel)
+                    continue
                 if size > LARGE_FILE:
-                    large.append(rel)
+                    large.append((rel, size))
                 else:
-                    files.append((rel, size))
-        dirs[:] = descend
-    files.sort(key=lambda f: (not f[0].endswith(".py"), f[0]))  # the course's code first
-    kept, total = [], 0
-    for rel, size in files:
-        if len(kept) >= max_files or total + size > max_mb * 2**20:
+                    files.append((rel, size, None))
+            else:
+                other.append(rel)
+        stack.extend(reversed(descend))
+    files.sort(key=lambda f: (not (f[0].endswith(".py") or f[2] is not None), f[0]))  # code and links first
+    plan, total = CopyPlan(), 0
+    for rel, size, link in files:
+        if len(plan.files) >= max_files or total + size > max_mb * 2**20:
             break
-        kept.append(rel)
+        plan.files.append((rel, size, link))
         total += size
-    dst.mkdir(parents=True, exist_ok=True)
-    for rel in kept:
-        source, target = os.path.join(src, rel), dst / rel
-        target.parent.mkdir(parents=True, exist_ok=True)
-        if os.path.islink(source):
-            os.symlink(os.readlink(source), target)
-        else:
-            shutil.copy2(source, target)
-    findings = []
+    over = files[len(plan.files):]
+    plan.skipped = {"large": [len(large), sum(s for _, s in large)], "outside": [len(outside), 0],
+                    "over_caps": [len(over), sum(f[1] for f in over)], "unlisted": [unlisted, 0], "deep": [deep, 0],
+                    "other": [len(other), 0], "unreadable": [len(unreadable), 0]}
+    findings = plan.findings
     if large:
-        findings.append(f"files over {LARGE_FILE >> 20} MiB not copied into the sandbox: {', '.join(large[:5])}")
+        findings.append(f"files over {LARGE_FILE >> 20} MiB not copied into the sandbox: "
+                        f"{', '.join(shown(r) for r, _ in large[:5])}")
     if outside:
         findings.append(f"links that leave the submission not copied (not graded as its code): "
                         f"{', '.join(outside[:5])}" + (f" and {len(outside) - 5} more" if len(outside) > 5 else ""))
-    if len(kept) < len(files):
+    if over:
         findings.append(f"the submission holds more than {max_files} files or {max_mb} MiB (the grader's limits): "
-                        f"{len(files) - len(kept)} files not copied into the sandbox (its Python files first)")
+                        f"{len(over)} files not copied into the sandbox (its Python files first)")
     if unlisted:
         findings.append(f"{unlisted} files and folders of the submission were not looked at (the grader looks at no more "
                         f"than {max_files} in one folder and {SCAN_LIMIT} in all)")
-    return findings
+    if deep:
+        findings.append(f"{deep} folders deeper than {MAX_DEPTH} levels not looked at (not copied into the sandbox)")
+    if other or unreadable:
+        findings.append(f"{len(other) + len(unreadable)} entries that are not plain files, folders or links, or could "
+                        f"not be read, not copied: {', '.join(shown(r) for r in (other + unreadable)[:5])}")
+    return plan
+
+
+def copy_submission(src: Path, dst: Path, max_files: int = 2000, max_mb: int = 100) -> list[str]:
+    """Copy what plan_copy keeps (links inside the submission as relative links to their resolved target, so the copy
+    runs what the record key hashed); returns the findings, each naming what was left out."""
+    plan = plan_copy(src, max_files, max_mb)
+    dst = Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    failed = []
+    for rel, _size, link in plan.files:
+        source, target = os.path.join(src, rel), dst / rel
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            if link is not None:
+                os.symlink(os.path.relpath(link, os.path.dirname(rel) or "."), target)
+            else:
+                shutil.copyfile(source, target, follow_symlinks=False)
+                shutil.copystat(source, target, follow_symlinks=False)
+        except OSError:
+            failed.append(rel)
+    if failed:
+        plan.findings.append(f"{len(failed)} files could not be copied: {', '.join(shown(r) for r in failed[:5])}")
+    return plan.findings
 
 
 def _snapshot(folder: Path) -> dict:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -74,16 +73,17 @@ class Pair:
 
 
 def python_files(folder: Path) -> list[Path]:
-    """The submission's .py files (no links, no caches or environments, none over MAX_FILE; at most MAX_FILES)."""
+    """The submission's .py files as the sandbox copies them (grading.sandbox.plan_copy: an iterative walk, names of
+    any bytes), without links, caches or environments, none over MAX_FILE; at most MAX_FILES."""
+    from grading.sandbox import plan_copy
+
     found = []
-    for root, dirs, names in os.walk(folder):  # links to folders are listed in dirs and not followed
-        dirs[:] = sorted(d for d in dirs if d not in SKIP and not os.path.islink(os.path.join(root, d)))
-        for name in sorted(names):
-            path = Path(root, name)
-            if name.endswith(".py") and not path.is_symlink() and path.is_file() and path.stat().st_size <= MAX_FILE:
-                found.append(path)
-                if len(found) >= MAX_FILES:
-                    return found
+    for rel, size, link in plan_copy(folder).files:
+        parts = Path(rel).parts
+        if rel.endswith(".py") and link is None and size <= MAX_FILE and not SKIP.intersection(parts[:-1]):
+            found.append(Path(folder, rel))
+            if len(found) >= MAX_FILES:
+                break
     return found
 
 
@@ -196,9 +196,13 @@ def _similar_pairs(folders, starter, share, chars, noise, keep, common, progress
     from tqdm import tqdm
 
     boiler = boilerplate_hashes(starter, noise)
-    subs = [Submission(name, folder, boiler, noise)
-            for name, folder in tqdm(sorted(folders.items()), desc="similarity: fingerprints", unit="submission",
-                                     disable=not progress)]
+    subs = []
+    for name, folder in tqdm(sorted(folders.items()), desc="similarity: fingerprints", unit="submission",
+                             disable=not progress):
+        try:
+            subs.append(Submission(name, folder, boiler, noise))
+        except Exception as e:  # noqa: BLE001  (one submission that cannot be read is left out, never an abort)
+            logging.getLogger(__name__).error("similarity: %s left out (%s: %s)", name, type(e).__name__, e)
     if common is None and starter is None:
         common = 0.5
     given = f"the starter's code ({starter})" if starter else "nothing (no starter given)"

@@ -3,8 +3,9 @@
 A decode step is a few hundred small products and kernels, each ending in a barrier where every thread of the team
 must arrive. On a quiet machine all threads share the work and the step runs near the memory's speed. When another
 process holds a core, a thread of ours waits for its turn on that core at every barrier, and a step that took 25 ms
-takes 100-400 ms (docs/performance.md, "Busy machines"): fewer threads, even one, are then several times faster. No
-rule written on one machine says when: so the steps are timed, and the thread count follows what the clock shows.
+takes 100-400 ms (docs/cpu-decoding.md, "Against the CPU engines", with a core busy): fewer threads, even one, are
+then several times faster. No rule written on one machine says when: so the steps are timed, and the thread count
+follows what the clock shows.
 
 `DecodeThreads` tries the candidates (torch's thread count, its halves, down to 1) one step each at the start of a
 decode loop, keeps the fastest, and re-tries each other candidate now and then (every 8 steps at first, backing off

@@ -3,7 +3,7 @@ hundred torch operations of GPT2Model.decode_step.
 
 Each torch operation costs a dispatch of several microseconds; at gpt2 size they added about a third to the time
 the weights take to stream, and with int8 or int4 weights, whose products are 4 to 6 times shorter, they were most
-of the step (docs/performance.md, "Against the CPU engines"). The C++ step runs every block (LayerNorm, q/k/v,
+of the step (docs/cpu-decoding.md, "Against the CPU engines"). The C++ step runs every block (LayerNorm, q/k/v,
 the cache write, attention, projections, GELU, residuals) and the final LayerNorm, with every product in the rows
 kernel and in the layer's own weight kind (fp32, or the int8/int4 copies of quantize=...). The embedding lookup,
 the LM head and the logits processing stay in Python. The results agree with decode_step to float rounding (other

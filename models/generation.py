@@ -124,31 +124,31 @@ class Prefill(NamedTuple):
     pad: int  # what follows a finished row: pad_token_id, else eos_token_id, else 0
 
 
-@torch.no_grad()
 def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, max_new_tokens: int,
             repetition_penalty: float = 1.0, eos_token_id: int | None = None,
             pad_token_id: int | None = None) -> Prefill:
     """Run a checked, left-padded request's prompts through `model` (in eval mode) into a new KV cache, and set up
     the masks, positions and repetition-penalty bookkeeping of the decoding steps."""
-    body = model.gpt
-    B, T = input_ids.shape
-    if attention_mask is None:
-        attention_mask = torch.ones_like(input_ids)
-    mask = torch.cat([attention_mask.long(), attention_mask.new_ones(B, max_new_tokens).long()], dim=1)
-    positions = position_ids_from_mask(mask)
-    key_mask = None if bool(attention_mask.bool().all()) else mask.bool()[:, None, None, :]
-    seen = None
-    if repetition_penalty != 1.0:
-        real = attention_mask.bool()
-        # a padding slot names the row's last token (always real), so no slot writes False over a real token
-        prompt_tokens = torch.where(real, input_ids, input_ids[:, -1:])
-        seen = torch.zeros(B, model.config.vocab_size, dtype=torch.bool, device=input_ids.device)
-        seen.scatter_(1, prompt_tokens, True)
-    cache = body.new_cache(B, T + max_new_tokens)
-    # The prompt goes through the checked forward; each step then takes the lean path (inputs made here).
-    hidden = body(input_ids, mask[:, :T], positions[:, :T], cache, use_cache=True)["last_hidden_state"][:, -1]
-    pad = pad_token_id if pad_token_id is not None else (eos_token_id if eos_token_id is not None else 0)
-    return Prefill(hidden, cache, positions, key_mask, seen, pad)
+    with torch.no_grad():  # in the body: mutmut 3 does not mutate decorated functions
+        body = model.gpt
+        B, T = input_ids.shape
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        mask = torch.cat([attention_mask.long(), attention_mask.new_ones(B, max_new_tokens).long()], dim=1)
+        positions = position_ids_from_mask(mask)
+        key_mask = None if bool(attention_mask.bool().all()) else mask.bool()[:, None, None, :]
+        seen = None
+        if repetition_penalty != 1.0:
+            real = attention_mask.bool()
+            # a padding slot names the row's last token (always real), so no slot writes False over a real token
+            prompt_tokens = torch.where(real, input_ids, input_ids[:, -1:])
+            seen = torch.zeros(B, model.config.vocab_size, dtype=torch.bool, device=input_ids.device)
+            seen.scatter_(1, prompt_tokens, True)
+        cache = body.new_cache(B, T + max_new_tokens)
+        # The prompt goes through the checked forward; each step then takes the lean path (inputs made here).
+        hidden = body(input_ids, mask[:, :T], positions[:, :T], cache, use_cache=True)["last_hidden_state"][:, -1]
+        pad = pad_token_id if pad_token_id is not None else (eos_token_id if eos_token_id is not None else 0)
+        return Prefill(hidden, cache, positions, key_mask, seen, pad)
 
 
 def mark_seen(seen: torch.Tensor, next_ids: torch.Tensor) -> None:
@@ -199,7 +199,6 @@ def closing_threads(model, rows: int, quantize: str | None = None):
         threads.close()
 
 
-@torch.no_grad()
 def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, max_new_tokens: int = 20,
              do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
              repetition_penalty: float = 1.0, eos_token_id: int | None = None, pad_token_id: int | None = None,
@@ -217,55 +216,56 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     warning: correct, slow). The prompt and batches keep the model's weights. Outputs are close to the model's own,
     not identical; int4's further than int8's.
     """
-    check_request(model, input_ids, attention_mask, max_new_tokens, repetition_penalty)
-    if quantize is not None and quantize not in QUANTIZE_MODES:
-        raise ValueError(f"quantize must be None or one of {QUANTIZE_MODES}, got {quantize!r}")
-    _check_sampling(temperature, top_k, top_p)
-    if max_new_tokens == 0:  # nothing to decode: no forward pass for the prompt
-        return input_ids.clone()
-    body = model.gpt
-    B, T = input_ids.shape
-    finished = torch.zeros(B, dtype=torch.bool, device=input_ids.device)
-    lm_head = decode_lm_head(body, B, quantize)
-    was_training = model.training
-    model.eval()
-    quantized = contextlib.ExitStack()  # quantized layers and prepared kernel products for this call only
-    if quantize is not None:
-        quantized.enter_context(quantized_weights(model, quantize))
-    quantized.enter_context(prepared_rows(model, B))
-    try:
-        hidden, cache, positions, key_mask, seen, pad = prefill(model, input_ids, attention_mask, max_new_tokens,
-                                                                repetition_penalty, eos_token_id, pad_token_id)
-        out = torch.full((B, T + max_new_tokens), pad, dtype=torch.long, device=input_ids.device)
-        out[:, :T] = input_ids
-        # one prompt on the CPU, plain GPT-2: each step in one C++ call (models/fast_step.py)
-        fast = None if fast_step.why_not(model, B, key_mask, cache) else fast_step.FastStep(model, cache)
-        # the steps' thread count, chosen by timing them (models/decode_threads.py)
-        threads = quantized.enter_context(closing_threads(model, B, quantize))
-        for step in range(max_new_tokens):
-            threads.step()
-            # bf16 models give bf16 logits: filters and sampling work in fp32.
-            logits = process_logits(lm_head(hidden).float(), seen, temperature if do_sample else 1.0,
-                                    top_k if do_sample else None, top_p if do_sample else None, repetition_penalty)
-            if do_sample:
-                next_ids = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator).squeeze(1)
-            else:
-                next_ids = logits.max(dim=-1).indices  # argmax, first index on ties; 3x faster on a CPU
-            if eos_token_id is not None:
-                next_ids = next_ids.masked_fill(finished, pad)
-                finished |= next_ids == eos_token_id
-            out[:, T + step] = next_ids
-            if seen is not None:
-                mark_seen(seen, next_ids)
-            if step == max_new_tokens - 1 or eos_token_id is not None and bool(finished.all()):
-                return out[:, : T + step + 1]
-            pos = T + step
-            step_mask = key_mask[..., : pos + 1] if key_mask is not None else None
-            if fast is not None:
-                hidden = fast(next_ids, positions[:, pos])
-            else:
-                hidden = body.decode_step(next_ids[:, None], positions[:, pos: pos + 1], step_mask, cache)
-        return out
-    finally:
-        quantized.close()
-        model.train(was_training)
+    with torch.no_grad():  # in the body: mutmut 3 does not mutate decorated functions
+        check_request(model, input_ids, attention_mask, max_new_tokens, repetition_penalty)
+        if quantize is not None and quantize not in QUANTIZE_MODES:
+            raise ValueError(f"quantize must be None or one of {QUANTIZE_MODES}, got {quantize!r}")
+        _check_sampling(temperature, top_k, top_p)
+        if max_new_tokens == 0:  # nothing to decode: no forward pass for the prompt
+            return input_ids.clone()
+        body = model.gpt
+        B, T = input_ids.shape
+        finished = torch.zeros(B, dtype=torch.bool, device=input_ids.device)
+        lm_head = decode_lm_head(body, B, quantize)
+        was_training = model.training
+        model.eval()
+        quantized = contextlib.ExitStack()  # quantized layers and prepared kernel products for this call only
+        if quantize is not None:
+            quantized.enter_context(quantized_weights(model, quantize))
+        quantized.enter_context(prepared_rows(model, B))
+        try:
+            hidden, cache, positions, key_mask, seen, pad = prefill(model, input_ids, attention_mask, max_new_tokens,
+                                                                    repetition_penalty, eos_token_id, pad_token_id)
+            out = torch.full((B, T + max_new_tokens), pad, dtype=torch.long, device=input_ids.device)
+            out[:, :T] = input_ids
+            # one prompt on the CPU, plain GPT-2: each step in one C++ call (models/fast_step.py)
+            fast = None if fast_step.why_not(model, B, key_mask, cache) else fast_step.FastStep(model, cache)
+            # the steps' thread count, chosen by timing them (models/decode_threads.py)
+            threads = quantized.enter_context(closing_threads(model, B, quantize))
+            for step in range(max_new_tokens):
+                threads.step()
+                # bf16 models give bf16 logits: filters and sampling work in fp32.
+                logits = process_logits(lm_head(hidden).float(), seen, temperature if do_sample else 1.0,
+                                        top_k if do_sample else None, top_p if do_sample else None, repetition_penalty)
+                if do_sample:
+                    next_ids = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator).squeeze(1)
+                else:
+                    next_ids = logits.max(dim=-1).indices  # argmax, first index on ties; 3x faster on a CPU
+                if eos_token_id is not None:
+                    next_ids = next_ids.masked_fill(finished, pad)
+                    finished |= next_ids == eos_token_id
+                out[:, T + step] = next_ids
+                if seen is not None:
+                    mark_seen(seen, next_ids)
+                if step == max_new_tokens - 1 or eos_token_id is not None and bool(finished.all()):
+                    return out[:, : T + step + 1]
+                pos = T + step
+                step_mask = key_mask[..., : pos + 1] if key_mask is not None else None
+                if fast is not None:
+                    hidden = fast(next_ids, positions[:, pos])
+                else:
+                    hidden = body.decode_step(next_ids[:, None], positions[:, pos: pos + 1], step_mask, cache)
+            return out
+        finally:
+            quantized.close()
+            model.train(was_training)

@@ -198,6 +198,13 @@ def _links(slugs: list[str], names: dict) -> str:
 def student_page(r: dict) -> str:
     e, report = r["entry"], r.get("report")
     body = [f"<h1>{_e(_display(e))}</h1>", '<table class="summary">']
+    for finding in r.get("dynamic", []):  # code made at run time: the similarity check cannot see it
+        body.append(f'<p class="bad">finding: {_e(finding)}: code run from a string or a file, which the similarity '
+                    "check cannot compare; read it</p>")
+    if r.get("unread"):
+        body.append(f'<p class="muted">.py files the similarity check did not read (over 256 KiB, or past the '
+                    f"budget per submission): {_e(', '.join(r['unread'][:10]))}"
+                    + (f" and {len(r['unread']) - 10} more" if len(r["unread"]) > 10 else "") + "</p>")
     for label, value in (("submission", e["submission"]), ("student ids", e.get("sids", "")),
                          ("emails", e.get("emails", "")), ("graded", r.get("graded_at", "")),
                          ("report key", r.get("key", ""))):
@@ -251,7 +258,7 @@ def pair_page(pair, names: dict, slugs: dict) -> str:
 
 def write_class_report(out: Path, records: list[dict], checks, starter=None, meta: dict | None = None) -> Path:
     """Write out/index.html, out/students/*.html, out/pairs/*.html, the PNGs and class.json; returns index.html."""
-    from grading.similarity import CHARS, SHARE, similar_pairs
+    from grading.similarity import BUDGET, CHARS, MAX_FILE, SHARE, similar_pairs
 
     out = Path(out)
     (out / "students").mkdir(parents=True, exist_ok=True)
@@ -268,6 +275,15 @@ def write_class_report(out: Path, records: list[dict], checks, starter=None, met
     # the folder each record was graded from (its layout's); a refused or unreadable entry has none and is left out
     folders = {r["entry"]["submission"]: Path(r["entry"]["layout"]) for r in records if r["entry"].get("layout")}
     pairs, own, given = similar_pairs(folders, Path(starter) if starter else None, progress=True)
+    from grading.similarity import dynamic_code, python_files
+
+    for r in records:
+        if r["entry"].get("layout"):
+            try:
+                r["dynamic"] = dynamic_code(Path(r["entry"]["layout"]))
+                r["unread"] = python_files(Path(r["entry"]["layout"]))[1]
+            except Exception as exc:  # noqa: BLE001  (one unreadable submission is not the report's end)
+                r["dynamic"] = [f"its files could not be read for this ({type(exc).__name__})"]
     for r in records:
         (out / "students" / f"{r['slug']}.html").write_text(student_page(r))
     flagged = [p for p in pairs if p.flagged]
@@ -321,6 +337,9 @@ def write_class_report(out: Path, records: list[dict], checks, starter=None, met
     for p in pairs:
         a, b = slug_of[p.a], slug_of[p.b]
         label = f'<a href="{page_of[id(p)]}">flagged: read both</a>' if p.flagged else "-"
+        if p.skipped_a or p.skipped_b:  # what the fingerprints did not see, on the pair's line
+            label += (f' <span class="muted">(.py files not read, over {MAX_FILE >> 10} KiB or past the '
+                      f"{BUDGET >> 10} KiB per submission: {p.skipped_a} / {p.skipped_b})</span>")
         rows.append([_td(_links([a], names)), _td(_links([b], names)), _td(f"{p.share:.0%}", "n"),
                      _td(p.chars, "n"), _td(f"{p.own_a} / {p.own_b}", "n"), _td(label, "flag" if p.flagged else "")])
     body.append(_table(["submission", "submission", "share", "matched chars", "own chars", ""], rows, 'id="pairs"')
@@ -362,6 +381,7 @@ def write_class_report(out: Path, records: list[dict], checks, starter=None, met
             "pairs": [p.to_dict() for p in pairs], "own_chars": own,
             "students": {r["slug"]: {"submission": r["entry"]["submission"], "names": r["entry"].get("names", ""),
                                      "score": r["report"]["score"] if r.get("report") else None,
-                                     "error": r.get("error", "")} for r in records}}
+                                     "error": r.get("error", ""), "dynamic_code": r.get("dynamic", [])}
+                         for r in records}}
     (out / "class.json").write_text(json.dumps(data, indent=1, default=str) + "\n")
     return out / "index.html"

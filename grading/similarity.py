@@ -29,11 +29,18 @@ from pathlib import Path
 
 import numpy as np
 
+from grading.sandbox import shown
+
 SHARE = 0.8
 CHARS = 1000
 NOISE = 25  # copydetect's default noise threshold: runs of this many normalised characters are fingerprinted
 MAX_FILE = 256 * 1024  # a .py file larger than this is not read (not a student's hand-written code)
 MAX_FILES = 300  # .py files read per submission, at most
+BUDGET = 256 * 1024  # bytes of .py source fingerprinted per submission: the course's layout first, then the smallest
+# files (two students with a dozen 255 KiB files each once cost 51.5 s and 1.65 GiB; the real submissions' code is far
+# below this)
+LAYOUT = ("models/gpt2.py", "modules/attention.py", "modules/gpt2_layer.py", "optimizer.py", "models/base_gpt.py",
+          "config.py", "utils.py")
 SKIP = {".git", ".hg", ".svn", "__pycache__", ".ipynb_checkpoints", "venv", ".venv", "env", "site-packages",
         "node_modules"}
 
@@ -56,6 +63,8 @@ class Pair:
     matched_a: int  # of which found in the other submission
     matched_b: int
     flagged: bool = False
+    skipped_a: int = 0  # .py files of each side not read (over MAX_FILE or past BUDGET)
+    skipped_b: int = 0
     files: list[FileMatch] = field(default_factory=list)
 
     @property
@@ -69,21 +78,58 @@ class Pair:
     def to_dict(self) -> dict:
         return {"a": self.a, "b": self.b, "share": round(self.share, 3), "chars": self.chars, "own_a": self.own_a,
                 "own_b": self.own_b, "matched_a": self.matched_a, "matched_b": self.matched_b, "flagged": self.flagged,
-                "files": [{"file_a": f.file_a, "file_b": f.file_b, "chars": f.chars} for f in self.files]}
+                "skipped_a": self.skipped_a, "skipped_b": self.skipped_b, "files": [{"file_a": f.file_a, "file_b": f.file_b, "chars": f.chars} for f in self.files]}
 
 
-def python_files(folder: Path) -> list[Path]:
-    """The submission's .py files as the sandbox copies them (grading.sandbox.plan_copy: an iterative walk, names of
-    any bytes), without links, caches or environments, none over MAX_FILE; at most MAX_FILES."""
+def python_files(folder: Path, budget: int = BUDGET) -> tuple[list[Path], list[str]]:
+    """(read, skipped): the submission's .py files as the sandbox copies them (grading.sandbox.plan_copy: an
+    iterative walk, names of any bytes), without links, caches or environments; the course's layout first, then the
+    smallest, while they fit in `budget` bytes (none over MAX_FILE, at most MAX_FILES); and the names of the others."""
     from grading.sandbox import plan_copy
 
     found = []
     for rel, size, link in plan_copy(folder).files:
-        parts = Path(rel).parts
-        if rel.endswith(".py") and link is None and size <= MAX_FILE and not SKIP.intersection(parts[:-1]):
-            found.append(Path(folder, rel))
-            if len(found) >= MAX_FILES:
-                break
+        if rel.endswith(".py") and link is None and not SKIP.intersection(Path(rel).parts[:-1]):
+            found.append((rel, size))
+    found.sort(key=lambda f: (f[0] not in LAYOUT, LAYOUT.index(f[0]) if f[0] in LAYOUT else 0, f[1], f[0]))
+    read, skipped, total = [], [], 0
+    for rel, size in found:
+        if size > MAX_FILE or total + size > budget or len(read) >= MAX_FILES:
+            skipped.append(rel)
+            continue
+        read.append(Path(folder, rel))
+        total += size
+    return read, skipped
+
+
+DYNAMIC = {"exec", "eval", "compile"}  # builtins that run code the fingerprints never see
+DYNAMIC_ATTRS = {"exec_module", "run_path", "run_module"}  # importlib's loaders, runpy (and builtins.exec & co.)
+
+
+def dynamic_code(folder: Path) -> list[str]:
+    """Where the submission's read .py files run code made at run time (exec, eval, compile of a string or a file;
+    importlib's exec_module, runpy): code the similarity check cannot see, named for a person to read."""
+    import ast
+    import warnings
+
+    found = []
+    for path in python_files(Path(folder))[0]:
+        rel = shown(str(path.relative_to(folder)))
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                tree = ast.parse(path.read_bytes())
+        except (SyntaxError, ValueError, RecursionError, MemoryError, OSError):
+            continue
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Call):
+                continue
+            f = node.func
+            name = f.id if isinstance(f, ast.Name) and f.id in DYNAMIC else \
+                f.attr if isinstance(f, ast.Attribute) and (f.attr in DYNAMIC_ATTRS or f.attr in DYNAMIC and isinstance(
+                    f.value, ast.Name) and f.value.id in ("builtins", "__builtins__")) else None
+            if name:
+                found.append(f"{name}() at {rel}:{node.lineno}")
     return found
 
 
@@ -98,7 +144,7 @@ def _fingerprint(path: Path, boilerplate: np.ndarray | None, noise: int):
 
 def boilerplate_hashes(starter: Path | None, noise: int = NOISE) -> np.ndarray:
     hashes = []
-    for path in python_files(starter) if starter else []:
+    for path in python_files(starter)[0] if starter else []:
         fp = _fingerprint(path, None, noise)
         if fp is not None:
             hashes.extend(fp.hashes)
@@ -124,7 +170,8 @@ class Submission:
     def __init__(self, name: str, folder: Path, boilerplate: np.ndarray, noise: int):
         self.name = name
         self.files = {}
-        for path in python_files(Path(folder)):
+        read, self.skipped = python_files(Path(folder))
+        for path in read:
             fp = _fingerprint(path, boilerplate, noise)
             if fp is not None and fp.hashes:
                 self.files[str(path.relative_to(folder))] = fp
@@ -158,9 +205,12 @@ def _file_matches(a: Submission, b: Submission, limit: int = 8) -> list[FileMatc
     from copydetect.utils import highlight_overlap
 
     found = []
-    for (fa, pa), (fb, pb) in itertools.product(a.files.items(), b.files.items()):
-        if not pa.hashes & pb.hashes:
-            continue
+    shared = sorted(((len(pa.hashes & pb.hashes), fa, fb) for (fa, pa), (fb, pb)
+                     in itertools.product(a.files.items(), b.files.items())), key=lambda t: (-t[0], t[1], t[2]))
+    for n, fa, fb in shared[:limit]:  # only the file pairs that share the most fingerprints are compared and marked
+        if not n:
+            break
+        pa, pb = a.files[fa], b.files[fb]
         chars, _, (sa, sb) = compare_files(pa, pb)
         if chars:
             found.append((int(chars), fa, fb, pa, pb, sa, sb))
@@ -220,7 +270,8 @@ def _similar_pairs(folders, starter, share, chars, noise, keep, common, progress
                      disable=not progress, mininterval=1.0):
         if not a.hashes & b.hashes:
             continue
-        pair = Pair(a.name, b.name, a.own, b.own, a.matched(b), b.matched(a))
+        pair = Pair(a.name, b.name, a.own, b.own, a.matched(b), b.matched(a), skipped_a=len(a.skipped),
+                    skipped_b=len(b.skipped))
         pair.flagged = pair.share >= share and pair.chars >= chars
         pairs.append(pair)
     pairs.sort(key=lambda p: (not p.flagged, -p.share, -p.chars))

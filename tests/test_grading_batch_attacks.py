@@ -221,3 +221,49 @@ def test_a_changed_submission_behind_padding_is_regraded(tmp_path):
     assert read(out)["carol"]["embed"] == "0.0"
     assert (tmp_path / "s-reports" / "batch.log").read_text().splitlines()[-1].endswith(
         "graded=1 from_earlier_runs=0 worker_deaths=0")
+
+
+# ---- similarity: what it reads, what it costs, what it cannot see --------------------------------------------------
+
+def filler(seed: int, size: int) -> str:
+    """Python code of about `size` bytes, different for each seed (no two lines alike)."""
+    lines, n, i = [], 0, 0
+    while n < size:
+        line = f"def f{seed}_{i}(x):\n    return min(x, {seed * 7919 + i}) + max(x, {i * 104729 % 99991})\n\n"
+        lines.append(line)
+        n, i = n + len(line), i + 1
+    return "".join(lines)
+
+
+def test_similarity_reads_a_budget_per_submission_and_names_the_rest(tmp_path):
+    from grading.similarity import BUDGET, LAYOUT, python_files, similar_pairs
+
+    subs = tmp_path / "subs"
+    alice = write_submission(subs / "alice")
+    (alice / "extra.py").write_text((Path(__file__).resolve().parents[1] / "optimizer.py").read_text())
+    for i in range(12):  # a dozen 255 KiB files: once 51.5 s and 1.65 GiB for two such students
+        (alice / f"big{i:02d}.py").write_text(filler(i, 255 * 1024))
+    shutil.copytree(alice, subs / "alice-copy")
+    write_submission(subs / "bob", **NO_POSITIONS)
+    read, skipped = python_files(alice)
+    assert [str(p.relative_to(alice)) for p in read][:len(LAYOUT)] == list(LAYOUT)  # the graded files first
+    assert "extra.py" in {p.name for p in read} and len(skipped) == 12
+    assert sum(p.stat().st_size for p in read) <= BUDGET
+    pairs, own, _ = similar_pairs({p.name: p for p in subs.iterdir()}, write_submission(tmp_path / "starter"))
+    (pair,) = [p for p in pairs if p.flagged]
+    assert {pair.a, pair.b} == {"alice", "alice-copy"} and pair.skipped_a == pair.skipped_b == 12
+    assert len(pair.files) <= 8
+
+
+def test_code_run_from_strings_is_a_finding_on_the_students_page(tmp_path):
+    from grading.classreport import student_page
+    from grading.similarity import dynamic_code
+
+    sub = write_submission(tmp_path / "sub", attention=[("import math\n", "import math\nexec(open('a.txt').read())\n")])
+    (sub / "helper.py").write_text("import re\nPAT = re.compile('x')\ncode = compile('1 + 1', 'f', 'eval')\n"
+                                   "model_eval = None\n")
+    found = dynamic_code(sub)
+    assert found == ["exec() at modules/attention.py:2", "compile() at helper.py:3"], found
+    page = student_page({"entry": {"submission": "sub", "folder": str(sub)}, "report": None, "error": "x",
+                         "dynamic": found})
+    assert "finding: exec() at modules/attention.py:2" in page

@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", nargs="?", default="gpt2", help="hub id (gpt2, gpt2-medium, ...) or a local HF folder")
     p.add_argument("--tokenizer", default=None, help="tokenizer for the test prompts (default: the model's, "
-                   "../shared/gpt2-tokenizer, then the hub's gpt2)")
+                   "data/gpt2-tokenizer, then the hub's gpt2)")
     p.add_argument("--atol", type=float, default=1e-4, help="largest allowed |logit difference| (fp32)")
     p.add_argument("--rtol", type=float, default=1e-4,
                    help="largest allowed hidden-state difference relative to the largest |hidden value| of that layer")

@@ -21,8 +21,12 @@ flagged. The flag is a pointer for a person to read both sides, not a verdict.
 """
 from __future__ import annotations
 
+import ast
+import io
 import itertools
 import logging
+import re
+import tokenize
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -81,25 +85,88 @@ class Pair:
                 "skipped_a": self.skipped_a, "skipped_b": self.skipped_b, "files": [{"file_a": f.file_a, "file_b": f.file_b, "chars": f.chars} for f in self.files]}
 
 
-def python_files(folder: Path, budget: int = BUDGET) -> tuple[list[Path], list[str]]:
-    """(read, skipped): the submission's .py files as the sandbox copies them (grading.sandbox.plan_copy: an
-    iterative walk, names of any bytes), without links, caches or environments; the course's layout first, then the
-    smallest, while they fit in `budget` bytes (none over MAX_FILE, at most MAX_FILES); and the names of the others."""
+COMMENT_LINES = re.compile(r"^[ \t]*#[^\n]*\n?", re.M)
+
+
+def read_source(path: Path) -> str | None:
+    """A .py file's text as Python reads it (its coding cookie or BOM, else UTF-8); None when it is not text."""
+    try:
+        data = path.read_bytes()
+        encoding, _ = tokenize.detect_encoding(io.BytesIO(data).readline)
+        return data.decode(encoding)
+    except (OSError, SyntaxError, LookupError, UnicodeDecodeError, ValueError):
+        return None
+
+
+def _imported(rel: str, code: str) -> list[str]:
+    """The submission's files a module's imports may name (`a.b` -> a/b.py, a/b/__init__.py; relative ones too)."""
+    try:
+        tree = ast.parse(code)
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return []
+    base, out = list(Path(rel).parent.parts), []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [(a.name, 0) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            mod = node.module or ""
+            names = [(mod, node.level)] + [(f"{mod}.{a.name}" if mod else a.name, node.level) for a in node.names]
+        else:
+            continue
+        for name, level in names:
+            parts = (base[:len(base) - level + 1] if level else []) + [p for p in name.split(".") if p]
+            if parts:
+                out += ["/".join(parts) + ".py", "/".join(parts + ["__init__.py"])]
+    return out
+
+
+def python_sources(folder: Path, budget: int = BUDGET) -> tuple[dict[str, str], list[str]]:
+    """(read, skipped): {relative name: code} of the submission's .py files as the sandbox copies them
+    (grading.sandbox.plan_copy), each read as Python reads it (any source encoding), in this order while they fit in
+    `budget` characters: the course's layout, then the files its code imports (breadth first, wherever they are),
+    then the smallest others (not in caches or environments); a file over MAX_FILE is read without its comment lines
+    (a long comment is no way to hide code). `skipped`: the names of the files not read."""
+    from collections import deque
+
     from grading.sandbox import plan_copy
 
-    found = []
-    for rel, size, link in plan_copy(folder).files:
-        if rel.endswith(".py") and link is None and not SKIP.intersection(Path(rel).parts[:-1]):
-            found.append((rel, size))
-    found.sort(key=lambda f: (f[0] not in LAYOUT, LAYOUT.index(f[0]) if f[0] in LAYOUT else 0, f[1], f[0]))
-    read, skipped, total = [], [], 0
-    for rel, size in found:
-        if size > MAX_FILE or total + size > budget or len(read) >= MAX_FILES:
+    sizes = {rel: size for rel, size, link in plan_copy(folder).files if rel.endswith(".py") and link is None}
+    read, skipped, total = {}, [], 0
+
+    def take(rel: str) -> str | None:
+        nonlocal total
+        code = read_source(Path(folder, rel)) if sizes[rel] <= 64 * MAX_FILE else None
+        if code is None:
             skipped.append(rel)
+            return None
+        if len(code) > MAX_FILE:
+            code = COMMENT_LINES.sub("", code)
+        if len(code) > MAX_FILE or total + len(code) > budget or len(read) >= MAX_FILES:
+            skipped.append(rel)
+            return None
+        read[rel] = code
+        total += len(code)
+        return code
+
+    queue, seen = deque(r for r in LAYOUT if r in sizes), set()
+    while queue:
+        rel = queue.popleft()
+        if rel in seen:
             continue
-        read.append(Path(folder, rel))
-        total += size
+        seen.add(rel)
+        code = take(rel)
+        if code is not None:
+            queue.extend(r for r in _imported(rel, code) if r in sizes and r not in seen)
+    for rel in sorted((r for r in sizes if r not in seen and not SKIP.intersection(Path(r).parts[:-1])),
+                      key=lambda r: (sizes[r], r)):
+        take(rel)
     return read, skipped
+
+
+def python_files(folder: Path, budget: int = BUDGET) -> tuple[list[Path], list[str]]:
+    """(read, skipped) of python_sources, as paths."""
+    read, skipped = python_sources(folder, budget)
+    return [Path(folder, rel) for rel in read], skipped
 
 
 DYNAMIC = {"exec", "eval", "compile"}  # builtins that run code the fingerprints never see
@@ -109,17 +176,15 @@ DYNAMIC_ATTRS = {"exec_module", "run_path", "run_module"}  # importlib's loaders
 def dynamic_code(folder: Path) -> list[str]:
     """Where the submission's read .py files run code made at run time (exec, eval, compile of a string or a file;
     importlib's exec_module, runpy): code the similarity check cannot see, named for a person to read."""
-    import ast
     import warnings
 
     found = []
-    for path in python_files(Path(folder))[0]:
-        rel = shown(str(path.relative_to(folder)))
+    for rel, code in python_sources(Path(folder))[0].items():
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                tree = ast.parse(path.read_bytes())
-        except (SyntaxError, ValueError, RecursionError, MemoryError, OSError):
+                tree = ast.parse(code)
+        except (SyntaxError, ValueError, RecursionError, MemoryError):
             continue
         for node in ast.walk(tree):
             if not isinstance(node, ast.Call):
@@ -129,23 +194,23 @@ def dynamic_code(folder: Path) -> list[str]:
                 f.attr if isinstance(f, ast.Attribute) and (f.attr in DYNAMIC_ATTRS or f.attr in DYNAMIC and isinstance(
                     f.value, ast.Name) and f.value.id in ("builtins", "__builtins__")) else None
             if name:
-                found.append(f"{name}() at {rel}:{node.lineno}")
+                found.append(f"{name}() at {shown(rel)}:{node.lineno}")
     return found
 
 
-def _fingerprint(path: Path, boilerplate: np.ndarray | None, noise: int):
+def _fingerprint(code: str, boilerplate: np.ndarray | None, noise: int):
     from copydetect.detector import CodeFingerprint
 
     try:
-        return CodeFingerprint(str(path), noise, 1, boilerplate, language="python", encoding="utf-8")
+        return CodeFingerprint("code.py", noise, 1, boilerplate, language="python", fp=io.StringIO(code))
     except (UnicodeDecodeError, OSError, ValueError):
-        return None  # not text: not code a person reads
+        return None  # not code a person reads
 
 
 def boilerplate_hashes(starter: Path | None, noise: int = NOISE) -> np.ndarray:
     hashes = []
-    for path in python_files(starter)[0] if starter else []:
-        fp = _fingerprint(path, None, noise)
+    for code in python_sources(starter)[0].values() if starter else []:
+        fp = _fingerprint(code, None, noise)
         if fp is not None:
             hashes.extend(fp.hashes)
     return np.unique(np.array(hashes, dtype=np.int64))
@@ -170,11 +235,11 @@ class Submission:
     def __init__(self, name: str, folder: Path, boilerplate: np.ndarray, noise: int):
         self.name = name
         self.files = {}
-        read, self.skipped = python_files(Path(folder))
-        for path in read:
-            fp = _fingerprint(path, boilerplate, noise)
+        read, self.skipped = python_sources(Path(folder))
+        for rel, code in read.items():
+            fp = _fingerprint(code, boilerplate, noise)
             if fp is not None and fp.hashes:
-                self.files[str(path.relative_to(folder))] = fp
+                self.files[shown(rel)] = fp
         self.hashes = set().union(*(fp.hashes for fp in self.files.values())) if self.files else set()
         self.own = self._own()
 

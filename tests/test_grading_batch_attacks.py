@@ -267,3 +267,32 @@ def test_code_run_from_strings_is_a_finding_on_the_students_page(tmp_path):
     page = student_page({"entry": {"submission": "sub", "folder": str(sub)}, "report": None, "error": "x",
                          "dynamic": found})
     assert "finding: exec() at modules/attention.py:2" in page
+
+
+def test_copies_with_mechanical_edits_are_still_flagged(tmp_path):
+    """Issue 55's evasions, each on a copy of alice (whose own code, extra.py, her attention module imports): another
+    source encoding, a long comment past the size cap, the code moved into a folder the detector skipped (and
+    imported from there), 400 dummy files beside it. Before, none was flagged (shares 25-62%, or under 1000 chars)."""
+    from grading.similarity import similar_pairs
+
+    starter = write_submission(tmp_path / "starter")
+    subs = tmp_path / "subs"
+    own = (Path(__file__).resolve().parents[1] / "optimizer.py").read_text()
+    imports = [("import math\n", "import math\nimport extra  # noqa\n")]
+    alice = write_submission(subs / "alice", attention=imports)
+    (alice / "extra.py").write_text(own)
+    carol = write_submission(subs / "carol", attention=imports)
+    (carol / "extra.py").write_bytes(("# -*- coding: latin-1 -*-\n# caf\u00e9\n" + own).encode("latin-1", "replace"))
+    dave = write_submission(subs / "dave", attention=imports)
+    (dave / "extra.py").write_text("".join(f"# {i:06d} {'x' * 70}\n" for i in range(4000)) + own)
+    erin = write_submission(subs / "erin", attention=[("import math\n", "import math\nfrom env import extra  # noqa\n")])
+    (erin / "env").mkdir()
+    (erin / "env" / "extra.py").write_text(own)
+    frank = write_submission(subs / "frank", attention=imports)
+    (frank / "extra.py").write_text(own)
+    for i in range(400):
+        (frank / f"dummy{i:03d}.py").write_text(f"X{i} = {i}\n")
+    pairs, _, _ = similar_pairs({p.name: p for p in subs.iterdir()}, starter)
+    flagged = {frozenset((p.a, p.b)) for p in pairs if p.flagged}
+    for name in ("carol", "dave", "erin", "frank"):
+        assert frozenset(("alice", name)) in flagged, (name, [(p.a, p.b, p.share, p.chars) for p in pairs])

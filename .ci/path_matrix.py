@@ -57,4 +57,9 @@ def main(tests: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:] or ["tests/test_paths.py"]))
+    import argparse
+
+    parser = argparse.ArgumentParser(description="The path-sensitive tests with every CPU-dependent path forced off, "
+                                                 "then each one forced on (docs/paths.md).")
+    parser.add_argument("tests", nargs="*", default=["tests/test_paths.py"], help="test files (default: %(default)s)")
+    sys.exit(main(parser.parse_args().tests))

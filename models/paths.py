@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from dataclasses import dataclass
 from typing import Callable
 
@@ -187,7 +186,12 @@ def table() -> str:
 
 
 if __name__ == "__main__":
-    if "--json" in sys.argv[1:]:
+    import argparse
+
+    parser = argparse.ArgumentParser(description="The CPU-dependent paths: which this machine takes, why, and how "
+                                                 "to force each on and off (docs/paths.md).")
+    parser.add_argument("--json", action="store_true", help="print the matrix as JSON")
+    if parser.parse_args().json:
         print(json.dumps(matrix(), indent=1))
     else:
         from modules.rows import cpu_flags

@@ -26,6 +26,8 @@ import zipfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.machine import print_machine_header  # noqa: E402
+from bench.results import Recorder  # noqa: E402
 from grading.example import BUGS, write_submission  # noqa: E402
 
 NO_POSITIONS = BUGS["no_positions"][1]
@@ -238,6 +240,8 @@ def main() -> None:
     p.add_argument("--only", default="", help="comma-separated attacks (default all): " + ",".join(ATTACKS))
     p.add_argument("--out", help="append one JSON line per attack here")
     args = p.parse_args()
+    print_machine_header()
+    recorder = Recorder("grading_batch_attacks")
     repo = Path(args.repo).resolve()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo, capture_output=True,
                             text=True).stdout.strip()
@@ -255,6 +259,19 @@ def main() -> None:
         if args.out:
             with open(args.out, "a") as f:
                 f.write(line + "\n")
+        record(recorder, result)
+    recorder.write()
+
+
+def record(recorder: Recorder, result: dict) -> None:
+    """One record per attack in bench/results/grading_batch_attacks.jsonl: whether the batch finished and whether
+    every honest row equals the batch without the attacker (1 yes, 0 no; omitted where compared by eye)."""
+    values = {"finished": float(bool(result.get("finished")))}
+    if result.get("honest_equal") is not None:
+        values["honest rows equal"] = float(bool(result["honest_equal"]))
+    attacker = {k: result[k] for k in ("attacker", "rc") if k in result}
+    recorder.add(result["attack"], values, "1 = yes", graded_commit=result["commit"],
+                 notes=json.dumps(attacker, default=str)[:500])
 
 
 if __name__ == "__main__":

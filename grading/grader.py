@@ -21,6 +21,7 @@ import torch
 from grading import checks, forbidden, probes, questions
 from grading.environment import COURSE_PACKAGES, environment_findings
 from grading.sandbox import Limits, Run, Sandbox, copy_submission, sweep_leftovers
+from models.hub import data_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_RUBRIC = Path(__file__).with_name("rubric.json")
@@ -121,8 +122,9 @@ class Grader:
         self.scorer = checks.Scorer(self.rubric)
         self.sandbox = Sandbox(limits)
         self.sandbox.packages = sorted({*COURSE_PACKAGES, *self.rubric.get("allow_packages", ())})
-        shared = Path(shared_dir or os.environ.get("GPT2_SHARED_DIR", ROOT.parent / "shared"))
-        self.course_npy = shared / "data" / "cs224n" / "optimizer_test.npy"
+        # shared_dir: a folder laid out as ../shared (data/cs224n/...); else the data resolver's (data/ in the project)
+        data = Path(shared_dir) / "data" if shared_dir else data_dir()
+        self.course_npy = data / "cs224n" / "optimizer_test.npy"
         self._hub: tuple[str, dict] | None = None
         sweep_leftovers()  # what graders killed here before left in the temporary folder
         self._tmp = tempfile.TemporaryDirectory(prefix=f"grading-hub-{os.getpid()}-")

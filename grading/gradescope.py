@@ -18,6 +18,7 @@ import zipfile
 from pathlib import Path
 
 from grading.environment import EXIT_ENVIRONMENT, GraderEnvironmentError, check_environment
+from models.hub import data_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 ROOT_ENV = "AUTOGRADER_ROOT"  # the /autograder root is a setting, so the zip can be run anywhere (tests, a laptop)
@@ -94,8 +95,7 @@ def build_package(out: str | os.PathLike, rubric: str | os.PathLike | None = Non
     rubric_data = load_rubric(rubric or DEFAULT_RUBRIC)  # raises RubricError naming the problem
     if allow_packages:
         rubric_data["allow_packages"] = sorted(set(rubric_data.get("allow_packages", [])) | set(allow_packages))
-    shared_dir = Path(shared or os.environ.get("GPT2_SHARED_DIR", ROOT.parent / "shared"))
-    npy = shared_dir / "data" / "cs224n" / "optimizer_test.npy"
+    npy = (Path(shared) / "data" if shared else data_dir()) / "cs224n" / "optimizer_test.npy"
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")

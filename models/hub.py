@@ -56,12 +56,6 @@ def not_found(what: str, path: str | os.PathLike) -> str:
     return f"{what} not found: {path}" + (f" ({missing_data(path)})" if ours else "")
 
 
-def shared_dir() -> Path:
-    """$GPT2_SHARED_DIR when set, else ../shared beside the project: the old place of the data, still read by
-    grading/ (its optimizer_test.npy). Everything else reads data_dir() and tokenizer_dir()."""
-    return _override() or PROJECT_ROOT.parent / "shared"
-
-
 def expand(spec: str | os.PathLike) -> str:
     """A user's path as the shell would have expanded it (`~/models/x` arrives unexpanded when quoted)."""
     return os.path.expanduser(str(spec))

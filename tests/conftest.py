@@ -21,7 +21,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from config import GPT2Config  # noqa: E402
-from models.hub import data_dir, missing_data, shared_dir, tokenizer_dir  # noqa: E402
+from models.hub import data_dir, missing_data, tokenizer_dir  # noqa: E402
 
 # Odd shapes on purpose: head counts 3 and 5, n_inner set, vocab sizes that are not multiples of 64.
 TINY_CONFIGS = {
@@ -118,15 +118,6 @@ def tokenizer_path() -> Path:
 def _present(path: Path) -> Path:
     if not path.exists():
         pytest.skip(f"data not found: {path} ({missing_data(path)})")
-    return path
-
-
-def shared_path(*parts: str) -> Path:
-    """A file under the folder grading/ reads ($GPT2_SHARED_DIR, else ../shared), or skip the test with the reason.
-    Only the grading tests still use it: everything else reads data_path() and tokenizer_path()."""
-    path = shared_dir().joinpath(*parts)
-    if not path.exists():
-        pytest.skip(f"shared data not found: {path} (set GPT2_SHARED_DIR to the shared folder)")
     return path
 
 

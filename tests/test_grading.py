@@ -6,7 +6,7 @@ One Grader (one warm sandbox) serves the whole module: a check costs a fork, not
 from __future__ import annotations
 
 import pytest
-from conftest import shared_path
+from conftest import data_path
 
 from grading.example import write_submission
 from grading.grader import CHECKS, Grader
@@ -31,7 +31,7 @@ def scores(report):
 
 @pytest.mark.parametrize("gelu", ["exact", "tanh"])
 def test_correct_submission_gets_full_marks(grader, tmp_path, gelu):
-    shared_path("data", "cs224n", "optimizer_test.npy")  # full AdamW marks need the course's reference (else skip)
+    data_path("cs224n", "optimizer_test.npy")  # full AdamW marks need the course's reference (else skip)
     replace = {} if gelu == "exact" else {"layer": [("self.interm_af = F.gelu",
                                                     "self.interm_af = lambda x: F.gelu(x, approximate='tanh')")]}
     report = grade(grader, tmp_path, **replace)

@@ -20,9 +20,9 @@ import sys
 from pathlib import Path
 
 from grading import example
+from grading.checks import BUGS as DIAGNOSES
 from grading.environment import EXIT_ENVIRONMENT, GraderEnvironmentError, check_environment
 from grading.grader import CHECKS, DEFAULT_RUBRIC, Grader, RubricError, load_rubric
-from grading.reference import BUGS as DIAGNOSES
 from grading.report import gradescope, table, write_json
 from grading.sandbox import Limits
 

@@ -27,7 +27,8 @@ BUGS = {**BUGS,
         "dropout_before_softmax": "dropout before the softmax (masked positions get probability in training mode)",
         "no_attention_dropout": "no dropout on the attention probabilities (visible in training mode only)",
         "dropout_misplaced": "residual dropout misplaced (not applied to the dense layer's output, training mode)",
-        "untied_head": "LM head not tied to word_embedding (hidden_state_to_token ignores it)"}
+        "untied_head": "LM head not tied to word_embedding (hidden_state_to_token ignores it)",
+        "heads_unmerged": "heads returned unmerged: (B, h, T, hd) where the course's interface is (B, T, C)"}
 MASKS = {k: torch.tensor(v) for k, v in probes.MASKS.items()}
 H = probes.H
 MATCH = 1e-4  # a variant within this of the submission "is" its bug
@@ -54,6 +55,8 @@ class CheckResult:
     messages: list[str] = field(default_factory=list)  # findings and how the check was graded
     info: list[str] = field(default_factory=list)  # differences to transformers' GPT-2 that cost no points
     output: str = ""  # the submission's captured output (truncated)
+    # outputs that break the course's interface (questions.CONTRACTS): part -> what; finish() scores those parts 0
+    broken: dict = field(default_factory=dict, repr=False)
 
     @property
     def score(self) -> float:
@@ -129,15 +132,29 @@ def failed_run(result: CheckResult, run: Run) -> bool:
 
 def answers(run: Run, result: CheckResult, shapes: dict | None = None) -> dict:
     """The outputs the grader asked for, each with its expected shape (float32 already); anything else is dropped
-    and said, so a part whose output is missing or malformed scores 0."""
+    and said, so a part whose output is missing or malformed scores 0. A graded output of another shape than the
+    course's interface fixes breaks the contract (questions.CONTRACTS): recorded in result.broken, for finish() to
+    score its part 0 and name the shape; attention's heads returned unmerged are merged here (so their values can
+    still be diagnosed) and recorded all the same."""
     shapes = shapes if shapes is not None else questions.ANSWERS[result.name]
+    unmerged = questions.UNMERGED.get(result.name, {})
     kept, dropped = {}, []
     for name, x in run.tensors.items():
         want = shapes.get(name)
-        if want is not None and tuple(x.shape) == tuple(want):
+        got = tuple(x.shape)
+        c = questions.contract(result.name, name) if want is not None else None
+        if want is not None and got == tuple(want):
             kept[name] = x
+        elif c is not None:
+            part, fn, symbols = c
+            if got == unmerged.get(name):
+                kept[name] = x.transpose(1, 2).reshape(want)
+                what = f"the heads unmerged, (B, h, T, hd) = {got}"
+            else:
+                what = f"shape {got}"
+            result.broken.setdefault(part, f"{fn} returns {what}, not the course's {symbols} = {tuple(want)}")
         else:
-            dropped.append(f"{name} {tuple(x.shape)}" + (f" (expected {tuple(want)})" if want else ""))
+            dropped.append(f"{name} {got}" + (f" (expected {tuple(want)})" if want else ""))
     if dropped:
         result.messages.append(f"finding: the check returned {len(dropped)} tensor(s) the grader did not ask for or "
                                f"of the wrong shape, ignored: {', '.join(dropped[:5])}" + (" ..." if len(dropped) > 5 else ""))
@@ -239,7 +256,23 @@ def diagnose(result: CheckResult, student: list, variants: dict) -> None:
         result.diagnosis = f"no typical bug matches exactly (closest: {BUGS[best]}, max error {errs[best]:.2g})"
 
 
+def contract_findings(result: CheckResult) -> None:
+    """Each part whose output breaks the course's interface (result.broken) scores 0, with a finding naming the
+    shape; a part graded through forward() shares forward()'s."""
+    broken = dict(result.broken)
+    if "forward" in broken:
+        for p in result.parts:
+            if p.name != "forward" and THROUGH_FORWARD in p.message:
+                broken.setdefault(p.name, broken["forward"])
+    for p in result.parts:
+        if p.name in broken and p.status not in ("skipped", "not implemented", "error"):
+            p.points, p.status = 0.0, "fail"
+            p.message = f"{broken[p.name]} (the interface contract)"
+            result.messages.append(f"finding: the interface contract: {broken[p.name]}: {p.name} scores 0")
+
+
 def finish(result: CheckResult) -> CheckResult:
+    contract_findings(result)
     if result.diagnosis_key:  # "close" because of a known bug is not a rounding difference
         for p in result.parts:
             if p.status == "close":
@@ -259,6 +292,11 @@ def check_attention(run: Run, scorer: Scorer) -> CheckResult:
         return result
     t, g = answers(run, result), run.given
     result.messages += run.info.get("notes", [])
+    if "attention" in result.broken and "forward" not in result.broken and "attention.left" in t:
+        # attention() returns the heads unmerged and forward() merges them: the module keeps the course's interface
+        del result.broken["attention"]
+        result.messages.append("attention() returns the heads unmerged (B, h, T, hd) and forward() merges them, so "
+                               "forward() keeps the course's (B, T, C): attention() graded merged")
     w = {k: v for k, v in g.items() if k.split(".")[0] in ("query", "key", "value")}
     refs = {case: ref.attention(w, g["x"], m, H) for case, m in MASKS.items()}
     _self_check(ref.f_attention(g["x"], w, MASKS["left"], H), refs["left"], MASKS["left"], "attention")
@@ -275,6 +313,8 @@ def check_attention(run: Run, scorer: Scorer) -> CheckResult:
         student = [(t.get(f"forward.{c}"), MASKS[c]) for c in MASKS]
         diagnose(result, student, {b: [ref.f_attention(g["x"], w, MASKS[c], H, (b,)) for c in MASKS]
                                    for b in ref.ATTENTION_BUGS})
+    elif "forward" in result.broken:  # right values, merged by the grader: the layout is the bug
+        result.diagnosis, result.diagnosis_key = BUGS["heads_unmerged"], "heads_unmerged"
     training_properties(result, parts["training"], t, g, values_of(run))
     return finish(result)
 

@@ -301,6 +301,18 @@ def with_reference_attention(layer, given, notes, prefix=""):
         notes.append(f"its attention {e} (the layout probe): the course's layout assumed")
     except Exception:  # noqa: BLE001  (a broken attention: the course's layout)
         pass
+    if unmerged:  # only where its layer takes them: a layer written to the course's (B, T, C) gets that
+        setattr(layer, name, STANDINS.RefAttention(w, H, True))
+        try:
+            with torch.no_grad(), capped(LAYOUT_CAP_S), graded(None):
+                layer(torch.randn(1, T, D, generator=gen(98)), torch.zeros(1, 1, 1, T))
+            notes.append("its attention returns the heads unmerged (B, h, T, hd) and its layer takes them so: "
+                         "graded with a reference attention in that layout")
+        except OverCap as e:
+            unmerged = False
+            notes.append(f"its layer {e} (the layout probe): the course's layout assumed")
+        except Exception:  # noqa: BLE001  (its layer takes the course's (B, T, C))
+            unmerged = False
     setattr(layer, name, STANDINS.RefAttention(w, H, unmerged))
     notes.append("graded with the reference attention in place of the submission's (the attention check grades it)")
 
@@ -341,16 +353,6 @@ def heads(x):
     return x.view(x.shape[0], x.shape[1], H, HD).transpose(1, 2)  # (B, h, T, hd)
 
 
-def merged(y, what, notes):
-    """(B, T, D) as the course returns it; (B, h, T, hd) is merged here and said so."""
-    if y.dim() == 4 and y.shape[1] == H and y.shape[-1] == HD:
-        notes.append(f"{what} returns the heads unmerged (B, h, T, hd); the grader merged them")
-        return y.transpose(1, 2).reshape(y.shape[0], y.shape[2], D)
-    if y.dim() != 3 or y.shape[-1] != D:
-        raise Deviation(f"{what} returned shape {tuple(y.shape)}, expected (B, T, {D})")
-    return y
-
-
 # ---- probes: each gets the grader's tensors (`given`) and fills `out` with the submission's outputs only --------
 
 STAND_IN = {"eps_attn": 1e-5, "eps_mlp": 1e-5, "activation": "tanh"}  # the reference layers' choices in the model probe
@@ -367,16 +369,14 @@ def probe_attention(given, out, notes, values):
     x = given["x"]
     with torch.no_grad():
         with graded("forward"):
-            for case, m in masks().items():
-                out[f"forward.{case}"] = merged(tensor_out(att(x, extended_mask(m, notes)),
-                                                           "CausalSelfAttention.forward"),
-                                                "CausalSelfAttention.forward", notes)
+            for case, m in masks().items():  # as returned: the grader judges the shape (the course's: (B, T, C))
+                out[f"forward.{case}"] = tensor_out(att(x, extended_mask(m, notes)), "CausalSelfAttention.forward")
         # attention() on its own, with q/k/v in the course's (B, h, T, hd) layout
         q, k, v = (heads(x @ given[f"{n}.weight"].t() + given[f"{n}.bias"]) for n in ("query", "key", "value"))
         try:
             with graded("attention"):
-                y = tensor_out(att.attention(k, q, v, extended_mask(masks()["left"], notes)), "attention()")
-            out["attention.left"] = merged(y, "attention()", notes)
+                out["attention.left"] = tensor_out(att.attention(k, q, v, extended_mask(masks()["left"], notes)),
+                                                   "attention()")
         except (TypeError, AttributeError, Deviation) as e:
             notes.append(f"attention() could not be called as attention(key, query, value, mask) ({e}); "
                          f"graded through forward()")

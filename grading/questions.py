@@ -133,3 +133,32 @@ ANSWERS = {
     "adamw": {"course.weight": (2, 3), "torch.0.weight": (8, 4), "torch.0.bias": (8,), "torch.2.weight": (2, 8),
               "torch.2.bias": (2,)},
 }
+
+# The course's interface: each graded output, the rubric part it serves, the function that returns it and the shape
+# the course fixes for it (in its symbols: B batch, T tokens, C hidden size, V vocabulary). An output of another shape
+# breaks the contract: that part scores 0, with a finding naming the shape (grading/checks.py). A key ending in "."
+# covers every name that begins with it (the padding cases).
+CONTRACTS = {
+    "attention": {"forward.": ("forward", "CausalSelfAttention.forward", "(B, T, C)"),
+                  "attention.left": ("attention", "attention()", "(B, T, C)")},
+    "layer": {"forward.": ("forward", "GPT2Layer.forward", "(B, T, C)"), "add": ("add", "GPT2Layer.add", "(B, T, C)"),
+              "train": ("training", "GPT2Layer.forward (training mode)", "(B, T, C)")},
+    "embed": {"embed": ("embed", "GPT2Model.embed", "(B, T, C)"),
+              "embed.train": ("training", "GPT2Model.embed (training mode)", "(B, T, C)")},
+    "model": {"last_hidden_state": ("forward", "GPT2Model.forward()['last_hidden_state']", "(B, T, C)"),
+              "last_token": ("forward", "GPT2Model.forward()['last_token']", "(B, C)"),
+              "logits": ("hidden_state_to_token", "hidden_state_to_token", "(B, T, V)"),
+              "logits.tied": ("hidden_state_to_token", "hidden_state_to_token", "(B, T, V)")},
+}
+# The heads unmerged, (B, h, T, hd): the shape the probe passes on as returned, so the grader can merge them to name
+# the values' bugs as well as the broken contract (and accept attention()'s where forward() merges them itself).
+UNMERGED = {"attention": {name: (B, H, T, HD) for name in ("forward.nopad", "forward.right", "forward.left",
+                                                           "attention.left")}}
+
+
+def contract(check: str, name: str) -> tuple[str, str, str] | None:
+    """(part, function, shape in the course's symbols) of a graded output, or None for the grader's measurements."""
+    for key, c in CONTRACTS.get(check, {}).items():
+        if name == key or (key.endswith(".") and name.startswith(key)):
+            return c
+    return None

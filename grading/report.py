@@ -29,17 +29,50 @@ def table(report: Report) -> str:
     return "\n".join(lines + ([""] + details if details else []))
 
 
-def check_output(c) -> str:
-    lines = [f"{c.verdict}: {c.score:g} / {c.max_score:g}"]
-    for p in c.parts:
+# What each rubric part grades, as Gradescope names its test: one test per graded function (a part of another rubric
+# is named by its check and part)
+FUNCTIONS = {
+    ("attention", "forward"): "CausalSelfAttention.forward",
+    ("attention", "attention"): "CausalSelfAttention.attention",
+    ("attention", "training"): "CausalSelfAttention.attention in training mode (attention dropout)",
+    ("layer", "add"): "GPT2Layer.add",
+    ("layer", "forward"): "GPT2Layer.forward",
+    ("layer", "training"): "GPT2Layer.forward in training mode (residual dropouts)",
+    ("embed", "embed"): "GPT2Model.embed",
+    ("embed", "training"): "GPT2Model.embed in training mode (embedding dropout)",
+    ("model", "forward"): "GPT2Model.forward",
+    ("model", "hidden_state_to_token"): "GPT2Model.hidden_state_to_token",
+    ("from_pretrained", "from_pretrained"): "GPT2Model.from_pretrained",
+    ("adamw", "course_test"): "AdamW: the course's optimizer_test",
+    ("adamw", "torch_adamw"): "AdamW: against torch.optim.AdamW",
+}
+
+
+def part_test_name(check: str, part: str) -> str:
+    return f"{check}: {FUNCTIONS.get((check, part), part)}"
+
+
+def part_tests(c) -> list[dict]:
+    """Gradescope's tests for one check: one per rubric part (a function, or a function in training mode), so a
+    failing part never shows inside a passing one's test; each says its own points, then the check's diagnosis and
+    findings; the output of the student's code goes with the check's first test that lost points (else its first).
+    The scores and maxima add up to the check's."""
+    lost = [i for i, p in enumerate(c.parts) if p.status not in ("pass", "skipped")]
+    with_output = lost[0] if lost else 0
+    tests = []
+    for i, p in enumerate(c.parts):
         err = f", max error {p.error:.3g}" if p.error is not None and p.error != float("inf") else ""
-        lines.append(f"- {p.name}: {p.points:g} / {p.max:g} ({p.status}{err})" + (f" {p.message}" if p.message else ""))
-    if c.diagnosis:
-        lines.append(f"Diagnosis: {c.diagnosis}")
-    lines += list(dict.fromkeys(c.messages)) + [f"Info (no points): {i}" for i in c.info]
-    if c.output.strip():
-        lines.append("Output of your code (truncated):\n" + c.output[-2000:])
-    return "\n".join(lines)
+        lines = [f"{p.status}: {p.points:g} / {p.max if p.status != 'skipped' else 0:g}{err}"
+                 + (f" {p.message}" if p.message else "")]
+        if c.diagnosis:
+            lines.append(f"Diagnosis ({c.name}): {c.diagnosis}")
+        lines += list(dict.fromkeys(c.messages)) + [f"Info (no points): {x}" for x in c.info]
+        if i == with_output and c.output.strip():
+            lines.append("Output of your code (truncated):\n" + c.output[-2000:])
+        tests.append({"name": part_test_name(c.name, p.name), "score": round(p.points, 4),
+                      "max_score": 0.0 if p.status == "skipped" else p.max, "output": "\n".join(lines),
+                      "visibility": "visible"})
+    return tests
 
 
 def stable_diagnosis(check: dict) -> str:
@@ -55,14 +88,13 @@ def stable_diagnosis(check: dict) -> str:
 
 
 def gradescope(report: Report) -> dict:
-    """Gradescope's results.json: score, execution_time, tests (name, score, max_score, output, visibility),
-    leaderboard."""
+    """Gradescope's results.json: score, execution_time, tests (name, score, max_score, output, visibility; one test
+    per rubric part, named by the function it grades: part_tests), leaderboard."""
     out = {
         "score": round(report.total, 4),
         "execution_time": round(report.seconds, 2),
         "output": f"Graded against the reference GPT-2: {report.total:g} / {report.max_total:g}",
-        "tests": [{"name": c.name, "score": round(c.score, 4), "max_score": c.max_score, "output": check_output(c),
-                   "visibility": "visible"} for c in report.checks],
+        "tests": [t for c in report.checks for t in part_tests(c)],
     }
     if report.environment:  # said once for the submission, not on every check it broke
         out["output"] += "\n" + "\n".join(report.environment)

@@ -181,12 +181,12 @@ class LoRALinear(nn.Module):
 class CausalSelfAttention'''
 
 DEVIATIONS = {
-    # the head merge moves out of attention() into the layer: attention() and forward() return (B, h, T, hd)
-    "merge_in_layer": (dict(attention=[(MERGE, "return out")],
-                            layer=[("        hidden_states = self.add(hidden_states, attn,",
-                                    "        attn = attn.transpose(1, 2).reshape(hidden_states.shape)\n"
-                                    "        hidden_states = self.add(hidden_states, attn,")]),
-                       "returns the heads unmerged"),
+    # attention() returns (B, h, T, hd) and forward() merges them: the module keeps the course's (B, T, C)
+    "merge_in_forward": (dict(attention=[(MERGE, "return out"),
+                                         ("return self.attention(key_layer, query_layer, value_layer, attention_mask)",
+                                          "out = self.attention(key_layer, query_layer, value_layer, attention_mask)\n"
+                                          "        return out.transpose(1, 2).reshape(hidden_states.shape)")]),
+                         "attention() returns the heads unmerged (B, h, T, hd) and forward() merges them"),
     "add_removed": (dict(layer=[("    def add(self, input, output, dense_layer, dropout):\n"
                                  "        return input + dropout(dense_layer(output))\n\n", ""),
                                 (LAYER_FWD, LAYER_FWD.replace("self.add(hidden_states, attn, self.attention_dense, "
@@ -227,6 +227,45 @@ def test_interface_deviations_are_graded(grader, tmp_path, name):
     if said:
         text = " ".join(m for c in report.checks for m in c.messages + [p.message for p in c.parts])
         assert said in text
+
+
+# The course's interface contract: an output of another shape than the course's costs the part that returns it,
+# with a finding naming the shape; the other components are graded as usual. check -> (score, expected findings)
+MERGE_IN_LAYER = [("        hidden_states = self.add(hidden_states, attn,",
+                   "        attn = attn.transpose(1, 2).reshape(hidden_states.shape)\n"
+                   "        hidden_states = self.add(hidden_states, attn,")]
+CONTRACT = {
+    # the heads never merged: its own (correct) layer cannot take them; the layer is graded with the course's layout
+    "heads_unmerged": (dict(attention=[(MERGE, "return out")]), {"attention": 4, "layer": 14},
+                       ["finding: the interface contract: CausalSelfAttention.forward returns the heads unmerged, "
+                        "(B, h, T, hd) = (3, 4, 7, 8), not the course's (B, T, C) = (3, 7, 32): forward scores 0",
+                        "finding: the interface contract: attention() returns the heads unmerged, (B, h, T, hd) = "
+                        "(3, 4, 7, 8), not the course's (B, T, C) = (3, 7, 32): attention scores 0"]),
+    # the merge moved into the layer: the attention breaks the contract; the layer, graded in the layout it takes, not
+    "merge_in_layer": (dict(attention=[(MERGE, "return out")], layer=MERGE_IN_LAYER), {"attention": 4, "layer": 14},
+                       ["its attention returns the heads unmerged (B, h, T, hd) and its layer takes them so"]),
+    "logits_transposed": (dict(model=[("return hidden_state @ self.word_embedding.weight.t()",
+                                       "return (hidden_state @ self.word_embedding.weight.t()).transpose(1, 2)")]),
+                          {"model": 10},
+                          ["finding: the interface contract: hidden_state_to_token returns shape (3, 97, 7), not the "
+                           "course's (B, T, V) = (3, 7, 97): hidden_state_to_token scores 0"]),
+    "last_token_kept_dim": (dict(model=[("last_token = hidden[torch.arange(hidden.shape[0]), last_idx]",
+                                         "last_token = hidden[torch.arange(hidden.shape[0]), last_idx][:, None]")]),
+                            {"model": 4},
+                            ["finding: the interface contract: GPT2Model.forward()['last_token'] returns shape "
+                             "(3, 1, 32), not the course's (B, C) = (3, 32): forward scores 0"]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CONTRACT))
+def test_an_output_that_breaks_the_courses_shapes_costs_its_part_and_is_named(grader, tmp_path, name):
+    replace, want, said = CONTRACT[name]
+    report = grade(grader, tmp_path, tuple(want), **replace)
+    detail = {c.name: (c.score, c.messages, [p.message for p in c.parts]) for c in report.checks}
+    assert scores(report) == want, detail
+    messages = [m for c in report.checks for m in c.messages]
+    for s in said:
+        assert any(m.startswith(s) for m in messages), (s, detail)
 
 
 STARTER = {

@@ -312,14 +312,111 @@ def test_unasked_or_misshapen_answers_are_dropped_and_said():
     want = F.embedding(g["ids"].long(), g["word_embedding.weight"]) + g["pos_embedding.weight"][:7]
     t = {"embed": want, "embed.train": want[:, :3], **{f"extra{i}": torch.zeros(1) for i in range(5)}}
     result = checks.check_embed(ok(t, g), scorer())
+    contract = ("finding: the interface contract: GPT2Model.embed (training mode) returns shape (3, 3, 32), not the "
+                "course's (B, T, C) = (3, 7, 32): training scores 0")
     assert result.messages == [
-        "finding: the check returned 6 tensor(s) the grader did not ask for or of the wrong shape, ignored: "
-        "embed.train (3, 3, 32) (expected (3, 7, 32)), extra0 (1,), extra1 (1,), extra2 (1,), extra3 (1,) ..."]
-    assert result.parts[1].message == "training mode: embed() gave no output of the expected shape"
-    del t["extra4"]  # five: all named, no "..."
-    assert checks.check_embed(ok(t, g), scorer()).messages == [
         "finding: the check returned 5 tensor(s) the grader did not ask for or of the wrong shape, ignored: "
-        "embed.train (3, 3, 32) (expected (3, 7, 32)), extra0 (1,), extra1 (1,), extra2 (1,), extra3 (1,)"]
+        "extra0 (1,), extra1 (1,), extra2 (1,), extra3 (1,), extra4 (1,)", contract]
+    assert result.parts[1].message == ("GPT2Model.embed (training mode) returns shape (3, 3, 32), not the course's "
+                                       "(B, T, C) = (3, 7, 32) (the interface contract)")
+    t["extra5"] = torch.zeros(2)  # six: five named, then "..."
+    assert checks.check_embed(ok(t, g), scorer()).messages == [
+        "finding: the check returned 6 tensor(s) the grader did not ask for or of the wrong shape, ignored: "
+        "extra0 (1,), extra1 (1,), extra2 (1,), extra3 (1,), extra4 (1,) ...", contract]
+
+
+# ---- the interface contract: an output of another shape than the course's costs its part, naming the shape ------
+
+def unmerge(y: torch.Tensor) -> torch.Tensor:
+    """(B, T, C) -> (B, h, T, hd): the heads as attention() holds them before the merge."""
+    return y.view(y.shape[0], y.shape[1], H, -1).transpose(1, 2)
+
+
+def test_attention_returning_the_heads_unmerged_loses_forward_and_attention_and_names_the_shape(attention_q):
+    """forward() and attention() both (B, h, T, hd) (the starter's forward() returns attention()'s output, so the
+    student's own layer breaks on it): right values once merged, but the broken contract costs both parts; the
+    dropout in training mode is graded on its own."""
+    t = attention_answers(attention_q)
+    for name in ("forward.nopad", "forward.right", "forward.left", "attention.left"):
+        t[name] = unmerge(t[name])
+    result = checks.check_attention(ok(t, attention_q), scorer())
+    assert summary(result) == {"forward": ("fail", 0.0), "attention": ("fail", 0.0), "training": ("pass", 4.0)}
+    assert (result.verdict, result.diagnosis_key, result.diagnosis) == ("partial", "heads_unmerged",
+                                                                        checks.BUGS["heads_unmerged"])
+    forward, attention, _ = result.parts
+    assert forward.message == ("CausalSelfAttention.forward returns the heads unmerged, (B, h, T, hd) = (3, 4, 7, 8), "
+                               "not the course's (B, T, C) = (3, 7, 32) (the interface contract)")
+    assert attention.message == ("attention() returns the heads unmerged, (B, h, T, hd) = (3, 4, 7, 8), not the "
+                                 "course's (B, T, C) = (3, 7, 32) (the interface contract)")
+    assert result.messages == [
+        "finding: the interface contract: CausalSelfAttention.forward returns the heads unmerged, (B, h, T, hd) = "
+        "(3, 4, 7, 8), not the course's (B, T, C) = (3, 7, 32): forward scores 0",
+        "finding: the interface contract: attention() returns the heads unmerged, (B, h, T, hd) = (3, 4, 7, 8), not "
+        "the course's (B, T, C) = (3, 7, 32): attention scores 0"]
+    # with a bug in the values as well, that bug is named (the grader merges the heads to read them)
+    t = attention_answers(attention_q, ("no_scale",))
+    for name in ("forward.nopad", "forward.right", "forward.left", "attention.left"):
+        t[name] = unmerge(t[name])
+    result = checks.check_attention(ok(t, attention_q), scorer())
+    assert result.diagnosis_key == "no_scale" and summary(result)["forward"] == ("fail", 0.0)
+    assert any(m.startswith("finding: the interface contract: CausalSelfAttention.forward") for m in result.messages)
+
+
+def test_attention_unmerged_where_forward_merges_them_keeps_its_points(attention_q):
+    """attention() may hold the heads unmerged where the submission's forward() merges them: the module's output
+    keeps the course's (B, T, C) (a real submission's refactored split, correct by the hand verdict)."""
+    t = attention_answers(attention_q)
+    t["attention.left"] = unmerge(t["attention.left"])
+    result = checks.check_attention(ok(t, attention_q), scorer())
+    assert (result.score, result.verdict, result.diagnosis_key) == (16.0, "pass", "")
+    assert result.messages == ["attention() returns the heads unmerged (B, h, T, hd) and forward() merges them, so "
+                               "forward() keeps the course's (B, T, C): attention() graded merged"]
+
+
+def test_attention_through_forward_shares_forwards_broken_contract(attention_q):
+    t = attention_answers(attention_q)
+    del t["attention.left"]
+    for c in MASKS:
+        t[f"forward.{c}"] = t[f"forward.{c}"].transpose(1, 2).contiguous()  # (B, C, T): another wrong shape
+    result = checks.check_attention(ok(t, attention_q), scorer())
+    assert summary(result) == {"forward": ("fail", 0.0), "attention": ("fail", 0.0), "training": ("pass", 4.0)}
+    assert result.parts[1].message == ("CausalSelfAttention.forward returns shape (3, 32, 7), not the course's "
+                                       "(B, T, C) = (3, 7, 32) (the interface contract)")
+    assert result.diagnosis_key == ""
+
+
+def test_a_layer_whose_forward_breaks_the_shape_loses_forward_and_names_it(layer_q):
+    t = layer_answers(layer_q)
+    for c in MASKS:
+        t[f"forward.{c}"] = unmerge(t[f"forward.{c}"])
+    t["train"] = unmerge(t["train"])
+    result = checks.check_layer(ok(t, layer_q), scorer())
+    assert summary(result) == {"add": ("pass", 3.0), "forward": ("fail", 0.0), "training": ("fail", 0.0)}
+    assert result.parts[1].message == ("GPT2Layer.forward returns shape (3, 4, 7, 8), not the course's (B, T, C) = "
+                                       "(3, 7, 32) (the interface contract)")
+    assert "finding: the interface contract: GPT2Layer.forward returns shape (3, 4, 7, 8), not the course's " \
+           "(B, T, C) = (3, 7, 32): forward scores 0" in result.messages
+    assert not any("did not ask for" in m for m in result.messages)
+
+
+@pytest.mark.parametrize("name, shape, part, said", [
+    ("last_token", lambda x: x[:, None], "forward", "GPT2Model.forward()['last_token'] returns shape (3, 1, 32), not "
+                                                    "the course's (B, C) = (3, 32)"),
+    ("last_hidden_state", lambda x: x[:, :, None], "forward",
+     "GPT2Model.forward()['last_hidden_state'] returns shape (3, 7, 1, 32), not the course's (B, T, C) = (3, 7, 32)"),
+    ("logits", lambda x: x.transpose(1, 2), "hidden_state_to_token",
+     "hidden_state_to_token returns shape (3, 97, 7), not the course's (B, T, V) = (3, 7, 97)"),
+])
+def test_a_model_output_of_another_shape_costs_its_part_and_names_the_shape(model_case, name, shape, part, said):
+    g, t = model_case
+    t = {**t, name: shape(t[name]).contiguous()}
+    if name == "logits":
+        t["logits.tied"] = shape(t["logits.tied"]).contiguous()
+    result = checks.check_model(ok(t, g), scorer())
+    other = {"forward": "hidden_state_to_token", "hidden_state_to_token": "forward"}[part]
+    assert summary(result)[part] == ("fail", 0.0) and summary(result)[other][0] == "pass"
+    assert {p.name: p.message for p in result.parts}[part] == said + " (the interface contract)"
+    assert result.messages == [f"finding: the interface contract: {said}: {part} scores 0"]
 
 
 def test_finish_fails_a_close_part_that_matches_a_bug_and_leaves_skipped_parts_out_of_the_verdict():

@@ -302,3 +302,20 @@ def test_each_answer_has_the_shape_of_its_reference(check):
     tables = [questions.ANSWERS[check]] + ([questions._model_answers()] if check == "model" else [])
     for table in tables:  # ANSWERS["model"] is built by _model_answers
         assert {k: tuple(s) for k, s in table.items()} == want
+
+
+def test_each_interface_contract_names_outputs_the_grader_asks_for_with_the_shape_it_says():
+    """questions.CONTRACTS in the course's symbols equals ANSWERS' shapes; each names a rubric part; the unmerged
+    heads are the only other shape the grader reads (attention's, (B, h, T, hd))."""
+    symbols = {"B": questions.B, "T": questions.T, "C": questions.D, "V": questions.V}
+    rubric = load_rubric()["checks"]
+    for check, contracts in questions.CONTRACTS.items():
+        for key, (part, function, shape) in contracts.items():
+            names = [n for n in questions.ANSWERS[check] if n == key or (key.endswith(".") and n.startswith(key))]
+            assert names and part in rubric[check] and function, (check, key)
+            want = tuple(symbols[s] for s in shape.strip("()").split(", "))
+            for name in names:
+                assert questions.ANSWERS[check][name] == want and questions.contract(check, name)[0] == part
+    assert questions.contract("layer", "ln.out_layer_norm") is None and questions.contract("adamw", "x") is None
+    for name, shape in questions.UNMERGED["attention"].items():
+        assert questions.contract("attention", name) and shape == (questions.B, questions.H, questions.T, questions.HD)

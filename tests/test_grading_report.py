@@ -55,3 +55,28 @@ def test_bad_rubric_is_refused_naming_the_problem(tmp_path, change, words):
 def test_default_rubric_totals_100():
     rubric = load_rubric()
     assert sum(sum(parts.values()) for parts in rubric["checks"].values()) == 100
+
+
+def test_gradescope_shows_each_graded_function_as_its_own_test():
+    """A model whose LM head raised: the forward test is 10 / 10 on its own, the head's 0 / 4 with the reason, the
+    totals are the report's; the check's diagnosis and findings go with each of its tests, the code's output with
+    the first that lost points; a skipped part is a test worth 0."""
+    model = CheckResult("model", [Part("forward", 10.0, 10.0, "pass", 0.0),
+                                  Part("hidden_state_to_token", 4.0, 0.0, "error", None,
+                                       "hidden_state_to_token: error: the submission raised AttributeError")],
+                        verdict="partial", messages=["a finding"], output="printed by the student")
+    adamw = CheckResult("adamw", [Part("course_test", 15.0, 0.0, "skipped", None, "skipped: no optimizer_test.npy"),
+                                  Part("torch_adamw", 15.0, 15.0, "pass", 0.0)], verdict="pass")
+    report = Report("s", checks=[model, adamw], seconds=1.0)
+    doc = gradescope(report)
+    assert [(t["name"], t["score"], t["max_score"]) for t in doc["tests"]] == [
+        ("model: GPT2Model.forward", 10.0, 10.0), ("model: GPT2Model.hidden_state_to_token", 0.0, 4.0),
+        ("adamw: AdamW: the course's optimizer_test", 0.0, 0.0), ("adamw: AdamW: against torch.optim.AdamW", 15.0, 15.0)]
+    assert doc["score"] == sum(t["score"] for t in doc["tests"]) == report.total == 25.0
+    assert sum(t["max_score"] for t in doc["tests"]) == report.max_total == 29.0
+    forward, head, skipped, torch_adamw = (t["output"] for t in doc["tests"])
+    assert forward == "pass: 10 / 10, max error 0\na finding"
+    assert head == ("error: 0 / 4 hidden_state_to_token: error: the submission raised AttributeError\na finding\n"
+                    "Output of your code (truncated):\nprinted by the student")
+    assert skipped == "skipped: 0 / 0 skipped: no optimizer_test.npy"
+    assert torch_adamw.startswith("pass: 15 / 15")

@@ -122,7 +122,11 @@ def test_cli_gradescope_results_for_a_good_and_a_broken_submission(tmp_path):
     for test in results["tests"]:
         assert set(test) == {"name", "score", "max_score", "output", "visibility"}
         assert test["visibility"] in ("visible", "hidden", "after_due_date", "after_published")
-    assert [t["name"] for t in results["tests"]] == ["attention", "adamw"]
+    # one test per graded function, named by it
+    assert [t["name"] for t in results["tests"]] == [
+        "attention: CausalSelfAttention.forward", "attention: CausalSelfAttention.attention",
+        "attention: CausalSelfAttention.attention in training mode (attention dropout)",
+        "adamw: AdamW: the course's optimizer_test", "adamw: AdamW: against torch.optim.AdamW"]
     assert results["score"] == sum(t["score"] for t in results["tests"])
     assert "attention" in out.stdout and "total" in out.stdout
     # batch: the broken submission is a row with its verdicts, never an abort

@@ -31,10 +31,11 @@ FORMAT = 1  # of a stored report; a change makes earlier reports stale
 
 
 def grader_version() -> str:
-    """A hash of the grader's own code (grading/*.py) and its default rubric."""
+    """A hash of the grader's own code (grading/*.py, and grading/sandboxed/*.py: what runs in the sandbox) and its
+    default rubric."""
     h = hashlib.sha256()
-    for path in sorted(GRADING.glob("*.py")) + [GRADING / "rubric.json"]:
-        h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    for path in sorted(GRADING.glob("*.py")) + sorted(GRADING.glob("sandboxed/*.py")) + [GRADING / "rubric.json"]:
+        h.update(path.relative_to(GRADING).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
     return h.hexdigest()[:16]
 
 

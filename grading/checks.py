@@ -18,10 +18,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from grading import forbidden, probes, questions
+from grading import questions
 from grading import reference as ref
 from grading.reference import BUGS
 from grading.sandbox import Run
+from grading.sandboxed import forbidden, probes
 
 BUGS = {**BUGS,
         "dropout_before_softmax": "dropout before the softmax (masked positions get probability in training mode)",

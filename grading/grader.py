@@ -18,9 +18,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from grading import checks, forbidden, probes, questions
+from grading import checks, questions
 from grading.environment import COURSE_PACKAGES, environment_findings
 from grading.sandbox import Limits, Run, Sandbox, copy_submission, sweep_leftovers
+from grading.sandboxed import forbidden, probes
 from models.hub import data_dir
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -12,7 +12,7 @@ import secrets
 
 import torch
 
-from grading import probes
+from grading.sandboxed import probes
 
 B, T, D, H, L, V, P, HD = 3, probes.T, probes.D, probes.H, probes.L, probes.V, probes.P, probes.HD
 INNER = 4 * D

@@ -6,7 +6,7 @@
 
 Per check the sandbox makes a temporary folder holding a copy of the submission (the working directory and the
 first entry of the import path), a HOME/TMPDIR, and the result folder; the folder is closed to every other uid. A fork
-of the warm zygote (grading/zygote.py) then drops into it through grading/isolation.py: its own session and cgroup
+of the warm zygote (grading/sandboxed/zygote.py) then drops into it through grading/sandboxed/isolation.py: its own session and cgroup
 (memory of all its processes together, tmpfs included, and their number), network, IPC, PID and mount namespaces,
 private size-capped tmpfs on /tmp, /var/tmp, /dev/shm, /run/lock, a disk quota on its folders, its own /proc, a
 seccomp filter (no AF_UNIX sockets), rlimits, and, when the grader runs as root, a uid of its own (without root, a
@@ -36,7 +36,7 @@ from pathlib import Path
 import safetensors.torch
 import torch
 
-ZYGOTE = Path(__file__).with_name("zygote.py")
+ZYGOTE = Path(__file__).with_name("sandboxed") / "zygote.py"  # what runs in the sandbox: grading/sandboxed/
 OUTPUT_KEEP = 3000  # characters of captured output kept from each end
 SKIP_NAMES = shutil.ignore_patterns(".git", "__pycache__", "*.pyc", ".ipynb_checkpoints")
 RESULT_BYTES = 12 * 2**20  # largest tensors file read back (from_pretrained's, with GPT-2's vocabulary, is ~7 MiB)
@@ -367,7 +367,7 @@ class Sandbox:
         line = self._readline(300)
         if not line or not json.loads(line).get("ready"):
             self.close()
-            raise RuntimeError("the grading sandbox could not start (python grading/zygote.py failed)")
+            raise RuntimeError("the grading sandbox could not start (python grading/sandboxed/zygote.py failed)")
 
     def _readline(self, timeout: float) -> str | None:
         ready, _, _ = select.select([self._proc.stdout], [], [], timeout)
@@ -403,7 +403,7 @@ class Sandbox:
     def run(self, probe: str, submission: str | os.PathLike, hf_home: str | os.PathLike | None = None,
             timeout: float | None = None, given: dict | None = None, forbidden: list[str] | None = None) -> Run:
         """Run one probe; `given` (name -> tensor) is handed to it read-only and kept on the Run for the comparison;
-        `forbidden` (the rubric's forbidden calls, grading/forbidden.py) are watched while the submission runs."""
+        `forbidden` (the rubric's forbidden calls, grading/sandboxed/forbidden.py) are watched while the submission runs."""
         self.warm()
         submission = Path(submission)
         timeout = timeout or self.limits.timeout

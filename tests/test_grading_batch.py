@@ -95,3 +95,16 @@ def test_bad_exports_are_named(tmp_path, capsys):
     (bad / "submission_metadata.yml").write_text("submission_1: [unclosed\n")
     with pytest.raises(ValueError, match="not valid YAML"):
         read_export(bad)
+
+
+def test_the_grader_version_covers_the_code_that_runs_in_the_sandbox(tmp_path, monkeypatch):
+    """A changed probe (grading/sandboxed/) grades differently: the records of the earlier version are stale."""
+    from grading import batch
+
+    copy = tmp_path / "grading"
+    shutil.copytree(batch.GRADING, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.setattr(batch, "GRADING", copy)
+    before = batch.grader_version()
+    probes = copy / "sandboxed" / "probes.py"
+    probes.write_text(probes.read_text() + "\n# changed\n")
+    assert batch.grader_version() != before

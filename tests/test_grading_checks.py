@@ -10,10 +10,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from grading import checks, probes, questions
+from grading import checks, questions
 from grading import reference as ref
 from grading.grader import load_rubric
 from grading.sandbox import Run
+from grading.sandboxed import probes
 
 MASKS, H, P, D = checks.MASKS, probes.H, probes.DROPOUT_P, probes.D
 

@@ -15,7 +15,7 @@ from grading.example import write_submission
 from grading.grader import Grader
 from grading.sandbox import Limits
 
-# What a student reads in grading/probes.py: where the probe keeps its result folder, and what the grader expects.
+# What a student reads in grading/sandboxed/probes.py: where the probe keeps its result folder, and what the grader expects.
 FORGE = '''
 import json as _json, os as _os, sys as _sys
 import torch as _torch

@@ -20,9 +20,9 @@ import pytest
 
 from grading.example import write_submission
 from grading.grader import Grader
-from grading.isolation import closed_folders, python_paths
 from grading.predictions import score_predictions
 from grading.sandbox import Limits, Sandbox
+from grading.sandboxed.isolation import closed_folders, python_paths
 
 ROOT = Path(__file__).resolve().parents[1]
 MEM_MB, DISK_MB = 512, 64  # small limits, so that each attack needs only a few hundred MB
@@ -460,7 +460,7 @@ def test_a_container_without_namespaces_grades_says_what_did_not_hold_and_cleans
 
 
 def test_cgroup_v2_group_goes_under_a_delegated_group_else_the_hierarchy_root(tmp_path):
-    from grading.isolation import Cgroup
+    from grading.sandboxed.isolation import Cgroup
 
     root = tmp_path / "cgroup"
     own = root / "user.slice" / "grader"

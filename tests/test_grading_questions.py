@@ -10,9 +10,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from grading import checks, probes, questions
+from grading import checks, questions
 from grading import reference as ref
 from grading.grader import CHECKS, HUB_SIZE, load_rubric
+from grading.sandboxed import probes
 from models.gpt2 import GPT2Model
 from modules.attention import CausalSelfAttention
 from modules.gpt2_layer import GPT2Layer

@@ -76,8 +76,9 @@ def test_a_correct_adamw_of_the_handouts_form_passes_where_it_drifts_from_torchs
     import importlib
     import sys
 
-    from grading import probes, questions
+    from grading import questions
     from grading.sandbox import Run
+    from grading.sandboxed import probes
 
     folder = write_submission(tmp_path / "sub")
     sys.path.insert(0, str(folder))

@@ -5,13 +5,14 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("models", "modules", "training", "tasks", "grading")
+PACKAGES = ("models", "modules", "training", "tasks", "grading", "grading.sandboxed")
 
 
 def project_modules() -> dict[str, Path]:
     found = {p.stem: p for p in ROOT.glob("*.py")}
     for package in PACKAGES:
-        for p in (ROOT / package).glob("*.py") if (ROOT / package).is_dir() else ():
+        folder = ROOT / package.replace(".", "/")
+        for p in folder.glob("*.py") if folder.is_dir() else ():
             found[f"{package}.{p.stem}" if p.stem != "__init__" else package] = p
     return found
 
@@ -90,6 +91,29 @@ def test_training_does_not_import_tasks():
     assert {"training", "training.engine", "training.runfolder"} <= set(edges)  # the walk sees the package
     assert "training.checkpoint" in edges["training.runfolder"]
     assert not imports_up(edges, ("training",), ("tasks",))
+
+
+def test_the_code_that_runs_in_the_sandbox_sits_apart_and_imports_nothing_of_the_project():
+    """Issue 55 item 7: grading/sandboxed/ holds every file the fork server runs in a check's process (beside the
+    submission, whose module names collide with the project's); the grader's side (the rest of grading/) loads
+    nothing into the check by path."""
+    import re
+
+    from grading import sandbox
+
+    here = ROOT / "grading" / "sandboxed"
+    assert sandbox.ZYGOTE == here / "zygote.py"
+    loaded = re.findall(r'os\.path\.join\(HERE, "(\w+\.py)"\)', (here / "zygote.py").read_text())
+    assert sorted(loaded) == ["forbidden.py", "isolation.py", "probes.py", "standins.py"]
+    assert sorted(p.name for p in here.glob("*.py")) == sorted(loaded + ["__init__.py", "zygote.py"])
+    assert (here / "README.md").is_file()
+    edges = graph()
+    assert {"grading.sandboxed.probes", "grading.sandboxed.zygote"} <= set(edges)
+    for name, deps in edges.items():  # nothing of the project (the submission's names would shadow it)
+        if name.startswith("grading.sandboxed"):
+            assert not deps, (name, deps)
+    for path in (ROOT / "grading").glob("*.py"):
+        assert "spec_from_file_location" not in path.read_text(), path
 
 
 def test_what_the_documented_commands_write_in_the_root_is_ignored_by_git():

@@ -2,7 +2,7 @@
 embed() on the grader's weights (each component is graded on its own, so a bug elsewhere costs nothing here).
 
 They live in the check's process, where the submission's code can reach whatever the probe holds, so each check
-gets only the stand-ins it grades with (grading/zygote.py compiles just those definitions of this file, before the
+gets only the stand-ins it grades with (grading/sandboxed/zygote.py compiles just those definitions of this file, before the
 sandbox hides the grader's checkout): the layer check the attention, the model check the layers and embed(), the
 attention and embed checks none. A stand-in can therefore never earn the points of the component it stands in for.
 Nothing here imports the project (its module names collide with the submission's).

@@ -1,6 +1,6 @@
 """What runs inside the sandbox: import the submission, drive one component on the grader's inputs, write outputs.
 
-Loaded by grading/zygote.py in a child process whose import path starts at a copy of the submission. The grader's
+Loaded by grading/sandboxed/zygote.py in a child process whose import path starts at a copy of the submission. The grader's
 inputs and weights (grading/questions.py, drawn from a secret seed) arrive as a read-only safetensors file; the
 probe installs the weights into the submission's modules and writes only what the submission computed:
 `result/tensors.safetensors` (read back by the grader without unpickling, against the shapes it expects) and
@@ -44,11 +44,11 @@ class Deviation(Exception):
     """An interface the grader cannot drive as the course defines it (signature, shape, missing name)."""
 
 
-# The stand-ins this check grades with (grading/standins.py: the layer check's attention, the model check's layers and
+# The stand-ins this check grades with (grading/sandboxed/standins.py: the layer check's attention, the model check's layers and
 # embed()), set by the fork server for the checks that need them; None in the others, so the submission's code in the
 # attention or embed check finds no stand-in to call.
 STANDINS = None
-# The rubric's forbidden calls for this check (grading/forbidden.py's Recorder, set by the fork server before the
+# The rubric's forbidden calls for this check (grading/sandboxed/forbidden.py's Recorder, set by the fork server before the
 # submission is imported), or None when it lists none: `graded(part)` tells it which part the code running serves.
 FORBIDDEN = None
 

@@ -1,6 +1,6 @@
 """Process isolation for one check, applied in the zygote's forked child before the submission's code runs.
 
-Loaded by grading/zygote.py by file path (never imported by the grader). Each layer is tried on its own and reported
+Loaded by grading/sandboxed/zygote.py by file path (never imported by the grader). Each layer is tried on its own and reported
 in one line, so a kernel or container that refuses one (Docker without CAP_SYS_ADMIN refuses every namespace) still
 gets the others, and the report says which held:
 

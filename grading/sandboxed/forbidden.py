@@ -8,7 +8,7 @@
 Keys are checks (`*`: every check); each entry names a callable by its dotted path, or `module.*` for every public
 class and function defined in that module. The grader resolves every entry when it loads the rubric (a name that
 does not resolve, or cannot be watched, is refused, naming it). In the check's process, before the submission's
-code is imported (grading/zygote.py), each listed callable is wrapped where it lives: a function wherever its
+code is imported (grading/sandboxed/zygote.py), each listed callable is wrapped where it lives: a function wherever its
 package's modules hold it (F.scaled_dot_product_attention is also torch._C._nn's), a method on the class the entry
 names, an nn.Module class at its `forward`, another class at its constructor. A call made while the probe runs a
 graded part, from the submission's code, is recorded with that part and the submission's file and line that made it

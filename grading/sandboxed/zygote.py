@@ -1,7 +1,7 @@
 """The sandbox's fork server: a process that imports torch and transformers once, then forks one child per check.
 
-Started by grading/sandbox.py as `python zygote.py` (never imported by the grader). It reads one JSON request per
-line on stdin, forks a child that drops into the sandbox and runs one probe of grading/probes.py on the submission,
+Started by grading/sandbox.py as `python grading/sandboxed/zygote.py` (never imported by the grader). It reads one JSON
+request per line on stdin, forks a child that drops into the sandbox and runs one probe of probes.py on the submission,
 waits for it with a wall-clock deadline, kills whatever the child left behind, and answers one JSON line on stdout.
 Forking a warm interpreter makes a check cost milliseconds of start-up instead of seconds of imports.
 
@@ -19,10 +19,12 @@ import sys
 import time
 import types
 
-GRADING_DIR = os.path.dirname(os.path.abspath(__file__))
-# Our own directory and the project's (on the path when it is installed in editable mode) must not be on the
+HERE = os.path.dirname(os.path.abspath(__file__))  # grading/sandboxed: the files this process loads by path
+GRADING_DIR = os.path.dirname(HERE)
+PROJECT_DIR = os.path.dirname(GRADING_DIR)
+# Our own directories and the project's (on the path when it is installed in editable mode) must not be on the
 # submission's import path: its config/models/modules/optimizer would stand in for a file the submission lacks.
-_OURS = {os.path.realpath(p) for p in (GRADING_DIR, os.path.dirname(GRADING_DIR), os.getcwd())}
+_OURS = {os.path.realpath(p) for p in (HERE, GRADING_DIR, PROJECT_DIR, os.getcwd())}
 sys.path[:] = [p for p in sys.path if p and os.path.realpath(p) not in _OURS]
 
 import numpy  # noqa: E402,F401  (warm imports shared by every child)
@@ -31,36 +33,36 @@ import torch  # noqa: E402,F401
 import transformers  # noqa: E402
 from transformers import GPT2Model as _HFGPT2Model  # noqa: E402,F401  (resolve the lazy import now)
 
-_spec = importlib.util.spec_from_file_location("_grading_probes", os.path.join(GRADING_DIR, "probes.py"))
+_spec = importlib.util.spec_from_file_location("_grading_probes", os.path.join(HERE, "probes.py"))
 probes = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(probes)
 
-_spec = importlib.util.spec_from_file_location("_grading_isolation", os.path.join(GRADING_DIR, "isolation.py"))
+_spec = importlib.util.spec_from_file_location("_grading_isolation", os.path.join(HERE, "isolation.py"))
 isolation = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(isolation)
 
-_spec = importlib.util.spec_from_file_location("_grading_forbidden", os.path.join(GRADING_DIR, "forbidden.py"))
+_spec = importlib.util.spec_from_file_location("_grading_forbidden", os.path.join(HERE, "forbidden.py"))
 forbidden = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(forbidden)
 
 # Names a submission defines at top level; a warm import of any of them would shadow the submission's.
 SUBMISSION_NAMES = ("config", "models", "modules", "optimizer", "utils")
 COUNTER = itertools.count()
-# The stand-ins each check grades with (grading/standins.py); a check not named here gets none.
+# The stand-ins each check grades with (grading/sandboxed/standins.py); a check not named here gets none.
 STANDINS = {"layer": ("RefAttention",), "model": ("RefAttention", "RefLayer", "ref_embed")}
 # The grader's checkout: hidden from the check by an empty tmpfs (isolation.hide_grader), so its files (the
 # references, the stand-ins of other checks, this project's own GPT-2) cannot be read and executed there.
-CHECKOUT = os.path.realpath(os.path.dirname(GRADING_DIR) if os.path.dirname(GRADING_DIR) != os.sep else GRADING_DIR)
+CHECKOUT = os.path.realpath(PROJECT_DIR if PROJECT_DIR != os.sep else GRADING_DIR)
 
 
 def standins(probe: str):
-    """Just the stand-ins `probe` grades with, compiled from grading/standins.py in the check's process before the
+    """Just the stand-ins `probe` grades with, compiled from grading/sandboxed/standins.py in the check's process before the
     sandbox hides the file: the others' code is never compiled there, so the submission cannot find or call them
     (the layer check has the reference attention, never the reference layer). None for the other checks."""
     names = STANDINS.get(probe)
     if not names:
         return None
-    path = os.path.join(GRADING_DIR, "standins.py")
+    path = os.path.join(HERE, "standins.py")
     with open(path) as f:
         tree = ast.parse(f.read(), path)
     tree.body = [node for node in tree.body

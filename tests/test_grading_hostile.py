@@ -221,9 +221,12 @@ def test_another_students_live_copy_cannot_be_read(grader, tmp_path):
     thread.start()
     try:
         copy = None
-        for _ in range(1000):  # until the victim's check has its copy (the zygote starts first)
+        for _ in range(1000):  # until the victim's check has its copy, closed (the zygote starts first)
             new = list(Path(other.scratch).glob("check-*"))  # its own folder: another grader's checks never match
-            if new and (new[0] / "submission" / "modules" / "attention.py").exists():
+            # given.safetensors is written after the folders are closed: waiting for the copy alone raced the chmod
+            # under load (pytest -n 2: the mode read 0700 before it became 0710)
+            if new and (new[0] / "submission" / "modules" / "attention.py").exists() \
+                    and (new[0] / "given.safetensors").exists():
                 copy = new[0]
                 break
             time.sleep(0.05)

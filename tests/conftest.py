@@ -20,6 +20,9 @@ sys.path.insert(0, str(ROOT))
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+if os.environ.get("PYTEST_XDIST_WORKER"):  # pytest -n N (pyproject.toml): the cores shared among the workers
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
+
 from config import GPT2Config  # noqa: E402
 from models.hub import data_dir, missing_data, tokenizer_dir  # noqa: E402
 

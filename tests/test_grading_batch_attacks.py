@@ -14,13 +14,13 @@ from pathlib import Path
 
 import pytest
 
+from bench.grading_batch_attacks import PAD, deep, pad
 from grading.__main__ import main
 from grading.batch import content_hash
 from grading.example import BUGS, write_submission
 from grading.gradescope import is_export
 
 NO_POSITIONS = BUGS["no_positions"][1]
-PAD = 20000  # files at the top of a folder: where the record key stopped looking before issue 55
 FORMULA = "=1+2"
 
 
@@ -31,18 +31,6 @@ def read(path) -> dict:
 
 def without_seconds(row: dict) -> dict:
     return {k: v for k, v in row.items() if k != "seconds"}
-
-
-def pad(folder: Path, n: int = PAD) -> None:
-    folder.mkdir(parents=True, exist_ok=True)
-    for i in range(n):
-        (folder / f"{i:05d}.txt").write_bytes(b"x")
-
-
-def deep(folder: Path, levels: int = 1100) -> None:
-    for _ in range(levels):  # os.makedirs recurses: 1100 levels is past Python's recursion limit
-        folder = folder / "d"
-        folder.mkdir()
 
 
 def honest_class(subs: Path) -> None:

@@ -70,8 +70,7 @@ def path_states() -> dict[str, str]:
     """{path: 'on' | 'off' | 'n/a', with why} for models/paths.py's matrix on this machine and these settings."""
     from models import paths
 
-    return {s["path"]: f"{'on' if s['taken'] else 'off' if s['can_run'] else 'n/a'}: {s['why']}"
-            for s in paths.matrix()}
+    return {s["path"]: f"{paths.here(s)}: {s['why']}" for s in paths.matrix()}
 
 
 def current_commit() -> str | None:

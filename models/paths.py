@@ -84,10 +84,6 @@ def _rows_default() -> tuple[bool, str]:
                         f"faster than torch's)"
 
 
-def _form_runs() -> str | None:
-    return _rows_runs()
-
-
 def _form_default() -> tuple[bool, str]:
     plan = row_kernel.plan()
     avx2 = sorted(kind for kind, form in plan["forms"].items() if form == "avx2")
@@ -122,10 +118,6 @@ def _int8_default() -> tuple[bool, str]:
     return True, f"generate(quantize='int8'): inductor's compiled {form} loop ({_capability()})"
 
 
-def _int4_runs() -> str | None:
-    return _rows_runs()
-
-
 PATHS: tuple[Path, ...] = (
     Path("packed-bf16", "bf16 Linear of 64+ rows without gradients (evaluation, prompts): oneDNN-packed weights kept "
          "per layer (modules/packed.py)", packed.ENV, "force", "0", _packed_runs, _packed_default,
@@ -133,7 +125,7 @@ PATHS: tuple[Path, ...] = (
     Path("rows-kernel", "decoding's products of 1-8 rows (modules/rows.cpp)", "GPT2_ROWS_KERNEL", "", "0",
          _rows_runs, _rows_default, ("tests/test_rows_kernel.py", "tests/test_fast_paths.py", "tests/test_paths.py")),
     Path("rows-avx2-form", "the rows kernel's AVX2 build instead of the native one (the decode plan's choice)",
-         row_kernel.PLAN_ENV, "avx2", "native", _form_runs, _form_default,
+         row_kernel.PLAN_ENV, "avx2", "native", _rows_runs, _form_default,
          ("tests/test_rows_kernel.py", "tests/test_decode_plan.py", "tests/test_paths.py")),
     Path("decode-step", "batch-1 decoding of plain GPT-2: each step in one C++ call (models/fast_step.py)",
          fast_step.ENV, "", "0", _step_runs, lambda: (True, "batch 1, fp32, plain GPT-2 blocks"),
@@ -157,11 +149,16 @@ PATHS: tuple[Path, ...] = (
          "(modules/quant.py)", "", "generate(..., quantize='int8')", "quantize=None", _int8_runs, _int8_default,
          ("tests/test_quant.py", "tests/test_paths.py")),
     Path("int4-copies", "generate(quantize='int4'): 4-bit copies in groups of 32, read by the rows kernel",
-         "", "generate(..., quantize='int4')", "quantize=None", _int4_runs,
+         "", "generate(..., quantize='int4')", "quantize=None", _rows_runs,
          lambda: (True, "generate(quantize='int4'): the rows kernel"), ("tests/test_quant.py", "tests/test_paths.py")),
 )
 BY_NAME = {p.name: p for p in PATHS}
 ENV_FORCED = tuple(p for p in PATHS if p.env)  # the paths a CI run can force through the environment
+
+
+def here(state: dict) -> str:
+    """A state's one word: 'on' (taken here), 'off' (can run, not taken) or 'n/a' (cannot run here)."""
+    return "on" if state["taken"] else "off" if state["can_run"] else "n/a"
 
 
 def matrix() -> list[dict]:
@@ -180,8 +177,7 @@ def table() -> str:
         env = s["env"]
         on = f"{env}={s['force_on']}" if env and s["force_on"] else (s["force_on"] or "-")
         off = f"{env}={s['force_off']}" if env else s["force_off"]
-        here = "on" if s["taken"] else "off" if s["can_run"] else "n/a"
-        rows.append(f"{s['path']:<19} {here:<5} {s['why']}  [on: {on}; off: {off}]")
+        rows.append(f"{s['path']:<19} {here(s):<5} {s['why']}  [on: {on}; off: {off}]")
     return "\n".join(rows)
 
 

@@ -166,6 +166,59 @@ def test_plot_writes_a_legible_png_with_non_finite_values(tmp_path):
     assert MetricsLog(tmp_path / "quiet", plot=False).plot() is None
 
 
+class _SlowPlots:
+    """training.metrics with a clock that moves only when a figure is drawn (each costs `cost` seconds): a stand-in
+    for plot_records that records how many records each drawing saw."""
+
+    def __init__(self, monkeypatch, cost=1.0):
+        from types import SimpleNamespace
+
+        from training import metrics
+
+        self.now, self.cost, self.seen = 0.0, cost, []
+        monkeypatch.setattr(metrics, "time", SimpleNamespace(monotonic=lambda: self.now, time=lambda: 1e9))
+        monkeypatch.setattr(metrics, "plot_records", self.draw)
+
+    def draw(self, runs, out, **kw):
+        self.now += self.cost
+        self.seen.append([(r["kind"], r["step"]) for r in runs[0][1]])
+        return out
+
+
+def test_refresh_redraws_only_when_the_drawing_costs_at_most_its_share_of_the_time(tmp_path, monkeypatch):
+    slow = _SlowPlots(monkeypatch, cost=1.0)
+    with MetricsLog(tmp_path) as log:
+        log.log({"kind": "eval", "step": 1, "val_loss": 3.0})
+        assert log.refresh() == tmp_path / "curves.png" and log.stale is False  # the first one always draws
+        log.log({"kind": "eval", "step": 2, "val_loss": 2.9})
+        slow.now += 19.5  # 19.5 s since the drawing ended < 1 s / 0.05
+        assert log.refresh() is None and log.stale
+        slow.now += 0.5
+        assert log.refresh() is not None and not log.stale
+        assert log.refresh(share=1.0) is None  # share: the same rule with another budget
+        slow.now += 1.0
+        assert log.refresh(share=1.0) is not None
+    assert [len(s) for s in slow.seen] == [1, 2, 2]
+    assert MetricsLog(tmp_path / "quiet", plot=False).refresh() is None
+
+
+def test_a_run_that_evaluates_every_step_draws_twice_and_the_last_figure_is_the_whole_run(tmp_path, monkeypatch):
+    """fit refreshes the curves at each evaluation (here each costs more than 5% of the time since the first) and
+    draws the whole run at its end."""
+    from test_pretrain import TEXT, TINY
+
+    import run_pretrain
+
+    slow = _SlowPlots(monkeypatch, cost=1.0)
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(TEXT, encoding="utf-8")
+    run_pretrain.main(["--data", str(corpus), *TINY, "--max_iters", "12", "--eval_interval", "1", "--eval_iters", "1",
+                       "--out_dir", str(tmp_path / "run")])
+    evals = [r["step"] for r in read_metrics(tmp_path / "run") if r["kind"] == "eval"]
+    assert len(evals) >= 12 and len(slow.seen) == 2
+    assert [step for kind, step in slow.seen[-1] if kind == "eval"] == evals  # the end draws every evaluation
+
+
 def test_plot_with_nothing_to_draw_returns_none(tmp_path):
     with MetricsLog(tmp_path) as log:
         log.log({"kind": "resume", "step": 0})

@@ -15,7 +15,8 @@ random windows), a loss and an evaluation. fit() composes the parts, each in its
   OUT/last and ends with the weights of an uninterrupted run (a changed setting in run_info is refused by name, only
   `epochs` / `max_iters` may grow); model, head and adapter weights in and out of checkpoints;
 - training/records.py: OUT/metrics.jsonl records (one per log interval and per evaluation; resumes append), the lines
-  printed, the --max_steps benchmark; training/metrics.py draws OUT/curves.png at each evaluation.
+  printed, the --max_steps benchmark; training/metrics.py draws OUT/curves.png at evaluations (within 5% of the
+  run's time) and at the end.
 The cadence is fit's own: a metrics record every `log_interval` steps, an evaluation where the batch source ends an
 epoch or every `eval_interval` steps, and at the end. A non-finite loss or gradient stops the run (NonFiniteError
 naming the step; the checkpoints on disk are the last good ones), or with skip_nonfinite the step is skipped and
@@ -121,7 +122,7 @@ class _Run:
         if dist.is_main():
             record["wall_s"] = round(state.wall_s, 3)
             self.log.log({k: v for k, v in record.items() if k not in INTERVAL_RATES})  # train records carry those
-            self.log.plot()
+            self.log.refresh()  # curves.png, redrawn within 5% of the run's time (the end of fit draws the last)
             line = self.report(record, better and saved, cfg)
             tqdm.write(line) if bar is not None else print(line, flush=True)
         torch.set_num_threads(self.threads[1])
@@ -271,6 +272,8 @@ def fit(model: nn.Module, batches: BatchSource, loss_fn: Callable, evaluate_fn: 
             bar.close()
         backward.close()
         torch.set_num_threads(threads)
+        if log.stale:
+            log.plot()  # the whole run, whatever refresh() skipped (also when it stopped on an error)
         log.close()
 
     steps_run = state.step - start_step

@@ -7,6 +7,7 @@ and optionally TensorBoard events in OUT/tensorboard.
     log.log({"kind": "eval", "step": 100, "epoch": 0, "wall_s": 14.0, "val_loss": 2.40, "dev_acc": 0.51})
     log.log({"kind": "resume", "step": 100})      # a run that resumed from its step-100 checkpoint
     log.plot()                                      # OUT/curves.png, redrawn from the whole file
+    log.refresh()                                   # the same, unless a redraw now would cost more than 5% of the run
     log.close()
     records = read_metrics(out_dir)                 # the run as it stands: steps rolled back by a resume dropped
 
@@ -38,6 +39,7 @@ from matplotlib.lines import Line2D
 
 KINDS = ("train", "eval", "resume")
 FILENAME = "metrics.jsonl"
+PLOT_SHARE = 0.05  # MetricsLog.refresh: the most of a run's wall time that redrawing curves.png may take
 _DECODE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 
 
@@ -50,6 +52,9 @@ class MetricsLog:
         self.path = self.out_dir / FILENAME
         self.enabled = enabled
         self.plot_enabled = plot  # False: plot() is a no-op (the caller may still call it at every evaluation)
+        self._drawn_at: float | None = None  # time.monotonic() when the last plot() ended, and what it cost
+        self._draw_cost = 0.0
+        self.stale = False  # records logged since the last plot()
         self._file = None
         self._summary_writer_cls = None
         self._writer = None
@@ -75,6 +80,7 @@ class MetricsLog:
         record.setdefault("unix", time.time())
         self._file.write(json.dumps(record, allow_nan=False) + "\n")  # one write: a crash can only cut this line
         self._file.flush()
+        self.stale = True
         if self._summary_writer_cls is not None:
             self._to_tensorboard(record)
 
@@ -99,8 +105,22 @@ class MetricsLog:
         """Redraw OUT/curves.png from the whole metrics.jsonl; None when disabled or there is nothing to draw."""
         if not (self.enabled and self.plot_enabled):
             return None
-        return plot_records([(self.out_dir.name, read_metrics(self.path))], self.out_dir / "curves.png",
-                            title=self.out_dir.name)
+        start = time.monotonic()
+        out = plot_records([(self.out_dir.name, read_metrics(self.path))], self.out_dir / "curves.png",
+                           title=self.out_dir.name)
+        self._drawn_at = time.monotonic()
+        self._draw_cost = self._drawn_at - start
+        self.stale = False
+        return out
+
+    def refresh(self, share: float = PLOT_SHARE) -> Path | None:
+        """plot() at the first call, then only when the time since the last drawing is at least its cost / `share`:
+        the redraws during a run take at most that share of it (a figure costs about a second on a 2-core machine;
+        a run that evaluates every second would otherwise spend most of its time drawing). The engine calls this at
+        each evaluation and plot() once more at the end, so the last figure always shows the whole run."""
+        if self._drawn_at is not None and time.monotonic() - self._drawn_at < self._draw_cost / share:
+            return None
+        return self.plot()
 
     def close(self) -> None:
         if self._file is not None:

@@ -49,7 +49,7 @@ class TrainConfig:
     #                            averages over equally weighted rows, as pretraining's windows)
     compile: bool = False  # torch.compile the training forward and loss (the first steps compile; evaluation is eager)
     tensorboard: bool = False  # also write TensorBoard events to OUT/tensorboard
-    plot: bool = True  # refresh OUT/curves.png at each evaluation
+    plot: bool = True  # OUT/curves.png: redrawn at evaluations (within 5% of the run's time) and at the end
 
     @property
     def bf16(self) -> bool:

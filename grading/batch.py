@@ -83,7 +83,8 @@ def _init_worker(rubric, limits, shared):
 
     global _GRADER
     _GRADER = Grader(rubric, limits, shared)
-    Finalize(_GRADER, _GRADER.close, exitpriority=10)  # pool workers leave by os._exit: close the sandbox first
+    # pool workers leave by os._exit (no atexit): close the sandbox first, its fork server killed rather than kept
+    Finalize(_GRADER, _GRADER.close, kwargs={"keep_warm": False}, exitpriority=10)
 
 
 def _grade_one(folder: str, checks, store: str, key: str, name: str) -> dict:

@@ -130,8 +130,9 @@ class Grader:
         sweep_leftovers()  # what graders killed here before left in the temporary folder
         self._tmp = tempfile.TemporaryDirectory(prefix=f"grading-hub-{os.getpid()}-")
 
-    def close(self) -> None:
-        self.sandbox.release()
+    def close(self, keep_warm: bool = True) -> None:
+        """Remove the grader's temporary files and give back its sandbox (keep_warm: Sandbox.release's)."""
+        self.sandbox.release(keep_warm)
         self._tmp.cleanup()
 
     def __enter__(self) -> "Grader":

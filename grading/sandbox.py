@@ -29,6 +29,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import threading
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -331,6 +332,59 @@ def sweep_leftovers(folder: str | None = None) -> list[str]:
     return removed
 
 
+# Fork servers this process started that no Sandbox holds now. A Sandbox takes one of these before it starts its own
+# (a start imports torch and transformers: about 9 s of a core on a 2-core Zen 3), so the graders a process makes one
+# after another (a notebook, a test module each, the CLI's) share one warm interpreter. A fork server keeps nothing of
+# a check (each runs in a child it forks) and gets every setting with each request: the uid, the folders, the limits.
+# Only the process that started one talks to it (a forked batch worker never takes its parent's); a server that died,
+# or whose Sandbox stopped between a request and its answer, is never kept; the rest are killed at exit.
+_IDLE: list[tuple[int, subprocess.Popen, str]] = []  # (the pid that started it, the process, its HOME)
+_IDLE_LOCK = threading.Lock()
+IDLE_MAX = 2  # fork servers kept waiting per process (each holds about 400 MB, mostly shared with its children)
+
+
+def _kill_server(proc: subprocess.Popen, home: str) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.wait()
+    if home:
+        shutil.rmtree(home, ignore_errors=True)
+
+
+def _take_idle() -> tuple[subprocess.Popen, str] | None:
+    with _IDLE_LOCK:
+        while _IDLE:
+            owner, proc, home = _IDLE.pop()
+            if owner == os.getpid() and proc.poll() is None:
+                return proc, home
+            if owner == os.getpid():
+                _kill_server(proc, home)
+    return None
+
+
+def _park(proc: subprocess.Popen, home: str) -> bool:
+    with _IDLE_LOCK:
+        if len(_IDLE) >= IDLE_MAX or proc.poll() is not None:
+            return False
+        if not _IDLE:
+            import atexit
+
+            atexit.register(drop_idle)
+        _IDLE.append((os.getpid(), proc, home))
+        return True
+
+
+def drop_idle() -> None:
+    """Kill the fork servers this process keeps waiting (at exit; also when a caller wants the memory back)."""
+    with _IDLE_LOCK:
+        mine = [(proc, home) for owner, proc, home in _IDLE if owner == os.getpid()]
+        _IDLE[:] = [entry for entry in _IDLE if entry[0] != os.getpid()]
+    for proc, home in mine:
+        _kill_server(proc, home)
+
+
 class Sandbox:
     def __init__(self, limits: Limits | None = None, isolate_network: bool = True):
         self.limits = limits or Limits()
@@ -344,13 +398,20 @@ class Sandbox:
         self._forget_scratch = weakref.finalize(self, shutil.rmtree, self.scratch, True)  # also at exit
         self._proc: subprocess.Popen | None = None
         self._home = ""
+        self._asking = False  # a request written and its answer not read: the server is not handed on
         self.packages: list[str] = []  # looked up in each check's sandbox before the submission runs (Run.sandbox)
 
     # ---- the warm fork server ----------------------------------------------------------------------------------
     def warm(self) -> None:
-        """Start the fork server unless it runs (each check also does, if it died since)."""
+        """Start the fork server unless it runs (each check also does, if it died since); one this process has
+        waiting (see _IDLE) is taken instead of starting another."""
         if self._proc is None or self._proc.poll() is not None:
-            self._start()
+            self.close()
+            idle = _take_idle()
+            if idle is not None:
+                self._proc, self._home = idle
+            else:
+                self._start()
 
     def _start(self) -> None:
         # huggingface_hub reads HF_HOME once, at import in the zygote; every child sees it through this link, which
@@ -374,19 +435,17 @@ class Sandbox:
         return self._proc.stdout.readline() if ready else None
 
     def close(self) -> None:
+        """Kill the fork server (the next check starts or takes another)."""
         if self._proc is not None:
-            try:
-                os.killpg(self._proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-            self._proc.wait()
-            self._proc = None
-        if self._home:
-            shutil.rmtree(self._home, ignore_errors=True)
-            self._home = ""
+            _kill_server(self._proc, self._home)
+        self._proc, self._home, self._asking = None, "", False
 
-    def release(self) -> None:
-        """close(), and give back the scratch folder and the uid (the sandbox cannot run checks after this)."""
+    def release(self, keep_warm: bool = True) -> None:
+        """Give back the scratch folder and the uid (the sandbox cannot run checks after this), and the fork server:
+        kept for this process's next Sandbox when `keep_warm` and it is idle and well, else killed. A process that
+        leaves without running atexit (a pool worker's os._exit) passes keep_warm=False."""
+        if keep_warm and self._proc is not None and not self._asking and _park(self._proc, self._home):
+            self._proc, self._home = None, ""
         self.close()
         self._forget_scratch()
         if self._uid_lock >= 0:
@@ -462,11 +521,13 @@ class Sandbox:
     def _ask(self, req: dict, timeout: float) -> Run:
         run = Run()
         try:
+            self._asking = True
             self._proc.stdin.write(json.dumps(req) + "\n")
             self._proc.stdin.flush()
             line = self._readline(timeout + 60)
         except (BrokenPipeError, OSError):
             line = None
+        self._asking = not line
         if not line:  # the fork server itself died or hung: start a fresh one for the next check
             self.close()
             run.problem = "the sandbox's worker process died during the check"

@@ -147,3 +147,38 @@ def test_cli_refuses_bad_arguments(tmp_path):
     assert out.returncode == 2 and "check 'attention' must have the parts" in out.stderr
     out = run_cli(tmp_path / "missing", timeout=120)
     assert out.returncode == 2 and "submission folder not found" in out.stderr
+
+
+def test_the_next_sandbox_of_this_process_takes_the_warm_fork_server_and_a_forked_process_never_does(tmp_path):
+    """Sandbox.release parks an idle fork server for this process's next Sandbox (no second interpreter start); one
+    mid-request, or released with keep_warm=False, is killed; a forked process (a batch worker) starts its own."""
+    from grading import sandbox
+
+    sub = write_submission(tmp_path / "sub")
+    sandbox.drop_idle()
+    with sandbox.Sandbox(Limits(timeout=30)) as a:
+        assert a.run("imports", sub).problem == ""
+        first = a._proc
+    with sandbox.Sandbox() as b:  # its own scratch folder (and uid claim), the same server
+        assert b.scratch != a.scratch
+        b.warm()
+        assert b._proc is first and b.run("imports", sub).problem == ""
+        read, write = os.pipe()
+        child = os.fork()
+        if child == 0:  # a forked process: the parent's idle list is not its own
+            os.write(write, b"none" if sandbox._take_idle() is None else b"took")
+            os._exit(0)
+        b.release()  # parked while the child looks
+        os.waitpid(child, 0)
+        assert os.read(read, 4) == b"none"
+    c = sandbox.Sandbox()
+    c.warm()
+    assert c._proc is first
+    c._asking = True  # stopped between a request and its answer: never handed on
+    c.release()
+    assert first.poll() is not None and not sandbox._IDLE
+    d = sandbox.Sandbox()
+    d.warm()
+    kept = d._proc
+    d.release(keep_warm=False)  # a pool worker's exit
+    assert kept.poll() is not None and not sandbox._IDLE

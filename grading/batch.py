@@ -14,6 +14,7 @@ from __future__ import annotations
 import csv
 import hashlib
 import json
+import multiprocessing
 import os
 import sys
 import time
@@ -22,6 +23,7 @@ from concurrent.futures.process import BrokenProcessPool
 from dataclasses import asdict
 from pathlib import Path
 
+from grading import sandbox
 from grading.grader import Grader
 from grading.report import atomic_open, stable_diagnosis, write_json
 from grading.sandbox import shown
@@ -76,6 +78,9 @@ def report_key(content: str, version: str, rubric: dict, checks, limits) -> str:
 # ---- the workers ---------------------------------------------------------------------------------------------------
 
 _GRADER: Grader | None = None
+# The fork servers the batch's process lent its pool (grading.sandbox.lend), and the counter that gives worker i the
+# i-th: a forked worker inherits both; a worker the pool spawned afresh (no fork) sees none and starts its own.
+_LENT: tuple[list, object] | None = None
 
 
 def _init_worker(rubric, limits, shared):
@@ -83,6 +88,12 @@ def _init_worker(rubric, limits, shared):
 
     global _GRADER
     _GRADER = Grader(rubric, limits, shared)
+    if _LENT is not None:
+        servers, counter = _LENT
+        with counter.get_lock():
+            i, counter.value = counter.value, counter.value + 1
+        if i < len(servers):
+            _GRADER.sandbox.borrow(*servers[i])
     # pool workers leave by os._exit (no atexit): close the sandbox first, its fork server killed rather than kept
     Finalize(_GRADER, _GRADER.close, kwargs={"keep_warm": False}, exitpriority=10)
 
@@ -221,24 +232,36 @@ def grade_batch(entries: list[dict], checks, rubric: dict, limits, shared, jobs:
             log("reused", submission=e["submission"], key=keys[e["folder"]])
     graded = died = 0
     pending = list(todo)
+    global _LENT
     with tqdm(total=len(todo), desc="grading", unit="submission", disable=not progress) as bar:
         while pending:  # a worker that dies takes its pool down: the rest is resubmitted to a fresh pool
-            with ProcessPoolExecutor(jobs, initializer=_init_worker, initargs=(rubric, limits, shared)) as pool:
-                futures = {}
-                for key in pending:
-                    log("queued", submission=todo[key]["submission"], key=key)
-                    futures[pool.submit(_grade_one, todo[key]["layout"], checks, str(store), key,
-                                        todo[key]["submission"])] = key
-                try:
-                    for fut in as_completed(futures):
-                        key, record = futures[fut], fut.result()
-                        records[key] = record
-                        graded += 1
-                        if not record["report"]:  # a graded one is logged by its worker
-                            log("error", submission=todo[key]["submission"], key=key, error=json.dumps(record["error"]))
-                        bar.update()
-                except BrokenProcessPool:
-                    pass
+            context, workers = multiprocessing.get_context(), min(jobs, len(pending))
+            lent = sandbox.lend(workers) if context.get_start_method() == "fork" else []
+            _LENT, clean = (lent, context.Value("i", 0)), False
+            try:
+                with ProcessPoolExecutor(workers, context, initializer=_init_worker,
+                                         initargs=(rubric, limits, shared)) as pool:
+                    futures = {}
+                    for key in pending:
+                        log("queued", submission=todo[key]["submission"], key=key)
+                        futures[pool.submit(_grade_one, todo[key]["layout"], checks, str(store), key,
+                                            todo[key]["submission"])] = key
+                    try:
+                        for fut in as_completed(futures):
+                            key, record = futures[fut], fut.result()
+                            records[key] = record
+                            graded += 1
+                            if not record["report"]:  # a graded one is logged by its worker
+                                log("error", submission=todo[key]["submission"], key=key,
+                                    error=json.dumps(record["error"]))
+                            bar.update()
+                    except BrokenProcessPool:
+                        pass
+                    else:
+                        clean = True
+            finally:
+                _LENT = None
+                sandbox.take_back(lent, keep=clean)  # a broken pool's servers may be mid-request: killed
             lost = [k for k in pending if k not in records]
             if lost and lost == pending:  # nothing finished: mark the first one broken and go on without it
                 records[lost[0]] = {"key": lost[0], "report": None, "error": "the grading worker died on this submission"}

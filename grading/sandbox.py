@@ -332,6 +332,35 @@ def sweep_leftovers(folder: str | None = None) -> list[str]:
     return removed
 
 
+def _spawn_server() -> tuple[subprocess.Popen, str]:
+    """Start a fork server (grading/sandboxed/zygote.py) without waiting for it: (the process, its HOME)."""
+    # huggingface_hub reads HF_HOME once, at import in the zygote; every child sees it through this link, which
+    # each check points at its own copy of the cache.
+    home = temp_folder("zygote")
+    os.chmod(home, 0o755)
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           "HF_HOME": os.path.join(home, "hf"), "HOME": home, "OMP_NUM_THREADS": "1",
+           "TOKENIZERS_PARALLELISM": "false", "PYTHONDONTWRITEBYTECODE": "1"}
+    # -B: -I ignores PYTHONDONTWRITEBYTECODE, and the fork server writes nothing into the grader's checkout
+    proc = subprocess.Popen([sys.executable, "-I", "-B", str(ZYGOTE)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            cwd=home, env=env, start_new_session=True, text=True)
+    return proc, home
+
+
+def _await_server(proc: subprocess.Popen, home: str) -> tuple[subprocess.Popen, str]:
+    """The server once it says it is ready; killed, and RuntimeError, if it does not within 300 s."""
+    line = _readline(proc, 300)
+    if not line or not json.loads(line).get("ready"):
+        _kill_server(proc, home)
+        raise RuntimeError("the grading sandbox could not start (python grading/sandboxed/zygote.py failed)")
+    return proc, home
+
+
+def _readline(proc: subprocess.Popen, timeout: float) -> str | None:
+    ready, _, _ = select.select([proc.stdout], [], [], timeout)
+    return proc.stdout.readline() if ready else None
+
+
 # Fork servers this process started that no Sandbox holds now. A Sandbox takes one of these before it starts its own
 # (a start imports torch and transformers: about 9 s of a core on a 2-core Zen 3), so the graders a process makes one
 # after another (a notebook, a test module each, the CLI's) share one warm interpreter. A fork server keeps nothing of
@@ -385,6 +414,31 @@ def drop_idle() -> None:
         _kill_server(proc, home)
 
 
+def lend(n: int) -> list[tuple[subprocess.Popen, str]]:
+    """n fork servers of this process (its idle ones first, the rest started side by side) for n workers it is about
+    to fork: worker i borrows server i (Sandbox.borrow), so a batch's workers start no interpreter of their own.
+    Give them back with take_back once the workers are gone."""
+    servers = []
+    while len(servers) < n and (idle := _take_idle()) is not None:
+        servers.append(idle)
+    started = [_spawn_server() for _ in range(n - len(servers))]
+    try:
+        for proc, home in started:
+            servers.append(_await_server(proc, home))
+    except BaseException:
+        take_back(servers + started, keep=False)
+        raise
+    return servers
+
+
+def take_back(servers: list[tuple[subprocess.Popen, str]], keep: bool) -> None:
+    """The servers lend gave, after the workers that borrowed them are gone: kept idle for this process's next
+    Sandbox when `keep` (the workers ended cleanly: no request left unanswered), else killed."""
+    for proc, home in servers:
+        if not (keep and _park(proc, home)):
+            _kill_server(proc, home)
+
+
 class Sandbox:
     def __init__(self, limits: Limits | None = None, isolate_network: bool = True):
         self.limits = limits or Limits()
@@ -399,13 +453,16 @@ class Sandbox:
         self._proc: subprocess.Popen | None = None
         self._home = ""
         self._asking = False  # a request written and its answer not read: the server is not handed on
+        self._borrowed = False  # the server is another process's (borrow)
         self.packages: list[str] = []  # looked up in each check's sandbox before the submission runs (Run.sandbox)
 
     # ---- the warm fork server ----------------------------------------------------------------------------------
     def warm(self) -> None:
         """Start the fork server unless it runs (each check also does, if it died since); one this process has
         waiting (see _IDLE) is taken instead of starting another."""
-        if self._proc is None or self._proc.poll() is not None:
+        if self._borrowed and self._proc is not None and _alive(self._proc.pid):
+            return  # (poll() waits for a child, and a borrowed server is not this process's child)
+        if self._proc is None or self._borrowed or self._proc.poll() is not None:
             self.close()
             idle = _take_idle()
             if idle is not None:
@@ -414,38 +471,30 @@ class Sandbox:
                 self._start()
 
     def _start(self) -> None:
-        # huggingface_hub reads HF_HOME once, at import in the zygote; every child sees it through this link, which
-        # each check points at its own copy of the cache.
-        self._home = temp_folder("zygote")
-        os.chmod(self._home, 0o755)
-        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-               "HF_HOME": os.path.join(self._home, "hf"), "HOME": self._home, "OMP_NUM_THREADS": "1",
-               "TOKENIZERS_PARALLELISM": "false", "PYTHONDONTWRITEBYTECODE": "1"}
-        # -B: -I ignores PYTHONDONTWRITEBYTECODE, and the fork server writes nothing into the grader's checkout
-        self._proc = subprocess.Popen([sys.executable, "-I", "-B", str(ZYGOTE)], stdin=subprocess.PIPE,
-                                      stdout=subprocess.PIPE, cwd=self._home, env=env, start_new_session=True,
-                                      text=True)
-        line = self._readline(300)
-        if not line or not json.loads(line).get("ready"):
-            self.close()
-            raise RuntimeError("the grading sandbox could not start (python grading/sandboxed/zygote.py failed)")
+        self._proc, self._home = _await_server(*_spawn_server())
+
+    def borrow(self, proc: subprocess.Popen, home: str) -> None:
+        """Use a fork server another process started and lent (a batch's, in its forked worker): used while it
+        lives, forgotten (not killed) by release(), killed by close() as a broken one is."""
+        self.close()
+        self._proc, self._home, self._borrowed = proc, home, True
 
     def _readline(self, timeout: float) -> str | None:
-        ready, _, _ = select.select([self._proc.stdout], [], [], timeout)
-        return self._proc.stdout.readline() if ready else None
+        return _readline(self._proc, timeout)
 
     def close(self) -> None:
         """Kill the fork server (the next check starts or takes another)."""
         if self._proc is not None:
             _kill_server(self._proc, self._home)
-        self._proc, self._home, self._asking = None, "", False
+        self._proc, self._home, self._asking, self._borrowed = None, "", False, False
 
     def release(self, keep_warm: bool = True) -> None:
         """Give back the scratch folder and the uid (the sandbox cannot run checks after this), and the fork server:
         kept for this process's next Sandbox when `keep_warm` and it is idle and well, else killed. A process that
         leaves without running atexit (a pool worker's os._exit) passes keep_warm=False."""
-        if keep_warm and self._proc is not None and not self._asking and _park(self._proc, self._home):
-            self._proc, self._home = None, ""
+        if self._proc is not None and not self._asking and (
+                self._borrowed or (keep_warm and _park(self._proc, self._home))):
+            self._proc, self._home, self._borrowed = None, "", False  # parked, or back to its lender
         self.close()
         self._forget_scratch()
         if self._uid_lock >= 0:

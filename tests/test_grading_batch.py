@@ -3,6 +3,7 @@ a CSV keyed by student ids and names with per-check points; a broken or hostile 
 from __future__ import annotations
 
 import csv
+import os
 import shutil
 import zipfile
 
@@ -108,3 +109,27 @@ def test_the_grader_version_covers_the_code_that_runs_in_the_sandbox(tmp_path, m
     probes = copy / "sandboxed" / "probes.py"
     probes.write_text(probes.read_text() + "\n# changed\n")
     assert batch.grader_version() != before
+
+
+def test_the_workers_borrow_the_batchs_fork_servers_and_the_next_batch_starts_none(tmp_path, monkeypatch):
+    """--jobs 2: the batch's process starts (or takes) the two fork servers and its forked workers borrow them; they
+    stay warm for the next batch of the process. Every start, in any process, is counted in a file."""
+    from grading import sandbox
+
+    starts = tmp_path / "starts"
+    spawn = sandbox._spawn_server
+
+    def counted():
+        with open(starts, "a") as f:
+            f.write(f"{os.getpid()}\n")
+        return spawn()
+    monkeypatch.setattr(sandbox, "_spawn_server", counted)
+    sandbox.drop_idle()
+    export = make_export(tmp_path / "export")
+    for i in range(2):
+        out = tmp_path / f"scores{i}.csv"
+        assert main(["--batch", str(export), "--csv", str(out), "--checks", "embed", "--jobs", "2",
+                     "--reports", str(tmp_path / f"reports{i}")]) == 0
+        assert read_rows(out)["1001"]["embed"] == "8.0" and read_rows(out)["1004"]["embed"] == "0.0"
+        assert starts.read_text().split() == [str(os.getpid())] * 2  # both in this process, none in a worker
+        assert [owner for owner, _, _ in sandbox._IDLE] == [os.getpid()] * 2

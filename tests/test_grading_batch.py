@@ -112,8 +112,8 @@ def test_the_grader_version_covers_the_code_that_runs_in_the_sandbox(tmp_path, m
 
 
 def test_the_workers_borrow_the_batchs_fork_servers_and_the_next_batch_starts_none(tmp_path, monkeypatch):
-    """--jobs 2: the batch's process starts (or takes) the two fork servers and its forked workers borrow them; they
-    stay warm for the next batch of the process. Every start, in any process, is counted in a file."""
+    """--jobs 2: the batch's process takes its idle fork servers or starts them, and its forked workers borrow them;
+    they stay warm for the next batch of the process. Every start, in any process, is counted in a file."""
     from grading import sandbox
 
     starts = tmp_path / "starts"
@@ -124,12 +124,15 @@ def test_the_workers_borrow_the_batchs_fork_servers_and_the_next_batch_starts_no
             f.write(f"{os.getpid()}\n")
         return spawn()
     monkeypatch.setattr(sandbox, "_spawn_server", counted)
-    sandbox.drop_idle()
     export = make_export(tmp_path / "export")
     for i in range(2):
         out = tmp_path / f"scores{i}.csv"
         assert main(["--batch", str(export), "--csv", str(out), "--checks", "embed", "--jobs", "2",
                      "--reports", str(tmp_path / f"reports{i}")]) == 0
         assert read_rows(out)["1001"]["embed"] == "8.0" and read_rows(out)["1004"]["embed"] == "0.0"
-        assert starts.read_text().split() == [str(os.getpid())] * 2  # both in this process, none in a worker
+        started = starts.read_text().split() if starts.exists() else []
+        assert set(started) <= {str(os.getpid())} and len(started) <= 2  # in this process, none in a worker
         assert [owner for owner, _, _ in sandbox._IDLE] == [os.getpid()] * 2
+        if i == 0:
+            first = started
+    assert started == first  # the second batch started none

@@ -236,7 +236,8 @@ def commands(records: list[dict], **_) -> str:
         if m:
             v = m["values"]
             val = f"; val {v['val']:.4f}" if "val" in v else ""
-            runs = f" ({len(main)} runs: {span([x['values']['wall s'] for x in main], minutes)})" if len(main) > 1 else ""
+            same = [x for x in main if x.get("commit") == m.get("commit")]  # a range over other code is no spread
+            runs = f" ({len(same)} runs: {span([x['values']['wall s'] for x in same], minutes)})" if len(same) > 1 else ""
             cells.append(f"**{minutes(v['wall s'])}**, {v['ms/step']:.1f} ms/step, {v['peak RSS MB']:.0f} MB peak RSS"
                          f"{val}{runs}; {when(m)}")
         else:
@@ -245,7 +246,8 @@ def commands(records: list[dict], **_) -> str:
         if s:
             v = s["values"]
             skipped = f", {v['skipped']:.0f} skipped" if "skipped" in v else ""
-            runs = f" ({len(suite)} runs: {span([x['values']['wall s'] for x in suite], minutes)})" if len(suite) > 1 else ""
+            same = [x for x in suite if x.get("commit") == s.get("commit")]
+            runs = f" ({len(same)} runs: {span([x['values']['wall s'] for x in same], minutes)})" if len(same) > 1 else ""
             cells.append(f"{minutes(v['wall s'])}, {v.get('passed', 0):.0f} passed{skipped}{runs}; {when(s)}")
         else:
             cells.append("not measured")

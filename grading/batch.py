@@ -236,7 +236,10 @@ def grade_batch(entries: list[dict], checks, rubric: dict, limits, shared, jobs:
     with tqdm(total=len(todo), desc="grading", unit="submission", disable=not progress) as bar:
         while pending:  # a worker that dies takes its pool down: the rest is resubmitted to a fresh pool
             context, workers = multiprocessing.get_context(), min(jobs, len(pending))
-            lent = sandbox.lend(workers) if context.get_start_method() == "fork" else []
+            try:
+                lent = sandbox.lend(workers) if context.get_start_method() == "fork" else []
+            except RuntimeError:  # no server starts here: each worker tries its own and each row says what failed
+                lent = []
             _LENT, clean = (lent, context.Value("i", 0)), False
             try:
                 with ProcessPoolExecutor(workers, context, initializer=_init_worker,

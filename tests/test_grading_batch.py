@@ -136,3 +136,18 @@ def test_the_workers_borrow_the_batchs_fork_servers_and_the_next_batch_starts_no
         if i == 0:
             first = started
     assert started == first  # the second batch started none
+
+
+def test_a_sandbox_that_cannot_start_is_each_rows_error_not_an_abort(tmp_path, monkeypatch):
+    from grading import sandbox
+
+    def broken(proc, home):
+        sandbox._kill_server(proc, home)
+        raise RuntimeError("the grading sandbox could not start (python grading/sandboxed/zygote.py failed)")
+    monkeypatch.setattr(sandbox, "_await_server", broken)
+    monkeypatch.setattr(sandbox, "_take_idle", lambda: None)  # no warm server of this process to fall back on
+    export = make_export(tmp_path / "export")
+    out = tmp_path / "scores.csv"
+    main(["--batch", str(export), "--csv", str(out), "--checks", "embed", "--jobs", "2"])
+    rows = read_rows(out)
+    assert len(rows) == 3 and all("could not start" in r["error"] for r in rows.values()), rows

@@ -174,9 +174,10 @@ class Grader:
             raise NotADirectoryError(f"submission folder not found: {submission}")
         # The grader's own set-up (the fork server's cold start, the hub checkpoint) before the submission's clock
         # starts: on a busy machine it takes seconds the submission's deadline must not pay for.
-        self.sandbox.warm()
+        self.sandbox.warm(wait=False)  # the fork server starts while the hub checkpoint is made (both seconds)
         if "from_pretrained" in only:
             self.hub()
+        self.sandbox.warm()
         start = time.monotonic()
         report = Report(str(submission))
         # One pruned copy for all checks (caps on files and bytes, links that leave it dropped): each check then

@@ -454,12 +454,20 @@ class Sandbox:
         self._home = ""
         self._asking = False  # a request written and its answer not read: the server is not handed on
         self._borrowed = False  # the server is another process's (borrow)
+        self._starting: tuple[subprocess.Popen, str] | None = None  # warm(wait=False)'s server, not yet ready
         self.packages: list[str] = []  # looked up in each check's sandbox before the submission runs (Run.sandbox)
 
     # ---- the warm fork server ----------------------------------------------------------------------------------
-    def warm(self) -> None:
+    def warm(self, wait: bool = True) -> None:
         """Start the fork server unless it runs (each check also does, if it died since); one this process has
-        waiting (see _IDLE) is taken instead of starting another."""
+        waiting (see _IDLE) is taken instead of starting another. wait=False only starts it: the caller does its own
+        set-up meanwhile (the server's start is seconds of imports) and a later warm() waits for it."""
+        if self._starting is not None:
+            if not wait:
+                return
+            started, self._starting = self._starting, None
+            self._proc, self._home = _await_server(*started)
+            return
         if self._borrowed and self._proc is not None and _alive(self._proc.pid):
             return  # (poll() waits for a child, and a borrowed server is not this process's child)
         if self._proc is None or self._borrowed or self._proc.poll() is not None:
@@ -467,8 +475,10 @@ class Sandbox:
             idle = _take_idle()
             if idle is not None:
                 self._proc, self._home = idle
-            else:
+            elif wait:
                 self._start()
+            else:
+                self._starting = _spawn_server()
 
     def _start(self) -> None:
         self._proc, self._home = _await_server(*_spawn_server())
@@ -486,7 +496,9 @@ class Sandbox:
         """Kill the fork server (the next check starts or takes another)."""
         if self._proc is not None:
             _kill_server(self._proc, self._home)
-        self._proc, self._home, self._asking, self._borrowed = None, "", False, False
+        if self._starting is not None:
+            _kill_server(*self._starting)
+        self._proc, self._home, self._asking, self._borrowed, self._starting = None, "", False, False, None
 
     def release(self, keep_warm: bool = True) -> None:
         """Give back the scratch folder and the uid (the sandbox cannot run checks after this), and the fork server:

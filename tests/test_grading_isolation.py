@@ -275,14 +275,16 @@ def test_the_graders_own_start_is_not_the_submissions_time(tmp_path, monkeypatch
     are the grader's set-up: a submission whose checks fit its deadline gets them all, however slow that start."""
     import time
 
-    from grading.sandbox import Limits, Sandbox
+    from grading import sandbox
+    from grading.sandbox import Limits
 
-    start = Sandbox._start
+    ready = sandbox._await_server
 
-    def slow_start(self):
+    def slow_start(proc, home):
         time.sleep(4)
-        start(self)
-    monkeypatch.setattr(Sandbox, "_start", slow_start)
+        return ready(proc, home)
+    monkeypatch.setattr(sandbox, "_await_server", slow_start)
+    monkeypatch.setattr(sandbox, "_take_idle", lambda: None)  # a cold start, not this worker's warm server
     with Grader(limits=Limits(timeout=10, submission_timeout=4)) as g:
         report = g.grade(write_submission(tmp_path / "sub"), ("attention",))
     (check,) = report.checks

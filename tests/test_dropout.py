@@ -156,3 +156,47 @@ def test_a_kernel_that_cannot_be_built_or_is_switched_off_loads_as_false_with_a_
     with pytest.warns(UserWarning, match=r"the kernel x\.cpp could not be built \(RuntimeError: g\+\+: not found\); "
                                          r"torch's runs"):
         assert rows.load_kernel("GPT2_SOME_KERNEL", failing_build, "the kernel x.cpp", "torch's runs") is False
+
+
+def test_the_dropout_kernel_loads_once_under_its_switch_and_a_failed_build_names_itself(monkeypatch):
+    """modules/dropout.py's own loader (the cached library reset, so its first load runs here): switched off it is
+    False; a failed build warns naming the kernel and the fallback; a fresh build is the library the module uses."""
+    monkeypatch.setattr(hashed, "_library", None)
+    monkeypatch.setenv(hashed.ENV, "0")
+    assert hashed.available() is False and hashed._library is False
+    monkeypatch.setattr(hashed, "_library", None)
+    monkeypatch.delenv(hashed.ENV)
+
+    def failing(*args):
+        raise OSError("no compiler here")
+    real = hashed.library
+    monkeypatch.setattr(hashed, "library", failing)
+    with pytest.warns(UserWarning, match=r"^the dropout kernel modules/dropout\.cpp could not be built "
+                                         r"\(OSError: no compiler here\); dropout runs torch's"):
+        assert hashed.available() is False
+    monkeypatch.setattr(hashed, "library", real)
+    monkeypatch.setattr(hashed, "_library", None)
+    assert hashed.available() is True and hashed._load() is hashed._library  # built (cached on disk), then kept
+    fresh = real()  # its argument types hold a 64-bit seed (ctypes' default int would refuse or cut it)
+    seed = 2**62 + 12345
+    assert torch.equal(hashed.keep_mask(4096, 0.5, seed, lib=fresh), hashed.keep_mask(4096, 0.5, seed))
+    assert not torch.equal(hashed.keep_mask(4096, 0.5, seed), hashed.keep_mask(4096, 0.5, seed + 2**40))
+
+
+def test_the_threshold_stays_a_32_bit_value_and_a_rate_next_to_one_drops_everything():
+    assert hashed.threshold(0.5) == 2**31 and hashed.threshold(0.0) == 0
+    p = 1 - 1e-12  # rounds to 2**32, one past what 32 bits hold
+    assert hashed.threshold(p) == 2**32 - 1
+    assert int(hashed.keep_mask(1 << 16, p, 7).sum()) == 0
+
+
+def test_seeds_span_63_bits_and_p_zero_draws_none():
+    torch.manual_seed(0)
+    seeds = [hashed.draw_seed() for _ in range(20)]
+    assert max(seeds) > 2**40 and len(set(seeds)) == 20  # an int64 draw, not a float's 24 bits
+    torch.manual_seed(0)
+    state = torch.get_rng_state()
+    x = torch.rand(1000)
+    torch.set_rng_state(state)
+    hashed.Dropout(0.0).train()(x)  # the identity, as torch's: no seed drawn from the generator
+    assert torch.equal(torch.get_rng_state(), state)

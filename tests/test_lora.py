@@ -14,7 +14,16 @@ from models.lora import AdapterError, apply_lora, load_adapter, lora_modules, me
 from modules.linear import Linear as DecodeLinear
 from modules.lora import LoRALinear
 
-peft = pytest.importorskip("peft")
+
+class _Peft:
+    """peft, imported by the first test that uses it (6 s of every worker's collection otherwise); a test skips
+    without it."""
+
+    def __getattr__(self, name):
+        return getattr(pytest.importorskip("peft"), name)
+
+
+peft = _Peft()
 transformers = pytest.importorskip("transformers")
 
 

@@ -24,12 +24,15 @@ ENCODING = st.fixed_dictionaries({"bom": st.booleans(), "eol": st.sampled_from([
                                   "final_newline": st.booleans()})
 
 
+SCRATCH = tempfile.TemporaryDirectory(prefix="fuzz-readers-")  # removed at exit: hypothesis writes hundreds of files
+
+
 def write(lines: list[str], enc: dict, inject: dict[int, bytes] | None = None) -> Path:
     """Join the lines with LF, CRLF or CR, UTF-8 with an optional BOM; `inject` appends raw bytes to a line."""
     eol = enc["eol"].encode()
     raw = [line.encode("utf-8") + (inject or {}).get(i, b"") for i, line in enumerate(lines)]
     data = (b"\xef\xbb\xbf" if enc["bom"] else b"") + eol.join(raw) + (eol if enc["final_newline"] else b"")
-    path = Path(tempfile.mkdtemp()) / "ids-fuzz-train.csv"
+    path = Path(tempfile.mkdtemp(dir=SCRATCH.name)) / "ids-fuzz-train.csv"
     path.write_bytes(data)
     return path
 

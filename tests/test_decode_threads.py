@@ -158,3 +158,46 @@ def test_an_inactive_picker_changes_nothing(monkeypatch, threads4):
     assert clock.run(picker, 10, lambda n: 0.01 * n) == [] and torch.get_num_threads() == 4
     picker.close()
     assert torch.get_num_threads() == 4
+
+
+def tries(history: list[int], n: int) -> list[int]:
+    return [i for i, m in enumerate(history) if m == n]
+
+
+def test_a_losing_candidate_is_retried_at_doubling_intervals_up_to_the_longest(monkeypatch, threads4):
+    """The schedule's rules, step by step: each loss doubles the candidate's period (8 -> 16 -> 32 -> 64, then 64), its
+    times are the ones measured, and the best's window is the last WINDOW steps."""
+    monkeypatch.delenv("GPT2_DECODE_THREADS", raising=False)
+    clock, picker = Clock(monkeypatch), DecodeThreads()
+    cost = {4: 0.25, 2: 0.5, 1: 1.0}  # exact in binary: every comparison below is exact
+    history = clock.run(picker, 300, cost.get)
+    at = tries(history, 2)
+    # a try is recorded at the next step, which sets its next one a period later: one step more than the period apart
+    assert [b - a for a, b in zip(at, at[1:])] == [period + 1 for period in (16, 32, 64, 64, 64)]
+    assert picker.period[2] == decode_threads.LONGEST_PERIOD and picker.best == 4
+    assert list(picker.times[2]) == [0.5] * 3 and list(picker.times[4]) == [0.25] * 3
+    assert picker.times[4].maxlen == decode_threads.WINDOW
+
+
+def test_a_tie_keeps_the_best_and_a_win_resets_the_winners_times_and_soon_retries_the_loser(monkeypatch, threads4):
+    monkeypatch.delenv("GPT2_DECODE_THREADS", raising=False)
+    clock, picker = Clock(monkeypatch), DecodeThreads()
+    clock.run(picker, 40, {4: 0.25, 2: 0.25, 1: 0.25}.get)  # as fast as the best is no win
+    assert picker.best == 4
+    clock.run(picker, 20, {4: 0.25, 2: 0.5, 1: 0.5}.get)
+    fast = {4: 0.25, 2: 0.5, 1: 0.125}
+    history = clock.run(picker, 70, fast.get)
+    won = history.index(1)
+    assert picker.best == 1 and picker.times[1].maxlen == decode_threads.WINDOW
+    assert history[won + 1:won + 9] == [1] * 8  # the old best is re-tried FIRST_PERIOD steps after the win, not before
+    assert history[won + 9] == 4
+
+
+def test_only_a_step_more_than_twice_the_best_median_retries_the_others_at_once(monkeypatch, threads4):
+    monkeypatch.delenv("GPT2_DECODE_THREADS", raising=False)
+    for slower, at_once in ((2.0, False), (3.0, True)):
+        clock, picker = Clock(monkeypatch), DecodeThreads()
+        clock.run(picker, 100, {4: 0.25, 2: 0.5, 1: 1.0}.get)
+        after = clock.run(picker, 3, {4: 0.25 * slower, 2: 0.5, 1: 1.0}.get)
+        assert (after[1] != 4) == at_once, (slower, after)
+        picker.close()

@@ -201,3 +201,13 @@ def test_only_a_step_more_than_twice_the_best_median_retries_the_others_at_once(
         after = clock.run(picker, 3, {4: 0.25 * slower, 2: 0.5, 1: 1.0}.get)
         assert (after[1] != 4) == at_once, (slower, after)
         picker.close()
+
+
+def test_one_thread_is_no_choice_two_are_and_the_first_step_runs_the_best(monkeypatch, threads4):
+    monkeypatch.delenv("GPT2_DECODE_THREADS", raising=False)
+    assert DecodeThreads(threads=1).options == [] and DecodeThreads(threads=2).options == [2, 1]
+    clock, picker = Clock(monkeypatch), DecodeThreads()
+    history = clock.run(picker, 40, {4: 0.25, 2: 0.5, 1: 1.0}.get)
+    # step 0 runs the best (it also pays for what the call builds), steps 1 and 2 the untried ones, then the loser 2
+    # again once its period of 16 has passed since step 2 recorded it
+    assert history[:3] == [4, 2, 1] and tries(history, 2)[:2] == [1, 18]

@@ -18,6 +18,7 @@ before any tensor is made, so a corrupt or oversized result costs its check only
 """
 from __future__ import annotations
 
+import atexit
 import json
 import math
 import os
@@ -397,10 +398,6 @@ def _park(proc: subprocess.Popen, home: str) -> bool:
     with _IDLE_LOCK:
         if len(_IDLE) >= IDLE_MAX or proc.poll() is not None:
             return False
-        if not _IDLE:
-            import atexit
-
-            atexit.register(drop_idle)
         _IDLE.append((os.getpid(), proc, home))
         return True
 
@@ -412,6 +409,9 @@ def drop_idle() -> None:
         _IDLE[:] = [entry for entry in _IDLE if entry[0] != os.getpid()]
     for proc, home in mine:
         _kill_server(proc, home)
+
+
+atexit.register(drop_idle)  # once per process (it was registered again each time the idle list refilled)
 
 
 def lend(n: int) -> list[tuple[subprocess.Popen, str]]:
@@ -488,9 +488,6 @@ class Sandbox:
         lives, forgotten (not killed) by release(), killed by close() as a broken one is."""
         self.close()
         self._proc, self._home, self._borrowed = proc, home, True
-
-    def _readline(self, timeout: float) -> str | None:
-        return _readline(self._proc, timeout)
 
     def close(self) -> None:
         """Kill the fork server (the next check starts or takes another)."""
@@ -585,7 +582,7 @@ class Sandbox:
             self._asking = True
             self._proc.stdin.write(json.dumps(req) + "\n")
             self._proc.stdin.flush()
-            line = self._readline(timeout + 60)
+            line = _readline(self._proc, timeout + 60)
         except (BrokenPipeError, OSError):
             line = None
         self._asking = not line

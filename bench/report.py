@@ -224,6 +224,13 @@ def compare_hf(records: list[dict], cls: str | None = None, device: str | None =
                      "notes", "date, load, commit"], rows))
 
 
+def runs_of_commit(records: list[dict], latest: dict) -> str:
+    """' (N runs: a-b)' of the wall times of the runs at `latest`'s commit (a range over other code is no spread);
+    empty for one run."""
+    walls = [r["values"]["wall s"] for r in records if r.get("commit") == latest.get("commit")]
+    return f" ({len(walls)} runs: {span(walls, minutes)})" if len(walls) > 1 else ""
+
+
 def commands(records: list[dict], **_) -> str:
     rows = []
     for cls in CLASSES:
@@ -236,8 +243,7 @@ def commands(records: list[dict], **_) -> str:
         if m:
             v = m["values"]
             val = f"; val {v['val']:.4f}" if "val" in v else ""
-            same = [x for x in main if x.get("commit") == m.get("commit")]  # a range over other code is no spread
-            runs = f" ({len(same)} runs: {span([x['values']['wall s'] for x in same], minutes)})" if len(same) > 1 else ""
+            runs = runs_of_commit(main, m)
             cells.append(f"**{minutes(v['wall s'])}**, {v['ms/step']:.1f} ms/step, {v['peak RSS MB']:.0f} MB peak RSS"
                          f"{val}{runs}; {when(m)}")
         else:
@@ -246,8 +252,7 @@ def commands(records: list[dict], **_) -> str:
         if s:
             v = s["values"]
             skipped = f", {v['skipped']:.0f} skipped" if "skipped" in v else ""
-            same = [x for x in suite if x.get("commit") == s.get("commit")]
-            runs = f" ({len(same)} runs: {span([x['values']['wall s'] for x in same], minutes)})" if len(same) > 1 else ""
+            runs = runs_of_commit(suite, s)
             cells.append(f"{minutes(v['wall s'])}, {v.get('passed', 0):.0f} passed{skipped}{runs}; {when(s)}")
         else:
             cells.append("not measured")

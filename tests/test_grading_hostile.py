@@ -199,12 +199,16 @@ def test_other_processes_and_their_command_lines_are_invisible(grader, tmp_path)
         code = (f"import os\nseen = []\nfor pid in os.listdir('/proc'):\n    try:\n"
                 f"        if pid.isdigit() and {marker!r}.encode() in open(f'/proc/{{pid}}/cmdline', 'rb').read():\n"
                 f"            seen.append(pid)\n    except OSError:\n        pass\n"
-                f"print('PROCESSES', len([p for p in os.listdir('/proc') if p.isdigit()]), 'SAW', len(seen))")
-        check = grade_attention(grader, attack(tmp_path, code))
+                f"print('PROCESSES', len([p for p in os.listdir('/proc') if p.isdigit()]), 'SAW', len(seen))\n"
+                f"print('PID', os.getpid(), os.getppid())")
+        report = grader.grade(attack(tmp_path, code), ("attention",))
     finally:
         other.kill()
         other.wait()
+    (check,) = report.checks
     assert "SAW 0" in check.output, check.output
+    if report.sandbox["pid"] == "isolated":  # its own PID namespace, whose init it is (no parent there)
+        assert "PID 1 0" in check.output, check.output
     assert check.score == check.max_score, check.messages
 
 
@@ -345,12 +349,15 @@ def run_grader_as(wrapper: list[str], tmp: Path, code: str = "") -> dict:
     return json.loads((tmp / "report.json").read_text())
 
 
-def exposing_python(tmp: Path, then: str) -> list[str]:
+def exposing_python(tmp: Path, then: str, hide_cgroups: bool = False) -> list[str]:
     """A command prefix: a private mount namespace where each folder closed to others above the project or this
     Python (a pyenv in /root, the `mktemp -d` folder a clone and its venv live in) is covered by an empty tmpfs with
-    only those bound back, then `then` (a setpriv line that takes the rest of the arguments)."""
+    only those bound back, then `then` (a setpriv line that takes the rest of the arguments). hide_cgroups: an empty
+    read-only /sys/fs/cgroup, as in a container given no cgroups."""
     closed = closed_folders([str(ROOT), *python_paths()])
     stage, script = lambda i, j: shlex.quote(str(tmp / f"stage-{i}-{j}")), ["set -e"]
+    if hide_cgroups and os.path.isdir("/sys/fs/cgroup"):
+        script.append("mount -t tmpfs -o ro,size=1m tmpfs /sys/fs/cgroup")
     for i, (folder, paths) in enumerate(sorted(closed.items())):
         for j, path in enumerate(paths):
             script.append(f"mkdir {stage(i, j)}; mount --bind {shlex.quote(path)} {stage(i, j)}")
@@ -427,19 +434,23 @@ def test_a_grader_without_root_isolates_the_check_in_a_user_namespace():
 
 @ROOT_ONLY
 def test_a_container_without_namespaces_grades_says_what_did_not_hold_and_cleans_up():
-    """Docker without CAP_SYS_ADMIN: no namespace; the uid of its own still holds where Python is readable (here
-    made so), and what it leaves in the shared /run/lock and SysV shared memory is reported and removed."""
+    """Docker without CAP_SYS_ADMIN and without cgroups: no namespace, no cgroup; the uid of its own still holds where
+    Python is readable (here made so), what it leaves in the shared /run/lock and SysV shared memory is reported and
+    removed, and a process it started in a session of its own is killed (kill_all_of: nothing else reaches it)."""
     if not Path("/usr/bin/setpriv").exists() or not Path("/usr/bin/unshare").exists():
         pytest.skip("needs setpriv and unshare (util-linux) to drop CAP_SYS_ADMIN as Docker does")
     tmp = Path(tempfile.mkdtemp(prefix="grading-nosysadmin-"))
     key = int(uuid.uuid4().int % 2**30) + 1
     lock = Path("/run/lock") / f"left-by-a-submission-{key}"
+    marker = f"left-running-{uuid.uuid4().hex}"  # a process in a session of its own: no process group reaches it
     code = (f"import ctypes\nprint('SHM', ctypes.CDLL(None).shmget({key}, 1 << 20, 0o1000 | 0o666))\n"
-            f"open({str(lock)!r}, 'w').write('x')")
+            f"open({str(lock)!r}, 'w').write('x')\nimport subprocess, sys\n"
+            f"subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)', {marker!r}], "
+            f"start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)")
     libc = ctypes.CDLL(None, use_errno=True)
     try:
-        report = run_grader_as(exposing_python(tmp, "setpriv --bounding-set=-sys_admin --inh-caps=-sys_admin"),
-                               tmp, code)
+        report = run_grader_as(exposing_python(tmp, "setpriv --bounding-set=-sys_admin --inh-caps=-sys_admin",
+                                               hide_cgroups=True), tmp, code)
     finally:
         subprocess.run(["rm", "-rf", str(tmp)])
         shmid = libc.shmget(key, 0, 0)
@@ -447,8 +458,14 @@ def test_a_container_without_namespaces_grades_says_what_did_not_hold_and_cleans
         if shmid >= 0:
             libc.shmctl(shmid, 0, None)
         lock.unlink(missing_ok=True)
+    running = [pid for pid in os.listdir("/proc") if pid.isdigit() and marker.encode() in _cmdline(pid)]
+    for pid in running:  # not left behind by a failing run either
+        with contextlib.suppress(OSError):
+            os.kill(int(pid), 9)
     sandbox, (check,) = report["sandbox"], report["checks"]
+    assert running == [], "a process the check started outlived it (the zygote's kill_all_of)"
     assert report["score"] == 16, report
+    assert sandbox["cgroup"].startswith("none"), sandbox
     for layer in ("network", "ipc", "mount", "pid"):
         assert sandbox[layer].startswith("not isolated: unshare(CLONE_NEW") and "not permitted" in sandbox[layer]
     assert sandbox["tmpfs"] == sandbox["disk"] == "none: no private mount namespace", sandbox
@@ -460,6 +477,13 @@ def test_a_container_without_namespaces_grades_says_what_did_not_hold_and_cleans
     findings = " ".join(check["messages"])
     assert lock.name in findings and "SysV shared memory segment" in findings, check["messages"]
     assert left == [], f"{left} outlived the check"
+
+
+def _cmdline(pid: str) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
 
 
 def test_cgroup_v2_group_goes_under_a_delegated_group_else_the_hierarchy_root(tmp_path):

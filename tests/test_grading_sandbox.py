@@ -184,3 +184,32 @@ def test_the_next_sandbox_of_this_process_takes_the_warm_fork_server_and_a_forke
         c.release(keep_warm=mid_request)  # asked to keep it, but mid-request; or keep_warm=False (a pool worker)
         assert stand_in.poll() is not None and not Path(home).exists()
         assert all(proc is not stand_in for _, proc, _ in sandbox._IDLE)
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        found += [int(p) for p in (task / "children").read_text().split()]
+    return found
+
+
+def test_the_fork_servers_killer_outlives_the_checks_and_a_killed_killer_costs_no_check(grader, tmp_path):
+    """The fork server forks its killer (kill_all_of's helper, cheap to fork) before importing torch: its one child
+    between checks. Killed from outside, the server forks the helper itself: the checks grade as before and no
+    process of the sandbox's is left."""
+    if not Path(f"/proc/{os.getpid()}/task/{os.getpid()}/children").exists():
+        pytest.skip("/proc/PID/task/TID/children is absent (a kernel without CONFIG_PROC_CHILDREN): no killer")
+    grader.sandbox.warm()
+    server = grader.sandbox._proc.pid
+    (killer,) = _children(server)
+    rss = {pid: int(Path(f"/proc/{pid}/statm").read_text().split()[1]) for pid in (server, killer)}
+    assert rss[killer] * 10 < rss[server], rss  # forked before torch: a fork of it copies little
+    sub = write_submission(tmp_path / "sub")
+    first = grader.grade(sub, ("attention",))
+    assert _children(server) == [killer]
+    os.kill(killer, 9)
+    second = grader.grade(sub, ("attention",))
+    assert first.total == second.total == first.max_total > 0, (first.checks, second.checks)
+    assert grader.sandbox._proc.pid == server and _children(server) == []  # the same server; the killer reaped
+    if grader.sandbox.uid is not None:
+        assert sandbox_processes(grader) == []

@@ -28,7 +28,6 @@ _OURS = {os.path.realpath(p) for p in (HERE, GRADING_DIR, PROJECT_DIR, os.getcwd
 sys.path[:] = [p for p in sys.path if p and os.path.realpath(p) not in _OURS]
 
 
-
 def _start_killer() -> tuple[int, int, int] | None:
     """The killer: a small process forked now, before the heavy imports, that kills a sandbox user's processes on
     request (kill_all_of). Forking it for each check costs about 1 ms; forking this process once torch is loaded
@@ -216,6 +215,8 @@ def kill_all_of(uid: int) -> None:
             pass
         finally:
             signal.signal(signal.SIGPIPE, old)
+        for fd in (req_w, rep_r):
+            os.close(fd)
         KILLER = None  # died (it never runs a submission's code: a bug or an outside kill); reap() collects it
     _kill_as(uid)
 
@@ -279,7 +280,12 @@ def run(req: dict) -> dict:
     req["cgroup_dirs"], req["cgroup_status"] = (cgroup.dirs, cgroup.status) if cgroup else (None, why)
     (report_r, report_w), (ack_r, ack_w) = os.pipe(), os.pipe()
     req["pid_namespace"] = PID_NAMESPACES.before_fork()  # as root: the child is a new PID namespace's init
-    pid = os.fork()
+    try:
+        pid = os.fork()
+    except BaseException:
+        if req["pid_namespace"]:  # this process's later forks stay in its own namespace
+            PID_NAMESPACES.after_fork()
+        raise
     if pid == 0:
         os.close(report_r)
         os.close(ack_w)

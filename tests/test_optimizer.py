@@ -475,6 +475,87 @@ needs_fused_kernel = pytest.mark.skipif(not fused_kernel.available(),
                                         reason="the fused AdamW kernel cannot be built here (no g++ or not x86-64)")
 
 
+def test_the_fused_adamw_kernel_loads_once_under_its_switch_and_a_failed_build_names_itself(monkeypatch):
+    """modules/adamw.py's own loader (the cached library reset, so its first load runs here): switched off it is
+    False; a failed build warns naming the kernel and the fallback; where it builds, the build is kept."""
+    built = fused_kernel.available()
+    monkeypatch.setattr(fused_kernel, "_library", None)
+    monkeypatch.setenv("GPT2_FUSED_ADAMW", "0")
+    assert fused_kernel.available() is False and fused_kernel._library is False
+    monkeypatch.setattr(fused_kernel, "_library", None)
+    monkeypatch.delenv("GPT2_FUSED_ADAMW")
+
+    def failing(*args):
+        raise OSError("no compiler here")
+    real = fused_kernel.library
+    monkeypatch.setattr(fused_kernel, "library", failing)
+    with pytest.warns(UserWarning, match=r"^the fused AdamW kernel modules/adamw\.cpp could not be built \(OSError: "
+                                         r"no compiler here\); AdamW\(fused=True\) runs the multi-tensor path$"):
+        assert fused_kernel.available() is False
+    monkeypatch.setattr(fused_kernel, "library", real)
+    monkeypatch.setattr(fused_kernel, "_library", None)
+    assert fused_kernel.available() is built
+    if built:
+        assert fused_kernel._load() is fused_kernel._library  # loaded once, then kept
+
+
+def test_the_kernels_constants_are_the_updates_and_a_small_tensor_gets_one_thread():
+    hyper = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, bias_correction1=0.5,
+                 bias_correction2_sqrt=0.25)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        small, big = fused_kernel._scalars(fused_kernel.SMALL - 1, **hyper), fused_kernel._scalars(fused_kernel.SMALL, **hyper)
+    finally:
+        torch.set_num_threads(threads)
+    assert small[-1] == 1 and big[-1] == 3  # a parallel region costs more than it saves below SMALL elements
+    assert small[:-1] == big[:-1] == (1 - 1e-3 * 0.1, 1 - 0.9, 0.999, 1 - 0.999, 0.25, 1e-8, -1e-3 / 0.5)
+
+
+MASTER_ARGS = ("master", "low", "g", "m", "v")
+NOT_FOR_THE_MASTER_KERNEL = {  # one argument replaced: what the kernel cannot read as it reads its tensors
+    "master in bf16": ("master", lambda: torch.zeros(2, 3, dtype=torch.bfloat16)),
+    "master not contiguous": ("master", lambda: torch.zeros(3, 2).t()),
+    "low in fp32": ("low", lambda: torch.zeros(2, 3)),
+    "low not contiguous": ("low", lambda: torch.zeros(3, 2, dtype=torch.bfloat16).t()),
+    "low not on the CPU": ("low", lambda: torch.zeros(2, 3, dtype=torch.bfloat16, device="meta")),
+    "low of another shape": ("low", lambda: torch.zeros(3, 2, dtype=torch.bfloat16)),
+    "gradient in fp32": ("g", lambda: torch.zeros(2, 3)),
+    "gradient not contiguous": ("g", lambda: torch.zeros(3, 2, dtype=torch.bfloat16).t()),
+    "gradient of another shape": ("g", lambda: torch.zeros(3, 2, dtype=torch.bfloat16)),
+    "first moment in fp64": ("m", lambda: torch.zeros(2, 3, dtype=torch.float64)),
+    "first moment not contiguous": ("m", lambda: torch.zeros(3, 2).t()),
+    "second moment of another shape": ("v", lambda: torch.zeros(6)),
+}
+
+
+@pytest.mark.parametrize("why", list(NOT_FOR_THE_MASTER_KERNEL))
+def test_the_master_kernel_applies_only_to_what_it_reads(why):
+    args = {"master": torch.zeros(2, 3), "low": torch.zeros(2, 3, dtype=torch.bfloat16),
+            "g": torch.zeros(2, 3, dtype=torch.bfloat16), "m": torch.zeros(2, 3), "v": torch.zeros(2, 3)}
+    assert fused_kernel.applies_master(*(args[k] for k in MASTER_ARGS))
+    name, make = NOT_FOR_THE_MASTER_KERNEL[why]
+    args[name] = make()
+    assert not fused_kernel.applies_master(*(args[k] for k in MASTER_ARGS)), why
+
+
+@needs_fused_kernel
+def test_a_fused_step_bumps_the_version_of_every_tensor_it_writes_and_of_none_it_reads():
+    """The derived-weight caches and autograd see the kernels' writes (issue 52): each written tensor's version goes
+    up by one, as after one in-place torch op; the gradient's stays."""
+    hyper = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, bias_correction1=0.1,
+                 bias_correction2_sqrt=0.0316)
+    p, g, m, v = torch.randn(10), torch.randn(10), torch.zeros(10), torch.zeros(10)
+    before = [t._version for t in (p, g, m, v)]
+    fused_kernel.step(p, g, m, v, **hyper)
+    assert [t._version - b for t, b in zip((p, g, m, v), before)] == [1, 0, 1, 1]
+    master, g16, m, v = torch.randn(10), torch.randn(10).bfloat16(), torch.zeros(10), torch.zeros(10)
+    low = master.bfloat16()
+    before = [t._version for t in (master, low, g16, m, v)]
+    fused_kernel.step_master(master, low, g16, m, v, **hyper)
+    assert [t._version - b for t, b in zip((master, low, g16, m, v), before)] == [1, 1, 0, 1, 1]
+
+
 def fixed_gradient_run(opt_factory, steps: int = 200):
     """Parameters of several shapes (one above the kernel's one-thread limit, so its OpenMP loop runs) updated from
     the same gradient sequence whatever the parameters are: differences cannot feed back through the gradients."""

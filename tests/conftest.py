@@ -63,6 +63,31 @@ def restore_threads():
     torch.set_num_threads(threads)
 
 
+def check_kernel_loader(monkeypatch, module, env: str, warning: str) -> bool:
+    """A C++ kernel module's own loader (modules/adamw.py, modules/dropout.py), its cached library reset so that its
+    first load runs here: with `env`=0 it is False; a failed build warns (`warning`, a regex: the kernel and what runs
+    instead) and is False; then the real build is loaded once and kept. Returns whether the kernel builds here."""
+    built = module.available()
+    monkeypatch.setattr(module, "_library", None)
+    monkeypatch.setenv(env, "0")
+    assert module.available() is False and module._library is False
+    monkeypatch.setattr(module, "_library", None)
+    monkeypatch.delenv(env)
+
+    def failing(*args):
+        raise OSError("no compiler here")
+    real = module.library
+    monkeypatch.setattr(module, "library", failing)
+    with pytest.warns(UserWarning, match=warning):
+        assert module.available() is False
+    monkeypatch.setattr(module, "library", real)
+    monkeypatch.setattr(module, "_library", None)
+    assert module.available() is built
+    if built:
+        assert module._load() is module._library  # loaded once, then kept
+    return built
+
+
 @pytest.fixture
 def hf_folder(tmp_path):
     """Factory: save a random-init HF model and return (hf_model, folder)."""

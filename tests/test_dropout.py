@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from conftest import checkpointed_twin, tiny_config
+from conftest import check_kernel_loader, checkpointed_twin, tiny_config
 from torch import nn
 
 from modules import dropout as hashed
@@ -159,25 +159,10 @@ def test_a_kernel_that_cannot_be_built_or_is_switched_off_loads_as_false_with_a_
 
 
 def test_the_dropout_kernel_loads_once_under_its_switch_and_a_failed_build_names_itself(monkeypatch):
-    """modules/dropout.py's own loader (the cached library reset, so its first load runs here): switched off it is
-    False; a failed build warns naming the kernel and the fallback; a fresh build is the library the module uses."""
-    monkeypatch.setattr(hashed, "_library", None)
-    monkeypatch.setenv(hashed.ENV, "0")
-    assert hashed.available() is False and hashed._library is False
-    monkeypatch.setattr(hashed, "_library", None)
-    monkeypatch.delenv(hashed.ENV)
-
-    def failing(*args):
-        raise OSError("no compiler here")
-    real = hashed.library
-    monkeypatch.setattr(hashed, "library", failing)
-    with pytest.warns(UserWarning, match=r"^the dropout kernel modules/dropout\.cpp could not be built "
-                                         r"\(OSError: no compiler here\); dropout runs torch's"):
-        assert hashed.available() is False
-    monkeypatch.setattr(hashed, "library", real)
-    monkeypatch.setattr(hashed, "_library", None)
-    assert hashed.available() is True and hashed._load() is hashed._library  # built (cached on disk), then kept
-    fresh = real()  # its argument types hold a 64-bit seed (ctypes' default int would refuse or cut it)
+    """modules/dropout.py's own loader (conftest.check_kernel_loader); a fresh build is the library the module uses."""
+    assert check_kernel_loader(monkeypatch, hashed, hashed.ENV, r"^the dropout kernel modules/dropout\.cpp could not "
+                                                                r"be built \(OSError: no compiler here\); dropout runs torch's")
+    fresh = hashed.library()  # its argument types hold a 64-bit seed (ctypes' default int would refuse or cut it)
     seed = 2**62 + 12345
     assert torch.equal(hashed.keep_mask(4096, 0.5, seed, lib=fresh), hashed.keep_mask(4096, 0.5, seed))
     assert not torch.equal(hashed.keep_mask(4096, 0.5, seed), hashed.keep_mask(4096, 0.5, seed + 2**40))

@@ -13,7 +13,7 @@ from torch import nn
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from conftest import data_path  # noqa: E402
+from conftest import check_kernel_loader, data_path  # noqa: E402
 from tolerances import ADAMW_FUSED_VS_TORCH, ADAMW_VS_COURSE, ADAMW_VS_TORCH, assert_same_update  # noqa: E402
 
 import optimizer as optimizer_module  # noqa: E402
@@ -476,27 +476,9 @@ needs_fused_kernel = pytest.mark.skipif(not fused_kernel.available(),
 
 
 def test_the_fused_adamw_kernel_loads_once_under_its_switch_and_a_failed_build_names_itself(monkeypatch):
-    """modules/adamw.py's own loader (the cached library reset, so its first load runs here): switched off it is
-    False; a failed build warns naming the kernel and the fallback; where it builds, the build is kept."""
-    built = fused_kernel.available()
-    monkeypatch.setattr(fused_kernel, "_library", None)
-    monkeypatch.setenv("GPT2_FUSED_ADAMW", "0")
-    assert fused_kernel.available() is False and fused_kernel._library is False
-    monkeypatch.setattr(fused_kernel, "_library", None)
-    monkeypatch.delenv("GPT2_FUSED_ADAMW")
-
-    def failing(*args):
-        raise OSError("no compiler here")
-    real = fused_kernel.library
-    monkeypatch.setattr(fused_kernel, "library", failing)
-    with pytest.warns(UserWarning, match=r"^the fused AdamW kernel modules/adamw\.cpp could not be built \(OSError: "
-                                         r"no compiler here\); AdamW\(fused=True\) runs the multi-tensor path$"):
-        assert fused_kernel.available() is False
-    monkeypatch.setattr(fused_kernel, "library", real)
-    monkeypatch.setattr(fused_kernel, "_library", None)
-    assert fused_kernel.available() is built
-    if built:
-        assert fused_kernel._load() is fused_kernel._library  # loaded once, then kept
+    check_kernel_loader(monkeypatch, fused_kernel, "GPT2_FUSED_ADAMW",
+                        r"^the fused AdamW kernel modules/adamw\.cpp could not be built \(OSError: no compiler here\); "
+                        r"AdamW\(fused=True\) runs the multi-tensor path$")
 
 
 def test_the_kernels_constants_are_the_updates_and_a_small_tensor_gets_one_thread():

@@ -5,16 +5,19 @@ takes; and generate keeps decode_step for the variants it does not take.
 Tolerance: the step's sums run in other orders than torch's (the rows kernel's products, a plain softmax, LayerNorm
 in double): hidden states agree to 1e-5 (relative and absolute) on these small models."""
 import copy
+import gc
+from types import SimpleNamespace
 
 import pytest
 import torch
+from torch import nn
 
 from config import GPT2Config
 from models import fast_step
 from models.gpt2 import GPT2LMHeadModel
 from models.lora import apply_lora
 from modules import rows
-from modules.linear import quantized_weights
+from modules.linear import Linear, quantized_weights
 
 pytestmark = pytest.mark.skipif(not rows.available(), reason="the rows kernel cannot be built here")
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -22,7 +25,7 @@ TOL = dict(rtol=1e-5, atol=1e-5)
 
 def tiny(seed: int = 0, **overrides) -> GPT2LMHeadModel:
     torch.manual_seed(seed)
-    fields = dict(n_layer=2, n_head=4, n_embd=64, vocab_size=97, n_positions=64, **overrides)
+    fields = {**dict(n_layer=2, n_head=4, n_embd=64, vocab_size=97, n_positions=64), **overrides}
     model = GPT2LMHeadModel(GPT2Config(**fields)).eval()
     with torch.no_grad():
         for p in model.parameters():
@@ -146,3 +149,99 @@ def test_a_norm_with_another_eps_keeps_decode_step():
         model = tiny()
         edit(model).eps = 1e-3
         assert "norm" in fast_step.why_not(model, 1, None, prompt_cache(model, torch.tensor([[1, 2]])))
+
+
+def test_each_reason_to_keep_decode_step_is_named_as_it_is(monkeypatch):
+    """why_not's reasons word for word, one situation each (generate logs the reason where it keeps decode_step)."""
+    model = tiny()
+    cache = prompt_cache(model, torch.tensor([[1, 2]]))
+
+    def why(m=model, rows_=1, mask=None, c=cache):
+        return fast_step.why_not(m, rows_, mask, c)
+    assert why() is None
+    assert why(rows_=2) == why(mask=torch.ones(1, 1, 1, 3, dtype=torch.bool)) == "several rows or padding"
+    assert why(m=tiny(activation_function="relu")) == "not GPT-2's blocks (manual backward or another activation)"
+    keys = cache.keys
+    for other in (keys.double(), keys.transpose(-1, -2), keys.to("meta")):  # another dtype, strides or device alone
+        assert why(c=SimpleNamespace(keys=other)) == "the cache is not fp32 on the CPU", (other.dtype, other.device)
+    for edit, reason in ((lambda m: m.gpt.gpt_layers[1].out_layer_norm, "a norm that is not LayerNorm"),
+                         (lambda m: m.gpt.final_layer_norm, "a final norm that is not LayerNorm")):
+        other = tiny()
+        edit(other).eps = 1e-3
+        assert why(m=other) == reason
+    wide = tiny()
+    wide.double()  # its cache (made before) still fp32: the parameters' dtype is what is refused
+    assert why(m=wide) == "not fp32 on the CPU"
+    with_lora = tiny()
+    apply_lora(with_lora, rank=2)
+    assert why(m=with_lora) == "a layer that is not the plain Linear (LoRA)"
+    monkeypatch.setattr(rows, "available", lambda: False)
+    assert why() == "the rows kernel is not built here"
+
+
+def test_the_last_place_in_the_cache_is_used_and_the_next_step_is_an_error():
+    model = tiny()
+    cache = prompt_cache(model, torch.tensor([[1, 2]]), extra=1)
+    with torch.no_grad():
+        step = fast_step.FastStep(model, cache)
+        step(torch.tensor([[3]]), torch.tensor([[2]]))
+        assert cache.length == cache.capacity == 3
+        with pytest.raises(RuntimeError, match=r"^the decode cache holds 3 tokens and is full$"):
+            step(torch.tensor([[4]]), torch.tensor([[3]]))
+
+
+def test_a_failing_step_names_its_code_and_a_step_bumps_what_it_wrote():
+    """The cache's keys and values and the step's output are written through pointers: their versions go up as after
+    an in-place torch op (issue 52). A non-zero return of the C++ step is an error naming the code."""
+    model = tiny()
+    cache = prompt_cache(model, torch.tensor([[1, 2]]))
+    with torch.no_grad():
+        step = fast_step.FastStep(model, cache)
+        written = (cache.keys, cache.values, step.out)
+        before = [t._version for t in written]
+        step(torch.tensor([[3]]), torch.tensor([[2]]))
+        assert [t._version - b for t, b in zip(written, before)] == [1, 1, 1]
+
+    class Failing:  # the kernel's library, but its step reports code 3
+        def __init__(self, lib):
+            self.lib = lib
+
+        def __getattr__(self, name):
+            return getattr(self.lib, name)
+
+        def gpt2_step(self, *args):
+            return 3
+    with torch.no_grad():
+        step = fast_step.FastStep(model, cache, lib=Failing(rows.library_step("fp32")))
+        with pytest.raises(RuntimeError, match=r"^the C\+\+ decode step failed \(code 3\)$"):
+            step(torch.tensor([[4]]), torch.tensor([[3]]))
+
+
+@pytest.mark.parametrize("quantize, kind", [(None, "fp32"), ("int8", "int8"), ("int4", "int4")])
+def test_the_step_runs_the_kernel_form_the_plan_chose_for_its_weight_kind(monkeypatch, quantize, kind):
+    asked, real = [], rows.library_step
+    monkeypatch.setattr(rows, "library_step", lambda k="fp32": asked.append(k) or real(k))
+    steps_agree(tiny(n_layer=1), quantize, n_steps=1)
+    assert asked == [kind]
+
+
+def test_weights_it_copies_to_make_contiguous_live_as_long_as_the_step():
+    """A layer whose weight or bias is not contiguous is read from a contiguous copy: the copies are kept (freed, their
+    memory would be handed to the next allocations of their size, filled here with NaN)."""
+    model = tiny(seed=3)
+    linears = [m for layer in model.gpt.gpt_layers for m in layer.modules() if type(m) is Linear]
+    with torch.no_grad():
+        for m in linears:
+            m.weight = nn.Parameter(m.weight.detach().t().contiguous().t())  # the same values, transposed strides
+            m.bias = nn.Parameter(torch.stack([m.bias.detach(), m.bias.detach()], 1)[:, 0])
+    assert not any(m.weight.is_contiguous() or m.bias.is_contiguous() for m in linears)
+    ids = torch.tensor([[3, 14, 15]])
+    cache = prompt_cache(model, ids)
+    ref = clone(cache)
+    with torch.no_grad():
+        step = fast_step.FastStep(model, cache)
+        gc.collect()
+        litter = [torch.full(t.shape, float("nan")) for m in linears for t in (m.weight, m.bias)]
+        t, pos = torch.tensor([[7]]), torch.tensor([[3]])
+        torch.testing.assert_close(step(t, pos), model.gpt.decode_step(t, pos, None, ref), **TOL)
+    assert len(litter) == 2 * len(linears)

@@ -484,12 +484,8 @@ def test_the_fused_adamw_kernel_loads_once_under_its_switch_and_a_failed_build_n
 def test_the_kernels_constants_are_the_updates_and_a_small_tensor_gets_one_thread():
     hyper = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, bias_correction1=0.5,
                  bias_correction2_sqrt=0.25)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(3)
-    try:
-        small, big = fused_kernel._scalars(fused_kernel.SMALL - 1, **hyper), fused_kernel._scalars(fused_kernel.SMALL, **hyper)
-    finally:
-        torch.set_num_threads(threads)
+    torch.set_num_threads(3)  # restored after the test (conftest.restore_threads)
+    small, big = fused_kernel._scalars(fused_kernel.SMALL - 1, **hyper), fused_kernel._scalars(fused_kernel.SMALL, **hyper)
     assert small[-1] == 1 and big[-1] == 3  # a parallel region costs more than it saves below SMALL elements
     assert small[:-1] == big[:-1] == (1 - 1e-3 * 0.1, 1 - 0.9, 0.999, 1 - 0.999, 0.25, 1e-8, -1e-3 / 0.5)
 

@@ -33,7 +33,9 @@ def _start_killer() -> tuple[int, int, int] | None:
     request (kill_all_of). Forking it for each check costs about 1 ms; forking this process once torch is loaded
     costs tens (its page tables are copied, then torn down). (pid, request fd, reply fd), or None where this
     process's children cannot be listed (reap() must tell the killer from a check's leftovers)."""
-    if not _children_listable():
+    try:
+        _children()
+    except OSError:
         return None
     (req_r, req_w), (rep_r, rep_w) = os.pipe(), os.pipe()
     pid = os.fork()
@@ -70,14 +72,6 @@ def _kill_as(uid: int) -> None:
             pass
         os._exit(0)
     os.waitpid(pid, 0)
-
-
-def _children_listable() -> bool:
-    try:
-        _children()
-        return True
-    except OSError:
-        return False
 
 
 def _children() -> set[int]:

@@ -47,11 +47,13 @@ def _capability() -> str:
     return torch.backends.cpu.get_cpu_capability()
 
 
-def _kernel(available: Callable[[], bool], env: str, what: str) -> Callable[[], str | None]:
+def _kernel(module, env: str, what: str) -> Callable[[], str | None]:
+    """Why a kernel module's path cannot run (None: it can): switched off by `env`=0, or `module.available()` false
+    (looked up at each call)."""
     def why_not() -> str | None:
         if os.environ.get(env) == "0":
             return f"{env}=0"
-        return None if available() else f"{what} does not build or load here (needs x86-64 Linux and a C++ compiler)"
+        return None if module.available() else f"{what} does not build or load here (needs x86-64 Linux and a C++ compiler)"
     return why_not
 
 
@@ -135,11 +137,11 @@ PATHS: tuple[Path, ...] = (
          ("tests/test_decode_threads.py", "tests/test_paths.py")),
     Path("fused-adamw", "AdamW(fused=True) (fit's default on the CPU): one pass per fp32 tensor or bf16 master "
          "(modules/adamw.cpp)", "GPT2_FUSED_ADAMW", "", "0",
-         _kernel(adamw.available, "GPT2_FUSED_ADAMW", "the fused AdamW kernel"),
+         _kernel(adamw, "GPT2_FUSED_ADAMW", "the fused AdamW kernel"),
          lambda: (True, "fp32 CPU parameters and bf16 ones with fp32 masters"),
          ("tests/test_optimizer.py", "tests/test_master_weights.py", "tests/test_paths.py")),
     Path("hashed-dropout", "CPU training dropout: a counter-hash mask in one pass, recomputed for backward "
-         "(modules/dropout.cpp)", dropout.ENV, "", "0", _kernel(dropout.available, dropout.ENV, "the dropout kernel"),
+         "(modules/dropout.cpp)", dropout.ENV, "", "0", _kernel(dropout, dropout.ENV, "the dropout kernel"),
          lambda: (True, "fp32/bf16 CPU training, 0 < p < 1"), ("tests/test_dropout.py", "tests/test_paths.py")),
     Path("explicit-attention", "attention as scores/softmax/sum instead of torch's SDPA (modules/attention.py)", "",
          "config attn_implementation='eager'", "config attn_implementation='sdpa'", lambda: None,

@@ -236,3 +236,155 @@ def test_packed_bf16_evaluation_follows_fused_master_steps_or_says_why_it_cannot
         train_step(m, opt, step)
         m.eval()
     assert packed.kept(m), "the packed path was not taken"
+
+
+# ---- the matrix's own decisions: each path's "can it run here" and "is it taken" under every condition it reads ----
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    """No forcing variable of the matrix set (a CI matrix run sets them for the other tests)."""
+    for p in paths.PATHS:
+        if p.env:
+            monkeypatch.delenv(p.env, raising=False)
+    return monkeypatch
+
+
+def test_a_kernel_path_runs_unless_switched_off_or_unbuilt(clean_env):
+    from modules import adamw
+
+    runs = paths.BY_NAME["fused-adamw"].runs_here
+    clean_env.setattr(adamw, "available", lambda: True)
+    assert runs() is None
+    clean_env.setenv("GPT2_FUSED_ADAMW", "1")  # only "0" switches it off
+    assert runs() is None
+    clean_env.setenv("GPT2_FUSED_ADAMW", "0")
+    assert runs() == "GPT2_FUSED_ADAMW=0"
+    clean_env.delenv("GPT2_FUSED_ADAMW")
+    clean_env.setattr(adamw, "available", lambda: False)
+    assert runs() == ("the fused AdamW kernel does not build or load here (needs x86-64 Linux and a C++ compiler)")
+    clean_env.setattr(hashed, "available", lambda: False)
+    assert paths.BY_NAME["hashed-dropout"].runs_here().startswith("the dropout kernel does not build")
+
+
+def test_packed_bf16_runs_where_onednn_has_bf16_and_is_taken_on_amx_or_forced(clean_env):
+    p = paths.BY_NAME["packed-bf16"]
+    clean_env.setattr(packed, "_bf16_kernels", lambda: True)
+    clean_env.setattr(packed, "_amx_bf16", lambda: False)
+    assert p.runs_here() is None
+    assert p.default_here() == (False, "no AMX: taken only when forced (its speed here is not measured)")
+    clean_env.setattr(packed, "_amx_bf16", lambda: True)
+    assert p.default_here() == (True, "AMX-BF16: measured faster (docs/performance.md)")
+    clean_env.setattr(packed, "_amx_bf16", lambda: False)
+    clean_env.setenv(packed.ENV, "force")
+    assert p.default_here() == (True, f"{packed.ENV}=force")
+    clean_env.setenv(packed.ENV, "0")
+    assert p.runs_here() == f"{packed.ENV}=0"
+    clean_env.delenv(packed.ENV)
+    clean_env.setattr(packed, "_bf16_kernels", lambda: False)
+    assert p.runs_here() == "oneDNN has no bf16 kernels on this CPU (needs AVX512-BF16 or AMX)"
+
+
+def test_the_rows_kernel_and_the_c_step_run_with_simd_and_a_build(clean_env):
+    from models import fast_step
+    from modules import rows
+
+    rows_runs, step_runs = paths.BY_NAME["rows-kernel"].runs_here, paths.BY_NAME["decode-step"].runs_here
+    clean_env.setattr(rows, "available", lambda: True)
+    for capability in ("AVX2", "AVX512"):
+        clean_env.setattr(paths, "_capability", lambda c=capability: c)
+        assert rows_runs() is None and step_runs() is None
+        assert paths.BY_NAME["int4-copies"].runs_here() is None
+    clean_env.setattr(paths, "_capability", lambda: "DEFAULT")
+    assert rows_runs() == step_runs() == "CPU capability DEFAULT (needs AVX2 or AVX512)"
+    clean_env.setattr(paths, "_capability", lambda: "AVX2")
+    clean_env.setattr(rows, "available", lambda: False)
+    assert rows_runs() == "the rows kernel does not build here"
+    clean_env.setattr(rows, "available", lambda: True)
+    clean_env.setenv("GPT2_ROWS_KERNEL", "0")
+    assert rows_runs() == step_runs() == "GPT2_ROWS_KERNEL=0"
+    clean_env.delenv("GPT2_ROWS_KERNEL")
+    clean_env.setenv(fast_step.ENV, "0")
+    assert step_runs() == f"{fast_step.ENV}=0" and rows_runs() is None
+
+
+def test_the_rows_kernel_is_taken_for_the_kinds_where_it_pays_and_says_which(clean_env):
+    from modules import rows
+
+    default = paths.BY_NAME["rows-kernel"].default_here
+    clean_env.setattr(paths, "_capability", lambda: "AVX2")
+    asked = []
+
+    def pays(kinds):
+        def fake(dtype, n):
+            asked.append(n)
+            return dtype in kinds
+        return fake
+
+    clean_env.setattr(rows, "pays", pays({torch.uint8}))
+    assert default() == (True, "one-row products in int4 (AVX2: where it measured faster than torch's)")
+    assert set(asked) == {1}
+    clean_env.setattr(rows, "pays", pays({torch.float32, torch.bfloat16, torch.int8, torch.uint8}))
+    assert default() == (True, "one-row products in fp32, bf16, int8, int4 (AVX2: where it measured faster than "
+                               "torch's)")
+    clean_env.setattr(rows, "pays", pays(set()))
+    assert default() == (False, "one-row products in no kind (AVX2: where it measured faster than torch's)")
+
+
+def test_the_avx2_form_is_taken_for_the_kinds_the_plan_gives_it(clean_env):
+    from modules import rows
+
+    default = paths.BY_NAME["rows-avx2-form"].default_here
+    clean_env.setattr(rows, "plan", lambda: {"forms": {"int8": "native", "fp32": "avx2", "bf16": "avx2"},
+                                             "source": "timed"})
+    assert default() == (True, "AVX2 form for bf16, fp32 (plan: timed)")
+    clean_env.setattr(rows, "plan", lambda: {"forms": {"fp32": "native"}, "source": "the only form"})
+    assert default() == (False, "AVX2 form for no kind (plan: the only form)")
+
+
+def test_the_decode_threads_are_timed_unless_a_count_is_fixed(clean_env):
+    from models import decode_threads
+
+    default = paths.BY_NAME["decode-threads"].default_here
+    clean_env.setattr(decode_threads, "fixed_threads", lambda: None)
+    assert default() == (True, "decode steps timed per thread count (torch's count, its halves, 1)")
+    clean_env.setattr(decode_threads, "fixed_threads", lambda: 2)
+    assert default() == (False, f"{decode_threads.ENV}=2")
+
+
+def test_a_paths_state_reports_its_setting_and_its_one_word(clean_env):
+    from modules import adamw
+
+    p = paths.BY_NAME["fused-adamw"]
+    clean_env.setattr(adamw, "available", lambda: True)
+    clean_env.setenv("GPT2_FUSED_ADAMW", "1")
+    assert p.state() == {"path": "fused-adamw", "serves": p.serves, "can_run": True, "taken": True,
+                         "why": "fp32 CPU parameters and bf16 ones with fp32 masters", "env": "GPT2_FUSED_ADAMW",
+                         "force_on": "", "force_off": "0", "setting": "1"}
+    assert paths.here(p.state()) == "on"
+    clean_env.setenv("GPT2_FUSED_ADAMW", "0")
+    off = p.state()
+    assert (off["can_run"], off["taken"], off["why"], off["setting"]) == (False, False, "GPT2_FUSED_ADAMW=0", "0")
+    assert paths.here(off) == "n/a"
+    assert paths.here({"taken": False, "can_run": True}) == "off"
+    assert paths.BY_NAME["explicit-attention"].state()["setting"] is None  # no variable: a config argument
+    clean_env.delenv("GPT2_FUSED_ADAMW")
+    assert p.state()["setting"] is None
+
+
+def test_the_summary_and_the_table_show_each_path_with_how_to_force_it(clean_env):
+    from modules import adamw
+
+    clean_env.setattr(adamw, "available", lambda: True)
+    clean_env.setattr(packed, "_bf16_kernels", lambda: False)
+    summary = paths.summary().split("; ")
+    assert len(summary) == len(paths.PATHS) and "fused-adamw on" in summary and "packed-bf16 off" in summary
+    assert all(part.rsplit(" ", 1)[1] in ("on", "off") for part in summary)
+    lines = paths.table().splitlines()
+    assert lines[0] == f"{'path':<19} {'here':<5} why (force on / off)"
+    assert len(lines) == 1 + len(paths.PATHS)
+    by_name = {line.split()[0]: line for line in lines[1:]}
+    assert by_name["fused-adamw"] == (f"{'fused-adamw':<19} {'on':<5} fp32 CPU parameters and bf16 ones with fp32 "
+                                      "masters  [on: -; off: GPT2_FUSED_ADAMW=0]")
+    assert by_name["packed-bf16"].startswith(f"{'packed-bf16':<19} {'n/a':<5} oneDNN has no bf16 kernels")
+    assert by_name["packed-bf16"].endswith("[on: GPT2_PACKED_BF16=force; off: GPT2_PACKED_BF16=0]")
+    assert by_name["int8-copies"].endswith("[on: generate(..., quantize='int8'); off: quantize=None]")

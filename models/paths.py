@@ -110,12 +110,12 @@ def _int8_runs() -> str | None:
         return None
     if quant.compiled_kernel_available():
         return None
-    return "neither the rows kernel (AVX512) nor inductor's compiled loop: int8 products dequantize"
+    return "neither the rows kernel (AVX2 or AVX512) nor inductor's compiled loop: int8 products dequantize"
 
 
 def _int8_default() -> tuple[bool, str]:
     if row_kernel.pays(torch.int8, 1) and row_kernel.available():
-        return True, "generate(quantize='int8'): the rows kernel (AVX512)"
+        return True, f"generate(quantize='int8'): the rows kernel ({_capability()})"
     form = "word-packed" if quant.packed_form_chosen() else "byte"
     return True, f"generate(quantize='int8'): inductor's compiled {form} loop ({_capability()})"
 

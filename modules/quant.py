@@ -17,13 +17,13 @@ laid out the same way, with fp16 scales). Shapes: q uint8 (out, in / 2), scale f
 
 torch's own int8 kernels (torch._weight_int8pack_mm, torch._int_mm, fbgemm's dynamic quantized Linear) read the
 weights far slower than fp32 F.linear at one row on the CPU (the measurements: docs/performance.md, "Figures behind
-the code"). So one-row products take a kernel of ours that reads int8, converts in registers and multiplies-adds,
-scaling once per row: on AVX512 CPUs modules/rows.cpp (built with the machine's compiler on first use); elsewhere
-with SIMD (torch's capability AVX2) a loop compiled by inductor, which on AVX2 reads the weights four bytes to a
-word (`_gemv_packed`: twice the byte loop's speed there, still slower than fp32, so it warns: memory, not time, is
-what int8 saves on such a CPU; inductor compiles on the first call per weight shape: seconds to a minute).
-Without a working compiler, and for several rows, the weight is dequantized to the activation's dtype (correct,
-slower than the float weights: modules.linear keeps int8 to one-row products).
+the code"). So products of 1 to 8 rows take modules/rows.cpp (AVX2 or AVX512, built with the machine's compiler on
+first use), which reads int8, converts in registers and multiplies-adds, scaling once per row. Where it cannot run
+(GPT2_ROWS_KERNEL=0, no compiler) but torch has SIMD, one row takes a loop compiled by inductor instead, which on AVX2
+reads the weights four bytes to a word (`_gemv_packed`: twice the byte loop's speed there, still slower than fp32,
+so it warns: memory, not time, is what int8 saves that way; inductor compiles on the first call per weight shape:
+seconds to a minute). Anything else dequantizes the weight to the activation's dtype (correct, slower than the float
+weights: modules.linear keeps int8 to one-row products).
 
 torch has no product that reads 4-bit weights: 1 to 8 rows of int4 take modules/rows.cpp wherever it builds (x86
 with AVX2 or AVX512), everything else the dequantized weight (decoding rows that find no kernel warn, once).
@@ -161,9 +161,10 @@ def _compiled_product(rows: torch.Tensor, weight: "Int8Weight", packed: bool) ->
     if packed and weight.q.shape[1] % 4 == 0:
         if _compiled_packed is None:
             if packed_form_chosen():
-                warnings.warn("int8 decoding on a CPU without AVX512 (torch reports AVX2): the int8 kernel saves "
-                              "memory, not time, here; gpt2 greedy batch 1 measured 22.5 tok/s int8 against 33.7 fp32 on "
-                              "a 2-core Zen 3 (docs/performance.md)", stacklevel=3)
+                warnings.warn("int8 decoding on a CPU without AVX512 (torch reports AVX2) through inductor's loop, "
+                              "not the rows kernel (modules/rows.cpp): it saves memory, not time; its one-row product "
+                              "read 1.7-2.4 GB/s of int8 weights against the kernel's 10-11 on a 2-core Zen 3 "
+                              "(bench/rows_kernel.py)", stacklevel=3)
             _compiled_packed = torch.compile(_gemv_packed, dynamic=False)
         return _compiled_packed(rows, weight.q.view(torch.float32), weight.scale)
     if _compiled_gemv is None:
@@ -174,7 +175,7 @@ def _compiled_product(rows: torch.Tensor, weight: "Int8Weight", packed: bool) ->
 def int8_linear(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None = None,
                 compiled: bool | None = None, packed: bool | None = None) -> torch.Tensor:
     """F.linear(x, dequantized weight, bias) for x (..., in) -> (..., out) in x's dtype. With compiled=None, 1 to 8
-    rows take modules/rows.cpp where it pays (rows.pays: AVX512 CPUs). Otherwise a single row takes the inductor
+    rows take modules/rows.cpp where it pays (rows.pays: AVX2 or AVX512 CPUs). Otherwise a single row takes the inductor
     kernel (compiled=None: where compiled_kernel_available()), in its word-packed form where `packed` (None:
     packed_form_chosen()) and in_features divides by 4; anything else the dequantized weight."""
     global _compiled_gemv

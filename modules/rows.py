@@ -282,17 +282,20 @@ def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def pays(dtype: torch.dtype, rows: int) -> bool:
-    """Where the kernel read the weights faster than torch's best product for that shape, in whole decodes on an
-    AVX512 CPU (docs/performance.md): fp32 with 1 to 8 rows (one row since row_dot reads each thread's rows as one
-    stream: gpt2's LM head read cold 19.2-19.5 GB/s against 16.2-17.1 for torch's row-blocked product), bf16 with
-    one row (more rows: oneDNN's bf16 product is faster), int8 with 1 to 8. On AVX2-only CPUs it is not measured
-    yet, so torch's products stay there. int4 (uint8) with 1 to 8 rows wherever the kernel builds (AVX2 or
-    AVX512): torch has no product that reads 4-bit weights, only the dequantized copy."""
-    if dtype == torch.uint8:
-        return 1 <= rows <= MAX_ROWS and _capability() in ("AVX2", "AVX512")
-    if not 1 <= rows <= MAX_ROWS or _capability() != "AVX512":
+    """Where the kernel read the weights faster than torch's best product for that shape (bench/rows_kernel.py), in
+    whole decodes (docs/performance.md). fp32, int8 and int4 with 1 to 8 rows wherever the kernel builds (AVX2 or
+    AVX512): fp32 one row since row_dot reads each thread's rows as one stream (gpt2's LM head read cold 19.2-19.5
+    GB/s against 16.2-17.1 for torch's row-blocked product on a Zen 4; on a Zen 3 greedy decoding 7% faster with
+    the head in the kernel); torch's one-row int8 loop read 1.7-2.4 GB/s on a Zen 3 against the kernel's 10-11, and
+    torch has no product that reads 4-bit weights, only the dequantized copy. bf16: one row with AVX512 (more rows:
+    oneDNN's AVX512-BF16 product is faster), 1 to 8 with AVX2 only (torch's bf16 products read 1.7-11 GB/s there
+    against the kernel's 7-13)."""
+    capability = _capability()
+    if not 1 <= rows <= MAX_ROWS or capability not in ("AVX2", "AVX512"):
         return False
-    return dtype in (torch.float32, torch.int8) or (dtype == torch.bfloat16 and rows == 1)
+    if dtype == torch.bfloat16:
+        return capability == "AVX2" or rows == 1
+    return dtype in (torch.float32, torch.int8, torch.uint8)
 
 
 def rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

@@ -388,3 +388,29 @@ def test_the_summary_and_the_table_show_each_path_with_how_to_force_it(clean_env
     assert by_name["packed-bf16"].startswith(f"{'packed-bf16':<19} {'n/a':<5} oneDNN has no bf16 kernels")
     assert by_name["packed-bf16"].endswith("[on: GPT2_PACKED_BF16=force; off: GPT2_PACKED_BF16=0]")
     assert by_name["int8-copies"].endswith("[on: generate(..., quantize='int8'); off: quantize=None]")
+
+
+def test_int8_copies_run_through_the_rows_kernel_or_inductors_loop_and_say_which(clean_env):
+    from modules import quant, rows
+
+    p = paths.BY_NAME["int8-copies"]
+    clean_env.setattr(paths, "_capability", lambda: "AVX2")
+    kernel_pays = lambda dtype, n: dtype == torch.int8 and n == 1  # noqa: E731  (asked for one int8 row)
+    for pays, built, compiled, runs, default in [
+            (kernel_pays, True, False, None, (True, "generate(quantize='int8'): the rows kernel (AVX2)")),
+            (kernel_pays, False, True, None, None),
+            (lambda dtype, n: False, True, True, None, None),
+            (lambda dtype, n: False, True, False, "neither the rows kernel (AVX2 or AVX512) nor inductor's compiled "
+                                                  "loop: int8 products dequantize", None),
+            (kernel_pays, False, False, "neither the rows kernel (AVX2 or AVX512) nor inductor's compiled loop: "
+                                        "int8 products dequantize", None)]:
+        clean_env.setattr(rows, "pays", pays)
+        clean_env.setattr(rows, "available", lambda b=built: b)
+        clean_env.setattr(quant, "compiled_kernel_available", lambda c=compiled: c)
+        assert p.runs_here() == runs
+        if default is not None:
+            assert p.default_here() == default
+    clean_env.setattr(rows, "pays", lambda dtype, n: False)
+    for packed_form, form in ((True, "word-packed"), (False, "byte")):
+        clean_env.setattr(quant, "packed_form_chosen", lambda f=packed_form: f)
+        assert p.default_here() == (True, f"generate(quantize='int8'): inductor's compiled {form} loop (AVX2)")

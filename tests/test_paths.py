@@ -266,6 +266,20 @@ def test_a_kernel_path_runs_unless_switched_off_or_unbuilt(clean_env):
     assert paths.BY_NAME["hashed-dropout"].runs_here().startswith("the dropout kernel does not build")
 
 
+def test_a_kernel_paths_reason_is_asked_of_its_module_at_each_call(clean_env):
+    from types import SimpleNamespace
+
+    module = SimpleNamespace(available=lambda: True)
+    why_not = paths._kernel(module, "GPT2_SOME_KERNEL", "some kernel")
+    assert why_not() is None
+    clean_env.setenv("GPT2_SOME_KERNEL", "0")
+    assert why_not() == "GPT2_SOME_KERNEL=0"
+    clean_env.setenv("GPT2_SOME_KERNEL", "")
+    assert why_not() is None
+    module.available = lambda: False
+    assert why_not() == "some kernel does not build or load here (needs x86-64 Linux and a C++ compiler)"
+
+
 def test_packed_bf16_runs_where_onednn_has_bf16_and_is_taken_on_amx_or_forced(clean_env):
     p = paths.BY_NAME["packed-bf16"]
     clean_env.setattr(packed, "_bf16_kernels", lambda: True)
@@ -411,6 +425,7 @@ def test_int8_copies_run_through_the_rows_kernel_or_inductors_loop_and_say_which
         if default is not None:
             assert p.default_here() == default
     clean_env.setattr(rows, "pays", lambda dtype, n: False)
+    clean_env.setattr(rows, "available", lambda: True)  # built, but not paying for int8: inductor's loop
     for packed_form, form in ((True, "word-packed"), (False, "byte")):
         clean_env.setattr(quant, "packed_form_chosen", lambda f=packed_form: f)
         assert p.default_here() == (True, f"generate(quantize='int8'): inductor's compiled {form} loop (AVX2)")

@@ -357,37 +357,47 @@ def bf16_curve(records: list[dict], cls: str | None = None, **_) -> str:
                   "fp32 seed to seed", "within noise?", "notes", "machine, date, load, commit"], rows)
 
 
-def _engine_records(records: list[dict], busy: bool) -> dict[str, dict]:
-    """The latest compare_engines decode record per engine (quiet runs, or runs with busy processes)."""
+def _engine_records(records: list[dict], busy: bool, cls: str | None = None) -> dict[str, dict]:
+    """The latest compare_engines decode record per engine (quiet runs, or runs with busy processes), of one CPU
+    class where `cls` is given."""
     runs: dict[str, list[dict]] = {}
-    for r in matching(records, bench="compare_engines"):
+    for r in matching(records, bench="compare_engines", cls=cls):
         if r.get("kind") == "decode" and bool(r.get("busy")) == busy:
             runs.setdefault(r["engine"], []).append(r)
     return {e: latest(rs) for e, rs in runs.items()}
 
 
 def _engines_claim(records: list[dict]) -> tuple[str, list[dict]]:
-    last = _engine_records(records, busy=False)
+    """Per CPU class: ours fp32, int8 and int4 against the engines of their targets, quiet."""
     pairs = [("ours-fp32", ("ort-fp32", "llama-f32")), ("ours-int8", ("ort-int8", "llama-q8_0")),
              ("ours-int4", ("llama-q4_0",))]
-    parts, used = [], []
-    for ours, others in pairs:
-        if ours in last and all(o in last for o in others):
-            rate = last[ours]["values"][ours]
-            against = ", ".join(f"{times(rate / last[o]['values'][o])} {o}" for o in others)
-            parts.append(f"{ours[5:]} {num(rate)} tokens/s: {against}")
-            used += [last[ours]] + [last[o] for o in others]
-    return "; ".join(parts), used
+    classes, used = [], []
+    for cls in CLASSES:
+        last, parts = _engine_records(records, busy=False, cls=cls), []
+        for ours, others in pairs:
+            if ours in last and all(o in last for o in others):
+                rate = last[ours]["values"][ours]
+                against = ", ".join(f"{times(rate / last[o]['values'][o])} {o}" for o in others)
+                parts.append(f"{ours[5:]} {num(rate)} tokens/s: {against}")
+                used += [last[ours]] + [last[o] for o in others]
+        if parts:
+            classes.append(f"{cls}: " + "; ".join(parts))
+    return " / ".join(classes), used
 
 
 def _busy_claim(records: list[dict]) -> tuple[str, list[dict]]:
-    busy, quiet = _engine_records(records, busy=True), _engine_records(records, busy=False)
-    if not all(e in busy for e in ("ours-fp32", "ort-fp32")) or "ours-fp32" not in quiet:
-        return "", []
-    rate = busy["ours-fp32"]["values"]["ours-fp32"]
-    return (f"fp32 {num(rate)} tokens/s, {100 * rate / quiet['ours-fp32']['values']['ours-fp32']:.0f}% of quiet; "
-            f"{times(rate / busy['ort-fp32']['values']['ort-fp32'])} ONNX Runtime fp32 under the same load",
-            [busy["ours-fp32"], busy["ort-fp32"], quiet["ours-fp32"]])
+    """Per CPU class: ours fp32 with one busy process, against its quiet speed and ONNX Runtime's under that load."""
+    parts, used = [], []
+    for cls in CLASSES:
+        busy, quiet = _engine_records(records, busy=True, cls=cls), _engine_records(records, busy=False, cls=cls)
+        if not all(e in busy for e in ("ours-fp32", "ort-fp32")) or "ours-fp32" not in quiet:
+            continue
+        rate = busy["ours-fp32"]["values"]["ours-fp32"]
+        parts.append(f"fp32 {num(rate)} tokens/s, {100 * rate / quiet['ours-fp32']['values']['ours-fp32']:.0f}% of "
+                     f"quiet; {times(rate / busy['ort-fp32']['values']['ort-fp32'])} ONNX Runtime fp32 under the "
+                     f"same load ({cls})")
+        used += [busy["ours-fp32"], busy["ort-fp32"], quiet["ours-fp32"]]
+    return "; ".join(parts), used
 
 
 CLAIMS = [
@@ -469,12 +479,17 @@ def claims(records: list[dict], **_) -> str:
 ENGINE_FORMATS = {"ours": "ours", "hf": "transformers", "ort": "ONNX Runtime", "llama": "llama.cpp"}
 
 
+ENGINE_ORDER = ("ours-fp32", "ours-int8", "ours-int4", "hf-fp32", "ort-fp32", "ort-int8", "llama-f32", "llama-f16",
+                "llama-q8_0", "llama-q4_0")  # bench/compare_engines.py's ENGINES
+
+
 def engines(records: list[dict], cls: str | None = None, **_) -> str:
     """bench/compare_engines.py on one CPU class: per engine, greedy batch-1 decoding on a quiet machine (its share of
     its own bandwidth limit, against ours fp32, its tokens against transformers fp32), the same with busy processes
     beside it, and the prefill time; then the runs it comes from."""
     chosen = [r for r in matching(records, bench="compare_engines", cls=cls) if "engine" in r]
-    names = list(dict.fromkeys(r["engine"] for r in chosen))
+    order = {e: i for i, e in enumerate(ENGINE_ORDER)}  # the bench's own order; an engine it no longer has, last
+    names = sorted(dict.fromkeys(r["engine"] for r in chosen), key=lambda e: order.get(e, len(order)))
     pick = {}
     for r in chosen:
         pick.setdefault((r["engine"], r["kind"], bool(r.get("busy"))), []).append(r)

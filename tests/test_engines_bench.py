@@ -115,3 +115,17 @@ def test_onnx_runtime_decodes_transformers_tokens(saved, tmp_path):
                            pad_token_id=0)[0, 3:].tolist()
     assert runner.decode([5, 17, 3], 8) == expected
     assert runner.prefill([5, 17, 3]) == expected[0]
+
+
+def test_the_engines_table_lists_engines_in_the_benchs_order_and_the_claims_per_class():
+    assert report.ENGINE_ORDER == ce.ENGINES
+    records = [_record("ort-fp32", "decode", 50.0), _record("hf-fp32", "decode", 20.0),
+               _record("ours-fp32", "decode", 40.0)]  # an older run had measured transformers first
+    lines = report.render("engines class=AVX2", records).splitlines()
+    assert [line.split(" | ")[0] for line in lines[2:5]] == ["| ours", "| transformers", "| ONNX Runtime"]
+    busy = [_record("ours-fp32", "decode", 20.0, busy=1), _record("ort-fp32", "decode", 25.0, busy=1)]
+    other = [{**r, "machine": {**r["machine"], "class": "AVX512-BF16"}} for r in records + busy]
+    text, used = report._busy_claim(records + busy + other)
+    assert text == ("fp32 20.0 tokens/s, 50% of quiet; 0.80x ONNX Runtime fp32 under the same load (AVX512-BF16); "
+                    "fp32 20.0 tokens/s, 50% of quiet; 0.80x ONNX Runtime fp32 under the same load (AVX2)")
+    assert len(used) == 6

@@ -32,10 +32,10 @@ import os
 import time
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
-from matplotlib.lines import Line2D
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 KINDS = ("train", "eval", "resume")
 FILENAME = "metrics.jsonl"
@@ -297,6 +297,12 @@ def plot_records(runs: list[tuple[str, list[dict]]], out, keys=None, x: str = "s
     panels = [p for p in PANELS if any(run.get(p[0]) for run in per_run)]
     if not panels:
         return None
+
+    # matplotlib imported here, not at the top: it costs every training CLI about half a second of start-up (this
+    # module is imported by them all) and is needed only once a run has something to plot
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.lines import Line2D
 
     fig = Figure(figsize=(10, 7), dpi=100, layout="constrained")
     FigureCanvasAgg(fig)  # Agg for this figure only; pyplot and its backend are never touched

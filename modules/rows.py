@@ -285,11 +285,11 @@ def pays(dtype: torch.dtype, rows: int) -> bool:
     """Where the kernel read the weights faster than torch's best product for that shape (bench/rows_kernel.py), in
     whole decodes (docs/performance.md). fp32, int8 and int4 with 1 to 8 rows wherever the kernel builds (AVX2 or
     AVX512): fp32 one row since row_dot reads each thread's rows as one stream (gpt2's LM head read cold 19.2-19.5
-    GB/s against 16.2-17.1 for torch's row-blocked product on a Zen 4; on a Zen 3 greedy decoding 7% faster with
-    the head in the kernel); torch's one-row int8 loop read 1.7-2.4 GB/s on a Zen 3 against the kernel's 10-11, and
-    torch has no product that reads 4-bit weights, only the dequantized copy. bf16: one row with AVX512 (more rows:
-    oneDNN's AVX512-BF16 product is faster), 1 to 8 with AVX2 only (torch's bf16 products read 1.7-11 GB/s there
-    against the kernel's 7-13)."""
+    GB/s against 16.2-17.1 for torch's row-blocked product on a Zen 4; on a Zen 3 whole greedy decodes with the
+    head in the kernel were a few percent faster in an interleaved check, 2026-11-27, not a bench record); torch's
+    one-row int8 loop read 1.7-2.4 GB/s on a Zen 3 against the kernel's 10-11, and torch has no product that reads
+    4-bit weights, only the dequantized copy. bf16: one row with AVX512 (more rows: oneDNN's AVX512-BF16 product is
+    faster), 1 to 8 with AVX2 only (torch's bf16 products read 1.7-11 GB/s there against the kernel's 7-13)."""
     capability = _capability()
     if not 1 <= rows <= MAX_ROWS or capability not in ("AVX2", "AVX512"):
         return False

@@ -19,7 +19,7 @@ from grading.__main__ import main
 from grading.batch import content_hash
 from grading.disguise import disguise, disguise_source
 from grading.example import BUGS, write_submission
-from grading.sandbox import LEFTOVER, _alive, sweep_leftovers
+from grading.sandbox import LEFTOVER, sweep_leftovers
 from grading.similarity import similar_pairs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -235,6 +235,7 @@ def test_a_rerun_after_kill_9_grades_only_what_is_missing_and_writes_the_same_cs
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and len(list(store.glob("*.json"))) < 2:
         time.sleep(0.05)
+    killed = group_pids(proc.pid)  # the batch and its workers: the pids their temporary folders are named by
     os.killpg(proc.pid, signal.SIGKILL)  # the batch and its workers, mid-run
     proc.wait()
     gone = time.monotonic() + 30
@@ -252,10 +253,28 @@ def test_a_rerun_after_kill_9_grades_only_what_is_missing_and_writes_the_same_cs
     graded = [line.split("submission=")[1].split()[0] for line in log if " graded " in line]
     assert sorted(graded) == ["s0", "s1", "s2", "s3"]  # each finished once, across both runs
     assert sum(" reused " in line for line in log) == done
-    # the killed batch's scratch, hub cache and unpacked folders were swept by the rerun's graders
+    # the killed batch's scratch, hub cache and unpacked folders were swept by the rerun's graders (only its own:
+    # another test process may have killed a grader of its own a moment ago, whose folders no grader swept yet)
+    assert proc.pid in killed, killed
     tmp = Path(tempfile.gettempdir())
-    left = [p.name for p in tmp.iterdir() if LEFTOVER.match(p.name) and not _alive(int(LEFTOVER.match(p.name)[1]))]
+    left = [p.name for p in tmp.iterdir() if (m := LEFTOVER.match(p.name)) and int(m[1]) in killed]
     assert left == [], left
+
+
+def group_pids(pgid: int) -> set[int]:
+    """The pids of the processes whose process group is `pgid` (from /proc/PID/stat)."""
+    found = set()
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()  # after the command's name: state, ppid, pgrp, ...
+        except OSError:
+            continue
+        if int(fields[2]) == pgid:
+            found.add(int(name))
+    return found
 
 
 def test_leftovers_of_a_dead_grader_are_swept_and_a_live_ones_kept(tmp_path):

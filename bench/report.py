@@ -34,6 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench.compare_engines import ENGINES  # noqa: E402  (the engines' order in its table)
 from bench.results import CLASSES, load  # noqa: E402
 
 PAGES = ("README.md", "docs/*.md")
@@ -479,16 +480,12 @@ def claims(records: list[dict], **_) -> str:
 ENGINE_FORMATS = {"ours": "ours", "hf": "transformers", "ort": "ONNX Runtime", "llama": "llama.cpp"}
 
 
-ENGINE_ORDER = ("ours-fp32", "ours-int8", "ours-int4", "hf-fp32", "ort-fp32", "ort-int8", "llama-f32", "llama-f16",
-                "llama-q8_0", "llama-q4_0")  # bench/compare_engines.py's ENGINES
-
-
 def engines(records: list[dict], cls: str | None = None, **_) -> str:
     """bench/compare_engines.py on one CPU class: per engine, greedy batch-1 decoding on a quiet machine (its share of
     its own bandwidth limit, against ours fp32, its tokens against transformers fp32), the same with busy processes
     beside it, and the prefill time; then the runs it comes from."""
     chosen = [r for r in matching(records, bench="compare_engines", cls=cls) if "engine" in r]
-    order = {e: i for i, e in enumerate(ENGINE_ORDER)}  # the bench's own order; an engine it no longer has, last
+    order = {e: i for i, e in enumerate(ENGINES)}  # the bench's own order; an engine it no longer has, last
     names = sorted(dict.fromkeys(r["engine"] for r in chosen), key=lambda e: order.get(e, len(order)))
     pick = {}
     for r in chosen:

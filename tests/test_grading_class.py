@@ -262,18 +262,14 @@ def test_a_rerun_after_kill_9_grades_only_what_is_missing_and_writes_the_same_cs
 
 
 def group_pids(pgid: int) -> set[int]:
-    """The pids of the processes whose process group is `pgid` (from /proc/PID/stat)."""
+    """The pids of the processes whose process group is `pgid`."""
     found = set()
     for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
         try:
-            with open(f"/proc/{name}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()  # after the command's name: state, ppid, pgrp, ...
-        except OSError:
-            continue
-        if int(fields[2]) == pgid:
-            found.add(int(name))
+            if name.isdigit() and os.getpgid(int(name)) == pgid:
+                found.add(int(name))
+        except ProcessLookupError:  # gone since the listing
+            pass
     return found
 
 

@@ -152,8 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top_k", type=_non_negative_int, default=200, help="keep the k most likely tokens (0: all)")
     g.add_argument("--top_p", type=float, help="nucleus sampling mass in (0, 1]")
     g.add_argument("--quantize", choices=QUANTIZE_MODES,
-                   help="decode the samples with weight-only int8 or int4 copies of a GPT-2's weights, one sample "
-                        "at a time (int4: n_embd a multiple of 32)")
+                   help="decode the samples with int8 or int4 copies of a GPT-2's weights, one sample at a time; "
+                        "w8a8 / w4a8: and int8 activations (int4, w8a8, w4a8: n_embd a multiple of 32)")
     g = p.add_argument_group("system")
     g.add_argument("--seed", type=int, default=1337, help="seeds init, batches and sampling")
     add_device_args(g, default="cpu")

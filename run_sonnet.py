@@ -82,9 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="> 1 makes tokens already in the sonnet less likely (CTRL-style)")
     dec.add_argument("--max_new_tokens", type=int, default=128, help="tokens generated after each prompt (course: 128)")
     dec.add_argument("--quantize", choices=QUANTIZE_MODES,
-                     help="with --generate_only: decode with weight-only int8 or int4 copies of the weights, one "
-                          "prompt at a time (close to, not equal to, the model's own output; int4 needs inputs of "
-                          "multiples of 32)")
+                     help="with --generate_only: decode with int8 or int4 copies of the weights (w8a8 / w4a8: "
+                          "and int8 activations), one prompt at a time (close to, not equal to, the model's own "
+                          "output; all but int8 need inputs of multiples of 32)")
     m = parser.add_argument_group("mode")
     m.add_argument("--generate_only", action="store_true",
                    help="no fine-tuning: complete the prompts with --model as it is (e.g. a best/ checkpoint)")

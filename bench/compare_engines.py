@@ -1,4 +1,5 @@
-"""Greedy decoding against the CPU engines people pick for speed: ours (fp32, int8, int4) beside transformers, ONNX Runtime
+"""Greedy decoding against the CPU engines people pick for speed: ours (fp32; int8 and int4 weight-only, and w8a8 and
+w4a8: the same weights with int8 activations) beside transformers, ONNX Runtime
 (fp32 and dynamic int8, a plain decode loop over an exported graph with past keys and values) and llama.cpp (f32,
 f16, q8_0, q4_0 through llama-cpp-python, converted by llama.cpp's own convert_hf_to_gguf.py from OUR
 save_pretrained output: the interop is part of the test).
@@ -38,13 +39,15 @@ from bench.machine import print_machine_header  # noqa: E402
 from bench.results import Recorder  # noqa: E402
 
 SHARED = ROOT.parent / "shared"
-ENGINES = ("ours-fp32", "ours-int8", "ours-int4", "hf-fp32", "ort-fp32", "ort-int8", "llama-f32", "llama-f16", "llama-q8_0",
-           "llama-q4_0")
+ENGINES = ("ours-fp32", "ours-int8", "ours-w8a8", "ours-int4", "ours-w4a8", "hf-fp32", "ort-fp32", "ort-int8",
+           "llama-f32", "llama-f16", "llama-q8_0", "llama-q4_0")
 REFERENCE = "hf-fp32"  # whose greedy tokens the others are compared with
 GGUF_TYPES = {"llama-f32": "f32", "llama-f16": "f16", "llama-q8_0": "q8_0", "llama-q4_0": "q4_0"}
 # the targets of issue 38: ours fp32 >= the faster of ORT fp32 and llama.cpp f32; int8 >= ORT int8 and q8_0;
-# int4 >= q4_0
-TARGETS = {"ours-fp32": ("ort-fp32", "llama-f32"), "ours-int8": ("ort-int8", "llama-q8_0"), "ours-int4": ("llama-q4_0",)}
+# int4 >= q4_0 (issue 53: each 8-bit and 4-bit form of ours, weight-only and with int8 activations)
+TARGETS = {"ours-fp32": ("ort-fp32", "llama-f32"), "ours-int8": ("ort-int8", "llama-q8_0"),
+           "ours-w8a8": ("ort-int8", "llama-q8_0"), "ours-int4": ("llama-q4_0",), "ours-w4a8": ("llama-q4_0",)}
+QUANTIZE = {"ours-int8": "int8", "ours-w8a8": "w8a8", "ours-int4": "int4", "ours-w4a8": "w4a8"}  # generate(quantize=)
 
 
 # ---- the artefacts: one model, saved by us, exported to ONNX and converted to GGUF -----------------------------------
@@ -239,10 +242,10 @@ def streamed_bytes(engine: str, path: Path | None, model_dir: Path) -> int:
     numel = {k: math.prod(s) for k, s in shapes.items() if "wpe" not in k}
     if engine in ("ours-fp32", "hf-fp32"):
         return 4 * sum(numel.values())
-    if engine == "ours-int8":  # int8 rows, one fp32 scale an output row (HF's Conv1D weights are stored (in, out))
+    if engine in ("ours-int8", "ours-w8a8"):  # int8 rows, one fp32 scale a row (HF's Conv1D weights: (in, out))
         return sum(n + 4 * shapes[k][0 if "wte" in k else 1] if len(shapes[k]) == 2 else 4 * n
                    for k, n in numel.items())
-    if engine == "ours-int4":  # two values a byte, one fp32 scale per 32 (modules/quant.py)
+    if engine in ("ours-int4", "ours-w4a8"):  # two values a byte, one fp32 scale per 32 (modules/quant.py)
         return sum(n // 2 + 4 * n // 32 if len(shapes[k]) == 2 else 4 * n for k, n in numel.items())
     if engine.startswith("llama"):
         from gguf import GGUFReader
@@ -267,7 +270,7 @@ class Ours:
 
         self.torch = torch
         self.model = GPT2LMHeadModel.from_pretrained(model_dir).eval()
-        self.quantize = {"ours-int8": "int8", "ours-int4": "int4"}.get(engine)
+        self.quantize = QUANTIZE.get(engine)
 
     def decode(self, prompt, new):
         ids = self.torch.tensor([prompt])

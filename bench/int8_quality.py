@@ -1,6 +1,7 @@
-"""What weight-only int8 and int4 cost in quality: validation perplexity of a trained model with fp32 weights, with
-int8 weights (every linear layer and the LM head, per-row scales) and with int4 weights (groups of 32 inputs), and
-how many greedy continuations keep their first tokens.
+"""What each quantized form costs in quality: validation perplexity of a trained model with fp32 weights, with int8
+weights (every linear layer and the LM head, per-row scales), with int4 weights (groups of 32 inputs), and with each
+of them and the activations quantized to int8 (w8a8, w4a8: each input row in blocks of 32, as their integer products
+see it), and how many greedy continuations keep their first tokens.
 
     # a small BPE model pretrained on tiny shakespeare, then its int8 and int4 quality
     python run_pretrain.py --tokenizer data/gpt2-tokenizer \
@@ -28,21 +29,24 @@ from bench.results import Recorder  # noqa: E402
 from models.gpt2 import GPT2LMHeadModel  # noqa: E402
 from models.hub import data_dir, tokenizer_dir  # noqa: E402
 from modules.linear import Linear  # noqa: E402
-from modules.quant import quantize, quantized_linear  # noqa: E402
+from modules.quant import quantize, quantize_activations, quantized_linear  # noqa: E402
 
-MODES = ("int8", "int4")
+MODES = ("int8", "int4", "w8a8", "w4a8")
 
 
 @torch.no_grad()
 def perplexity(model, ids: torch.Tensor, block: int, mode: str | None = None) -> float:
-    """exp(mean next-token loss) over consecutive blocks of `ids`; mode "int8" or "int4": every linear layer and the
-    LM head from their quantized weights (dequantized: the values the one-row kernel multiplies by), the embedding
-    lookup as is."""
+    """exp(mean next-token loss) over consecutive blocks of `ids`; a mode: every linear layer and the LM head from
+    their quantized weights (dequantized: the values the one-row kernel multiplies by), the embedding lookup as is;
+    w8a8 / w4a8: each linear layer's input rows quantized too (quantize_activations: the values the integer products
+    multiply), and the head's (quantized_linear does it for its weight)."""
     if mode:
         model = copy.deepcopy(model)
         for m in model.modules():
             if type(m) is Linear:
                 m.weight.copy_(quantize(m.weight, mode).dequantize(m.weight.dtype))
+                if mode.endswith("a8"):
+                    m.register_forward_pre_hook(lambda mod, inp: (quantize_activations(inp[0]),))
     body, total, count = model.gpt, 0.0, 0
     head = quantize(body.lm_head_weight, mode) if mode else None
     for start in range(0, ids.numel() - block - 1, block):
@@ -108,6 +112,11 @@ def main() -> None:
     rec.add(f"perplexity int4, {name}", {"fp32": ppl["fp32"], "int4": ppl["int4"]}, "perplexity",
             ratio=ppl["int4"] / ppl["fp32"], ratio_of="int4 / fp32",
             notes=f"{ids.numel()} validation tokens; groups of 32; {greedy['int4']}")
+    for mode, weights in (("w8a8", "int8"), ("w4a8", "int4")):
+        rec.add(f"perplexity {mode}, {name}", {"fp32": ppl["fp32"], weights: ppl[weights], mode: ppl[mode]},
+                "perplexity", ratio=ppl[mode] / ppl["fp32"], ratio_of=f"{mode} / fp32",
+                notes=f"{ids.numel()} validation tokens; activations int8 in blocks of 32; {greedy[mode]}; "
+                      f"{mode} / {weights} (the same weights) {ppl[mode] / ppl[weights]:.4f}")
     rec.write()
 
 

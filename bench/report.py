@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.compare_engines import ENGINES  # noqa: E402  (the engines' order in its table)
+from bench.compare_engines import ENGINES, TARGETS  # noqa: E402  (the engines' order in its table; their targets)
 from bench.results import CLASSES, load  # noqa: E402
 
 PAGES = ("README.md", "docs/*.md")
@@ -369,9 +369,8 @@ def _engine_records(records: list[dict], busy: bool, cls: str | None = None) -> 
 
 
 def _engines_claim(records: list[dict]) -> tuple[str, list[dict]]:
-    """Per CPU class: ours fp32, int8 and int4 against the engines of their targets, quiet."""
-    pairs = [("ours-fp32", ("ort-fp32", "llama-f32")), ("ours-int8", ("ort-int8", "llama-q8_0")),
-             ("ours-int4", ("llama-q4_0",))]
+    """Per CPU class: ours fp32, int8, w8a8, int4 and w4a8 against the engines of their targets, quiet."""
+    pairs = list(TARGETS.items())
     classes, used = [], []
     for cls in CLASSES:
         last, parts = _engine_records(records, busy=False, cls=cls), []

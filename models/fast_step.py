@@ -113,11 +113,11 @@ class FastStep:
 
     def _linear(self, layer: Linear) -> StepLinear:
         bias = None if layer.bias is None else layer.bias.detach().contiguous()
-        q = layer.quantized  # set within quantized_weights (quantize="int8" / "int4")
-        if isinstance(q, Int8Weight):
-            kind, w, scale, group = 2, q.q, q.scale, 0
+        q = layer.quantized  # set within quantized_weights (quantize="int8" / "int4" / "w8a8" / "w4a8")
+        if isinstance(q, Int8Weight):  # rows_product's kinds: 2 int8, 3 int4; 4 and 5 with int8 activations
+            kind, w, scale, group = 2 + 2 * q.int8_activations, q.q, q.scale, 0
         elif isinstance(q, Int4Weight):
-            kind, w, scale, group = 3, q.q, q.scale, q.group
+            kind, w, scale, group = 3 + 2 * q.int8_activations, q.q, q.scale, q.group
         else:
             kind, w, scale, group = 0, layer.weight.detach().contiguous(), None, 0
         self.keep += [t for t in (w, scale, bias) if t is not None]

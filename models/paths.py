@@ -120,6 +120,13 @@ def _int8_default() -> tuple[bool, str]:
     return True, f"generate(quantize='int8'): inductor's compiled {form} loop ({_capability()})"
 
 
+def _a8_runs() -> str | None:
+    if row_kernel.pays(torch.int8, 1) and row_kernel.available():
+        return None
+    return ("the rows kernel does not run here: w8a8 / w4a8 products are F.linear(quantize_activations(x), the "
+            "dequantized weight)")
+
+
 PATHS: tuple[Path, ...] = (
     Path("packed-bf16", "bf16 Linear of 64+ rows without gradients (evaluation, prompts): oneDNN-packed weights kept "
          "per layer (modules/packed.py)", packed.ENV, "force", "0", _packed_runs, _packed_default,
@@ -153,6 +160,11 @@ PATHS: tuple[Path, ...] = (
     Path("int4-copies", "generate(quantize='int4'): 4-bit copies in groups of 32, read by the rows kernel",
          "", "generate(..., quantize='int4')", "quantize=None", _rows_runs,
          lambda: (True, "generate(quantize='int4'): the rows kernel"), ("tests/test_quant.py", "tests/test_paths.py")),
+    Path("int8-activations", "generate(quantize='w8a8' / 'w4a8'): int8/int4 copies times activations quantized to "
+         "int8 per 32 columns, integer products in the rows kernel (vpmaddubsw)", "",
+         "generate(..., quantize='w8a8')", "quantize='int8' (weight-only)", _a8_runs,
+         lambda: (True, f"generate(quantize='w8a8' or 'w4a8'): the rows kernel's integer products ({_capability()})"),
+         ("tests/test_int8_activations.py", "tests/test_quant.py", "tests/test_fast_step.py", "tests/test_paths.py")),
 )
 BY_NAME = {p.name: p for p in PATHS}
 ENV_FORCED = tuple(p for p in PATHS if p.env)  # the paths a CI run can force through the environment

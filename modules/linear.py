@@ -12,9 +12,9 @@ shapes stream slowly (the measurements: docs/performance.md, "Figures behind the
   row-blocked product, though the products alone did not.
 Same values up to float rounding (other summation kernels); training and every other shape take F.linear.
 bf16 inputs of 64+ rows without gradients on AMX CPUs take oneDNN-packed copies of the weights (modules/packed.py).
-Within `quantized_weights(model, "int8" | "int4")` one-row products (batch-1 decoding) take int8 or int4 copies of
-the weights (modules/quant.py); the prompt and batches keep the layer's own weights (dequantizing per call would cost
-more than the smaller weights save).
+Within `quantized_weights(model, mode)` (a modules.quant.QUANTIZE_MODES name) one-row products (batch-1 decoding)
+take int8 or int4 copies of the weights (modules/quant.py); the prompt and batches keep the layer's own weights
+(dequantizing per call would cost more than the smaller weights save).
 """
 from __future__ import annotations
 
@@ -132,10 +132,12 @@ def prepared_rows(model: nn.Module, rows: int):
 @contextlib.contextmanager
 def quantized_weights(model: nn.Module, mode: str = "int8"):
     """Within the block, every Linear of `model` (LoRA layers excepted) computes one-row inputs with a `mode` copy
-    of its weight (modules/quant.py: "int8" per-row scales, "int4" groups of 32) whenever no gradient is taken;
+    of its weight (modules/quant.py: "int8" per-row scales, "int4" groups of 32; "w8a8" / "w4a8" those with the
+    inputs quantized to int8 too) whenever no gradient is taken;
     other inputs keep the layer's own weight. The copies stay on the layers for the next block (int8: a quarter of
     the fp32 weights' memory, int4: about a sixth) and are made again only for weights that changed or another mode.
-    A weight the mode cannot take (int4: in_features not a multiple of 32) raises ValueError naming the layer.
+    A weight the mode cannot take (int4, w8a8, w4a8: in_features not a multiple of 32) raises ValueError naming
+    the layer.
     Yields the layers."""
     named = [(name, m) for name, m in model.named_modules() if type(m) is Linear]
     try:

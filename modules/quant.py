@@ -27,6 +27,14 @@ weights: modules.linear keeps int8 to one-row products).
 
 torch has no product that reads 4-bit weights: 1 to 8 rows of int4 take modules/rows.cpp wherever it builds (x86
 with AVX2 or AVX512), everything else the dequantized weight (decoding rows that find no kernel warn, once).
+
+w8a8 and w4a8: the same int8 and int4 weights, and the activations quantized too, dynamically, at each product: each
+row's columns in blocks of 32 (the layers' inputs must be multiples of 32), d = max|block| / 127, qx = round(x / d)
+to nearest even (`quantize_activations`; llama.cpp's Q8_0 blocks quantize the activations the same way, with fp16
+scales). The products are then integer multiply-adds (modules/rows.cpp: AVX2's vpmaddubsw), one conversion to float
+per block of 32; so the result is F.linear(quantize_activations(x), weight.dequantize(), bias) to float rounding, and
+where the kernel does not run that expression is what is computed, so the numbers are the mode's on every CPU.
+What each form costs in quality: bench/int8_quality.py (docs/cpu-decoding.md).
 """
 from __future__ import annotations
 
@@ -40,14 +48,17 @@ from torch import nn
 
 from modules import rows as row_kernel
 
-QUANTIZE_MODES = ("int8", "int4")
+QUANTIZE_MODES = ("int8", "int4", "w8a8", "w4a8")  # weight-only int8 / int4; the same with int8 activations
+ACTIVATION_BLOCK = row_kernel.ACTIVATION_BLOCK  # activation columns per scale (w8a8, w4a8)
 INT4_BLOCK = 32  # columns per packed block of 16 bytes; a group is whole blocks
 
 
 class Int8Weight(NamedTuple):
-    """A (out, in) weight as int8 rows `q` and fp32 per-row `scale` (out,): weight ~= q * scale[:, None]."""
+    """A (out, in) weight as int8 rows `q` and fp32 per-row `scale` (out,): weight ~= q * scale[:, None].
+    int8_activations: products quantize their inputs too (quantize="w8a8")."""
     q: torch.Tensor
     scale: torch.Tensor
+    int8_activations: bool = False
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return (self.q.to(torch.float32) * self.scale[:, None]).to(dtype)
@@ -59,10 +70,12 @@ class Int8Weight(NamedTuple):
 
 class Int4Weight(NamedTuple):
     """A (out, in) weight as 4-bit values packed two a byte `q` (out, in / 2) uint8 and fp32 `scale` (out, in / group)
-    per group of `group` columns (the layout: this module's docstring): weight ~= unpacked q * scale per group."""
+    per group of `group` columns (the layout: this module's docstring): weight ~= unpacked q * scale per group.
+    int8_activations: products quantize their inputs too (quantize="w4a8")."""
     q: torch.Tensor
     scale: torch.Tensor
     group: int
+    int8_activations: bool = False
 
     def values(self) -> torch.Tensor:
         """The 4-bit values as int8 (out, in), in column order."""
@@ -119,7 +132,30 @@ def quantize_int4(weight: torch.Tensor, group: int = 32) -> Int4Weight:
     return Int4Weight(packed.view(torch.uint8).reshape(out, n_in // 2).contiguous(), scale.contiguous(), group)
 
 
-QUANTIZERS = {"int8": quantize_int8, "int4": quantize_int4}  # the keys are QUANTIZE_MODES
+def _with_int8_activations(weight: Int8Weight | Int4Weight, mode: str) -> Int8Weight | Int4Weight:
+    n_in = weight.q.shape[1] * (2 if isinstance(weight, Int4Weight) else 1)
+    if n_in % ACTIVATION_BLOCK:
+        raise ValueError(f"{mode} quantizes activations in blocks of {ACTIVATION_BLOCK} columns: this weight takes "
+                         f"{n_in} inputs, not a multiple of {ACTIVATION_BLOCK} (use int{mode[1]}: weight-only)")
+    return weight._replace(int8_activations=True)
+
+
+QUANTIZERS = {"int8": quantize_int8, "int4": quantize_int4,  # the keys are QUANTIZE_MODES
+              "w8a8": lambda w: _with_int8_activations(quantize_int8(w), "w8a8"),
+              "w4a8": lambda w: _with_int8_activations(quantize_int4(w), "w4a8")}
+
+
+def quantize_activations(x: torch.Tensor) -> torch.Tensor:
+    """x (..., in) as w8a8 / w4a8 products see it: each row's columns in blocks of 32, d = max|block| / 127 (0 for an
+    all-zero block), round(x / d) to nearest even, times d again; in x's dtype (computed in fp32). `in` must be a
+    multiple of 32. modules/rows.cpp quantizes the same way (rows_quantize: the tests compare both)."""
+    if x.shape[-1] % ACTIVATION_BLOCK:
+        raise ValueError(f"int8 activations are quantized in blocks of {ACTIVATION_BLOCK} columns, got "
+                         f"{x.shape[-1]} features")
+    blocks = x.to(torch.float32).reshape(*x.shape[:-1], -1, ACTIVATION_BLOCK)
+    d = blocks.abs().amax(dim=-1, keepdim=True) / 127
+    q = torch.where(d > 0, torch.round(blocks / d), torch.zeros_like(blocks))
+    return (q * d).reshape(x.shape).to(x.dtype)
 
 
 def _gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -182,6 +218,8 @@ def int8_linear(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None =
     if x.shape[-1] != weight.q.shape[1]:
         raise ValueError(f"input has {x.shape[-1]} features, the int8 weight takes {weight.q.shape[1]}")
     rows = x.reshape(-1, x.shape[-1])
+    if weight.int8_activations:
+        return _int8_activation_linear(x, rows, weight, bias)
     if compiled is None and row_kernel.pays(torch.int8, rows.shape[0]) and row_kernel.applies(rows, weight.q):
         return row_kernel.rows_linear(x, weight.q, bias, weight.scale)
     if compiled is None:
@@ -213,6 +251,8 @@ def int4_linear(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None =
     if x.shape[-1] != 2 * weight.q.shape[1]:
         raise ValueError(f"input has {x.shape[-1]} features, the int4 weight takes {2 * weight.q.shape[1]}")
     rows = x.reshape(-1, x.shape[-1])
+    if weight.int8_activations:
+        return _int8_activation_linear(x, rows, weight, bias)
     if row_kernel.pays(torch.uint8, rows.shape[0]) and row_kernel.applies(rows, weight.q):
         return row_kernel.rows_linear(x, weight.q, bias, weight.scale)
     if not _warned_int4 and rows.shape[0] <= row_kernel.MAX_ROWS and not torch.is_grad_enabled():
@@ -226,8 +266,24 @@ def int4_linear(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None =
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
+def _int8_activation_linear(x: torch.Tensor, rows: torch.Tensor, weight: Int8Weight | Int4Weight,
+                            bias: torch.Tensor | None) -> torch.Tensor:
+    """w8a8 / w4a8: 1 to 8 rows in the rows kernel's integer products where it pays for the weight's format, else
+    F.linear(quantize_activations(x), weight.dequantize(), bias): the same numbers, to float rounding."""
+    if row_kernel.pays(weight.q.dtype, rows.shape[0]) and row_kernel.applies(rows, weight.q):
+        return run_int8_activations(x, weight, bias)
+    y = F.linear(quantize_activations(rows), weight.dequantize(x.dtype), None if bias is None else bias.to(x.dtype))
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def run_int8_activations(x: torch.Tensor, weight: Int8Weight | Int4Weight, bias: torch.Tensor | None = None, lib=None):
+    """The rows kernel's integer product of x (1 to 8 rows) and a w8a8 / w4a8 weight (lib: another build, tests)."""
+    return row_kernel.run(row_kernel.prepared(weight.q, bias, weight.scale, lib, int8_activations=True), x)
+
+
 def quantize(weight: torch.Tensor, mode: str) -> Int8Weight | Int4Weight:
-    """`weight` in one of QUANTIZE_MODES ("int8": per-row scales, "int4": groups of 32)."""
+    """`weight` in one of QUANTIZE_MODES ("int8": per-row scales, "int4": groups of 32; "w8a8", "w4a8": the same
+    weights, their products quantizing the activations to int8 in blocks of 32)."""
     if mode not in QUANTIZERS:
         raise ValueError(f"quantize must be one of {QUANTIZE_MODES}, got {mode!r}")
     return QUANTIZERS[mode](weight)
@@ -242,7 +298,7 @@ def prepared_quantized(weight: Int8Weight | Int4Weight, bias: torch.Tensor | Non
     """`weight`'s one-row product prepared in the rows kernel (rows.prepared) where the kernel pays for its format on
     this CPU, else None. It takes fp32, contiguous CPU rows; other inputs go to quantized_linear."""
     if weight.q.is_cpu and row_kernel.pays(weight.q.dtype, 1) and row_kernel.available():
-        return row_kernel.prepared(weight.q, bias, weight.scale)
+        return row_kernel.prepared(weight.q, bias, weight.scale, int8_activations=weight.int8_activations)
     return None
 
 

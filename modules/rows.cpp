@@ -1,6 +1,7 @@
 // A few rows times a weight that streams from memory: y[b, o] = (sum_i x[b, i] * w[o, i]) * scale[o] + bias[o]
 // for x (B, in) fp32, B <= 8, and w (out, in) row-major in fp32, bf16 or int8 (scale: int8's per-row scales); or
-// int4 (modules/quant.py's Int4Weight): y[b, o] = sum_i x[b, i] * q[o, i] * scale[o, i / group] + bias[o].
+// int4 (modules/quant.py's Int4Weight): y[b, o] = sum_i x[b, i] * q[o, i] * scale[o, i / group] + bias[o]. And int8 and
+// int4 times activations quantized to int8 (quantize="w8a8" / "w4a8"): integer products, below.
 //
 // Decoding multiplies one to eight token rows by every weight matrix: the work is reading the weights, and torch's
 // kernels for these shapes read them well below the memory's speed (docs/performance.md). Here each weight row is
@@ -286,12 +287,180 @@ static int dispatch(int64_t rows, const float* x, int64_t in, W w, const float* 
   }
 }
 
+// ---- integer products: int8 or int4 weights times int8 activations (quantize="w8a8" / "w4a8") -------------------
+// The input rows are quantized first, in blocks of 32 columns: d = max|x of the block| / 127 (0 for an all-zero
+// block), qx = round(x / d) to nearest even, in -127..127 (modules/quant.py: quantize_activations, the same rule).
+// Each weight row's block of 32 then multiplies in integers: AVX2's vpmaddubsw multiplies unsigned by signed bytes
+// and adds pairs into 16 bits, vpmaddwd adds those pairs into 32-bit lanes, exact (int8: |w| <= 128 and |qx| <= 127,
+// a pair at most 32512; int4: w + 8 <= 15); the block's 32-bit sum is converted once and multiplied by d (and by
+// int4's group scale); int8's per-row scale is applied once at the end. So the result is the fp32 product of the
+// quantized activations and the dequantized weights, to float rounding. Written with 256-bit integer operations
+// only: the same code in the native build of an AVX512 CPU (which has AVX2); VNNI's vpdpbusd would fuse the two
+// multiplies there (not measured: no such CPU at hand when this was written).
+constexpr int64_t kQBlock = 32;  // activation columns per scale
+
+struct QuantRows {  // B rows of `in` activations, quantized
+  std::vector<int8_t> q;   // (B, in)
+  std::vector<float> d;    // (B, in / 32): each block's scale
+  std::vector<int32_t> s;  // (B, in / 32): each block's sum of q (int4 takes 8 x it off)
+};
+
+static void quantize_rows(const float* x, int64_t rows, int64_t in, QuantRows& out) {
+  const int64_t blocks = in / kQBlock;
+  out.q.resize(rows * in);
+  out.d.resize(rows * blocks);
+  out.s.resize(rows * blocks);
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t b = 0; b < rows * blocks; ++b) {
+    const float* xb = x + b * kQBlock;
+    __m256 v[4];
+    __m256 top = _mm256_setzero_ps();
+    for (int k = 0; k < 4; ++k) top = _mm256_max_ps(top, _mm256_andnot_ps(sign, v[k] = _mm256_loadu_ps(xb + 8 * k)));
+    __m128 t = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+    t = _mm_max_ps(t, _mm_movehl_ps(t, t));
+    t = _mm_max_ss(t, _mm_movehdup_ps(t));
+    const float amax = _mm_cvtss_f32(t), d = amax / 127.0f;
+    out.d[b] = d;
+    __m256i packed = _mm256_setzero_si256();
+    if (d > 0) {
+      const __m256 dv = _mm256_set1_ps(d);
+      __m256i i32[4];
+      for (int k = 0; k < 4; ++k) i32[k] = _mm256_cvtps_epi32(_mm256_div_ps(v[k], dv));  // nearest even (MXCSR)
+      // pack 4 x 8 int32 into 32 int8 (the packs interleave 128-bit lanes; the permutation restores column order)
+      const __m256i i16 = _mm256_packs_epi32(i32[0], i32[1]), j16 = _mm256_packs_epi32(i32[2], i32[3]);
+      packed = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(i16, j16), order);
+    }
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.q.data() + b * kQBlock), packed);
+    // the block's sum of q: bytes widened to 16 bits by pairs (vpmaddubsw by 1s is unsigned x signed), then 32
+    const __m256i pairs = _mm256_maddubs_epi16(_mm256_set1_epi8(1), packed);
+    const __m256i quads = _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(quads), _mm256_extracti128_si256(quads, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+    out.s[b] = _mm_cvtsi128_si32(s4);
+  }
+}
+
+// 32 int8 weights times 32 int8 activations -> 8 lanes of 32-bit sums: vpmaddubsw wants an unsigned operand, so
+// |w| (vpsignb of w by itself: -128 gives 0x80, 128 unsigned) times qx with w's sign moved onto it.
+static inline __m256i dot32(const int8_t* w, const int8_t* qx) {
+  const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+  const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx));
+  const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv));
+  return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+}
+
+// An int4 block (16 bytes, Int4's layout) times 32 int8 activations: the nibbles plus 8 (0..15: XOR 0x88 flips
+// each nibble's top bit), low nibbles in bytes 0-15 and high ones in 16-31, the columns' order, so vpmaddubsw takes
+// them as the unsigned operand; the block's 8 x sum(qx) is taken off as -sum(qx) in each of the 8 lanes.
+static inline __m256i dot32_int4(const uint8_t* block, const int8_t* qx, int32_t qsum) {
+  const __m128i raw = _mm_xor_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block)),
+                                    _mm_set1_epi8(static_cast<char>(0x88)));
+  const __m256i w = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(0x0F));
+  const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx));
+  const __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(w, xv), _mm256_set1_epi16(1));
+  return _mm256_sub_epi32(sums, _mm256_set1_epi32(qsum));
+}
+
+static inline float hsum256(__m256 a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// Row o of the weight times quantized input row b, two blocks at a time in two accumulators, prefetching kLinear
+// bytes ahead in the row's stream (as row_dot).
+static inline float qrow_dot(const QuantRows& x, int64_t b, int64_t in, Dense<int8_t> weight, int64_t o) {
+  const int64_t blocks = in / kQBlock;
+  const int8_t* row = weight.w + o * in;
+  const int8_t* qx = x.q.data() + b * in;
+  const float* d = x.d.data() + b * blocks;
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 2 <= blocks; k += 2) {
+    _mm_prefetch(reinterpret_cast<const char*>(row + k * kQBlock) + kLinear, _MM_HINT_T0);
+    a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot32(row + k * kQBlock, qx + k * kQBlock)), _mm256_set1_ps(d[k]), a0);
+    a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot32(row + (k + 1) * kQBlock, qx + (k + 1) * kQBlock)),
+                         _mm256_set1_ps(d[k + 1]), a1);
+  }
+  if (k < blocks) a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot32(row + k * kQBlock, qx + k * kQBlock)),
+                                       _mm256_set1_ps(d[k]), a0);
+  return hsum256(_mm256_add_ps(a0, a1)) * weight.scale[o];
+}
+
+static inline __m256 int4_block(const uint8_t* row, const int8_t* qx, const float* d, const int32_t* s, int64_t k,
+                                float scale, __m256 acc) {
+  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot32_int4(row + k * kQBlock / 2, qx + k * kQBlock, s[k])),
+                         _mm256_set1_ps(d[k] * scale), acc);
+}
+
+static inline float qrow_dot(const QuantRows& x, int64_t b, int64_t in, Int4 weight, int64_t o) {
+  const int64_t blocks = in / kQBlock, per_group = weight.group / kQBlock, groups = in / weight.group;
+  const uint8_t* row = weight.w + o * (in / 2);
+  const float* scale = weight.scale + o * groups;
+  const int8_t* qx = x.q.data() + b * in;
+  const float* d = x.d.data() + b * blocks;
+  const int32_t* s = x.s.data() + b * blocks;
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+  if (per_group == 1) {  // groups of 32 (the default): a scale a block
+    int64_t k = 0;
+    for (; k + 2 <= blocks; k += 2) {  // 32 bytes a step: the line kLinear bytes on prefetched every other step
+      if (!(k & 2)) _mm_prefetch(reinterpret_cast<const char*>(row + k * kQBlock / 2) + kLinear, _MM_HINT_T0);
+      a0 = int4_block(row, qx, d, s, k, scale[k], a0);
+      a1 = int4_block(row, qx, d, s, k + 1, scale[k + 1], a1);
+    }
+    if (k < blocks) a0 = int4_block(row, qx, d, s, k, scale[k], a0);
+  } else {
+    for (int64_t g = 0, k = 0; g < groups; ++g) {
+      const int64_t end = k + per_group;
+      for (; k + 2 <= end; k += 2) {
+        _mm_prefetch(reinterpret_cast<const char*>(row + k * kQBlock / 2) + kLinear, _MM_HINT_T0);
+        a0 = int4_block(row, qx, d, s, k, scale[g], a0);
+        a1 = int4_block(row, qx, d, s, k + 1, scale[g], a1);
+      }
+      if (k < end) {
+        _mm_prefetch(reinterpret_cast<const char*>(row + k * kQBlock / 2) + kLinear, _MM_HINT_T0);
+        a0 = int4_block(row, qx, d, s, k++, scale[g], a0);
+      }
+    }
+  }
+  return hsum256(_mm256_add_ps(a0, a1));
+}
+
+// B rows (1..8) by the weight: the rows quantized once, then each thread takes its block of weight rows as one
+// stream and multiplies each row by every input row (the row read from memory once, from L1 for the others).
+template <typename W>
+static int qproduct(int64_t rows, const float* x, int64_t in, W w, const float* bias, float* y, int64_t out,
+                    int threads) {
+  if (rows < 1 || rows > 8) return -1;
+  if (in % kQBlock != 0) return -2;
+  QuantRows qx;
+  quantize_rows(x, rows, in, qx);
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t o = 0; o < out; ++o)
+    for (int64_t b = 0; b < rows; ++b) y[b * out + o] = qrow_dot(qx, b, in, w, o) + (bias ? bias[o] : 0.0f);
+  return 0;
+}
+
+// x (rows, in) quantized as qproduct does: q (rows, in) int8, d (rows, in / 32) fp32 (the tests' view of it).
+extern "C" int rows_quantize(const float* x, int64_t rows, int64_t in, int8_t* q, float* d) {
+  if (in % kQBlock != 0) return -2;
+  QuantRows qx;
+  quantize_rows(x, rows, in, qx);
+  std::memcpy(q, qx.q.data(), qx.q.size());
+  std::memcpy(d, qx.d.data(), qx.d.size() * sizeof(float));
+  return 0;
+}
+
 extern "C" {
 
 // kind: 0 fp32, 1 bf16 (as uint16 bits), 2 int8 (needs scale), 3 int4 (needs scale (out, in / group) and group, a
-// multiple of 32 dividing in; the other kinds ignore group). scale and bias may be null otherwise. Returns 0; -1 where
-// rows is outside 1..8 or kind unknown, -2 for an int4 weight without scale or with a group that does not fit
-// (nothing written).
+// multiple of 32 dividing in; the other kinds ignore group); 4 and 5: 2 and 3 with the activations quantized to
+// int8 in blocks of 32 (in a multiple of 32). scale and bias may be null otherwise. Returns 0; -1 where rows is
+// outside 1..8 or kind unknown, -2 for a weight without its scale, a group or an `in` that does not fit (nothing
+// written).
 int rows_product(int kind, int64_t rows, const float* x, int64_t in, const void* w, const float* scale,
                  const float* bias, float* y, int64_t out, int threads, int64_t group) {
   if (threads < 1) threads = 1;
@@ -302,6 +471,12 @@ int rows_product(int kind, int64_t rows, const float* x, int64_t in, const void*
     case 3:
       if (!scale || group <= 0 || group % kBlock != 0 || in % group != 0) return -2;
       return dispatch(rows, x, in, Int4{static_cast<const uint8_t*>(w), scale, group}, bias, y, out, threads);
+    case 4:  // int8 weights, int8 activations
+      if (!scale) return -2;
+      return qproduct(rows, x, in, Dense<int8_t>{static_cast<const int8_t*>(w), scale}, bias, y, out, threads);
+    case 5:  // int4 weights, int8 activations
+      if (!scale || group <= 0 || group % kBlock != 0 || in % group != 0) return -2;
+      return qproduct(rows, x, in, Int4{static_cast<const uint8_t*>(w), scale, group}, bias, y, out, threads);
     default: return -1;
   }
 }
@@ -348,21 +523,64 @@ static void layer_norm(const float* x, const float* w, const float* b, float eps
   for (int64_t i = 0; i < n; ++i) y[i] = (x[i] - m) * inv * (w ? w[i] : 1.0f) + (b ? b[i] : 0.0f);
 }
 
-static void gelu_tanh(float* x, int64_t n, int threads) {  // scalar tanh: about 1 ms a gpt2 token on one core
-#pragma omp parallel for num_threads(threads) schedule(static)
-  for (int64_t i = 0; i < n; ++i) {
+// exp of 8 floats: x = n ln2 + r (|r| <= ln2 / 2; ln2 in two parts, so r is exact to float rounding), e^r by a
+// degree-7 polynomial (Cephes' expf coefficients: within 2 ulp of the true value), times 2^n built in the exponent
+// bits. x is clamped to [-87.3, 88.3], where 2^n and the result stay normal floats.
+static inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+// GELU, tanh form: 0.5 v (1 + tanh(u)), u = sqrt(2 / pi) (v + 0.044715 v^3), which is v / (1 + e^(-2u)) (1 + tanh u
+// = 2 / (1 + e^(-2u))): one exp and one division a value, 8 at a time (the scalar std::tanh loop took about 1 ms a
+// gpt2 token on one core). Agrees with torch's gelu(approximate="tanh") to a few float roundings (tests).
+static void gelu_tanh(float* x, int64_t n, int threads) {
+  const int64_t vectors = n / 8;
+#pragma omp parallel for num_threads(threads) schedule(static) if (n >= 4096)
+  for (int64_t j = 0; j < vectors; ++j) {
+    const __m256 v = _mm256_loadu_ps(x + 8 * j);
+    const __m256 u = _mm256_mul_ps(_mm256_set1_ps(0.7978845608028654f),
+                                   _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(0.044715f), v),
+                                                   _mm256_mul_ps(v, v), v));
+    const __m256 e = exp8(_mm256_mul_ps(_mm256_set1_ps(-2.0f), u));
+    _mm256_storeu_ps(x + 8 * j, _mm256_div_ps(v, _mm256_add_ps(_mm256_set1_ps(1.0f), e)));
+  }
+  for (int64_t i = 8 * vectors; i < n; ++i) {
     const float v = x[i];
     x[i] = 0.5f * v * (1.0f + std::tanh(0.7978845608028654f * (v + 0.044715f * v * v * v)));
   }
 }
 
-// One head's attention of one query over `length` cached keys and values (rows of `dim`, `cap` rows a head).
+extern "C" void rows_gelu_tanh(float* x, int64_t n) { gelu_tanh(x, n, 1); }  // the step's GELU, for the tests
+
+// One head's attention of one query over `length` cached keys and values (rows of `dim`, `cap` rows a head): each
+// score a dot product 8 columns at a time in two accumulators (a scalar sum is one dependent chain of adds, about
+// a millisecond a gpt2 token at 80 tokens of context), the weighted sum of values 8 columns at a time.
 static void attend(const float* q, const float* keys, const float* values, int64_t length, int64_t dim, float scale,
                    float* scores, float* y) {
+  const int64_t wide = dim / 16 * 16;
   float top = -INFINITY;
   for (int64_t t = 0; t < length; ++t) {
-    float s = 0;
-    for (int64_t d = 0; d < dim; ++d) s += q[d] * keys[t * dim + d];
+    const float* k = keys + t * dim;
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    for (int64_t d = 0; d < wide; d += 16) {
+      a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(k + d), a0);
+      a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + 8), _mm256_loadu_ps(k + d + 8), a1);
+    }
+    float s = hsum256(_mm256_add_ps(a0, a1));
+    for (int64_t d = wide; d < dim; ++d) s += q[d] * k[d];
     scores[t] = s * scale;
     top = std::max(top, scores[t]);
   }
@@ -371,7 +589,11 @@ static void attend(const float* q, const float* keys, const float* values, int64
   for (int64_t d = 0; d < dim; ++d) y[d] = 0;
   for (int64_t t = 0; t < length; ++t) {
     const float p = scores[t] / total;
-    for (int64_t d = 0; d < dim; ++d) y[d] += p * values[t * dim + d];
+    const float* v = values + t * dim;
+    int64_t d = 0;
+    for (; d + 8 <= dim; d += 8)
+      _mm256_storeu_ps(y + d, _mm256_fmadd_ps(_mm256_set1_ps(p), _mm256_loadu_ps(v + d), _mm256_loadu_ps(y + d)));
+    for (; d < dim; ++d) y[d] += p * v[d];
   }
 }
 

@@ -1,6 +1,7 @@
 """Decoding's products of a few rows by a weight, in modules/rows.cpp: 1 to 8 rows x (B, in) times a (out, in)
 weight in fp32, bf16, int8 (per-row scales) or int4 (modules/quant.py's Int4Weight: a uint8 tensor of two values a
-byte and (out, in / group) scales), each weight row read once for all rows.
+byte and (out, in / group) scales), each weight row read once for all rows; int8 and int4 also with the rows quantized
+to int8 in blocks of 32 and multiplied in integers (prepared(..., int8_activations=True): quantize="w8a8" / "w4a8").
 
 The kernel is compiled with the machine's own C++ compiler (-O3 -march=native -fopenmp) the first time it is used
 on a machine (about two seconds), cached by source, compiler and CPU flags, and called through ctypes. Where it
@@ -26,6 +27,7 @@ import torch
 
 SOURCE = Path(__file__).with_name("rows.cpp")
 MAX_ROWS = 8
+ACTIVATION_BLOCK = 32  # activation columns per int8 scale (rows.cpp's kQBlock)
 _KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, torch.uint8: 3}  # uint8: int4, two values a byte
 _library = None  # the loaded ctypes library; False once building or loading failed here
 
@@ -95,6 +97,10 @@ def library(target_flags: tuple[str, ...] = NATIVE):
                                  ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
                                  ctypes.c_int64]
     lib.rows_vector_width.restype = ctypes.c_int
+    lib.rows_gelu_tanh.restype = None
+    lib.rows_gelu_tanh.argtypes = [ctypes.c_void_p, ctypes.c_int64]
+    lib.rows_quantize.restype = ctypes.c_int
+    lib.rows_quantize.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
     # models/fast_step.py's whole decoding step (its layers argument: an array of its StepLayer structures)
     lib.gpt2_step.restype = ctypes.c_int
     lib.gpt2_step.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_float,
@@ -315,12 +321,15 @@ def run(call, x: torch.Tensor) -> torch.Tensor:
     return y.view(*x.shape[:-1], y.shape[-1])
 
 
-def prepared(weight: torch.Tensor, bias: torch.Tensor | None = None, scale: torch.Tensor | None = None, lib=None):
+def prepared(weight: torch.Tensor, bias: torch.Tensor | None = None, scale: torch.Tensor | None = None, lib=None,
+             int8_activations: bool = False):
     """The kernel's product for one weight with its lookups done once -> a function of x (..., in), fp32 and
     contiguous, with 1 to 8 rows, returning (..., out) fp32 (rows_linear makes one per call). The decode loop keeps
     one per layer: the checks and conversions cost about 8 us a call, 0.6 ms a gpt2 token. The function holds the
     tensors it points at, so the pointers stay valid; it reads their current values (in-place changes are seen), and
-    is made again when a tensor is replaced (quantized_weights does so at every generate call)."""
+    is made again when a tensor is replaced (quantized_weights does so at every generate call).
+    int8_activations (int8 and int4 weights, `in` a multiple of 32): the rows are quantized to int8 in blocks of 32
+    columns first and multiplied in integers (quantize="w8a8" / "w4a8": modules/quant.py)."""
     if weight.dtype == torch.int8 and scale is None:
         raise ValueError("an int8 weight needs its per-row scale")
     if not weight.is_contiguous():
@@ -338,6 +347,13 @@ def prepared(weight: torch.Tensor, bias: torch.Tensor | None = None, scale: torc
     lib = lib or library_for(_PLANNED.get(weight.dtype, "bf16"))
     bias, scale = _fp32_contiguous(bias), _fp32_contiguous(scale)
     kind = _KINDS[weight.dtype]
+    if int8_activations:
+        if weight.dtype not in (torch.int8, torch.uint8):
+            raise ValueError(f"int8 activations take int8 or int4 weights, got {weight.dtype}")
+        if n_in % ACTIVATION_BLOCK:
+            raise ValueError(f"int8 activations are quantized in blocks of {ACTIVATION_BLOCK} columns: the weight "
+                             f"takes {n_in} inputs, not a multiple of {ACTIVATION_BLOCK}")
+        kind += 2  # 4: int8 x int8, 5: int4 x int8
     pointers = (weight.data_ptr(), None if scale is None else scale.data_ptr(), None if bias is None else bias.data_ptr())
     product = lib.rows_product
 

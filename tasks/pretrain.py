@@ -395,7 +395,7 @@ class PretrainConfig:
     temperature: float = 0.8
     top_k: int = 200
     top_p: float | None = None
-    quantize: str | None = None  # "int8" / "int4": the samples decode with weight-only weights (GPT-2 models)
+    quantize: str | None = None  # modules.quant.QUANTIZE_MODES: samples decode quantized (GPT-2 models)
     seed: int = 1337
     device: str = "cpu"
     threads: int = 0
@@ -582,8 +582,8 @@ def sample_text(model, tokenizer, prompt: str | None, max_new_tokens: int, tempe
                 top_k: int | None = None, top_p: float | None = None, num_samples: int = 1,
                 generator: torch.Generator | None = None, quantize: str | None = None) -> list[str]:
     """Continue `prompt` num_samples times. Up to the model's context this is model.generate (KV cache); past it
-    each new token is predicted from the last n_positions tokens, as nanoGPT does. quantize="int8" or "int4" (GPT-2
-    models): the cached steps read quantized copies of the weights, one sample at a time (the only batch they are
+    each new token is predicted from the last n_positions tokens, as nanoGPT does. quantize (one of
+    modules.quant.QUANTIZE_MODES; GPT-2 models): the cached steps read quantized copies of the weights, one sample at a time (the only batch they are
     read at)."""
     if quantize is not None and not hasattr(model, "gpt"):
         raise ValueError(f"quantize={quantize!r} applies to GPT-2 models, not to {type(model).__name__}")

@@ -146,7 +146,7 @@ class Decoding:
     num_beams: int = 1  # > 1: beam search (deterministic; temperature, top-k and top-p do not apply)
     length_penalty: float = 1.0  # beam search only
     seed: int = 11711  # seeds the sampling generator of each complete_sonnets call
-    quantize: str | None = None  # "int8" / "int4": weight-only decoding steps, one prompt at a time (models.generation)
+    quantize: str | None = None  # modules.quant.QUANTIZE_MODES: quantized decoding, one prompt at a time
 
 
 class SonnetGPT(nn.Module):
@@ -336,7 +336,7 @@ class SonnetConfig(FineTuneConfig):
     length_penalty: float = 1.0
     repetition_penalty: float = 1.0
     max_new_tokens: int = 128
-    quantize: str | None = None  # "int8" or "int4" with generate_only
+    quantize: str | None = None  # modules.quant.QUANTIZE_MODES, with generate_only
     generate_only: bool = False
     baseline: str | None = None  # prompts or random_sonnet: no model
 

@@ -132,7 +132,7 @@ def test_every_refused_request_names_its_problem_and_the_limits_themselves_are_a
         (dict(do_sample=True, top_k=-1), "top_k must be >= 0, got -1"),
         (dict(do_sample=True, top_p=1.5), "top_p must be in (0, 1], got 1.5"),
         (dict(do_sample=True, top_p=0.0), "top_p must be in (0, 1], got 0.0"),
-        (dict(quantize="int3"), "quantize must be None or one of ('int8', 'int4'), got 'int3'"),
+        (dict(quantize="int3"), "quantize must be None or one of ('int8', 'int4', 'w8a8', 'w4a8'), got 'int3'"),
     ]
     for kw, message in refused:
         request = dict(input_ids=ids, attention_mask=mask, max_new_tokens=2) | kw

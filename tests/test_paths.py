@@ -429,3 +429,23 @@ def test_int8_copies_run_through_the_rows_kernel_or_inductors_loop_and_say_which
     for packed_form, form in ((True, "word-packed"), (False, "byte")):
         clean_env.setattr(quant, "packed_form_chosen", lambda f=packed_form: f)
         assert p.default_here() == (True, f"generate(quantize='int8'): inductor's compiled {form} loop (AVX2)")
+
+
+def test_int8_activation_products_run_where_the_rows_kernel_takes_int8_and_else_say_what_is_computed(clean_env):
+    from modules import rows
+
+    p = paths.BY_NAME["int8-activations"]
+    clean_env.setattr(paths, "_capability", lambda: "AVX2")
+    clean_env.setattr(rows, "available", lambda: True)
+    clean_env.setattr(rows, "pays", lambda dtype, n: dtype == torch.int8 and n == 1)
+    assert p.runs_here() is None
+    assert p.state()["taken"] is True
+    assert p.state()["why"] == "generate(quantize='w8a8' or 'w4a8'): the rows kernel's integer products (AVX2)"
+    why_not = ("the rows kernel does not run here: w8a8 / w4a8 products are F.linear(quantize_activations(x), the "
+               "dequantized weight)")
+    clean_env.setattr(rows, "available", lambda: False)
+    assert p.runs_here() == why_not
+    clean_env.setattr(rows, "available", lambda: True)
+    clean_env.setattr(rows, "pays", lambda dtype, n: dtype != torch.int8)
+    assert p.runs_here() == why_not
+    assert p.state() == {**p.state(), "taken": False, "why": why_not, "can_run": False}

@@ -1,4 +1,5 @@
-"""Weight-only int8 and int4 (modules/quant.py) and generate(quantize="int8" | "int4")."""
+"""Weight-only int8 and int4, and both with int8 activations (modules/quant.py), and
+generate(quantize="int8" | "int4" | "w8a8" | "w4a8")."""
 import dataclasses
 import warnings
 
@@ -24,7 +25,8 @@ from modules.quant import (
     quantized_linear,
 )
 
-MODES = ["int8", "int4"]
+MODES = list(quant.QUANTIZE_MODES)  # int8, int4, w8a8, w4a8
+FOUR_BIT = ("int4", "w4a8")
 
 
 @pytest.fixture
@@ -139,7 +141,7 @@ def test_quantize_int4_rejects_bad_weights():
             quantize_int4(torch.randn(4, 96), group=group)
     with pytest.raises(ValueError, match="input has 5 features, the int4 weight takes 32"):
         int4_linear(torch.randn(1, 5), quantize_int4(torch.randn(3, 32)))
-    with pytest.raises(ValueError, match=r"quantize must be one of \('int8', 'int4'\), got 'int2'"):
+    with pytest.raises(ValueError, match=r"quantize must be one of \('int8', 'int4', 'w8a8', 'w4a8'\), got 'int2'"):
         quantize(torch.randn(3, 32), "int2")
 
 
@@ -276,20 +278,21 @@ def test_generate_quantized_decodes_with_quantized_steps_after_a_float_prompt(mo
     monkeypatch.setattr(generation_module, "quantized_linear", counted)
     out = model.generate(ids, max_new_tokens=n, quantize=mode)
     assert len(calls) == n + (n - 1) * 2 * 6  # the head every step, 6 linears per layer in each step after the first
-    assert set(calls) == {Int4Weight if mode == "int4" else quant.Int8Weight}
+    assert set(calls) == {Int4Weight if mode in FOUR_BIT else quant.Int8Weight}
 
     ref = tiny_model()
+    acts = quant.quantize_activations if mode.endswith("a8") else (lambda x: x)  # w8a8, w4a8: int8 activations
     for m in ref.modules():
         if type(m) is Linear:
             deq = quantize(m.weight, mode).dequantize()  # one-row inputs (the steps) take it, the prompt does not
-            m.register_forward_hook(lambda mod, inp, y, w=deq: F.linear(inp[0], w, mod.bias)
+            m.register_forward_hook(lambda mod, inp, y, w=deq: F.linear(acts(inp[0]), w, mod.bias)
                                     if inp[0].shape[:-1].numel() == 1 else None)
     head = quantize(ref.gpt.lm_head_weight, mode).dequantize()
     cache = ref.gpt.new_cache(1, 6 + n)
     hidden = ref.gpt(ids, None, None, cache, use_cache=True)["last_hidden_state"][:, -1]
     tokens = [ids]
     for step in range(n):
-        tokens.append(F.linear(hidden, head).argmax(-1, keepdim=True))
+        tokens.append(F.linear(acts(hidden), head).argmax(-1, keepdim=True))
         hidden = ref.gpt.decode_step(tokens[-1], torch.tensor([[6 + step]]), None, cache)
     assert torch.equal(out, torch.cat(tokens, 1))
     assert all(m.quantized is None for m in model.modules() if type(m) is Linear)
@@ -328,9 +331,11 @@ def test_quantized_copies_are_reused_and_remade_when_weights_change(mode, eager_
     model.generate(ids, max_new_tokens=2, quantize=mode)
     torch.testing.assert_close(model.gpt.__dict__["_quantized_head"][1].dequantize(),
                                quantize(model.gpt.word_embedding.weight, mode).dequantize())
-    other = MODES[1 - MODES.index(mode)]
-    with quantized_weights(model, other):
-        assert type(layer.quantized) is type(quantize(layer.weight, other))
+    for other in MODES:  # another mode replaces the copy (w8a8 and int8: the same type, another flag)
+        if other != mode:
+            with quantized_weights(model, other):
+                assert type(layer.quantized) is type(quantize(layer.weight, other))
+                assert layer.quantized.int8_activations == other.endswith("a8")
 
 
 def test_quantized_weights_leave_training_alone():
@@ -346,7 +351,8 @@ def test_quantized_weights_leave_training_alone():
 
 def test_quantize_argument_is_checked():
     model, ids = tiny_model(), torch.zeros(1, 3, dtype=torch.long)
-    with pytest.raises(ValueError, match=r"quantize must be None or one of \('int8', 'int4'\), got 'int3'"):
+    with pytest.raises(ValueError, match=r"quantize must be None or one of \('int8', 'int4', 'w8a8', 'w4a8'\), "
+                                         r"got 'int3'"):
         model.generate(ids, max_new_tokens=2, quantize="int3")
     for mode in MODES:
         with pytest.raises(ValueError, match="not to beam search"):
@@ -386,7 +392,8 @@ def test_generate_with_the_rows_kernel_equals_the_eager_quantized_decode(mode, m
     monkeypatch.setattr(quant, "_warned_int4", True)
     monkeypatch.setattr(row_kernel, "pays", lambda dtype, rows: False)
     eager = biased_model().generate(ids, max_new_tokens=12, quantize=mode)
-    monkeypatch.setattr(row_kernel, "pays", lambda dtype, rows: dtype == (torch.uint8 if mode == "int4" else torch.int8))
+    monkeypatch.setattr(row_kernel, "pays",
+                        lambda dtype, rows: dtype == (torch.uint8 if mode in FOUR_BIT else torch.int8))
     made, calls = [], []
     real = row_kernel.prepared
 
@@ -659,7 +666,7 @@ def test_int4_group_errors_read_in_full():
     with pytest.raises(ValueError, match=r"^int4 quantization needs in_features divisible by the group: 48 features, "
                                          r"group 32$"):
         quantize_int4(torch.randn(4, 48))
-    with pytest.raises(ValueError, match=r"^quantize must be one of \('int8', 'int4'\), got 'int2'$"):
+    with pytest.raises(ValueError, match=r"^quantize must be one of \('int8', 'int4', 'w8a8', 'w4a8'\), got 'int2'$"):
         quantize(torch.randn(3, 32), "int2")
 
 

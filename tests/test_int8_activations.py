@@ -1,0 +1,162 @@
+"""quantize="w8a8" / "w4a8": int8 and int4 weights with the activations quantized to int8 in blocks of 32
+(modules/quant.py), and their integer products in modules/rows.cpp (kinds 4 and 5), native and AVX2 builds.
+
+The reference is torch: quant.quantize_activations (the rule) and F.linear of its output by the dequantized weight.
+The kernel's quantization must equal the rule bit for bit (the same division, rounding to nearest even); its products
+are exact integer sums scaled in fp32, so they agree with the reference to fp32 rounding of sums up to 768 long
+(rtol 1e-5, atol 1e-4, as test_rows_kernel.py's)."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from config import GPT2Config
+from models.gpt2 import GPT2LMHeadModel
+from modules import quant, rows
+from modules.linear import Linear, quantized_weights
+from modules.quant import quantize, quantize_activations
+
+needs_kernel = pytest.mark.skipif(not rows.available(), reason="the rows kernel cannot be built here (an x86 CPU "
+                                  "with AVX2 and FMA on Linux, and a C++ compiler)")
+
+
+@pytest.fixture(params=["native", "avx2"], scope="module")
+def lib(request):
+    if not rows.available():
+        pytest.skip("the rows kernel cannot be built here")
+    return rows._load() if request.param == "native" else rows.library(rows.AVX2)
+
+
+def test_the_rule_on_hand_made_blocks():
+    """Block scale max|x| / 127, round to nearest even, an all-zero block stays zero, blocks are independent."""
+    x = torch.zeros(1, 96)
+    x[0, :32] = torch.linspace(-1.27, 1.27, 32)  # d = 0.01
+    x[0, 5] = 0.025  # 2.5 steps: to 2 (even)
+    x[0, 6] = 0.035  # 3.5 steps: to 4 (even)
+    x[0, 64:] = 1000.0  # its own scale: exact
+    y = quantize_activations(x)
+    d = torch.tensor(1.27) / 127
+    assert y[0, 5] == 2 * d and y[0, 6] == 4 * d
+    assert torch.equal(y[0, 32:64], torch.zeros(32))
+    assert torch.equal(y[0, 64:], x[0, 64:])
+    assert (y[0, :32] - x[0, :32]).abs().max() <= d / 2 + 1e-7
+    with pytest.raises(ValueError, match="blocks of 32 columns, got 48 features"):
+        quantize_activations(torch.randn(2, 48))
+
+
+def test_the_rule_keeps_bf16_inputs_bf16():
+    x = torch.randn(3, 64).bfloat16()
+    assert quantize_activations(x).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("rows_, in_f", [(1, 64), (3, 768), (8, 3072)])
+def test_the_kernel_quantizes_by_the_rule_bit_for_bit(lib, rows_, in_f):
+    g = torch.Generator().manual_seed(in_f + rows_)
+    x = torch.randn(rows_, in_f, generator=g) * torch.logspace(-3, 3, in_f // 32).repeat_interleave(32)
+    x[0, :32] = 0  # an all-zero block
+    x[-1, 32:64] = torch.arange(32) * 0.5  # max 15.5: steps of 15.5 / 127, exact ties among them
+    q, d = torch.empty(rows_, in_f, dtype=torch.int8), torch.empty(rows_, in_f // 32)
+    assert lib.rows_quantize(x.data_ptr(), rows_, in_f, q.data_ptr(), d.data_ptr()) == 0
+    assert torch.equal(d, x.view(rows_, -1, 32).abs().amax(-1) / 127)
+    assert torch.equal(q.float().view(rows_, -1, 32) * d[..., None], quantize_activations(x).view(rows_, -1, 32))
+    assert lib.rows_quantize(x.data_ptr(), rows_, 48, q.data_ptr(), d.data_ptr()) == -2
+
+
+@pytest.mark.parametrize("mode, shape, batch", [("w8a8", (96, 64), 1), ("w8a8", (130, 768), 3),
+                                                ("w8a8", (768, 3072), 8), ("w4a8", (96, 64), 1),
+                                                ("w4a8", (130, 768), 5), ("w4a8", (768, 3072), 8)])
+def test_the_integer_products_equal_the_quantized_reference(lib, mode, shape, batch):
+    g = torch.Generator().manual_seed(shape[0] + batch)
+    out_f, in_f = shape
+    x, w = torch.randn(batch, in_f, generator=g), torch.randn(out_f, in_f, generator=g)
+    b = torch.randn(out_f, generator=g)
+    weight = quantize(w, mode)
+    assert weight.int8_activations
+    with torch.no_grad():
+        want = F.linear(quantize_activations(x), weight.dequantize(), b)
+        torch.testing.assert_close(quant.run_int8_activations(x, weight, b, lib=lib), want, rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(quant.run_int8_activations(x, weight, lib=lib), want - b, rtol=1e-5, atol=1e-4)
+
+
+def test_int4_groups_of_64_extreme_weights_and_bf16_rows(lib):
+    """Groups of two blocks; weights at the ends of each range (-8 reads back from a nibble, -128 never written but
+    read: vpsignb's |-128| is 128 unsigned); bf16 rows come back bf16."""
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(40, 128, generator=g)
+    x = torch.randn(4, 128, generator=g)
+    int4 = quant._with_int8_activations(quant.quantize_int4(w, group=64), "w4a8")
+    int4.q[:, :8] = 0x88  # both nibbles -8
+    int8 = quant.quantize(w, "w8a8")
+    int8.q[:, :5] = -128
+    int8.q[:, 5:9] = 127
+    with torch.no_grad():
+        for weight in (int4, int8):
+            want = F.linear(quantize_activations(x), weight.dequantize())
+            torch.testing.assert_close(quant.run_int8_activations(x, weight, lib=lib), want, rtol=1e-5, atol=1e-4)
+        y = quant.run_int8_activations(x.bfloat16(), int8, lib=lib)
+    assert y.dtype == torch.bfloat16
+
+
+def test_refusals_name_the_problem(lib):
+    w = quantize(torch.randn(8, 64), "w8a8")
+    with pytest.raises(ValueError, match="int8 activations take int8 or int4 weights, got torch.float32"):
+        rows.prepared(torch.randn(8, 64), int8_activations=True, lib=lib)
+    with pytest.raises(ValueError, match="blocks of 32 columns: the weight takes 48 inputs"):
+        rows.prepared(torch.zeros(8, 48, dtype=torch.int8), scale=torch.ones(8), int8_activations=True, lib=lib)
+    with pytest.raises(ValueError, match="1 to 8 rows, got 9"):
+        quant.run_int8_activations(torch.randn(9, 64), w, lib=lib)
+    out = torch.empty(1, 8)
+    assert lib.rows_product(4, 1, torch.randn(64).data_ptr(), 64, w.q.data_ptr(), None, None, out.data_ptr(), 8, 1,
+                            0) == -2  # int8 without its scale
+
+
+def test_modes_refuse_inputs_that_are_not_whole_blocks_and_say_what_to_use():
+    with pytest.raises(ValueError, match=r"^w8a8 quantizes activations in blocks of 32 columns: this weight takes 48 "
+                                         r"inputs, not a multiple of 32 \(use int8: weight-only\)$"):
+        quantize(torch.randn(4, 48), "w8a8")
+    with pytest.raises(ValueError, match="int4 quantization needs in_features divisible by the group: 48 features"):
+        quantize(torch.randn(4, 48), "w4a8")  # int4's groups refuse it first
+
+
+@pytest.mark.parametrize("mode", ["w8a8", "w4a8"])
+def test_without_the_kernel_the_product_is_the_reference_expression(monkeypatch, mode):
+    """Where the kernel does not run (pays False: another CPU, GPT2_ROWS_KERNEL=0), the product is
+    F.linear(quantize_activations(x), dequantized weight, bias): the mode's numbers on every machine."""
+    monkeypatch.setattr(rows, "pays", lambda dtype, rows_: False)
+    w, b, x = torch.randn(24, 64), torch.randn(24), torch.randn(2, 1, 64)
+    weight = quantize(w, mode)
+    with torch.no_grad():
+        got = quant.quantized_linear(x, weight, b)
+    assert torch.equal(got, F.linear(quantize_activations(x.view(2, 64)), weight.dequantize(), b).view(2, 1, 24))
+
+
+def tiny_model(seed=0):
+    torch.manual_seed(seed)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=64, vocab_size=97, n_positions=64)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(3)  # sharp logits: greedy tokens that vary
+    return model
+
+
+@needs_kernel
+@torch.no_grad()
+@pytest.mark.parametrize("mode", ["w8a8", "w4a8"])
+@pytest.mark.parametrize("step", ["1", "0"])
+def test_generate_with_the_kernel_gives_the_tokens_of_the_reference_expression(monkeypatch, mode, step):
+    """The C++ step (GPT2_DECODE_STEP=1) or torch's step with the kernel's products, against torch's step with every
+    product the reference expression; and the tokens differ from the weight-only mode's somewhere (the activations
+    really are quantized)."""
+    monkeypatch.setenv("GPT2_DECODE_STEP", step)
+    ids = torch.randint(0, 97, (1, 5), generator=torch.Generator().manual_seed(3))
+    fast = tiny_model().generate(ids, max_new_tokens=16, quantize=mode)
+    monkeypatch.setenv("GPT2_DECODE_STEP", "0")
+    monkeypatch.setattr(rows, "pays", lambda dtype, rows_: False)
+    monkeypatch.setattr(quant, "_warned_int4", True)
+    monkeypatch.setattr(quant, "_compiled_gemv", False)
+    reference = tiny_model().generate(ids, max_new_tokens=16, quantize=mode)
+    assert torch.equal(fast, reference)
+    model = tiny_model()
+    with quantized_weights(model, mode):
+        layers = [m for m in model.modules() if type(m) is Linear]
+        assert all(m.quantized.int8_activations for m in layers)
+

@@ -45,7 +45,7 @@ MODULE_TESTS = {
     "tasks/char_tokenizer.py": ["tests/test_char_tokenizer.py", "tests/test_survivors.py"],
     "modules/lora.py": ["tests/test_lora.py", "tests/test_survivors.py"],
     "modules/packed.py": ["tests/test_packed.py", "tests/test_survivors_40.py"],
-    "modules/quant.py": ["tests/test_quant.py"],
+    "modules/quant.py": ["tests/test_quant.py", "tests/test_int8_activations.py"],
     "modules/adamw.py": ["tests/test_optimizer.py", "tests/test_master_weights.py", "tests/test_paths.py"],
     "modules/dropout.py": ["tests/test_dropout.py", "tests/test_paths.py"],
     "models/fast_step.py": ["tests/test_fast_step.py", "tests/test_paths.py"],

@@ -160,3 +160,57 @@ def test_generate_with_the_kernel_gives_the_tokens_of_the_reference_expression(m
         layers = [m for m in model.modules() if type(m) is Linear]
         assert all(m.quantized.int8_activations for m in layers)
 
+
+
+@needs_kernel
+@torch.no_grad()
+@pytest.mark.parametrize("mode", ["w8a8", "w4a8"])
+def test_quantized_linear_takes_the_kernel_for_any_leading_shape_and_keeps_bf16_rows_bf16(monkeypatch, mode):
+    """quantized_linear (torch's decode step, the head) sends 1 to 8 rows of a w8a8 / w4a8 weight to the kernel's
+    integer products, whatever x's leading shape; bf16 rows with an fp32 bias come back bf16; and where the kernel
+    does not pay for the rows the expression gives the same values (to float rounding)."""
+    g = torch.Generator().manual_seed(9)
+    w, b = torch.randn(40, 64, generator=g), torch.randn(40, generator=g)
+    x = torch.randn(2, 3, 64, generator=g)  # 6 rows
+    weight = quantize(w, mode)
+    ran = []
+    real = quant.run_int8_activations
+    monkeypatch.setattr(quant, "run_int8_activations", lambda *a, **k: ran.append(a[0].shape) or real(*a, **k))
+    want = F.linear(quantize_activations(x), weight.dequantize(), b)
+    got = quant.quantized_linear(x, weight, b)
+    assert ran == [(2, 3, 64)] and got.shape == (2, 3, 40)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    want_bf16 = F.linear(quantize_activations(x.bfloat16().float()), weight.dequantize(), b)  # the rows it was given
+    y = quant.quantized_linear(x.bfloat16(), weight, b)
+    assert y.dtype == torch.bfloat16 and len(ran) == 2
+    torch.testing.assert_close(y.float(), want_bf16, rtol=8e-3, atol=1e-2)  # the output rounded to bf16 once
+    monkeypatch.setattr(rows, "pays", lambda dtype, rows_: False)
+    fallback = quant.quantized_linear(x, weight, b)
+    assert len(ran) == 2 and fallback.shape == (2, 3, 40)
+    torch.testing.assert_close(fallback, got, rtol=1e-5, atol=1e-4)
+    y = quant.quantized_linear(x.bfloat16(), weight, b)
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), want_bf16, rtol=2e-2, atol=5e-2)  # bf16 activations, weights and product
+
+
+def test_the_rule_computes_in_fp32_and_names_the_features_of_any_shape():
+    x = torch.randn(3, 64, dtype=torch.bfloat16) * 100
+    assert torch.equal(quantize_activations(x), quantize_activations(x.float()).bfloat16())
+    with pytest.raises(ValueError, match="blocks of 32 columns, got 48 features"):
+        quantize_activations(torch.randn(2, 3, 48))
+
+
+def test_the_integer_product_runs_in_the_kernel_it_is_given():
+    """run_int8_activations(lib=...) calls that build's rows_product with kind 4 (int8) or 5 (int4)."""
+    from types import SimpleNamespace
+
+    calls = []
+
+    def rows_product(kind, n, *args):
+        calls.append((kind, n))
+        return 0
+
+    fake = SimpleNamespace(rows_product=rows_product)
+    for mode, kind in (("w8a8", 4), ("w4a8", 5)):
+        quant.run_int8_activations(torch.randn(2, 64), quantize(torch.randn(8, 64), mode), lib=fake)
+        assert calls[-1] == (kind, 2)

@@ -757,3 +757,21 @@ def test_int8_rows_take_the_kernel_unless_a_product_is_named():
                                        atol=1e-4)
         torch.testing.assert_close(int8_linear(x[:1], w8, bias, compiled=False), F.linear(x[:1], w8.dequantize(), bias))
     assert calls == [(rows, 64) for rows in range(1, row_kernel.MAX_ROWS + 1)]
+
+
+@torch.no_grad()
+def test_clear_drops_every_copy_on_layers_and_head_and_counts_them(eager_int8):
+    """quant.clear: the layers' copies and the head's (both CACHE_NAMES) dropped and counted; nothing else touched; a
+    second call finds none; the next quantized decode makes them again."""
+    model = tiny_model()
+    ids = torch.zeros(1, 2, dtype=torch.long)
+    model.generate(ids, max_new_tokens=2, quantize="int8")
+    layers = [m for m in model.modules() if type(m) is Linear]
+    assert all("_quantized_cache" in m.__dict__ for m in layers) and "_quantized_head" in model.gpt.__dict__
+    model.gpt.__dict__["unrelated"] = 1
+    assert quant.clear(model) == len(layers) + 1
+    assert not any(name in m.__dict__ for m in model.modules() for name in quant.CACHE_NAMES)
+    assert model.gpt.__dict__["unrelated"] == 1
+    assert quant.clear(model) == 0
+    model.generate(ids, max_new_tokens=2, quantize="int8")
+    assert all("_quantized_cache" in m.__dict__ for m in layers)

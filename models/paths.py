@@ -105,8 +105,13 @@ def _threads_default() -> tuple[bool, str]:
     return False, f"{decode_threads.ENV}={fixed}"
 
 
+def _rows_take_int8() -> bool:
+    """Whether one-row int8 products go to the rows kernel here (it pays for them and it is built)."""
+    return row_kernel.pays(torch.int8, 1) and row_kernel.available()
+
+
 def _int8_runs() -> str | None:
-    if row_kernel.pays(torch.int8, 1) and row_kernel.available():
+    if _rows_take_int8():
         return None
     if quant.compiled_kernel_available():
         return None
@@ -114,14 +119,14 @@ def _int8_runs() -> str | None:
 
 
 def _int8_default() -> tuple[bool, str]:
-    if row_kernel.pays(torch.int8, 1) and row_kernel.available():
+    if _rows_take_int8():
         return True, f"generate(quantize='int8'): the rows kernel ({_capability()})"
     form = "word-packed" if quant.packed_form_chosen() else "byte"
     return True, f"generate(quantize='int8'): inductor's compiled {form} loop ({_capability()})"
 
 
 def _a8_runs() -> str | None:
-    if row_kernel.pays(torch.int8, 1) and row_kernel.available():
+    if _rows_take_int8():
         return None
     return ("the rows kernel does not run here: w8a8 / w4a8 products are F.linear(quantize_activations(x), the "
             "dequantized weight)")

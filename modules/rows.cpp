@@ -22,6 +22,14 @@
 #include <type_traits>
 #include <vector>
 
+// The sum of 8 floats (the AVX2 form's vsum; the integer products and the step's attention use it in either form).
+static inline float hsum256(__m256 a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
 #if defined(__AVX512F__)
 constexpr int64_t kWidth = 16;
 using vf = __m512;
@@ -60,12 +68,7 @@ using vf = __m256;
 static inline vf vzero() { return _mm256_setzero_ps(); }
 static inline vf xload(const float* p) { return _mm256_loadu_ps(p); }
 static inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
-static inline float vsum(vf a) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
+static inline float vsum(vf a) { return hsum256(a); }
 static inline vf wload(const float* p) { return _mm256_loadu_ps(p); }
 static inline vf wload(const uint16_t* p) {
   __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -361,13 +364,6 @@ static inline __m256i dot32_int4(const uint8_t* block, const int8_t* qx, int32_t
   const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx));
   const __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(w, xv), _mm256_set1_epi16(1));
   return _mm256_sub_epi32(sums, _mm256_set1_epi32(qsum));
-}
-
-static inline float hsum256(__m256 a) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
 }
 
 // Row o of the weight times quantized input row b, two blocks at a time in two accumulators, prefetching kLinear

@@ -13,6 +13,9 @@ other processes hits all alike; medians are reported. Each row's greedy tokens a
     python bench/compare_engines.py --busy 1        # with one competing process spinning on a core
     python bench/compare_engines.py --engines ours-fp32 ort-fp32 llama-f32   # a subset
 
+ours-fp32-fixed is ours fp32 with every decode step on --threads threads (GPT2_DECODE_THREADS): the baseline of the
+decode thread choice (models/decode_threads.py), which ours-fp32 runs; the two give a "thread choice" row.
+
 An engine whose package is missing is skipped with the reason. The exported files are cached under --workdir
 (default ~/.cache/gpt2-cs224n/engines), keyed by the seed; --fresh rebuilds them.
 """
@@ -39,7 +42,7 @@ from bench.machine import print_machine_header  # noqa: E402
 from bench.results import Recorder  # noqa: E402
 
 SHARED = ROOT.parent / "shared"
-ENGINES = ("ours-fp32", "ours-int8", "ours-w8a8", "ours-int4", "ours-w4a8", "hf-fp32", "ort-fp32", "ort-int8",
+ENGINES = ("ours-fp32", "ours-fp32-fixed", "ours-int8", "ours-w8a8", "ours-int4", "ours-w4a8", "hf-fp32", "ort-fp32", "ort-int8",
            "llama-f32", "llama-f16", "llama-q8_0", "llama-q4_0")
 REFERENCE = "hf-fp32"  # whose greedy tokens the others are compared with
 GGUF_TYPES = {"llama-f32": "f32", "llama-f16": "f16", "llama-q8_0": "q8_0", "llama-q4_0": "q4_0"}
@@ -47,6 +50,10 @@ GGUF_TYPES = {"llama-f32": "f32", "llama-f16": "f16", "llama-q8_0": "q8_0", "lla
 # int4 >= q4_0 (issue 53: each 8-bit and 4-bit form of ours, weight-only and with int8 activations)
 TARGETS = {"ours-fp32": ("ort-fp32", "llama-f32"), "ours-int8": ("ort-int8", "llama-q8_0"),
            "ours-w8a8": ("ort-int8", "llama-q8_0"), "ours-int4": ("llama-q4_0",), "ours-w4a8": ("llama-q4_0",)}
+# issue 53: the decode thread choice (models/decode_threads.py) against the engines' thread count fixed
+# (GPT2_DECODE_THREADS): within 3% of it on a quiet machine; with a core busy, faster than it
+FIXED_THREADS = "ours-fp32-fixed"
+THREADS_TARGET = {False: 0.97, True: 1.0}  # ours-fp32 / ours-fp32-fixed: quiet, busy
 QUANTIZE = {"ours-int8": "int8", "ours-w8a8": "w8a8", "ours-int4": "int4", "ours-w4a8": "w4a8"}  # generate(quantize=)
 
 
@@ -240,7 +247,7 @@ def streamed_bytes(engine: str, path: Path | None, model_dir: Path) -> int:
     with safe_open(model_dir / "model.safetensors", "pt") as f:
         shapes = {k: f.get_slice(k).get_shape() for k in f.keys()}
     numel = {k: math.prod(s) for k, s in shapes.items() if "wpe" not in k}
-    if engine in ("ours-fp32", "hf-fp32"):
+    if engine in ("ours-fp32", FIXED_THREADS, "hf-fp32"):
         return 4 * sum(numel.values())
     if engine in ("ours-int8", "ours-w8a8"):  # int8 rows, one fp32 scale a row (HF's Conv1D weights: (in, out))
         return sum(n + 4 * shapes[k][0 if "wte" in k else 1] if len(shapes[k]) == 2 else 4 * n
@@ -396,6 +403,8 @@ def worker(engine: str, model_dir: Path, path: Path | None, threads: int) -> Non
 class Worker:
     def __init__(self, engine: str, model_dir: Path, path: Path | None, threads: int):
         env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+        if engine == FIXED_THREADS:  # every decode step on `threads` threads: the thread choice's baseline
+            env["GPT2_DECODE_THREADS"] = str(threads)
         cmd = [sys.executable, __file__, "--worker", engine, "--model-dir", str(model_dir), "--threads", str(threads)]
         if path is not None:
             cmd += ["--path", str(path)]
@@ -529,8 +538,16 @@ def main() -> None:
         rec.add(f"decode b1 {e}{busy}", {e: rate[e], **({"ours-fp32": base} if base and e != "ours-fp32" else {})},
                 "new tokens/s", notes=f"{100 * rate[e] / limits[e]:.0f}% of its read-bandwidth limit "
                 f"({limits[e]:.1f} tok/s at {bandwidth:.1f} GB/s); tokens vs {REFERENCE}: {match}",
-                engine=e, kind="decode", busy=args.busy, share=rate[e] / limits[e], tokens=match,
+                engine=e, kind="decode", busy=args.busy, threads=args.threads, share=rate[e] / limits[e], tokens=match,
                 seconds=times[e], **extra)
+    if "ours-fp32" in rate and FIXED_THREADS in rate:
+        ratio, goal = rate["ours-fp32"] / rate[FIXED_THREADS], THREADS_TARGET[bool(args.busy)]
+        print(f"thread choice: ours-fp32 {ratio:.2f}x {FIXED_THREADS} ({args.threads} threads every step); "
+              f"target >= {goal:.2f}x")
+        rec.add(f"decode b1 thread choice{busy}", {"ours-fp32": rate["ours-fp32"], FIXED_THREADS: rate[FIXED_THREADS]},
+                "new tokens/s", ratio=ratio, ratio_of=f"ours-fp32 / {FIXED_THREADS}",
+                target=f">= {goal:.2f}x {args.threads} threads fixed{busy}", met=ratio >= goal, kind="threads",
+                busy=args.busy, threads=args.threads)
     if pre_times:
         print(f"\nprefill of {args.prefill} tokens{busy} (seconds, median)")
         seconds = {e: statistics.median(pre_times[e]) for e in engines}

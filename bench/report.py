@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import re
+import statistics
 import sys
 from pathlib import Path
 
@@ -34,7 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.compare_engines import ENGINES, TARGETS  # noqa: E402  (the engines' order in its table; their targets)
+from bench.compare_engines import ENGINES, FIXED_THREADS, TARGETS  # noqa: E402  (the engines' order; their targets)
 from bench.results import CLASSES, load  # noqa: E402
 
 PAGES = ("README.md", "docs/*.md")
@@ -400,6 +401,23 @@ def _busy_claim(records: list[dict]) -> tuple[str, list[dict]]:
     return "; ".join(parts), used
 
 
+def _threads_claim(records: list[dict]) -> tuple[str, list[dict]]:
+    """Per CPU class: ours fp32 with the decode thread choice against the same with the thread count fixed, quiet and
+    with a busy core (bench/compare_engines.py's "thread choice" rows)."""
+    parts, used = [], []
+    for cls in CLASSES:
+        runs = {busy: [r for r in matching(records, bench="compare_engines", cls=cls)
+                       if r.get("kind") == "threads" and bool(r.get("busy")) == busy] for busy in (False, True)}
+        last = {busy: latest(rs) for busy, rs in runs.items() if rs}
+        if not last:
+            continue
+        texts = [f"{times(r['ratio'])} {'with a core busy' if busy else 'quiet'}" for busy, r in sorted(last.items())]
+        threads = next(iter(last.values())).get("threads")
+        parts.append(f"{cls}: " + ", ".join(texts) + f" (against {threads} threads fixed)")
+        used += list(last.values())
+    return "; ".join(parts), used
+
+
 CLAIMS = [
     ("parity: logits vs transformers, random-init gpt2 ([parity](docs/parity.md))",
      _latest("parity", "gpt2 random init", lambda r: f"max logits difference {_v(r, 'logits max diff', '{:.1e}')}; "
@@ -423,6 +441,7 @@ CLAIMS = [
     ("greedy batch 1 against ONNX Runtime and llama.cpp ([engines](docs/cpu-decoding.md#against-the-cpu-engines))",
      _engines_claim),
     ("the same with one core busy (another process spinning on it)", _busy_claim),
+    ("the decode thread choice against a fixed thread count, fp32 batch 1", _threads_claim),
     ("time to first token, 512-token prompt", _ratio_per_class("compare_hf", "ttft p512 fp32")),
     ("bf16 GEMM against fp32 ([machines](docs/performance.md#machines))", _gemm_ratio),
     ("AdamW step over gpt2's 124M parameters ([variants](docs/variants.md#adamw))",
@@ -497,18 +516,24 @@ def engines(records: list[dict], cls: str | None = None, **_) -> str:
                            last.get((e, "prefill", False)))
         used += [r for r in (calm, busy, pre) if r]
         rate = calm["values"][e] if calm else None
+        spread = ""
+        if calm and calm.get("seconds"):  # the rounds' rates: the median's tokens over each round's time
+            middle = statistics.median(calm["seconds"])
+            spread = f"{num(rate * middle / max(calm['seconds']))}-{num(rate * middle / min(calm['seconds']))}"
         vs = times(rate / base["values"]["ours-fp32"]) if calm and base else ""
         busy_text = ""
         if busy:
             busy_text = num(busy["values"][e]) + (f" ({100 * busy['values'][e] / rate:.0f}% of quiet)" if rate else "")
         family, _, fmt = e.partition("-")
-        rows.append([ENGINE_FORMATS.get(family, family), fmt, num(rate), f"{100 * calm['share']:.0f}%" if calm else "",
+        if e == FIXED_THREADS:
+            fmt = f"fp32, {(calm or busy or {}).get('threads', 'all')} threads every step"
+        rows.append([ENGINE_FORMATS.get(family, family), fmt, num(rate), spread, f"{100 * calm['share']:.0f}%" if calm else "",
                      vs, calm["tokens"] if calm else "", busy_text, num(pre["values"][e]) if pre else ""])
     if not rows:
         return f"(no compare_engines records{' for ' + cls if cls else ''} yet)\n"
     runs = sorted({f"{machine_name(r['machine'])}; {when(r)}" + (f"; {r['busy']} busy" if r.get("busy") else "")
                    for r in used})
-    return table(["engine", "format", "tokens/s", "of its bandwidth limit", "vs ours fp32", "greedy tokens vs "
+    return table(["engine", "format", "tokens/s", "range over rounds", "of its bandwidth limit", "vs ours fp32", "greedy tokens vs "
                   "transformers fp32", "tokens/s, one core busy", "prefill 512 (s)"], rows) + "\n" + \
         "".join(f"- {run}\n" for run in runs)
 

@@ -97,8 +97,8 @@ def test_the_engines_table_puts_quiet_busy_and_prefill_side_by_side():
     text = report.render("engines class=AVX2", records)
     lines = text.splitlines()
     assert lines[0].startswith("| engine | format | tokens/s |")
-    assert lines[2].startswith("| ours | fp32 | 40.0 | 50% | 1.00x | 64/64 identical | 20.0 (50% of quiet) |")
-    assert lines[3].startswith("| ONNX Runtime | fp32 | 50.0 | 50% | 1.25x |") and lines[3].endswith("| 1.20 |")
+    assert lines[2].startswith("| ours | fp32 | 40.0 |  | 50% | 1.00x | 64/64 identical | 20.0 (50% of quiet) |")
+    assert lines[3].startswith("| ONNX Runtime | fp32 | 50.0 |  | 50% | 1.25x |") and lines[3].endswith("| 1.20 |")
     assert "; 1 busy" in text and "(no compare_engines records for AMX yet)" in report.render("engines class=AMX",
                                                                                                    records)
 
@@ -128,3 +128,22 @@ def test_the_engines_table_lists_engines_in_the_benchs_order_and_the_claims_per_
     assert text == ("fp32 20.0 tokens/s, 50% of quiet; 0.80x ONNX Runtime fp32 under the same load (AVX512-BF16); "
                     "fp32 20.0 tokens/s, 50% of quiet; 0.80x ONNX Runtime fp32 under the same load (AVX2)")
     assert len(used) == 6
+
+
+def test_the_engines_table_gives_each_rows_range_over_rounds_and_names_the_fixed_thread_count():
+    # 64 tokens in rounds of 1.0, 1.6 and 0.8 s: median 64 tokens/s; the rounds 40 and 80 tokens/s
+    records = [_record("ours-fp32", "decode", 64.0, seconds=[1.0, 1.6, 0.8]),
+               _record("ours-fp32-fixed", "decode", 50.0, threads=2)]
+    lines = report.render("engines class=AVX2", records).splitlines()
+    assert lines[2].startswith("| ours | fp32 | 64.0 | 40.0-80.0 | 50% |")
+    assert lines[3].startswith("| ours | fp32, 2 threads every step | 50.0 |  |")
+
+
+def _threads_record(ratio, busy):
+    return {**_record("ours-fp32", "threads", 40.0, busy=busy), "ratio": ratio, "kind": "threads", "threads": 2}
+
+
+def test_the_thread_choice_claim_gives_quiet_and_busy_ratios_per_class():
+    text, used = report._threads_claim([_threads_record(0.99, 0), _threads_record(2.5, 1)])
+    assert text == "AVX2: 0.99x quiet, 2.50x with a core busy (against 2 threads fixed)" and len(used) == 2
+    assert report._threads_claim([_record("ours-fp32", "decode", 40.0)]) == ("", [])

@@ -9,9 +9,13 @@ follows what the clock shows.
 
 `DecodeThreads` tries the candidates (torch's thread count, its halves, down to 1) one step each at the start of a
 decode loop, keeps the fastest, and re-tries each other candidate now and then (every 8 steps at first, backing off
-to every 64 while it keeps losing), so a machine that turns busy or quiet mid-call is followed within a few steps.
-torch's thread count is restored when the loop ends. The pick is remembered per (batch, model size) for the next
-call in this process, which then starts from it.
+to every 64 while it keeps losing), so a machine that turns busy or quiet mid-call is followed within a few steps;
+a step of the best count that takes more than twice its recent median (a core just turned busy) re-tries the others
+at once. torch's thread count is restored when the loop ends. What a loop learnt (the best count, the recent times,
+each candidate's period and how many steps remain until its next try) is remembered per (batch, quantize, model
+size) and the next call in this process goes on from it: the schedule counts decode steps, not calls, so a quiet
+machine's short calls (64 tokens each) do not each pay a fresh round of tries of the slower counts (about 3% of a
+call on a quiet 2-core machine: bench/compare_engines.py's "thread choice" row).
 
 Results do not depend on the thread count for the rows kernel (each output row is one thread's sum); torch's own
 products may round differently with another count (to float rounding: a seeded sample changes only if a draw falls
@@ -31,7 +35,7 @@ import torch
 ENV = "GPT2_DECODE_THREADS"
 FIRST_PERIOD, LONGEST_PERIOD = 8, 64  # steps between re-tries of a candidate: after a win, and at most
 WINDOW = 3  # the recent steps per candidate whose median is compared
-_last_pick: dict[tuple, int] = {}  # (batch, parameters) -> the thread count the last call ended with
+_remembered: dict[tuple, dict] = {}  # (batch, quantize, parameters) -> the state the last call ended with
 
 
 def candidates(threads: int) -> list[int]:
@@ -75,9 +79,12 @@ class DecodeThreads:
         self.times = {n: deque(maxlen=WINDOW) for n in self.options}
         self.period = dict.fromkeys(self.options, FIRST_PERIOD)
         self.due = dict.fromkeys(self.options, 0)  # the step at which each candidate is next tried
-        self.best = _last_pick.get(key, self.options[0]) if self.options else None
-        if self.best not in self.times:
-            self.best = self.options[0] if self.options else None
+        self.best = self.options[0] if self.options else None
+        memory = _remembered.get(key)
+        if memory is not None and memory["options"] == self.options:  # go on where the last call stopped
+            self.best = memory["best"]
+            self.times = {n: deque(times, maxlen=WINDOW) for n, times in memory["times"].items()}
+            self.period, self.due = dict(memory["period"]), dict(memory["due_in"])
         self.current: int | None = None
         self.steps = 0
         self.last: float | None = None
@@ -102,7 +109,8 @@ class DecodeThreads:
 
     def _record(self, n: int, seconds: float) -> None:
         if n == self.best:
-            if self.times[n] and seconds > 2 * self._median(n):
+            # (not the call's first step, which may pay for what the call builds)
+            if self.steps > 1 and self.times[n] and seconds > 2 * self._median(n):
                 self.due = dict.fromkeys(self.options, self.steps)  # the machine changed: re-try the others now
             self.times[n].append(seconds)
             return
@@ -128,6 +136,9 @@ class DecodeThreads:
 
     def close(self) -> None:
         if self.options:
-            _last_pick[self.key] = self.best
+            _remembered[self.key] = {"options": list(self.options), "best": self.best,
+                                     "times": {n: list(t) for n, t in self.times.items()},
+                                     "period": dict(self.period),
+                                     "due_in": {n: max(0, due - self.steps) for n, due in self.due.items()}}
             if torch.get_num_threads() != self.original:
                 torch.set_num_threads(self.original)

@@ -14,10 +14,10 @@ def threads4():
     """torch at 4 threads (allowed on any machine; the candidates are then 4, 2, 1), restored afterwards."""
     old = torch.get_num_threads()
     torch.set_num_threads(4)
-    decode_threads._last_pick.clear()
+    decode_threads._remembered.clear()
     yield
     torch.set_num_threads(old)
-    decode_threads._last_pick.clear()
+    decode_threads._remembered.clear()
 
 
 class Clock:
@@ -211,3 +211,45 @@ def test_one_thread_is_no_choice_two_are_and_the_first_step_runs_the_best(monkey
     # step 0 runs the best (it also pays for what the call builds), steps 1 and 2 the untried ones, then the loser 2
     # again once its period of 16 has passed since step 2 recorded it
     assert history[:3] == [4, 2, 1] and tries(history, 2)[:2] == [1, 18]
+
+
+def test_the_next_call_goes_on_from_the_last_ones_schedule_and_times(monkeypatch, threads4):
+    """Calls of 64 steps on a quiet machine: the first call tries the slower counts and backs off; the calls after it
+    go on counting steps from where it stopped (no fresh round of tries per call), so over many calls the slower
+    counts run about once per LONGEST_PERIOD steps each, as in one long call."""
+    monkeypatch.delenv("GPT2_DECODE_THREADS", raising=False)
+    clock, cost = Clock(monkeypatch), {4: 0.25, 2: 0.5, 1: 1.0}
+    first = DecodeThreads(key=("k",))
+    history = clock.run(first, 64, cost.get)
+    first.close()
+    assert history[:3] == [4, 2, 1]
+    later = []
+    for _ in range(10):
+        picker = DecodeThreads(key=("k",))
+        later += clock.run(picker, 64, cost.get)
+        picker.close()
+    # 640 steps: each of the two slower counts about every 65 steps (a fresh round of tries per call: about 60)
+    assert later[0] == 4 and 18 <= len(later) - later.count(4) <= 22
+    one_call = DecodeThreads(key=("long",))
+    long_history = clock.run(one_call, 704, cost.get)
+    assert abs((len(later) - later.count(4)) - (len(long_history[64:]) - long_history[64:].count(4))) <= 2
+    # another thread count (other candidates) starts afresh
+    torch.set_num_threads(2)
+    fresh = DecodeThreads(key=("k",))
+    assert fresh.best == 2 and all(not t for t in fresh.times.values())
+
+
+def test_a_remembered_quiet_machine_that_turned_busy_is_left_within_a_few_steps(monkeypatch, threads4):
+    monkeypatch.delenv("GPT2_DECODE_THREADS", raising=False)
+    clock = Clock(monkeypatch)
+    picker = DecodeThreads(key=("k",))
+    clock.run(picker, 200, {4: 0.25, 2: 0.5, 1: 1.0}.get)
+    picker.close()
+    busy = {4: 1.0, 2: 0.6, 1: 0.5}  # a core turned busy between the calls: fewer threads are faster now
+    picker = DecodeThreads(key=("k",))
+    history = clock.run(picker, 12, busy.get)
+    picker.close()
+    # steps 0 and 1 run the remembered best; step 1's time (step 0's may pay for what the call builds) is 4x its
+    # median, so the others are tried at once and win
+    assert history[:2] == [4, 4] and history[2:4] == [2, 1] and history.count(4) <= 3, history
+    assert picker.best == 1

@@ -230,6 +230,7 @@ def test_the_next_call_goes_on_from_the_last_ones_schedule_and_times(monkeypatch
         picker.close()
     # 640 steps: each of the two slower counts about every 65 steps (a fresh round of tries per call: about 60)
     assert later[0] == 4 and 18 <= len(later) - later.count(4) <= 22
+    assert all(t.maxlen == decode_threads.WINDOW for t in picker.times.values())  # remembered windows stay WINDOW long
     one_call = DecodeThreads(key=("long",))
     long_history = clock.run(one_call, 704, cost.get)
     assert abs((len(later) - later.count(4)) - (len(long_history[64:]) - long_history[64:].count(4))) <= 2

@@ -289,6 +289,13 @@ class Ours:
         """The time to the first new token: the prompt's pass and the LM head of its last position only."""
         return self.decode(prompt, 1)[0]
 
+    def build(self) -> str:
+        """What runs: torch, its CPU capability and the decoding kernel's form (models/paths.py's rows path)."""
+        from modules import rows
+
+        kernel = f"rows kernel {'built' if rows.available() else 'not built'}"
+        return f"torch {self.torch.__version__}, CPU capability {self.torch.backends.cpu.get_cpu_capability()}; {kernel}"
+
 
 class Transformers(Ours):
     def __init__(self, engine, model_dir, path, threads):
@@ -307,6 +314,11 @@ class Transformers(Ours):
             out = self.model.generate(ids, attention_mask=self.torch.ones_like(ids), max_new_tokens=new,
                                       do_sample=False)
         return out[0, len(prompt):].tolist()
+
+    def build(self) -> str:
+        import transformers
+
+        return f"transformers {transformers.__version__}, torch {self.torch.__version__}"
 
 
 class OnnxRuntime:
@@ -346,6 +358,11 @@ class OnnxRuntime:
     def prefill(self, prompt):
         return self._run(prompt, 0, self._empty())[0]
 
+    def build(self) -> str:
+        import onnxruntime as ort
+
+        return f"onnxruntime {ort.__version__}, {', '.join(self.session.get_providers())}"
+
 
 class LlamaCpp:
     def __init__(self, engine, model_dir, path, threads):
@@ -356,6 +373,12 @@ class LlamaCpp:
         self.llm = llama_cpp.Llama(str(path), n_ctx=1024, n_batch=512, n_ubatch=512, n_threads=threads,
                                    n_threads_batch=threads, logits_all=False, verbose=False)
         self.vocab = self.llm.n_vocab()
+
+    def build(self) -> str:
+        """llama-cpp-python's version and its ggml build's CPU features (AVX2, AVX512, AMX ... = 1 where compiled in:
+        a -DGGML_NATIVE=ON build has the building CPU's)."""
+        info = self.llama_cpp.llama_print_system_info().decode(errors="replace").strip(" |")
+        return f"llama-cpp-python {self.llama_cpp.__version__}: {info}"
 
     def _last(self):
         """argmax of the last evaluated token's logits (llama-cpp-python keeps no copy unless logits_all)."""
@@ -387,7 +410,7 @@ def worker(engine: str, model_dir: Path, path: Path | None, threads: int) -> Non
         torch.set_num_threads(threads)
     kind = {"ours": Ours, "hf": Transformers, "ort": OnnxRuntime, "llama": LlamaCpp}[engine.split("-")[0]]
     runner = kind(engine, model_dir, path, threads)
-    reply.write(json.dumps({"ready": True}) + "\n")
+    reply.write(json.dumps({"ready": True, "build": runner.build()}) + "\n")
     reply.flush()
     for line in sys.stdin:
         task = json.loads(line)
@@ -410,7 +433,7 @@ class Worker:
             cmd += ["--path", str(path)]
         self.engine = engine
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
-        self.ask(None)
+        self.build = self.ask(None).get("build", "")  # what the engine runs (versions, the CPU features built in)
 
     def ask(self, task: dict | None) -> dict:
         if task is not None:
@@ -508,6 +531,7 @@ def main() -> None:
     try:
         for engine in engines:
             workers[engine] = Worker(engine, model_dir, paths[engine], args.threads)
+            print(f"{engine}: {workers[engine].build}", flush=True)
         decode = {"task": "decode", "prompt": prompt, "new": args.new_tokens}
         interleaved(workers, decode, 1)  # warm-up: first calls build kernels, caches and plans
         spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)]
@@ -538,8 +562,8 @@ def main() -> None:
         rec.add(f"decode b1 {e}{busy}", {e: rate[e], **({"ours-fp32": base} if base and e != "ours-fp32" else {})},
                 "new tokens/s", notes=f"{100 * rate[e] / limits[e]:.0f}% of its read-bandwidth limit "
                 f"({limits[e]:.1f} tok/s at {bandwidth:.1f} GB/s); tokens vs {REFERENCE}: {match}",
-                engine=e, kind="decode", busy=args.busy, threads=args.threads, share=rate[e] / limits[e], tokens=match,
-                seconds=times[e], **extra)
+                engine=e, kind="decode", busy=args.busy, threads=args.threads, build=workers[e].build,
+                share=rate[e] / limits[e], tokens=match, seconds=times[e], **extra)
     if "ours-fp32" in rate and FIXED_THREADS in rate:
         ratio, goal = rate["ours-fp32"] / rate[FIXED_THREADS], THREADS_TARGET[bool(args.busy)]
         print(f"thread choice: ours-fp32 {ratio:.2f}x {FIXED_THREADS} ({args.threads} threads every step); "
@@ -561,7 +585,7 @@ def main() -> None:
                 extra = dict(ratio=seconds[e] / others[fastest], ratio_of=f"ours-fp32 / {fastest} (time)",
                              target="<= the fastest other engine's time", met=seconds[e] <= others[fastest])
             rec.add(f"prefill {args.prefill} {e}{busy}", {e: seconds[e]}, "seconds", engine=e, kind="prefill",
-                    busy=args.busy, tokens_in=args.prefill, seconds=pre_times[e], **extra)
+                    build=workers[e].build, busy=args.busy, tokens_in=args.prefill, seconds=pre_times[e], **extra)
     rec.write()
     print(f"\ndone in {time.perf_counter() - started:.0f} s; load average now "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)

@@ -58,6 +58,8 @@ def test_a_worker_returns_our_generate_tokens(saved):
     expected = ours.generate(torch.tensor([[5, 17, 3]]), max_new_tokens=6)[0, 3:].tolist()
     assert answer["tokens"] == expected and answer["seconds"] > 0
     assert prefill["tokens"] == expected[:1]
+    # the worker says what it runs (recorded with each row): torch's version and CPU capability, the kernel's state
+    assert worker.build.startswith(f"torch {torch.__version__}, CPU capability ") and "rows kernel" in worker.build
 
 
 def test_streamed_bytes_per_format(saved):

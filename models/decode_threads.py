@@ -14,8 +14,9 @@ a step of the best count that takes more than twice its recent median (a core ju
 at once. torch's thread count is restored when the loop ends. What a loop learnt (the best count, the recent times,
 each candidate's period and how many steps remain until its next try) is remembered per (batch, quantize, model
 size) and the next call in this process goes on from it: the schedule counts decode steps, not calls, so a quiet
-machine's short calls (64 tokens each) do not each pay a fresh round of tries of the slower counts (about 3% of a
-call on a quiet 2-core machine: bench/compare_engines.py's "thread choice" row).
+machine's short calls (64 tokens each) do not each pay a fresh round of tries of the slower counts (on a quiet 2-core
+Zen 3 that round cost fp32 decoding 0.90x the fixed count's speed, 0.98x without it: bench/compare_engines.py's
+"thread choice" row, docs/cpu-decoding.md).
 
 Results do not depend on the thread count for the rows kernel (each output row is one thread's sum); torch's own
 products may round differently with another count (to float rounding: a seeded sample changes only if a draw falls

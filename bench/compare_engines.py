@@ -42,8 +42,8 @@ from bench.machine import print_machine_header  # noqa: E402
 from bench.results import Recorder  # noqa: E402
 
 SHARED = ROOT.parent / "shared"
-ENGINES = ("ours-fp32", "ours-fp32-fixed", "ours-int8", "ours-w8a8", "ours-int4", "ours-w4a8", "hf-fp32", "ort-fp32", "ort-int8",
-           "llama-f32", "llama-f16", "llama-q8_0", "llama-q4_0")
+ENGINES = ("ours-fp32", "ours-fp32-fixed", "ours-int8", "ours-w8a8", "ours-int4", "ours-w4a8", "hf-fp32", "ort-fp32",
+           "ort-int8", "llama-f32", "llama-f16", "llama-q8_0", "llama-q4_0")
 REFERENCE = "hf-fp32"  # whose greedy tokens the others are compared with
 GGUF_TYPES = {"llama-f32": "f32", "llama-f16": "f16", "llama-q8_0": "q8_0", "llama-q4_0": "q4_0"}
 # the targets of issue 38: ours fp32 >= the faster of ORT fp32 and llama.cpp f32; int8 >= ORT int8 and q8_0;
@@ -290,11 +290,12 @@ class Ours:
         return self.decode(prompt, 1)[0]
 
     def build(self) -> str:
-        """What runs: torch, its CPU capability and the decoding kernel's form (models/paths.py's rows path)."""
+        """What runs: torch, its CPU capability and whether the decoding kernel (modules/rows.cpp) is built."""
         from modules import rows
 
+        capability = self.torch.backends.cpu.get_cpu_capability()
         kernel = f"rows kernel {'built' if rows.available() else 'not built'}"
-        return f"torch {self.torch.__version__}, CPU capability {self.torch.backends.cpu.get_cpu_capability()}; {kernel}"
+        return f"torch {self.torch.__version__}, CPU capability {capability}; {kernel}"
 
 
 class Transformers(Ours):

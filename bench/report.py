@@ -527,14 +527,15 @@ def engines(records: list[dict], cls: str | None = None, **_) -> str:
         family, _, fmt = e.partition("-")
         if e == FIXED_THREADS:
             fmt = f"fp32, {(calm or busy or {}).get('threads', 'all')} threads every step"
-        rows.append([ENGINE_FORMATS.get(family, family), fmt, num(rate), spread, f"{100 * calm['share']:.0f}%" if calm else "",
-                     vs, calm["tokens"] if calm else "", busy_text, num(pre["values"][e]) if pre else ""])
+        rows.append([ENGINE_FORMATS.get(family, family), fmt, num(rate), spread,
+                     f"{100 * calm['share']:.0f}%" if calm else "", vs, calm["tokens"] if calm else "", busy_text,
+                     num(pre["values"][e]) if pre else ""])
     if not rows:
         return f"(no compare_engines records{' for ' + cls if cls else ''} yet)\n"
     runs = sorted({f"{machine_name(r['machine'])}; {when(r)}" + (f"; {r['busy']} busy" if r.get("busy") else "")
                    for r in used})
-    return table(["engine", "format", "tokens/s", "range over rounds", "of its bandwidth limit", "vs ours fp32", "greedy tokens vs "
-                  "transformers fp32", "tokens/s, one core busy", "prefill 512 (s)"], rows) + "\n" + \
+    return table(["engine", "format", "tokens/s", "range over rounds", "of its bandwidth limit", "vs ours fp32",
+                  "greedy tokens vs transformers fp32", "tokens/s, one core busy", "prefill 512 (s)"], rows) + "\n" + \
         "".join(f"- {run}\n" for run in runs)
 
 

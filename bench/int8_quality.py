@@ -1,7 +1,8 @@
 """What each quantized form costs in quality: validation perplexity of a trained model with fp32 weights, with int8
 weights (every linear layer and the LM head, per-row scales), with int4 weights (groups of 32 inputs), and with each
 of them and the activations quantized to int8 (w8a8, w4a8: each input row in blocks of 32, as their integer products
-see it), and how many greedy continuations keep their first tokens.
+see it; and every block run as a w8a8 / w4a8 prompt is, activations per tensor in 7 bits), and how many greedy
+continuations keep their first tokens.
 
     # a small BPE model pretrained on tiny shakespeare, then its int8 and int4 quality
     python run_pretrain.py --tokenizer data/gpt2-tokenizer \
@@ -61,6 +62,24 @@ def perplexity(model, ids: torch.Tensor, block: int, mode: str | None = None) ->
     return math.exp(total / count)
 
 
+@torch.no_grad()
+def prompt_perplexity(model, ids: torch.Tensor, block: int, mode: str) -> float:
+    """perplexity() with every block run as a w8a8 / w4a8 prompt is: the model's own forward within
+    quantized_weights, so each linear layer takes the prompt's int8 GEMM (activations per tensor, 7 bits:
+    modules/quant.py, prompt_product) where it runs here; the LM head in fp32 (a prompt's only head product is its
+    last position's, which takes the decode head)."""
+    from modules.linear import quantized_weights
+
+    total, count = 0.0, 0
+    with quantized_weights(model, mode):
+        for start in range(0, ids.numel() - block - 1, block):
+            x = ids[start: start + block + 1][None]
+            logits = model(x[:, :-1])["logits"]
+            total += F.cross_entropy(logits[0].float(), x[0, 1:], reduction="sum").item()
+            count += block
+    return math.exp(total / count)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="a checkpoint folder (HF format) or a hub id")
@@ -84,9 +103,17 @@ def main() -> None:
     ppl = {"fp32": perplexity(model, ids, block)}
     for mode in MODES:
         ppl[mode] = perplexity(model, ids, block, mode)
+    for mode in ("w8a8", "w4a8"):
+        ppl[f"{mode} prompt"] = prompt_perplexity(model, ids, block, mode)
     print(f"perplexity fp32 {ppl['fp32']:.3f}" + "".join(
         f"  {mode} {ppl[mode]:.3f} ({100 * (ppl[mode] / ppl['fp32'] - 1):+.2f}%)" for mode in MODES)
         + " (int8 target: within 1%)", flush=True)
+    from modules.quant import prompt_products_why_not
+
+    prompt_path = prompt_products_why_not() or "oneDNN's int8 GEMM"
+    print("as prompts (" + prompt_path + "):" + "".join(
+        f"  {mode} {ppl[mode]:.3f} ({100 * (ppl[mode] / ppl['fp32'] - 1):+.2f}%)"
+        for mode in ("w8a8 prompt", "w4a8 prompt")), flush=True)
 
     step = max(1, (ids.numel() - args.prompt_tokens) // args.prompts)
     prompts = [ids[i * step: i * step + args.prompt_tokens][None] for i in range(args.prompts)]
@@ -117,6 +144,11 @@ def main() -> None:
                 "perplexity", ratio=ppl[mode] / ppl["fp32"], ratio_of=f"{mode} / fp32",
                 notes=f"{ids.numel()} validation tokens; activations int8 in blocks of 32; {greedy[mode]}; "
                       f"{mode} / {weights} (the same weights) {ppl[mode] / ppl[weights]:.4f}")
+        prompt = f"{mode} prompt"
+        rec.add(f"perplexity {prompt}, {name}", {"fp32": ppl["fp32"], prompt: ppl[prompt]}, "perplexity",
+                ratio=ppl[prompt] / ppl["fp32"], ratio_of=f"{prompt} / fp32",
+                notes=f"{ids.numel()} validation tokens, every block of {block} run as a {mode} prompt: {prompt_path} "
+                      f"(activations per tensor in 7 bits; the LM head fp32)")
     rec.write()
 
 

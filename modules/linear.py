@@ -13,8 +13,10 @@ shapes stream slowly (the measurements: docs/performance.md, "Figures behind the
 Same values up to float rounding (other summation kernels); training and every other shape take F.linear.
 bf16 inputs of 64+ rows without gradients on AMX CPUs take oneDNN-packed copies of the weights (modules/packed.py).
 Within `quantized_weights(model, mode)` (a modules.quant.QUANTIZE_MODES name) one-row products (batch-1 decoding)
-take int8 or int4 copies of the weights (modules/quant.py); the prompt and batches keep the layer's own weights
-(dequantizing per call would cost more than the smaller weights save).
+take int8 or int4 copies of the weights (modules/quant.py); with w8a8 / w4a8 the prompt (more than 8 rows) takes
+oneDNN's int8 GEMM on those weights with its activations quantized per tensor (quant.prompt_product); batches of 2-8
+rows, and the prompt of the weight-only modes, keep the layer's own weights (dequantizing per call would cost more
+than the smaller weights save).
 """
 from __future__ import annotations
 
@@ -82,10 +84,16 @@ class Linear(nn.Linear):
     rows_call = None  # within prepared_rows(): (rows, this weight's product prepared in the rows kernel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.quantized is not None and x.shape[:-1].numel() == 1 and not torch.is_grad_enabled():
-            if self.quantized_call is not None and x.dtype == torch.float32 and x.is_contiguous() and x.is_cpu:
-                return self.quantized_call(x)
-            return quantized_linear(x, self.quantized, self.bias)
+        if self.quantized is not None and not torch.is_grad_enabled():
+            rows = x.shape[:-1].numel()
+            if rows == 1:
+                if self.quantized_call is not None and x.dtype == torch.float32 and x.is_contiguous() and x.is_cpu:
+                    return self.quantized_call(x)
+                return quantized_linear(x, self.quantized, self.bias)
+            if rows > row_kernel.MAX_ROWS:  # the prompt: w8a8 / w4a8 in oneDNN's int8 GEMM where it runs
+                y = quant.prompt_product(self, self.quantized, x, self.bias)
+                if y is not None:
+                    return y
         if packed.applies(x, self.weight):  # bf16 inference of many rows on an AMX CPU: the weight kept reordered
             return packed.product(self, "_packed", x, (self.weight,), (self.bias,))
         if x.dim() == 3 and x.shape[1] == 1 and x.is_cpu and not torch.is_grad_enabled():
@@ -133,8 +141,9 @@ def prepared_rows(model: nn.Module, rows: int):
 def quantized_weights(model: nn.Module, mode: str = "int8"):
     """Within the block, every Linear of `model` (LoRA layers excepted) computes one-row inputs with a `mode` copy
     of its weight (modules/quant.py: "int8" per-row scales, "int4" groups of 32; "w8a8" / "w4a8" those with the
-    inputs quantized to int8 too) whenever no gradient is taken;
-    other inputs keep the layer's own weight. The copies stay on the layers for the next block (int8: a quarter of
+    inputs quantized to int8 too) whenever no gradient is taken; with w8a8 / w4a8 inputs of more than 8 rows (the
+    prompt) take oneDNN's int8 GEMM (quant.prompt_product, GPT2_PROMPT_INT8=0: off); other inputs keep the layer's
+    own weight. The copies stay on the layers for the next block (int8: a quarter of
     the fp32 weights' memory, int4: about a sixth) and are made again only for weights that changed or another mode.
     A weight the mode cannot take (int4, w8a8, w4a8: in_features not a multiple of 32) raises ValueError naming
     the layer.

@@ -34,10 +34,15 @@ to nearest even (`quantize_activations`; llama.cpp's Q8_0 blocks quantize the ac
 scales). The products are then integer multiply-adds (modules/rows.cpp: AVX2's vpmaddubsw), one conversion to float
 per block of 32; so the result is F.linear(quantize_activations(x), weight.dequantize(), bias) to float rounding, and
 where the kernel does not run that expression is what is computed, so the numbers are the mode's on every CPU.
+The prompt of a w8a8 / w4a8 generate call (more rows than the rows kernel takes) multiplies integers too, in oneDNN's
+int8 GEMM with the activations quantized per tensor to 7 bits (prompt_product, below).
 What each form costs in quality: bench/int8_quality.py (docs/cpu-decoding.md).
 """
 from __future__ import annotations
 
+import functools
+import math
+import os
 import sys
 import warnings
 from typing import NamedTuple
@@ -302,7 +307,8 @@ def prepared_quantized(weight: Int8Weight | Int4Weight, bias: torch.Tensor | Non
     return None
 
 
-CACHE_NAMES = ("_quantized_cache", "_quantized_head")  # where cached_quantized keeps copies (layers; the LM head)
+# where the copies are kept: cached_quantized's (layers; the LM head), prompt_product's (oneDNN's packed int8)
+CACHE_NAMES = ("_quantized_cache", "_quantized_head", "_prompt_cache")
 
 
 def cached_quantized(owner: nn.Module, weight: torch.Tensor, mode: str,
@@ -328,3 +334,133 @@ def clear(model: nn.Module) -> int:
         for name in CACHE_NAMES:
             dropped += module.__dict__.pop(name, None) is not None
     return dropped
+
+
+# ---- the prompt's products: int8 GEMMs (w8a8, w4a8) ------------------------------------------------------------------
+# Within quantized_weights(model, "w8a8" / "w4a8"), products of more rows than the rows kernel takes (the prompt of a
+# quantized generate call) multiply integers too, through oneDNN's int8 GEMM (torch.ops.onednn.qlinear_pointwise):
+# the weight as int8 with its per-row scales (w4a8: the int4 weight dequantized and quantized again to int8 per row),
+# the activations quantized per tensor, asymmetric, to 7 bits: lo = min(min(x), 0), hi = max(max(x), 0), a zero
+# point zp = round(127 * -lo / (hi - lo)) and the least scale s that keeps both ends in 0..127, q = clamp(round(x / s)
+# + zp, 0, 127) (x times the fp32 1 / s, rounded to nearest, ties to even). 7 bits, not 8: without VNNI (AVX2, AVX512
+# before VNNI) oneDNN multiplies u8 x s8 with vpmaddubsw, whose 16-bit pair sums saturate for u8 values above 127
+# (255 x 127 x 2 > 32767: measured wrong by thousands of units on a Zen 3), so the same 7 bits everywhere make the
+# same numbers on every CPU. The result is F.linear((q - zp) * s, the int8 weight dequantized, bias) to float
+# rounding (integer sums are exact). On a Zen 3 (AVX2, 2 threads) gpt2's shapes ran 1.3-2.2x faster than fp32
+# F.linear at 16-512 rows. Each weight keeps oneDNN's packed int8 copy beside its rows-kernel copy (one more byte a
+# weight). A prompt with a NaN or infinite activation is multiplied in fp32 instead (its NaN reaches the output as
+# fp32's would). GPT2_PROMPT_INT8=0 keeps the prompt on the float weights, as weight-only int8 and int4 always do.
+PROMPT_ENV = "GPT2_PROMPT_INT8"
+PROMPT_LEVELS = 127  # the activations' greatest quantized value (7 bits)
+
+
+class PromptWeight(NamedTuple):
+    packed: torch.Tensor  # oneDNN's reordered int8 weight (torch.ops.onednn.qlinear_prepack)
+    scale: torch.Tensor  # fp32 (out,): the int8 weight's per-row scales
+    zero: torch.Tensor  # int64 (out,) zeros: the weights are symmetric
+
+
+@functools.cache
+def _onednn_int8() -> str | None:
+    """Why torch's oneDNN int8 linear cannot run here, or None where it does (tried once on a small product)."""
+    if not torch.backends.mkldnn.is_available():
+        return "torch is built without oneDNN"
+    try:
+        w = torch.ops.onednn.qlinear_prepack(torch.ones(4, 32, dtype=torch.int8), None)
+        y = torch.ops.onednn.qlinear_pointwise(torch.full((9, 32), 3, dtype=torch.uint8), 0.5, 1, w, torch.ones(4),
+                                               torch.zeros(4, dtype=torch.int64), None, 1.0, 0, torch.float32,
+                                               "none", [], "")
+    except Exception as err:  # noqa: BLE001  (an op missing from this build, a CPU oneDNN refuses)
+        return f"torch's oneDNN int8 linear does not run here ({type(err).__name__}: {str(err)[:200]})"
+    if not torch.equal(y, torch.full((9, 4), 32.0)):
+        return "torch's oneDNN int8 linear gave a wrong result on a test product"
+    return None
+
+
+def prompt_products_why_not() -> str | None:
+    """Why the prompt's int8 products are not taken here (GPT2_PROMPT_INT8=0, a CPU torch reports without SIMD,
+    oneDNN's int8 linear missing or wrong), or None where they are."""
+    if os.environ.get(PROMPT_ENV) == "0":
+        return f"{PROMPT_ENV}=0"
+    if torch.backends.cpu.get_cpu_capability() == "DEFAULT":
+        return "CPU capability DEFAULT (no SIMD): oneDNN's int8 speed there is not measured"
+    return _onednn_int8()
+
+
+def prompt_scale(lo: float, hi: float) -> tuple[float, int]:
+    """The per-tensor scale and zero point for activations whose least and greatest values are lo and hi (see above):
+    the range widened to hold 0, then the zero point an integer and the scale the least that keeps lo and hi within
+    0..127. An all-zero tensor: (1.0, 0)."""
+    lo, hi = min(lo, 0.0), max(hi, 0.0)
+    if hi == lo:
+        return 1.0, 0
+    zp = round(PROMPT_LEVELS * -lo / (hi - lo))
+    return max(hi / (PROMPT_LEVELS - zp) if zp < PROMPT_LEVELS else 0.0, -lo / zp if zp > 0 else 0.0), zp
+
+
+def quantize_prompt_activations(x: torch.Tensor, lib=None) -> tuple[torch.Tensor, float, int] | None:
+    """x (rows, in), fp32 and contiguous, quantized as the prompt's products take it: (q uint8 (rows, in), scale,
+    zero point), or None where x holds a NaN or an infinity (or a range too small for an fp32 scale). In
+    modules/rows.cpp (one pass for the range, one for the values) where it is built, else in torch: the same bits.
+    lib: a loaded rows kernel to use, False for torch's ops (tests); default: this machine's kernel if built."""
+    lib = row_kernel._load() if lib is None else lib
+    n, threads = x.numel(), torch.get_num_threads()
+    if lib:
+        lo_hi = torch.empty(2)
+        if lib.rows_minmax(x.data_ptr(), n, lo_hi.data_ptr(), threads):
+            return None
+        lo, hi = lo_hi.tolist()
+    else:
+        lo, hi = (v.item() for v in torch.aminmax(x))
+        if not (math.isfinite(lo) and math.isfinite(hi)):
+            return None
+    scale, zp = prompt_scale(lo, hi)
+    inv = torch.tensor(1.0 / scale, dtype=torch.float32)
+    if not torch.isfinite(inv):
+        return None
+    if lib:
+        q = torch.empty(x.shape, dtype=torch.uint8)
+        lib.rows_quantize_u7(x.data_ptr(), n, inv.item(), zp, q.data_ptr(), threads)
+    else:
+        q = torch.clamp(torch.round(x * inv) + zp, 0, PROMPT_LEVELS).to(torch.uint8)
+    return q, scale, zp
+
+
+def prompt_weight(weight: Int8Weight | Int4Weight) -> PromptWeight:
+    """`weight` as the prompt's int8 GEMM reads it: int8 per-row as is, int4 dequantized and quantized to int8."""
+    w8 = weight if isinstance(weight, Int8Weight) else quantize_int8(weight.dequantize())
+    return PromptWeight(torch.ops.onednn.qlinear_prepack(w8.q.contiguous(), None), w8.scale.float().contiguous(),
+                        torch.zeros(w8.q.shape[0], dtype=torch.int64))
+
+
+def prompt_linear(x: torch.Tensor, weight: PromptWeight, bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """x (..., in) fp32 on the CPU times the prepared weight, with x quantized per tensor (see above) -> (..., out)
+    fp32; None where x holds a NaN or an infinity (the caller multiplies in fp32)."""
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    quantized = quantize_prompt_activations(rows)
+    if quantized is None:
+        return None
+    q, scale, zp = quantized
+    if bias is not None:
+        bias = bias.detach().float().contiguous()
+    y = torch.ops.onednn.qlinear_pointwise(q, scale, zp, weight.packed, weight.scale, weight.zero, bias, 1.0, 0,
+                                           torch.float32, "none", [], "")
+    return y.view(*x.shape[:-1], y.shape[-1])
+
+
+def prompt_product(owner: nn.Module, quantized: Int8Weight | Int4Weight, x: torch.Tensor,
+                   bias: torch.Tensor | None) -> torch.Tensor | None:
+    """The prompt's int8 product of a layer (owner) whose quantized copy is `quantized`, or None where it is not
+    taken (weight-only modes, GPT2_PROMPT_INT8=0, oneDNN's int8 linear unavailable, x not fp32 on the CPU, a
+    non-finite activation): the caller then multiplies by the float weight. The packed copy is kept on `owner`
+    beside cached_quantized's and made again with it."""
+    if not quantized.int8_activations or x.dtype != torch.float32 or not x.is_cpu or prompt_products_why_not():
+        return None
+    copy = owner.__dict__.get("_quantized_cache")
+    key = copy[0] if copy is not None and copy[1] is quantized else None
+    cached = owner.__dict__.get("_prompt_cache")
+    if cached is None or key is None or cached[0] != key:
+        cached = (key, prompt_weight(quantized))
+        if key is not None:
+            owner.__dict__["_prompt_cache"] = cached
+    return prompt_linear(x, cached[1], bias)

@@ -450,6 +450,34 @@ extern "C" int rows_quantize(const float* x, int64_t rows, int64_t in, int8_t* q
   return 0;
 }
 
+// The prompt's activations quantized per tensor (modules/quant.py, quantize_prompt_activations): the least and
+// greatest of n >= 1 floats into lo_hi[0..1]; returns 1 (lo_hi unset) if any is NaN or infinite, else 0.
+extern "C" int rows_minmax(const float* x, int64_t n, float* lo_hi, int threads) {
+  float lo = x[0], hi = x[0], nan = 0.0f;  // nan: a sum of x * 0, NaN once any x is NaN or infinite
+#pragma omp parallel for simd num_threads(threads) reduction(min : lo) reduction(max : hi) reduction(+ : nan) \
+    schedule(static)
+  for (int64_t i = 0; i < n; ++i) {
+    lo = x[i] < lo ? x[i] : lo;
+    hi = x[i] > hi ? x[i] : hi;
+    nan += x[i] * 0.0f;
+  }
+  if (nan != nan) return 1;
+  lo_hi[0] = lo;
+  lo_hi[1] = hi;
+  return 0;
+}
+
+// q[i] = clamp(round(x[i] * inv) + zp, 0, 127), rounding to nearest with ties to even (torch.round's rule) on the
+// fp32 product: 7-bit unsigned values, so that vpmaddubsw's pairs of u8 x s8 products cannot saturate 16 bits.
+extern "C" void rows_quantize_u7(const float* x, int64_t n, float inv, int zp, uint8_t* q, int threads) {
+  const float z = static_cast<float>(zp);
+#pragma omp parallel for simd num_threads(threads) schedule(static)
+  for (int64_t i = 0; i < n; ++i) {
+    const float r = std::nearbyint(x[i] * inv) + z;
+    q[i] = static_cast<uint8_t>(std::min(std::max(r, 0.0f), 127.0f));
+  }
+}
+
 extern "C" {
 
 // kind: 0 fp32, 1 bf16 (as uint16 bits), 2 int8 (needs scale), 3 int4 (needs scale (out, in / group) and group, a

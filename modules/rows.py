@@ -101,6 +101,11 @@ def library(target_flags: tuple[str, ...] = NATIVE):
     lib.rows_gelu_tanh.argtypes = [ctypes.c_void_p, ctypes.c_int64]
     lib.rows_quantize.restype = ctypes.c_int
     lib.rows_quantize.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
+    lib.rows_minmax.restype = ctypes.c_int
+    lib.rows_minmax.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+    lib.rows_quantize_u7.restype = None
+    lib.rows_quantize_u7.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_void_p,
+                                     ctypes.c_int]
     # models/fast_step.py's whole decoding step (its layers argument: an array of its StepLayer structures)
     lib.gpt2_step.restype = ctypes.c_int
     lib.gpt2_step.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_float,

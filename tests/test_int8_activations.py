@@ -214,3 +214,137 @@ def test_the_integer_product_runs_in_the_kernel_it_is_given():
     for mode, kind in (("w8a8", 4), ("w4a8", 5)):
         quant.run_int8_activations(torch.randn(2, 64), quantize(torch.randn(8, 64), mode), lib=fake)
         assert calls[-1] == (kind, 2)
+
+
+# ---- the prompt's int8 GEMM (quant.prompt_product: oneDNN, activations per tensor in 7 bits) ----------------------
+
+needs_prompt = pytest.mark.skipif(quant.prompt_products_why_not() is not None,
+                                  reason=f"the prompt's int8 products do not run here: {quant.prompt_products_why_not()}")
+
+
+def prompt_reference(x: torch.Tensor) -> torch.Tensor:
+    """The rule of quant.quantize_prompt_activations written out in torch, dequantized: (q - zp) * s."""
+    lo, hi = min(float(x.min()), 0.0), max(float(x.max()), 0.0)
+    if lo == hi:
+        return torch.zeros_like(x)
+    zp = round(127 * -lo / (hi - lo))
+    s = max(hi / (127 - zp) if zp < 127 else 0.0, -lo / zp if zp > 0 else 0.0)
+    q = torch.clamp(torch.round(x * torch.tensor(1 / s, dtype=torch.float32)) + zp, 0, 127)
+    return (q - zp) * s
+
+
+@pytest.mark.parametrize("case", ["mixed", "positive", "negative", "zeros", "wide", "one-row-of-33"])
+@pytest.mark.parametrize("form", ["kernel", "torch"])
+def test_the_prompt_quantizer_keeps_the_range_in_7_bits_by_the_rule(case, form):
+    """Kernel (modules/rows.cpp) and torch forms: the same bits, values 0..127, each within half a step of x, the
+    zero point exact (0 stays 0), and the rule written out (prompt_reference) reproduced."""
+    if form == "kernel" and not rows.available():
+        pytest.skip("the rows kernel cannot be built here")
+    g = torch.Generator().manual_seed(len(case))
+    x = {"mixed": torch.randn(64, 96, generator=g) * 3 + 0.5, "positive": torch.rand(20, 64, generator=g) + 0.1,
+         "negative": -torch.rand(20, 64, generator=g) - 2, "zeros": torch.zeros(12, 32),
+         "wide": torch.randn(16, 3072, generator=g) * torch.logspace(-4, 2, 3072),
+         "one-row-of-33": torch.randn(1, 33, generator=g)}[case]
+    x[0, 0] = 0.0
+    q, s, zp = quant.quantize_prompt_activations(x, lib=None if form == "kernel" else False)
+    assert q.dtype == torch.uint8 and q.shape == x.shape and int(q.max()) <= 127 and 0 <= zp <= 127
+    deq = (q.float() - zp) * s
+    assert float((deq - x).abs().max()) <= s / 2 * (1 + 1e-5) and deq[0, 0] == 0
+    assert torch.equal(deq, prompt_reference(x))
+    if rows.available():
+        other = quant.quantize_prompt_activations(x, lib=False if form == "kernel" else rows._load())
+        assert torch.equal(other[0], q) and other[1:] == (s, zp)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("form", ["kernel", "torch"])
+def test_a_non_finite_prompt_activation_is_not_quantized(form, bad):
+    if form == "kernel" and not rows.available():
+        pytest.skip("the rows kernel cannot be built here")
+    x = torch.randn(40, 64)
+    x[17, 9] = bad
+    assert quant.quantize_prompt_activations(x, lib=None if form == "kernel" else False) is None
+
+
+@needs_prompt
+@torch.no_grad()
+@pytest.mark.parametrize("mode", ["w8a8", "w4a8"])
+@pytest.mark.parametrize("n_rows, in_f, out_f", [(9, 64, 24), (130, 768, 96), (40, 96, 33)])
+def test_the_prompt_product_equals_the_dequantized_expression(mode, n_rows, in_f, out_f):
+    """oneDNN's int8 GEMM against F.linear((q - zp) * s, the int8 weight dequantized (w4a8: the int4 weight quantized
+    again to int8 per row), bias): integer sums are exact, so fp32 rounding only (rtol 1e-5, atol 1e-4)."""
+    g = torch.Generator().manual_seed(n_rows)
+    w, b = torch.randn(out_f, in_f, generator=g), torch.randn(out_f, generator=g)
+    x = torch.randn(n_rows, in_f, generator=g) * 2 - 0.3
+    weight = quantize(w, mode)
+    w8 = weight if mode == "w8a8" else quant.quantize_int8(weight.dequantize())
+    got = quant.prompt_linear(x, quant.prompt_weight(weight), b)
+    want = F.linear(prompt_reference(x), w8.dequantize(), b)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    assert (got - F.linear(x, w, b)).abs().max() > 1e-3  # the activations really are quantized
+
+
+@needs_prompt
+@torch.no_grad()
+@pytest.mark.parametrize("mode", ["w8a8", "w4a8"])
+def test_a_quantized_prompt_takes_the_int8_gemm_and_the_switch_turns_it_off(monkeypatch, mode):
+    """Within quantized_weights(w8a8 / w4a8) a prompt of 12 tokens: every layer's output is the prompt rule's on its
+    own input (F.linear of prompt_reference(input) by the dequantized int8 weight; w4a8: the int4 weight quantized
+    again to int8), and the logits move off the float weights'; one row and weight-only modes untouched;
+    GPT2_PROMPT_INT8=0: the float weights' output exactly. A NaN in the input reaches the output as fp32's does."""
+    model = tiny_model()
+    ids = torch.randint(0, 97, (1, 12), generator=torch.Generator().manual_seed(5))
+    plain = model(ids)["logits"]
+    layers = [m for m in model.modules() if type(m) is Linear]
+    seen = []
+    hooks = [m.register_forward_hook(lambda mod, inp, out: seen.append((mod, inp[0], out))) for m in layers]
+    with quantized_weights(model, mode):
+        got = model(ids)["logits"]
+        assert all("_prompt_cache" in m.__dict__ for m in layers)
+    for hook in hooks:
+        hook.remove()
+    assert len(seen) == len(layers)
+    for layer, x, y in seen:
+        w = quantize(layer.weight, mode)
+        w8 = w if mode == "w8a8" else quant.quantize_int8(w.dequantize())
+        torch.testing.assert_close(y, F.linear(prompt_reference(x), w8.dequantize(), layer.bias), rtol=1e-5, atol=1e-4)
+    assert not torch.allclose(got, plain, rtol=1e-4, atol=1e-4)
+    monkeypatch.setenv(quant.PROMPT_ENV, "0")
+    with quantized_weights(model, mode):
+        assert torch.equal(model(ids)["logits"], plain)
+    monkeypatch.delenv(quant.PROMPT_ENV)
+    with quantized_weights(model, mode[:2].replace("w", "int") if mode == "w8a8" else "int4"):
+        assert torch.equal(model(ids)["logits"], plain)  # weight-only: the prompt keeps the float weights
+    layer = layers[0]
+    x = torch.randn(1, 12, layer.in_features)
+    x[0, 3, 5] = float("nan")
+    with quantized_weights(model, mode):
+        y = layer(x)
+    assert torch.equal(y.isnan(), torch.nn.functional.linear(x, layer.weight, layer.bias).isnan())
+
+
+@needs_prompt
+@torch.no_grad()
+def test_the_prompt_copy_is_made_again_when_the_weights_change_and_cleared_with_the_others():
+    """The packed int8 copy follows its layer's quantized copy (a new weight: a new copy; the same: kept), and
+    quant.clear drops it with them."""
+    model = tiny_model()
+    ids = torch.randint(0, 97, (1, 12), generator=torch.Generator().manual_seed(6))
+    with quantized_weights(model, "w8a8"):
+        first = model(ids)["logits"]
+    layer = next(m for m in model.modules() if type(m) is Linear)
+    kept = layer.__dict__["_prompt_cache"]
+    with quantized_weights(model, "w8a8"):
+        assert torch.equal(model(ids)["logits"], first)
+    assert layer.__dict__["_prompt_cache"] is kept
+    for p in model.parameters():
+        p.mul_(0.5)
+    with quantized_weights(model, "w8a8"):
+        second = model(ids)["logits"]
+    assert layer.__dict__["_prompt_cache"] is not kept and not torch.equal(first, second)
+    fresh = tiny_model()
+    fresh.load_state_dict(model.state_dict())
+    with quantized_weights(fresh, "w8a8"):
+        assert torch.equal(fresh(ids)["logits"], second)
+    assert quant.clear(model) >= 3 * 2 * 4  # per layer: the int8 copy and the prompt's, 4 Linears a block
+    assert not any("_prompt_cache" in m.__dict__ for m in model.modules())

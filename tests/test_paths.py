@@ -197,6 +197,23 @@ def test_decoding_after_each_kind_of_write_equals_a_fresh_models(writer, quantiz
     assert not torch.equal(before[quantize], after[quantize]), "the write changed nothing: no test"
 
 
+LONG_PROMPT = torch.randint(0, 1000, (1, 12), generator=torch.Generator().manual_seed(3))  # 9+ rows: the int8 GEMM
+
+
+@pytest.mark.parametrize("quantize", ["w8a8", "w4a8"])
+@pytest.mark.parametrize("writer", WRITERS)
+def test_a_quantized_prompt_after_each_kind_of_write_equals_a_fresh_models(writer, quantize):
+    """The prompt's int8 GEMM keeps a packed copy of each weight (modules/quant.py, prompt_product): after each kind
+    of write, a 12-token prompt's generation equals a fresh model's (GPT2_PROMPT_INT8=0: the float weights')."""
+    m = lm(**{k: 0.0 for k in DROPOUT})
+    before = generate(m, LONG_PROMPT, max_new_tokens=8, quantize=quantize)
+    WRITERS[writer](m)
+    m.eval()
+    after = generate(m, LONG_PROMPT, max_new_tokens=8, quantize=quantize)
+    assert torch.equal(after, generate(fresh_copy(m).eval(), LONG_PROMPT, max_new_tokens=8, quantize=quantize))
+    assert not torch.equal(before, after), "the write changed nothing: no test"
+
+
 @pytest.mark.parametrize("quantize", [None, "int8"])
 @pytest.mark.parametrize("step_path", ["on", "off"])
 def test_the_c_step_and_the_torch_step_decode_alike_after_writes(monkeypatch, step_path, quantize):

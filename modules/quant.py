@@ -356,8 +356,8 @@ PROMPT_LEVELS = 127  # the activations' greatest quantized value (7 bits)
 
 class PromptWeight(NamedTuple):
     packed: torch.Tensor  # oneDNN's reordered int8 weight (torch.ops.onednn.qlinear_prepack)
-    scale: torch.Tensor  # fp32 (out,): the int8 weight's per-row scales
-    zero: torch.Tensor  # int64 (out,) zeros: the weights are symmetric
+    scale: torch.Tensor  # fp32 (out,): the int8 weight's per-row scales (symmetric: no zero points, which oneDNN's
+    # x86 int8 linear does not read: zero points of 3 gave the same outputs as none)
 
 
 @functools.cache
@@ -367,8 +367,8 @@ def _onednn_int8() -> str | None:
         return "torch is built without oneDNN"
     try:
         w = torch.ops.onednn.qlinear_prepack(torch.ones(4, 32, dtype=torch.int8), None)
-        y = torch.ops.onednn.qlinear_pointwise(torch.full((9, 32), 3, dtype=torch.uint8), 0.5, 1, w, torch.ones(4),
-                                               torch.zeros(4, dtype=torch.int64), None, 1.0, 0, torch.float32,
+        y = torch.ops.onednn.qlinear_pointwise(torch.full((9, 32), 3, dtype=torch.uint8), 0.5, 1, w,
+                                               torch.ones(4, dtype=torch.float32), None, None, 1.0, 0, torch.float32,
                                                "none", [], "")
     except Exception as err:  # noqa: BLE001  (an op missing from this build, a CPU oneDNN refuses)
         return f"torch's oneDNN int8 linear does not run here ({type(err).__name__}: {str(err)[:200]})"
@@ -406,7 +406,7 @@ def quantize_prompt_activations(x: torch.Tensor, lib=None) -> tuple[torch.Tensor
     lib = row_kernel._load() if lib is None else lib
     n, threads = x.numel(), torch.get_num_threads()
     if lib:
-        lo_hi = torch.empty(2)
+        lo_hi = torch.empty(2, dtype=torch.float32)  # (not the default dtype: a user may have set float64)
         if lib.rows_minmax(x.data_ptr(), n, lo_hi.data_ptr(), threads):
             return None
         lo, hi = lo_hi.tolist()
@@ -429,8 +429,7 @@ def quantize_prompt_activations(x: torch.Tensor, lib=None) -> tuple[torch.Tensor
 def prompt_weight(weight: Int8Weight | Int4Weight) -> PromptWeight:
     """`weight` as the prompt's int8 GEMM reads it: int8 per-row as is, int4 dequantized and quantized to int8."""
     w8 = weight if isinstance(weight, Int8Weight) else quantize_int8(weight.dequantize())
-    return PromptWeight(torch.ops.onednn.qlinear_prepack(w8.q.contiguous(), None), w8.scale.float().contiguous(),
-                        torch.zeros(w8.q.shape[0], dtype=torch.int64))
+    return PromptWeight(torch.ops.onednn.qlinear_prepack(w8.q.contiguous(), None), w8.scale.float().contiguous())
 
 
 def prompt_linear(x: torch.Tensor, weight: PromptWeight, bias: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -443,7 +442,7 @@ def prompt_linear(x: torch.Tensor, weight: PromptWeight, bias: torch.Tensor | No
     q, scale, zp = quantized
     if bias is not None:
         bias = bias.detach().float().contiguous()
-    y = torch.ops.onednn.qlinear_pointwise(q, scale, zp, weight.packed, weight.scale, weight.zero, bias, 1.0, 0,
+    y = torch.ops.onednn.qlinear_pointwise(q, scale, zp, weight.packed, weight.scale, None, bias, 1.0, 0,
                                            torch.float32, "none", [], "")
     return y.view(*x.shape[:-1], y.shape[-1])
 

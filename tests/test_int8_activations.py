@@ -218,8 +218,9 @@ def test_the_integer_product_runs_in_the_kernel_it_is_given():
 
 # ---- the prompt's int8 GEMM (quant.prompt_product: oneDNN, activations per tensor in 7 bits) ----------------------
 
-needs_prompt = pytest.mark.skipif(quant.prompt_products_why_not() is not None,
-                                  reason=f"the prompt's int8 products do not run here: {quant.prompt_products_why_not()}")
+_PROMPT_WHY_NOT = quant.prompt_products_why_not()
+needs_prompt = pytest.mark.skipif(_PROMPT_WHY_NOT is not None,
+                                  reason=f"the prompt's int8 products do not run here: {_PROMPT_WHY_NOT}")
 
 
 def prompt_reference(x: torch.Tensor) -> torch.Tensor:
@@ -269,12 +270,12 @@ def test_a_non_finite_prompt_activation_is_not_quantized(form, bad):
 @needs_prompt
 @torch.no_grad()
 @pytest.mark.parametrize("mode", ["w8a8", "w4a8"])
-@pytest.mark.parametrize("n_rows, in_f, out_f", [(9, 64, 24), (130, 768, 96), (40, 96, 33)])
-def test_the_prompt_product_equals_the_dequantized_expression(mode, n_rows, in_f, out_f):
+@pytest.mark.parametrize("n_rows, in_f, out_f, bias", [(9, 64, 24, True), (130, 768, 96, True), (40, 96, 33, False)])
+def test_the_prompt_product_equals_the_dequantized_expression(mode, n_rows, in_f, out_f, bias):
     """oneDNN's int8 GEMM against F.linear((q - zp) * s, the int8 weight dequantized (w4a8: the int4 weight quantized
     again to int8 per row), bias): integer sums are exact, so fp32 rounding only (rtol 1e-5, atol 1e-4)."""
     g = torch.Generator().manual_seed(n_rows)
-    w, b = torch.randn(out_f, in_f, generator=g), torch.randn(out_f, generator=g)
+    w, b = torch.randn(out_f, in_f, generator=g), torch.randn(out_f, generator=g) if bias else None
     x = torch.randn(n_rows, in_f, generator=g) * 2 - 0.3
     weight = quantize(w, mode)
     w8 = weight if mode == "w8a8" else quant.quantize_int8(weight.dequantize())
@@ -293,6 +294,9 @@ def test_a_quantized_prompt_takes_the_int8_gemm_and_the_switch_turns_it_off(monk
     again to int8), and the logits move off the float weights'; one row and weight-only modes untouched;
     GPT2_PROMPT_INT8=0: the float weights' output exactly. A NaN in the input reaches the output as fp32's does."""
     model = tiny_model()
+    for m in model.modules():
+        if type(m) is Linear:  # tiny_model's biases are zeros: a product that dropped them would pass
+            m.bias.normal_()
     ids = torch.randint(0, 97, (1, 12), generator=torch.Generator().manual_seed(5))
     plain = model(ids)["logits"]
     layers = [m for m in model.modules() if type(m) is Linear]
@@ -348,3 +352,86 @@ def test_the_prompt_copy_is_made_again_when_the_weights_change_and_cleared_with_
         assert torch.equal(fresh(ids)["logits"], second)
     assert quant.clear(model) >= 3 * 2 * 4  # per layer: the int8 copy and the prompt's, 4 Linears a block
     assert not any("_prompt_cache" in m.__dict__ for m in model.modules())
+
+
+@pytest.mark.parametrize("lo, hi, want", [
+    (0.5, 2.0, (2.0 / 127, 0)),  # all positive: the range widened to 0, zero point 0
+    (-2.0, -0.5, (2.0 / 127, 127)),  # all negative: zero point 127
+    (-1.0, 3.0, (max(3.0 / 95, 1.0 / 32), 32)),  # zp = round(127 / 4) = 32; the scale keeps both ends in range
+    (-1.2, 120.0, (1.2, 1)),  # zp = round(1.257) = 1: the negative end sets the scale (120 / 126 would clip it)
+    (-120.0, 1.2, (1.2, 126)),  # and the positive end, mirrored
+    (0.0, 0.0, (1.0, 0)),  # all zeros
+])
+def test_the_prompt_scale_widens_to_zero_and_keeps_both_ends_in_7_bits(lo, hi, want):
+    scale, zp = quant.prompt_scale(lo, hi)
+    assert (scale, zp) == pytest.approx(want) and isinstance(zp, int)
+    if hi > lo:
+        assert round(min(lo, 0) / scale) + zp >= 0 and round(max(hi, 0) / scale) + zp <= 127
+
+
+def test_the_prompt_quantizer_takes_the_kernel_it_is_given_and_torch_when_told(monkeypatch):
+    """lib=None: this machine's rows kernel (here a stand-in that records its calls); lib=False: torch's ops only."""
+    if not rows.available():
+        pytest.skip("the rows kernel cannot be built here")
+    real, calls = rows._load(), []
+
+    class Recording:
+        def rows_minmax(self, *args):
+            calls.append("minmax")
+            return real.rows_minmax(*args)
+
+        def rows_quantize_u7(self, *args):
+            calls.append("quantize")
+            real.rows_quantize_u7(*args)
+
+    monkeypatch.setattr(rows, "_load", Recording)
+    x = torch.randn(12, 64)
+    got = quant.quantize_prompt_activations(x)
+    assert calls == ["minmax", "quantize"]
+    calls.clear()
+    want = quant.quantize_prompt_activations(x, lib=False)
+    assert calls == [] and torch.equal(got[0], want[0]) and got[1:] == want[1:]
+
+
+def test_the_prompt_products_say_why_they_do_not_run(monkeypatch):
+    monkeypatch.delenv(quant.PROMPT_ENV, raising=False)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
+    assert quant.prompt_products_why_not() == ("CPU capability DEFAULT (no SIMD): oneDNN's int8 speed there is not "
+                                               "measured")
+    monkeypatch.setenv(quant.PROMPT_ENV, "0")
+    assert quant.prompt_products_why_not() == "GPT2_PROMPT_INT8=0"
+
+
+@needs_prompt
+@torch.no_grad()
+def test_the_prompt_product_is_not_taken_off_the_cpu_or_float32_and_caches_only_its_owners_copy():
+    """None for weight-only copies, bf16 and non-CPU (meta) inputs; an owner whose cached copy is another weight's
+    (or none) gets the product without a cache entry, so a later call cannot read a stale packed copy."""
+    owner = torch.nn.Module()
+    w8, other = quantize(torch.randn(24, 64), "w8a8"), quantize(torch.randn(24, 64), "w8a8")
+    x = torch.randn(10, 64)
+    assert quant.prompt_product(owner, quantize(torch.randn(24, 64), "int8"), x, None) is None
+    assert quant.prompt_product(owner, w8, x.bfloat16(), None) is None
+    assert quant.prompt_product(owner, w8, x.to("meta"), None) is None
+    want = quant.prompt_linear(x, quant.prompt_weight(w8))
+    assert torch.equal(quant.prompt_product(owner, w8, x, None), want) and "_prompt_cache" not in owner.__dict__
+    owner.__dict__["_quantized_cache"] = (("key",), other)  # the owner's copy is another weight's
+    assert torch.equal(quant.prompt_product(owner, w8, x, None), want) and "_prompt_cache" not in owner.__dict__
+    owner.__dict__["_quantized_cache"] = (("key",), w8)
+    assert torch.equal(quant.prompt_product(owner, w8, x, None), want)
+    assert owner.__dict__["_prompt_cache"][0] == ("key",)
+
+
+def test_a_range_too_small_for_an_fp32_scale_is_not_quantized_even_with_a_float64_default():
+    """1 / scale must be finite in fp32 (what the kernel and torch's form multiply by), whatever torch's default dtype:
+    a tensor of denormals gives an fp32 1 / scale of infinity, so it is left to the float weights."""
+    x = torch.full((10, 32), 1e-41)
+    x[0, 0] = -1e-41
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        assert quant.quantize_prompt_activations(x, lib=False) is None
+        if rows.available():
+            assert quant.quantize_prompt_activations(x) is None
+    finally:
+        torch.set_default_dtype(before)

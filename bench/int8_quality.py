@@ -70,14 +70,8 @@ def prompt_perplexity(model, ids: torch.Tensor, block: int, mode: str) -> float:
     last position's, which takes the decode head)."""
     from modules.linear import quantized_weights
 
-    total, count = 0.0, 0
     with quantized_weights(model, mode):
-        for start in range(0, ids.numel() - block - 1, block):
-            x = ids[start: start + block + 1][None]
-            logits = model(x[:, :-1])["logits"]
-            total += F.cross_entropy(logits[0].float(), x[0, 1:], reduction="sum").item()
-            count += block
-    return math.exp(total / count)
+        return perplexity(model, ids, block)
 
 
 def main() -> None:

@@ -46,17 +46,20 @@ def fresh_copy(m: GPT2LMHeadModel) -> GPT2LMHeadModel:
 
 EVAL_IDS = torch.randint(0, 1000, (4, 16), generator=torch.Generator().manual_seed(1))  # 64 rows: packed applies
 PROMPT = torch.randint(0, 1000, (1, 6), generator=torch.Generator().manual_seed(2))
+LONG_PROMPT = torch.randint(0, 1000, (1, 12), generator=torch.Generator().manual_seed(3))  # 9+ rows: the int8 GEMM
 
 
 def observe(m: GPT2LMHeadModel, quantize: str | None = None) -> dict:
     """What a user reads off a model between steps: evaluation logits (bf16 of 64 rows: the packed path where it is
-    on) and a greedy generation through one decoding path (quantize: None, "int8", "int4"; one mode per model, as
-    the copies are kept one mode at a time and asking for another makes them afresh)."""
+    on) and a greedy generation through one decoding path (quantize: None, "int8", "int4", "w8a8", "w4a8"; one mode
+    per model, as the copies are kept one mode at a time and asking for another makes them afresh). w8a8 and w4a8
+    take a 12-token prompt, so their prompt goes through the int8 GEMM and its packed copies (quant.prompt_product)."""
     was_training = m.training
     m.eval()
     with torch.no_grad():
         seen = {"logits": m(EVAL_IDS)["logits"].float()}
-    seen[quantize] = generate(m, PROMPT, max_new_tokens=8, quantize=quantize)
+    prompt = LONG_PROMPT if quantize in ("w8a8", "w4a8") else PROMPT
+    seen[quantize] = generate(m, prompt, max_new_tokens=8, quantize=quantize)
     m.train(was_training)
     return seen
 
@@ -183,35 +186,19 @@ WRITERS = {"fused AdamW steps": _fused_steps, "load_state_dict": _load_other_wei
            "LoRA merge": _lora_merge}
 
 
-@pytest.mark.parametrize("quantize", [None, "int8", "int4"])
+@pytest.mark.parametrize("quantize", [None, "int8", "int4", "w8a8", "w4a8"])
 @pytest.mark.parametrize("writer", WRITERS)
 def test_decoding_after_each_kind_of_write_equals_a_fresh_models(writer, quantize):
-    """Generate through every decoding path (plain, int8, int4; the C++ step where it runs), write the weights one
-    way, generate again: the same tokens as a fresh model loaded with the written weights. The int8 case after fused
-    steps is issue 52's reproduction (before the fix its tokens came from the weights before the steps)."""
+    """Generate through every decoding path (plain, int8, int4; w8a8 and w4a8 with a prompt in the int8 GEMM; the C++
+    step where it runs), write the weights one way, generate again: the same tokens as a fresh model loaded with the
+    written weights. The int8 case after fused steps is issue 52's reproduction (before the fix its tokens came from
+    the weights before the steps)."""
     m = lm(**{k: 0.0 for k in DROPOUT})
     before = observe(m, quantize)
     WRITERS[writer](m)
     after, want = observe(m, quantize), observe(fresh_copy(m), quantize)
     assert_same(after, want, f"after {writer}")
     assert not torch.equal(before[quantize], after[quantize]), "the write changed nothing: no test"
-
-
-LONG_PROMPT = torch.randint(0, 1000, (1, 12), generator=torch.Generator().manual_seed(3))  # 9+ rows: the int8 GEMM
-
-
-@pytest.mark.parametrize("quantize", ["w8a8", "w4a8"])
-@pytest.mark.parametrize("writer", WRITERS)
-def test_a_quantized_prompt_after_each_kind_of_write_equals_a_fresh_models(writer, quantize):
-    """The prompt's int8 GEMM keeps a packed copy of each weight (modules/quant.py, prompt_product): after each kind
-    of write, a 12-token prompt's generation equals a fresh model's (GPT2_PROMPT_INT8=0: the float weights')."""
-    m = lm(**{k: 0.0 for k in DROPOUT})
-    before = generate(m, LONG_PROMPT, max_new_tokens=8, quantize=quantize)
-    WRITERS[writer](m)
-    m.eval()
-    after = generate(m, LONG_PROMPT, max_new_tokens=8, quantize=quantize)
-    assert torch.equal(after, generate(fresh_copy(m).eval(), LONG_PROMPT, max_new_tokens=8, quantize=quantize))
-    assert not torch.equal(before, after), "the write changed nothing: no test"
 
 
 @pytest.mark.parametrize("quantize", [None, "int8"])

@@ -91,7 +91,7 @@ class Linear(nn.Linear):
                     return self.quantized_call(x)
                 return quantized_linear(x, self.quantized, self.bias)
             if rows > row_kernel.MAX_ROWS:  # the prompt: w8a8 / w4a8 in oneDNN's int8 GEMM where it runs
-                y = quant.prompt_product(self, self.quantized, x, self.bias)
+                y = quant.prompt_product(self, (self,), x)
                 if y is not None:
                     return y
         if packed.applies(x, self.weight):  # bf16 inference of many rows on an AMX CPU: the weight kept reordered

@@ -45,6 +45,7 @@ import math
 import os
 import sys
 import warnings
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -426,10 +427,13 @@ def quantize_prompt_activations(x: torch.Tensor, lib=None) -> tuple[torch.Tensor
     return q, scale, zp
 
 
-def prompt_weight(weight: Int8Weight | Int4Weight) -> PromptWeight:
-    """`weight` as the prompt's int8 GEMM reads it: int8 per-row as is, int4 dequantized and quantized to int8."""
-    w8 = weight if isinstance(weight, Int8Weight) else quantize_int8(weight.dequantize())
-    return PromptWeight(torch.ops.onednn.qlinear_prepack(w8.q.contiguous(), None), w8.scale.float().contiguous())
+def prompt_weight(*weights: Int8Weight | Int4Weight) -> PromptWeight:
+    """`weights` as the prompt's int8 GEMM reads them, their rows stacked (several layers that take the same input:
+    one product): int8 per-row as is, int4 dequantized and quantized to int8."""
+    w8 = [w if isinstance(w, Int8Weight) else quantize_int8(w.dequantize()) for w in weights]
+    q = w8[0].q if len(w8) == 1 else torch.cat([w.q for w in w8])
+    scale = w8[0].scale if len(w8) == 1 else torch.cat([w.scale for w in w8])
+    return PromptWeight(torch.ops.onednn.qlinear_prepack(q.contiguous(), None), scale.float().contiguous())
 
 
 def prompt_linear(x: torch.Tensor, weight: PromptWeight, bias: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -447,19 +451,41 @@ def prompt_linear(x: torch.Tensor, weight: PromptWeight, bias: torch.Tensor | No
     return y.view(*x.shape[:-1], y.shape[-1])
 
 
-def prompt_product(owner: nn.Module, quantized: Int8Weight | Int4Weight, x: torch.Tensor,
-                   bias: torch.Tensor | None) -> torch.Tensor | None:
-    """The prompt's int8 product of a layer (owner) whose quantized copy is `quantized`, or None where it is not
-    taken (weight-only modes, GPT2_PROMPT_INT8=0, oneDNN's int8 linear unavailable, x not fp32 on the CPU, a
-    non-finite activation): the caller then multiplies by the float weight. The packed copy is kept on `owner`
-    beside cached_quantized's and made again with it."""
-    if not quantized.int8_activations or x.dtype != torch.float32 or not x.is_cpu or prompt_products_why_not():
+def prompt_takes(layers: Sequence[nn.Module], x: torch.Tensor) -> bool:
+    """Whether the prompt's int8 GEMM takes x for `layers` (Linears within quantized_weights): w8a8 / w4a8 copies,
+    no gradient, x fp32 on the CPU with more rows than the rows kernel takes, and the GEMM runs here."""
+    return (x.dtype == torch.float32 and x.is_cpu and not torch.is_grad_enabled()
+            and x.shape[:-1].numel() > row_kernel.MAX_ROWS
+            and all(getattr(layer, "quantized", None) is not None and layer.quantized.int8_activations
+                    for layer in layers)
+            and prompt_products_why_not() is None)
+
+
+def prompt_product(owner: nn.Module, layers: Sequence[nn.Module], x: torch.Tensor) -> torch.Tensor | None:
+    """The prompt's int8 product of `layers` (Linears within quantized_weights that take the same input x: one
+    layer, or a block's query, key and value as one GEMM, their outputs side by side) -> (..., sum of out), or None
+    where it is not taken (prompt_takes; a non-finite activation): the caller then multiplies by the float weights.
+    oneDNN's packed copy is kept on `owner` and made again when any layer's quantized copy is (its key is theirs);
+    a layer whose quantized copy is not the one kept on it (made outside cached_quantized) leaves nothing cached.
+    Stacking changes no number: each output is its own row's integer sum and scales."""
+    if not prompt_takes(layers, x):
         return None
-    copy = owner.__dict__.get("_quantized_cache")
-    key = copy[0] if copy is not None and copy[1] is quantized else None
+    keys = []
+    for layer in layers:
+        copy = layer.__dict__.get("_quantized_cache")
+        keys.append(copy[0] if copy is not None and copy[1] is layer.quantized else None)
+    key = None if None in keys else tuple(keys)
     cached = owner.__dict__.get("_prompt_cache")
     if cached is None or key is None or cached[0] != key:
-        cached = (key, prompt_weight(quantized))
+        cached = (key, prompt_weight(*(layer.quantized for layer in layers)))
         if key is not None:
             owner.__dict__["_prompt_cache"] = cached
+    biases = [layer.bias for layer in layers]
+    if all(b is None for b in biases):
+        bias = None
+    elif len(layers) == 1:
+        bias = biases[0]
+    else:
+        bias = torch.cat([b.detach().float() if b is not None else torch.zeros(layer.out_features)
+                          for b, layer in zip(biases, layers)])
     return prompt_linear(x, cached[1], bias)

@@ -570,7 +570,7 @@ static inline __m256 exp8(__m256 x) {
 // GELU, tanh form: 0.5 v (1 + tanh(u)), u = sqrt(2 / pi) (v + 0.044715 v^3), which is v / (1 + e^(-2u)) (1 + tanh u
 // = 2 / (1 + e^(-2u))): one exp and one division a value, 8 at a time (the scalar std::tanh loop took about 1 ms a
 // gpt2 token on one core). Agrees with torch's gelu(approximate="tanh") to a few float roundings (tests).
-static void gelu_tanh(float* x, int64_t n, int threads) {
+static void gelu_tanh(const float* x, float* y, int64_t n, int threads) {
   const int64_t vectors = n / 8;
 #pragma omp parallel for num_threads(threads) schedule(static) if (n >= 4096)
   for (int64_t j = 0; j < vectors; ++j) {
@@ -579,15 +579,19 @@ static void gelu_tanh(float* x, int64_t n, int threads) {
                                    _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(0.044715f), v),
                                                    _mm256_mul_ps(v, v), v));
     const __m256 e = exp8(_mm256_mul_ps(_mm256_set1_ps(-2.0f), u));
-    _mm256_storeu_ps(x + 8 * j, _mm256_div_ps(v, _mm256_add_ps(_mm256_set1_ps(1.0f), e)));
+    _mm256_storeu_ps(y + 8 * j, _mm256_div_ps(v, _mm256_add_ps(_mm256_set1_ps(1.0f), e)));
   }
   for (int64_t i = 8 * vectors; i < n; ++i) {
     const float v = x[i];
-    x[i] = 0.5f * v * (1.0f + std::tanh(0.7978845608028654f * (v + 0.044715f * v * v * v)));
+    y[i] = 0.5f * v * (1.0f + std::tanh(0.7978845608028654f * (v + 0.044715f * v * v * v)));
   }
 }
 
-extern "C" void rows_gelu_tanh(float* x, int64_t n) { gelu_tanh(x, n, 1); }  // the step's GELU, for the tests
+// y = GELU(x) on n values (y may be x) on `threads`: the step's GELU (tests) and the quantized prompt's
+// (modules/gpt2_layer.py).
+extern "C" void rows_gelu_tanh(const float* x, float* y, int64_t n, int threads) {
+  gelu_tanh(x, y, n, threads < 1 ? 1 : threads);
+}
 
 // One head's attention of one query over `length` cached keys and values (rows of `dim`, `cap` rows a head): each
 // score a dot product 8 columns at a time in two accumulators (a scalar sum is one dependent chain of adds, about
@@ -660,7 +664,7 @@ int gpt2_step(const StepLayer* layers, int n_layer, int n_head, int64_t C, float
     for (int64_t i = 0; i < C; ++i) x[i] += h[i];
     layer_norm(x, L.ln2_w, L.ln2_b, eps, C, h);
     if ((err = linear(L.fc, h, f, threads))) return err;
-    gelu_tanh(f, inner, threads);
+    gelu_tanh(f, f, inner, threads);
     if ((err = linear(L.out, f, y, threads))) return err;
     for (int64_t i = 0; i < C; ++i) x[i] += y[i];
   }

@@ -254,15 +254,16 @@ def test_weights_it_copies_to_make_contiguous_live_as_long_as_the_step():
     assert len(litter) == 2 * len(linears)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("form", ["native", "avx2"])
-def test_the_steps_gelu_is_the_tanh_gelu_to_float_rounding(form):
+def test_the_steps_gelu_is_the_tanh_gelu_to_float_rounding(form, threads):
     """Vectorized as v / (1 + exp(-2u)) with a polynomial exp: within 2e-7 relative plus 5e-8 absolute of the exact
     gelu(approximate="tanh") (float64) from -30 to 30, at 0, at huge inputs and on a tail shorter than a vector
     (torch's own fp32 gelu: 1.2e-5 relative, 1.5e-7 absolute on the same points, on the Zen 3 this was written on)."""
     lib = rows._load() if form == "native" else rows.library(rows.AVX2)
     x = torch.cat([torch.linspace(-30, 30, 60001), torch.tensor([0.0, -0.0, 1e-30, -1e-30, 1e4, -1e4, 88.0])])
-    y = x.clone()
-    lib.rows_gelu_tanh(y.data_ptr(), y.numel())  # 60008 values: the last 0 is no whole vector
+    y = torch.empty_like(x)
+    lib.rows_gelu_tanh(x.data_ptr(), y.data_ptr(), y.numel(), threads)  # 60008: the last 0 is no whole vector
     want = torch.nn.functional.gelu(x.double(), approximate="tanh")
     err = (y.double() - want).abs()
     assert (err <= 2e-7 * want.abs() + 5e-8).all(), (x[err.argmax()], err.max())

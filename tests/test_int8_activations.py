@@ -330,28 +330,101 @@ def test_a_quantized_prompt_takes_the_int8_gemm_and_the_switch_turns_it_off(monk
 @needs_prompt
 @torch.no_grad()
 def test_the_prompt_copy_is_made_again_when_the_weights_change_and_cleared_with_the_others():
-    """The packed int8 copy follows its layer's quantized copy (a new weight: a new copy; the same: kept), and
-    quant.clear drops it with them."""
+    """The packed int8 copies follow their layers' quantized copies (a new weight: a new copy; the same: kept; the
+    attention's stacked query / key / value copy: made again when only the key changed), and quant.clear drops them
+    with the others."""
     model = tiny_model()
     ids = torch.randint(0, 97, (1, 12), generator=torch.Generator().manual_seed(6))
     with quantized_weights(model, "w8a8"):
         first = model(ids)["logits"]
-    layer = next(m for m in model.modules() if type(m) is Linear)
-    kept = layer.__dict__["_prompt_cache"]
+    attention = model.gpt.gpt_layers[0].self_attention
+    layer = model.gpt.gpt_layers[0].attention_dense
+    kept, kept_qkv = layer.__dict__["_prompt_cache"], attention.__dict__["_prompt_cache"]
+    assert not any("_prompt_cache" in m.__dict__ for m in (attention.query, attention.key, attention.value))
     with quantized_weights(model, "w8a8"):
         assert torch.equal(model(ids)["logits"], first)
-    assert layer.__dict__["_prompt_cache"] is kept
+    assert layer.__dict__["_prompt_cache"] is kept and attention.__dict__["_prompt_cache"] is kept_qkv
+    attention.key.weight.mul_(0.5)
+    with quantized_weights(model, "w8a8"):
+        second = model(ids)["logits"]
+    assert attention.__dict__["_prompt_cache"] is not kept_qkv and layer.__dict__["_prompt_cache"] is kept
     for p in model.parameters():
         p.mul_(0.5)
     with quantized_weights(model, "w8a8"):
-        second = model(ids)["logits"]
-    assert layer.__dict__["_prompt_cache"] is not kept and not torch.equal(first, second)
+        third = model(ids)["logits"]
+    assert layer.__dict__["_prompt_cache"] is not kept and len({first.sum(), second.sum(), third.sum()}) == 3
     fresh = tiny_model()
     fresh.load_state_dict(model.state_dict())
     with quantized_weights(fresh, "w8a8"):
-        assert torch.equal(fresh(ids)["logits"], second)
-    assert quant.clear(model) >= 3 * 2 * 4  # per layer: the int8 copy and the prompt's, 4 Linears a block
+        assert torch.equal(fresh(ids)["logits"], third)
+    # per block: the 6 layers' int8 copies and 4 of the prompt's (query / key / value stacked, projection, MLP's 2)
+    assert quant.clear(model) == model.config.n_layer * (6 + 4)
     assert not any("_prompt_cache" in m.__dict__ for m in model.modules())
+
+
+@needs_prompt
+@torch.no_grad()
+@pytest.mark.parametrize("mode", ["w8a8", "w4a8"])
+@pytest.mark.parametrize("biases", ["all", "none", "some"])
+def test_the_stacked_query_key_value_product_is_the_three_products_exactly(mode, biases):
+    """One quantization, one GEMM for the three projections: every output the same bits as its own layer's product
+    (integer sums, the same scales), whichever biases the layers have; and a whole model's logits the same with the
+    stacked product as with the three (forward hooks on the projections keep their own calls)."""
+    g = torch.Generator().manual_seed(3)
+    layers = [Linear(64, n, bias=biases == "all" or (biases == "some" and n == 32)) for n in (64, 32, 32)]
+    for m in layers:
+        m.weight.copy_(torch.randn(m.weight.shape, generator=g))
+        if m.bias is not None:
+            m.bias.copy_(torch.randn(m.bias.shape, generator=g))
+    holder = torch.nn.ModuleList(layers)
+    x = torch.randn(2, 11, 64, generator=g)
+    with quantized_weights(holder, mode):
+        stacked = quant.prompt_product(holder, layers, x)
+        each = torch.cat([m(x) for m in layers], dim=-1)
+    assert stacked.shape == (2, 11, 128) and torch.equal(stacked, each)
+    model = tiny_model()
+    for m in model.modules():
+        if type(m) is Linear:
+            m.bias.normal_()
+    ids = torch.randint(0, 97, (1, 12), generator=torch.Generator().manual_seed(4))
+    with quantized_weights(model, mode):
+        fused = model(ids)["logits"]
+    assert all("_prompt_cache" in block.self_attention.__dict__ for block in model.gpt.gpt_layers)
+    query = model.gpt.gpt_layers[0].self_attention.query
+    calls = []
+    hook = query.register_forward_hook(lambda *args: calls.append(1))
+    with quantized_weights(model, mode):
+        assert torch.equal(model(ids)["logits"], fused)
+    hook.remove()
+    assert calls == [1]
+
+
+@needs_prompt
+@torch.no_grad()
+def test_the_quantized_prompts_gelu_runs_in_the_kernel_and_elsewhere_torchs(monkeypatch):
+    """Where the MLP's output product takes the int8 GEMM (a w8a8 / w4a8 prompt), GPT-2's GELU is the rows kernel's
+    (rows.gelu_tanh: a new tensor, the input untouched, within 2e-7 relative + 5e-8 of the exact tanh GELU); one row,
+    weight-only int8, GPT2_PROMPT_INT8=0, autograd and no quantization keep torch's F.gelu exactly."""
+    block = tiny_model().gpt.gpt_layers[0]
+    h = torch.randn(1, 12, block.interm_dense.out_features) * 4
+    before = h.clone()
+    exact = F.gelu(h.double(), approximate="tanh")
+    with quantized_weights(block, "w8a8"):
+        y = block.activation(h)
+        assert torch.equal(block.activation(h[:, :1]), F.gelu(h[:, :1], approximate="tanh"))
+        with torch.enable_grad():
+            assert torch.equal(block.activation(h), F.gelu(h, approximate="tanh"))
+    assert torch.equal(h, before) and torch.equal(y, rows.gelu_tanh(h))
+    assert ((y.double() - exact).abs() <= 2e-7 * exact.abs() + 5e-8).all() and not torch.equal(y, F.gelu(h, approximate="tanh"))
+    with quantized_weights(block, "int8"):
+        assert torch.equal(block.activation(h), F.gelu(h, approximate="tanh"))
+    monkeypatch.setenv(quant.PROMPT_ENV, "0")
+    with quantized_weights(block, "w8a8"):
+        assert torch.equal(block.activation(h), F.gelu(h, approximate="tanh"))
+    assert torch.equal(block.activation(h), F.gelu(h, approximate="tanh"))
+    assert rows.gelu_tanh(h.bfloat16()) is None and rows.gelu_tanh(h.transpose(1, 2)) is None
+    with torch.enable_grad():
+        assert rows.gelu_tanh(h) is None
 
 
 @pytest.mark.parametrize("lo, hi, want", [
@@ -404,22 +477,31 @@ def test_the_prompt_products_say_why_they_do_not_run(monkeypatch):
 
 @needs_prompt
 @torch.no_grad()
-def test_the_prompt_product_is_not_taken_off_the_cpu_or_float32_and_caches_only_its_owners_copy():
-    """None for weight-only copies, bf16 and non-CPU (meta) inputs; an owner whose cached copy is another weight's
-    (or none) gets the product without a cache entry, so a later call cannot read a stale packed copy."""
+def test_the_prompt_product_is_not_taken_off_the_cpu_or_float32_and_caches_only_its_layers_copies():
+    """None for weight-only copies, a layer without a copy, bf16 and non-CPU (meta) inputs, 8 rows or fewer, under
+    autograd; a layer whose quantized copy is not the one kept on it (or none is kept) gets the product without a
+    cache entry on the owner, so a later call cannot read a stale packed copy."""
     owner = torch.nn.Module()
-    w8, other = quantize(torch.randn(24, 64), "w8a8"), quantize(torch.randn(24, 64), "w8a8")
+    layer = Linear(64, 24, bias=False)
+    w8 = quantize(layer.weight, "w8a8")
     x = torch.randn(10, 64)
-    assert quant.prompt_product(owner, quantize(torch.randn(24, 64), "int8"), x, None) is None
-    assert quant.prompt_product(owner, w8, x.bfloat16(), None) is None
-    assert quant.prompt_product(owner, w8, x.to("meta"), None) is None
+    layer.quantized = quantize(layer.weight, "int8")
+    assert quant.prompt_product(owner, (layer,), x) is None
+    layer.quantized = None
+    assert quant.prompt_product(owner, (layer,), x) is None
+    layer.quantized = w8
+    assert quant.prompt_product(owner, (layer,), x.bfloat16()) is None
+    assert quant.prompt_product(owner, (layer,), x.to("meta")) is None
+    assert quant.prompt_product(owner, (layer,), x[:8]) is None
+    with torch.enable_grad():
+        assert quant.prompt_product(owner, (layer,), x) is None
     want = quant.prompt_linear(x, quant.prompt_weight(w8))
-    assert torch.equal(quant.prompt_product(owner, w8, x, None), want) and "_prompt_cache" not in owner.__dict__
-    owner.__dict__["_quantized_cache"] = (("key",), other)  # the owner's copy is another weight's
-    assert torch.equal(quant.prompt_product(owner, w8, x, None), want) and "_prompt_cache" not in owner.__dict__
-    owner.__dict__["_quantized_cache"] = (("key",), w8)
-    assert torch.equal(quant.prompt_product(owner, w8, x, None), want)
-    assert owner.__dict__["_prompt_cache"][0] == ("key",)
+    assert torch.equal(quant.prompt_product(owner, (layer,), x), want) and "_prompt_cache" not in owner.__dict__
+    layer.__dict__["_quantized_cache"] = (("key",), quantize(torch.randn(24, 64), "w8a8"))  # another weight's copy
+    assert torch.equal(quant.prompt_product(owner, (layer,), x), want) and "_prompt_cache" not in owner.__dict__
+    layer.__dict__["_quantized_cache"] = (("key",), w8)
+    assert torch.equal(quant.prompt_product(owner, (layer,), x), want)
+    assert owner.__dict__["_prompt_cache"][0] == (("key",),)
 
 
 def test_a_range_too_small_for_an_fp32_scale_is_not_quantized_even_with_a_float64_default():

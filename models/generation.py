@@ -144,7 +144,7 @@ def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
             prompt_tokens = torch.where(real, input_ids, input_ids[:, -1:])
             seen = torch.zeros(B, model.config.vocab_size, dtype=torch.bool, device=input_ids.device)
             seen.scatter_(1, prompt_tokens, True)
-        cache = body.new_cache(B, T + max_new_tokens)
+        cache = body.new_cache(B, T + max_new_tokens, reuse=True)  # the last call's buffers where it had this shape
         # The prompt goes through the checked forward; each step then takes the lean path (inputs made here).
         hidden = body(input_ids, mask[:, :T], positions[:, :T], cache, use_cache=True)["last_hidden_state"][:, -1]
         pad = pad_token_id if pad_token_id is not None else (eos_token_id if eos_token_id is not None else 0)
@@ -235,6 +235,7 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
         if quantize is not None:
             quantized.enter_context(quantized_weights(model, quantize))
         quantized.enter_context(prepared_rows(model, B))
+        cache = None
         try:
             hidden, cache, positions, key_mask, seen, pad = prefill(model, input_ids, attention_mask, max_new_tokens,
                                                                     repetition_penalty, eos_token_id, pad_token_id)
@@ -271,3 +272,5 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
         finally:
             quantized.close()
             model.train(was_training)
+            if cache is not None:
+                body.keep_cache(cache)  # read by no one now: its buffers serve the next call

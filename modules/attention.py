@@ -28,11 +28,19 @@ class KVCache:
     """
 
     def __init__(self, n_layer: int, batch_size: int, n_head: int, head_dim: int, capacity: int,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
-        """n_head: the key/value heads (fewer than the query heads under grouped-query attention)."""
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 buffers: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """n_head: the key/value heads (fewer than the query heads under grouped-query attention). buffers: keys and
+        values of that shape to use instead of new ones (a finished cache's, GPT2Model.keep_cache)."""
         shape = (n_layer, batch_size, n_head, capacity, head_dim)
-        self.keys = torch.empty(shape, dtype=dtype, device=device)
-        self.values = torch.empty(shape, dtype=dtype, device=device)
+        if buffers is not None:
+            if any(b.shape != shape or b.dtype != dtype for b in buffers):
+                raise ValueError(f"KVCache buffers must be {shape} {dtype}, got "
+                                 f"{[(tuple(b.shape), b.dtype) for b in buffers]}")
+            self.keys, self.values = buffers
+        else:
+            self.keys = torch.empty(shape, dtype=dtype, device=device)
+            self.values = torch.empty(shape, dtype=dtype, device=device)
         self.length = 0  # tokens already stored (same for every layer between forward passes)
         self._spare: tuple[torch.Tensor, torch.Tensor] | None = None  # reorder's target, swapped with the live pair
 

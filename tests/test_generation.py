@@ -454,3 +454,43 @@ def test_a_quantized_decode_head_reads_its_copy_at_batch_1_only(monkeypatch, mod
         odd = GPT2LMHeadModel(tiny_config("h5")).gpt  # n_embd 48: not a multiple of int4's 32
         with pytest.raises(ValueError, match=re.escape("quantize='int4': the LM head: ")):
             decode_lm_head(odd, 1, mode)
+
+
+@pytest.mark.parametrize("lengths", [[7], [6, 2, 4]])
+def test_a_call_reusing_the_last_calls_cache_buffers_poisoned_equals_a_fresh_models(lengths):
+    """generate keeps its KV cache's buffers for the next call of the same shape (GPT2Model.keep_cache): the second
+    call writes every position it reads, so buffers filled with NaN in between change nothing (one prompt: the C++
+    step; a left-padded batch: torch's steps), against a fresh copy of the model, which has no kept buffers. Another
+    shape, an inference-mode call and a cache above KEPT_CACHE_BYTES get new buffers."""
+    from models import gpt2
+
+    config = tiny_config("h3-inner")
+    _, ours = load_pair(config, seed=3)
+    first, mask = padded_batch(lengths, max(lengths), config.vocab_size, "left", seed=5)
+    second, _ = padded_batch(lengths, max(lengths), config.vocab_size, "left", seed=6)
+    ours.generate(first, mask, max_new_tokens=9)
+    keys, values = gpt2._KEPT_CACHES[ours.gpt]
+    keys.fill_(float("nan"))
+    values.fill_(float("nan"))
+    fresh = GPT2LMHeadModel(config).eval()
+    fresh.load_state_dict(ours.state_dict())
+    assert ours.gpt not in gpt2._KEPT_CACHES or gpt2._KEPT_CACHES[ours.gpt][0] is keys
+    made = []
+    new_cache = ours.gpt.new_cache
+    ours.gpt.new_cache = lambda *a, **k: made.append(new_cache(*a, **k)) or made[-1]
+    assert torch.equal(ours.generate(second, mask, max_new_tokens=9), fresh.generate(second, mask, max_new_tokens=9))
+    assert made[-1].keys is keys and made[-1].values is values
+    ours.generate(second, mask, max_new_tokens=5)  # another capacity: new buffers, kept in their place
+    assert made[-1].keys is not keys and gpt2._KEPT_CACHES[ours.gpt][0] is made[-1].keys
+    with torch.inference_mode():  # new buffers (another capacity) made in inference mode: not kept
+        ours.generate(second, mask, max_new_tokens=4)
+    assert made[-1].keys.is_inference() and ours.gpt not in gpt2._KEPT_CACHES
+    assert torch.equal(ours.generate(second, mask, max_new_tokens=5), fresh.generate(second, mask, max_new_tokens=5))
+    gpt2_bytes = gpt2.KEPT_CACHE_BYTES
+    try:
+        gpt2.KEPT_CACHE_BYTES = made[-1].keys.nbytes  # keys and values together are above it
+        gpt2._KEPT_CACHES.clear()
+        ours.generate(second, mask, max_new_tokens=5)
+        assert ours.gpt not in gpt2._KEPT_CACHES
+    finally:
+        gpt2.KEPT_CACHE_BYTES = gpt2_bytes

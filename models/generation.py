@@ -214,9 +214,11 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     fp32 weights; "int4" one scale per 32 inputs of a row (n_embd and every layer's inputs must be multiples of 32),
     about a sixth, read by modules/rows.cpp on x86 CPUs with AVX2 (elsewhere dequantized at each product, with a
     warning: correct, slow). "w8a8" and "w4a8": the same copies, and each product quantizes its input row to int8
-    in blocks of 32 columns and multiplies in integers (faster on AVX2, int4 most; inputs multiples of 32). The
-    prompt and batches keep the model's weights. Outputs are close to the model's own, not identical; int4's further
-    than int8's (the quality of each: docs/cpu-decoding.md).
+    in blocks of 32 columns and multiplies in integers (faster on AVX2, int4 most; inputs multiples of 32), and
+    their prompt (9 tokens or more) takes oneDNN's int8 GEMM; int8 / int4's prompt and batches keep the model's
+    weights. Outputs are close to the model's own, not identical; int4's further than int8's (the quality of each:
+    docs/cpu-decoding.md). The KV cache's buffers are kept on the model for the next call of the same shape
+    (GPT2Model.keep_cache).
     """
     with torch.no_grad():  # in the body: mutmut 3 does not mutate decorated functions
         check_request(model, input_ids, attention_mask, max_new_tokens, repetition_penalty)

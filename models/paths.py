@@ -171,7 +171,8 @@ PATHS: tuple[Path, ...] = (
          lambda: (True, f"generate(quantize='w8a8' or 'w4a8'): the rows kernel's integer products ({_capability()})"),
          ("tests/test_int8_activations.py", "tests/test_quant.py", "tests/test_fast_step.py", "tests/test_paths.py")),
     Path("int8-prompt", "the prompt of generate(quantize='w8a8' / 'w4a8'): oneDNN's int8 GEMM, the activations "
-         "quantized per tensor to 7 bits (modules/quant.py)", quant.PROMPT_ENV, "", "0",
+         "quantized per tensor to 7 bits (modules/quant.py), q / k / v as one GEMM, GELU in the rows kernel",
+         quant.PROMPT_ENV, "", "0",
          quant.prompt_products_why_not, lambda: (True, "w8a8 / w4a8 prompts of 9+ rows: oneDNN's int8 linear runs "
                                                        "here (measured 1.3-2.2x fp32 F.linear on a Zen 3)"),
          ("tests/test_int8_activations.py", "tests/test_paths.py")),

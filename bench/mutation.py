@@ -111,6 +111,17 @@ def prepare(module: str, fresh: bool) -> Path:
         elif src.exists():
             dst.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, dst)
+    # mutmut keeps its own copy of the sources under mutants/ and makes it again for changed .py files only: any
+    # other source (modules/rows.cpp, which the kernel is built from) is refreshed here, or a run after a change to
+    # it would test the new Python against the old kernel (a segfault where a signature changed)
+    copied = work / "mutants"
+    for name in settings["source_paths"]:
+        src = ROOT / name
+        for path in (src.rglob("*") if src.is_dir() else [src]):
+            if path.is_file() and path.suffix not in (".py", ".pyc") and copied.exists():
+                dst = copied / path.relative_to(ROOT)
+                dst.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(path, dst)
     settings = dict(settings, only_mutate=[module], pytest_add_cli_args_test_selection=MODULE_TESTS[module])
     text = (ROOT / "pyproject.toml").read_text().split("[tool.mutmut]")[0]
     text += "[tool.mutmut]\n" + "".join(f"{k} = {toml_value(v)}\n" for k, v in settings.items())

@@ -431,9 +431,8 @@ def prompt_weight(*weights: Int8Weight | Int4Weight) -> PromptWeight:
     """`weights` as the prompt's int8 GEMM reads them, their rows stacked (several layers that take the same input:
     one product): int8 per-row as is, int4 dequantized and quantized to int8."""
     w8 = [w if isinstance(w, Int8Weight) else quantize_int8(w.dequantize()) for w in weights]
-    q = w8[0].q if len(w8) == 1 else torch.cat([w.q for w in w8])
-    scale = w8[0].scale if len(w8) == 1 else torch.cat([w.scale for w in w8])
-    return PromptWeight(torch.ops.onednn.qlinear_prepack(q.contiguous(), None), scale.float().contiguous())
+    q, scale = torch.cat([w.q for w in w8]), torch.cat([w.scale.float() for w in w8])
+    return PromptWeight(torch.ops.onednn.qlinear_prepack(q, None), scale)
 
 
 def prompt_linear(x: torch.Tensor, weight: PromptWeight, bias: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -456,8 +455,7 @@ def prompt_takes(layers: Sequence[nn.Module], x: torch.Tensor) -> bool:
     no gradient, x fp32 on the CPU with more rows than the rows kernel takes, and the GEMM runs here."""
     return (x.dtype == torch.float32 and x.is_cpu and not torch.is_grad_enabled()
             and x.shape[:-1].numel() > row_kernel.MAX_ROWS
-            and all(getattr(layer, "quantized", None) is not None and layer.quantized.int8_activations
-                    for layer in layers)
+            and all(layer.quantized is not None and layer.quantized.int8_activations for layer in layers)
             and prompt_products_why_not() is None)
 
 
@@ -480,12 +478,6 @@ def prompt_product(owner: nn.Module, layers: Sequence[nn.Module], x: torch.Tenso
         cached = (key, prompt_weight(*(layer.quantized for layer in layers)))
         if key is not None:
             owner.__dict__["_prompt_cache"] = cached
-    biases = [layer.bias for layer in layers]
-    if all(b is None for b in biases):
-        bias = None
-    elif len(layers) == 1:
-        bias = biases[0]
-    else:
-        bias = torch.cat([b.detach().float() if b is not None else torch.zeros(layer.out_features)
-                          for b, layer in zip(biases, layers)])
+    bias = None if all(layer.bias is None for layer in layers) else torch.cat(
+        [torch.zeros(layer.out_features) if layer.bias is None else layer.bias.detach().float() for layer in layers])
     return prompt_linear(x, cached[1], bias)

@@ -451,11 +451,13 @@ def prompt_linear(x: torch.Tensor, weight: PromptWeight, bias: torch.Tensor | No
 
 
 def prompt_takes(layers: Sequence[nn.Module], x: torch.Tensor) -> bool:
-    """Whether the prompt's int8 GEMM takes x for `layers` (Linears within quantized_weights): w8a8 / w4a8 copies,
-    no gradient, x fp32 on the CPU with more rows than the rows kernel takes, and the GEMM runs here."""
+    """Whether the prompt's int8 GEMM takes x for `layers` (Linears within quantized_weights; any other module,
+    a LoRA layer, is never taken): w8a8 / w4a8 copies, no gradient, x fp32 on the CPU with more rows than the rows
+    kernel takes, and the GEMM runs here."""
     return (x.dtype == torch.float32 and x.is_cpu and not torch.is_grad_enabled()
             and x.shape[:-1].numel() > row_kernel.MAX_ROWS
-            and all(layer.quantized is not None and layer.quantized.int8_activations for layer in layers)
+            and all(getattr(layer, "quantized", None) is not None and layer.quantized.int8_activations
+                    for layer in layers)  # getattr: a LoRA layer (modules/lora.py) has no quantized copy
             and prompt_products_why_not() is None)
 
 

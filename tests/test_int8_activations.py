@@ -427,6 +427,34 @@ def test_the_quantized_prompts_gelu_runs_in_the_kernel_and_elsewhere_torchs(monk
         assert rows.gelu_tanh(h) is None
 
 
+@needs_prompt
+@torch.no_grad()
+@pytest.mark.parametrize("mode", [None, "w8a8"])
+def test_a_prompt_through_lora_layers_keeps_their_own_products_and_torchs_gelu(mode):
+    """LoRA layers (models/lora.py) have no quantized copy: with adapters on the query and the MLP's output layer, a
+    12-token prompt in eval runs them on their float weights and torch's GELU (an MLP whose output layer is LoRA's is
+    never taken by the int8 GEMM); key and value, without a LoRA query beside them, take the int8 GEMM one by one."""
+    from models.lora import apply_lora
+
+    model = tiny_model()
+    apply_lora(model, rank=4, targets=("query", "out_dense"))
+    model.eval()
+    ids = torch.randint(0, 97, (1, 12), generator=torch.Generator().manual_seed(7))
+    plain = model(ids)["logits"]
+    block = model.gpt.gpt_layers[0]
+    h = torch.randn(1, 12, model.config.n_embd * 4)
+    assert not quant.prompt_takes((block.out_dense,), h)
+    if mode is None:
+        assert torch.equal(block.activation(h), F.gelu(h, approximate="tanh"))
+        return
+    with quantized_weights(model, mode) as layers:
+        assert torch.equal(block.activation(h), F.gelu(h, approximate="tanh"))
+        got = model(ids)["logits"]
+    attention = block.self_attention
+    assert len(layers) == 4 * model.config.n_layer and torch.isfinite(got).all() and not torch.equal(got, plain)
+    assert "_prompt_cache" in attention.key.__dict__ and "_prompt_cache" not in attention.__dict__
+
+
 @pytest.mark.parametrize("lo, hi, want", [
     (0.5, 2.0, (2.0 / 127, 0)),  # all positive: the range widened to 0, zero point 0
     (-2.0, -0.5, (2.0 / 127, 127)),  # all negative: zero point 127

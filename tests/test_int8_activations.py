@@ -545,3 +545,20 @@ def test_a_range_too_small_for_an_fp32_scale_is_not_quantized_even_with_a_float6
             assert quant.quantize_prompt_activations(x) is None
     finally:
         torch.set_default_dtype(before)
+
+
+def test_the_kernels_quantizer_gives_the_same_bits_with_a_float64_default_dtype():
+    """The kernel writes the range as two fp32 values into a buffer that must be fp32 whatever torch's default dtype
+    (a float64 one would read them back as one wrong number): with float64 the default, the kernel's form still
+    equals torch's form bit for bit."""
+    if not rows.available():
+        pytest.skip("the rows kernel cannot be built here")
+    x = torch.randn(12, 64, generator=torch.Generator().manual_seed(8)) * 3 + 0.5
+    want = quant.quantize_prompt_activations(x, lib=False)
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        got = quant.quantize_prompt_activations(x)
+    finally:
+        torch.set_default_dtype(before)
+    assert torch.equal(got[0], want[0]) and got[1:] == want[1:]

@@ -115,10 +115,10 @@ def prepare(module: str, fresh: bool) -> Path:
     # other source (modules/rows.cpp, which the kernel is built from) is refreshed here, or a run after a change to
     # it would test the new Python against the old kernel (a segfault where a signature changed)
     copied = work / "mutants"
-    for name in settings["source_paths"]:
+    for name in settings["source_paths"] if copied.exists() else []:
         src = ROOT / name
         for path in (src.rglob("*") if src.is_dir() else [src]):
-            if path.is_file() and path.suffix not in (".py", ".pyc") and copied.exists():
+            if path.is_file() and path.suffix not in (".py", ".pyc"):
                 dst = copied / path.relative_to(ROOT)
                 dst.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy2(path, dst)

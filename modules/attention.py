@@ -154,6 +154,10 @@ class CausalSelfAttention(nn.Module):
         """The three projections as one product with a packed (C + 2 kv, C) weight -> q, k, v split in heads."""
         y = packed.product(self, "_packed_qkv", x, (self.query.weight, self.key.weight, self.value.weight),
                            (self.query.bias, self.key.bias, self.value.bias))
+        return self.split_qkv(y)
+
+    def split_qkv(self, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The three projections' outputs side by side (B, T, C + 2 kv) -> q, k, v split in heads."""
         kv_size = self.num_key_value_heads * self.attention_head_size
         return tuple(self.split_heads(p) for p in y.split([self.all_head_size, kv_size, kv_size], dim=-1))
 
@@ -166,10 +170,7 @@ class CausalSelfAttention(nn.Module):
         if not all(type(m) is DecodeLinear and not (m._forward_hooks or m._forward_pre_hooks) for m in layers):
             return None
         y = quant.prompt_product(self, layers, x)
-        if y is None:
-            return None
-        kv_size = self.num_key_value_heads * self.attention_head_size
-        return tuple(self.split_heads(p) for p in y.split([self.all_head_size, kv_size, kv_size], dim=-1))
+        return None if y is None else self.split_qkv(y)
 
     def attention(self, key: torch.Tensor, query: torch.Tensor, value: torch.Tensor,
                   attention_mask: torch.Tensor | None) -> torch.Tensor:

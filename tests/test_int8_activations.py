@@ -129,12 +129,17 @@ def test_without_the_kernel_the_product_is_the_reference_expression(monkeypatch,
     assert torch.equal(got, F.linear(quantize_activations(x.view(2, 64)), weight.dequantize(), b).view(2, 1, 24))
 
 
-def tiny_model(seed=0):
+def tiny_model(seed=0, random_biases=False):
+    """random_biases: every Linear's bias drawn from N(0, 1) instead of GPT-2's zeros (a product that dropped its
+    bias would pass against zeros)."""
     torch.manual_seed(seed)
     model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=64, vocab_size=97, n_positions=64)).eval()
     with torch.no_grad():
         for p in model.parameters():
             p.mul_(3)  # sharp logits: greedy tokens that vary
+        for m in model.modules():
+            if random_biases and type(m) is Linear:
+                m.bias.normal_()
     return model
 
 
@@ -293,10 +298,7 @@ def test_a_quantized_prompt_takes_the_int8_gemm_and_the_switch_turns_it_off(monk
     own input (F.linear of prompt_reference(input) by the dequantized int8 weight; w4a8: the int4 weight quantized
     again to int8), and the logits move off the float weights'; one row and weight-only modes untouched;
     GPT2_PROMPT_INT8=0: the float weights' output exactly. A NaN in the input reaches the output as fp32's does."""
-    model = tiny_model()
-    for m in model.modules():
-        if type(m) is Linear:  # tiny_model's biases are zeros: a product that dropped them would pass
-            m.bias.normal_()
+    model = tiny_model(random_biases=True)
     ids = torch.randint(0, 97, (1, 12), generator=torch.Generator().manual_seed(5))
     plain = model(ids)["logits"]
     layers = [m for m in model.modules() if type(m) is Linear]
@@ -382,10 +384,7 @@ def test_the_stacked_query_key_value_product_is_the_three_products_exactly(mode,
         stacked = quant.prompt_product(holder, layers, x)
         each = torch.cat([m(x) for m in layers], dim=-1)
     assert stacked.shape == (2, 11, 128) and torch.equal(stacked, each)
-    model = tiny_model()
-    for m in model.modules():
-        if type(m) is Linear:
-            m.bias.normal_()
+    model = tiny_model(random_biases=True)
     ids = torch.randint(0, 97, (1, 12), generator=torch.Generator().manual_seed(4))
     with quantized_weights(model, mode):
         fused = model(ids)["logits"]

@@ -13,8 +13,9 @@ other processes hits all alike; medians are reported. Each row's greedy tokens a
     python bench/compare_engines.py --busy 1        # with one competing process spinning on a core
     python bench/compare_engines.py --engines ours-fp32 ort-fp32 llama-f32   # a subset
 
-ours-fp32-fixed is ours fp32 with every decode step on --threads threads (GPT2_DECODE_THREADS): the baseline of the
-decode thread choice (models/decode_threads.py), which ours-fp32 runs; the two give a "thread choice" row.
+ours-fp32-fixed is ours fp32 with every decode step and prompt block on --threads threads (GPT2_DECODE_THREADS,
+GPT2_PROMPT_THREADS): the baseline of the thread choice (models/decode_threads.py), which ours-fp32 runs; the two give
+a "thread choice" row.
 
 An engine whose package is missing is skipped with the reason. The exported files are cached under --workdir
 (default ~/.cache/gpt2-cs224n/engines), keyed by the seed; --fresh rebuilds them.
@@ -428,7 +429,7 @@ class Worker:
     def __init__(self, engine: str, model_dir: Path, path: Path | None, threads: int):
         env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
         if engine == FIXED_THREADS:  # every decode step on `threads` threads: the thread choice's baseline
-            env["GPT2_DECODE_THREADS"] = str(threads)
+            env["GPT2_DECODE_THREADS"] = env["GPT2_PROMPT_THREADS"] = str(threads)
         cmd = [sys.executable, __file__, "--worker", engine, "--model-dir", str(model_dir), "--threads", str(threads)]
         if path is not None:
             cmd += ["--path", str(path)]

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from models import fast_step
-from models.decode_threads import DecodeThreads
+from models.decode_threads import PROMPT_ENV, PROMPT_MIN_FLOPS, DecodeThreads
 from modules import rows as row_kernel
 from modules.attention import KVCache
 from modules.linear import blocked_product, prepared_rows, quantized_weights, row_blocks, weight_first
@@ -126,9 +126,10 @@ class Prefill(NamedTuple):
 
 def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, max_new_tokens: int,
             repetition_penalty: float = 1.0, eos_token_id: int | None = None,
-            pad_token_id: int | None = None) -> Prefill:
+            pad_token_id: int | None = None, quantize: str | None = None) -> Prefill:
     """Run a checked, left-padded request's prompts through `model` (in eval mode) into a new KV cache, and set up
-    the masks, positions and repetition-penalty bookkeeping of the decoding steps."""
+    the masks, positions and repetition-penalty bookkeeping of the decoding steps. A long prompt's blocks run on the
+    thread count that timed fastest (prompt_threads; quantize names the weights' form for its memory)."""
     with torch.no_grad():  # in the body: mutmut 3 does not mutate decorated functions
         body = model.gpt
         B, T = input_ids.shape
@@ -146,7 +147,8 @@ def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
             seen.scatter_(1, prompt_tokens, True)
         cache = body.new_cache(B, T + max_new_tokens, reuse=True)  # the last call's buffers where it had this shape
         # The prompt goes through the checked forward; each step then takes the lean path (inputs made here).
-        hidden = body(input_ids, mask[:, :T], positions[:, :T], cache, use_cache=True)["last_hidden_state"][:, -1]
+        with prompt_threads(model, B * T, quantize):
+            hidden = body(input_ids, mask[:, :T], positions[:, :T], cache, use_cache=True)["last_hidden_state"][:, -1]
         pad = pad_token_id if pad_token_id is not None else (eos_token_id if eos_token_id is not None else 0)
         return Prefill(hidden, cache, positions, key_mask, seen, pad)
 
@@ -199,6 +201,29 @@ def closing_threads(model, rows: int, quantize: str | None = None):
         threads.close()
 
 
+@contextlib.contextmanager
+def prompt_threads(model, rows: int, quantize: str | None = None):
+    """Each block of a long prompt's pass (`rows` tokens in all) on the thread count that timed fastest so far: a
+    DecodeThreads stepped by hooks at each block's start and end (models/decode_threads.py); torch's count restored
+    at the end. Prompts whose blocks are too short to time (PROMPT_MIN_FLOPS) and models off the CPU: nothing."""
+    width = model.config.n_embd
+    active = next(model.parameters()).is_cpu and 24 * rows * width * width >= PROMPT_MIN_FLOPS
+    size = 1 << (rows - 1).bit_length()  # rows rounded up to a power of two: one remembered state per size class
+    key = ("prompt", size, quantize, sum(p.numel() for p in model.parameters()))
+    threads = DecodeThreads(key, active=active, env=PROMPT_ENV, work=rows)
+    hooks = []
+    try:
+        if threads.options:
+            for layer in model.gpt.gpt_layers:
+                hooks.append(layer.register_forward_pre_hook(lambda *_: threads.step()))
+                hooks.append(layer.register_forward_hook(lambda *_: threads.stop()))
+        yield threads
+    finally:
+        for hook in hooks:
+            hook.remove()
+        threads.close()
+
+
 def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, max_new_tokens: int = 20,
              do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
              repetition_penalty: float = 1.0, eos_token_id: int | None = None, pad_token_id: int | None = None,
@@ -240,7 +265,8 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
         cache = None
         try:
             hidden, cache, positions, key_mask, seen, pad = prefill(model, input_ids, attention_mask, max_new_tokens,
-                                                                    repetition_penalty, eos_token_id, pad_token_id)
+                                                                    repetition_penalty, eos_token_id, pad_token_id,
+                                                                    quantize)
             out = torch.full((B, T + max_new_tokens), pad, dtype=torch.long, device=input_ids.device)
             out[:, :T] = input_ids
             # one prompt on the CPU, plain GPT-2: each step in one C++ call (models/fast_step.py)

@@ -105,6 +105,13 @@ def _threads_default() -> tuple[bool, str]:
     return False, f"{decode_threads.ENV}={fixed}"
 
 
+def _prompt_threads_default() -> tuple[bool, str]:
+    fixed = decode_threads.fixed_threads(decode_threads.PROMPT_ENV)
+    if fixed is None:
+        return True, "a long prompt's blocks timed per thread count (torch's count, its halves, 1)"
+    return False, f"{decode_threads.PROMPT_ENV}={fixed}"
+
+
 def _rows_take_int8() -> bool:
     """Whether one-row int8 products go to the rows kernel here (it pays for them and it is built)."""
     return row_kernel.pays(torch.int8, 1) and row_kernel.available()
@@ -147,6 +154,9 @@ PATHS: tuple[Path, ...] = (
     Path("decode-threads", "the decode steps' thread count chosen by timing them (models/decode_threads.py)",
          decode_threads.ENV, "auto", "off", lambda: None, _threads_default,
          ("tests/test_decode_threads.py", "tests/test_paths.py")),
+    Path("prompt-threads", "a long prompt's thread count, block by block, chosen by timing the blocks "
+         "(models/decode_threads.py, models/generation.py's prompt_threads)", decode_threads.PROMPT_ENV, "auto", "off",
+         lambda: None, _prompt_threads_default, ("tests/test_decode_threads.py", "tests/test_paths.py")),
     Path("fused-adamw", "AdamW(fused=True) (fit's default on the CPU): one pass per fp32 tensor or bf16 master "
          "(modules/adamw.cpp)", "GPT2_FUSED_ADAMW", "", "0",
          _kernel(adamw, "GPT2_FUSED_ADAMW", "the fused AdamW kernel"),

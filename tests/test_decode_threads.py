@@ -254,3 +254,127 @@ def test_a_remembered_quiet_machine_that_turned_busy_is_left_within_a_few_steps(
     # median, so the others are tried at once and win
     assert history[:2] == [4, 4] and history[2:4] == [2, 1] and history.count(4) <= 3, history
     assert picker.best == 1
+
+
+def test_a_fixed_count_leaves_the_remembered_choice_as_it_was(monkeypatch, threads4):
+    monkeypatch.delenv("GPT2_DECODE_THREADS", raising=False)
+    clock, busy = Clock(monkeypatch), {4: 1.0, 2: 0.6, 1: 0.5}
+    picker = DecodeThreads(key=("k",))
+    clock.run(picker, 20, busy.get)
+    picker.close()
+    assert decode_threads._remembered[("k",)]["best"] == 1
+    monkeypatch.setenv("GPT2_DECODE_THREADS", "2")
+    fixed = DecodeThreads(key=("k",))
+    assert clock.run(fixed, 5, busy.get) == [2] * 5
+    fixed.close()
+    monkeypatch.delenv("GPT2_DECODE_THREADS")
+    again = DecodeThreads(key=("k",))
+    assert again.best == 1 and clock.run(again, 1, busy.get) == [1]
+
+
+def test_stop_ends_a_step_and_times_are_kept_per_unit_of_work(monkeypatch, threads4):
+    monkeypatch.delenv("GPT2_DECODE_THREADS", raising=False)
+    clock, picker = Clock(monkeypatch), DecodeThreads(work=4)
+    picker.step()
+    clock.now += 1.0
+    picker.stop()
+    assert list(picker.times[4]) == [0.25]
+    clock.now += 100.0  # between two steps (a prompt's work outside its blocks): not a step's
+    picker.step()
+    assert list(picker.times[4]) == [0.25] and picker.current == 2
+    clock.now += 1.0
+    picker.stop()
+    picker.stop()  # a second stop records nothing
+    assert list(picker.times[2]) == [0.25] and list(picker.times[4]) == [0.25]
+    assert DecodeThreads(active=False).stop() is None  # an inactive picker: nothing to stop
+
+
+# ---- a long prompt's blocks (models/generation.py's prompt_threads) -------------------------------------------------
+
+def _blocks_on_a_clock(monkeypatch, model, cost):
+    """Each block of `model` costs cost(thread count) simulated seconds; returns the list of each block's count."""
+    clock, counts = Clock(monkeypatch), []
+
+    def block_ran(module, args, output):  # registered first: runs before prompt_threads' own end-of-block hook
+        counts.append(torch.get_num_threads())
+        clock.now += cost(torch.get_num_threads())
+
+    for layer in model.gpt.gpt_layers:
+        layer.register_forward_hook(block_ran)
+    return counts
+
+
+def _deep_tiny():
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(n_layer=6, n_head=2, n_embd=32, vocab_size=97, n_positions=64)).eval()
+
+
+def test_a_long_prompts_blocks_move_to_the_faster_thread_count_and_the_next_prompt_remembers(monkeypatch, threads4):
+    from models import generation
+
+    monkeypatch.delenv("GPT2_PROMPT_THREADS", raising=False)
+    monkeypatch.setattr(generation, "PROMPT_MIN_FLOPS", 0)  # the tiny model's prompt counts as long
+    model, ids = _deep_tiny(), torch.randint(0, 97, (1, 20), generator=torch.Generator().manual_seed(1))
+    counts = _blocks_on_a_clock(monkeypatch, model, {4: 1.0, 2: 0.6, 1: 0.5}.get)  # a core busy: fewer are faster
+    model.generate(ids, max_new_tokens=1)
+    # block 0 runs torch's count, blocks 1 and 2 the untried ones; 1 thread won and runs the rest
+    assert counts == [4, 2, 1, 1, 1, 1], counts
+    assert torch.get_num_threads() == 4
+    assert all(not layer._forward_pre_hooks and len(layer._forward_hooks) == 1 for layer in model.gpt.gpt_layers)
+    counts.clear()
+    model.generate(ids[:, :18], max_new_tokens=1)  # another length of the same size class: goes on from the last
+    # no fresh round of tries: the losers come back FIRST_PERIOD blocks after they lost, counted across the calls
+    assert counts == [1, 1, 1, 1, 4, 2], counts
+    prompt_keys = [k for k in decode_threads._remembered if k[0] == "prompt"]
+    assert len(prompt_keys) == 1 and len(decode_threads._remembered) == 2  # apart from the decode steps' memory
+
+
+def test_a_short_prompt_and_a_fixed_setting_keep_their_count(monkeypatch, threads4):
+    from models import generation
+
+    model, ids = _deep_tiny(), torch.randint(0, 97, (1, 20), generator=torch.Generator().manual_seed(1))
+    counts = _blocks_on_a_clock(monkeypatch, model, {4: 1.0, 2: 0.6, 1: 0.5}.get)
+    monkeypatch.delenv("GPT2_PROMPT_THREADS", raising=False)
+    model.generate(ids, max_new_tokens=1)  # 24 * 20 * 32^2 flops a block: below PROMPT_MIN_FLOPS, not timed
+    assert counts == [4] * 6 and not [k for k in decode_threads._remembered if k[0] == "prompt"]
+    monkeypatch.setattr(generation, "PROMPT_MIN_FLOPS", 0)
+    for setting, expected in (("off", 4), ("2", 2)):
+        monkeypatch.setenv("GPT2_PROMPT_THREADS", setting)
+        counts.clear()
+        model.generate(ids, max_new_tokens=1)
+        assert counts == [expected] * 6 and torch.get_num_threads() == 4, (setting, counts)
+    monkeypatch.setenv("GPT2_PROMPT_THREADS", "two")
+    with pytest.raises(ValueError, match="GPT2_PROMPT_THREADS"):
+        model.generate(ids, max_new_tokens=1)
+
+
+@pytest.mark.parametrize("beams", [1, 3])
+def test_a_prompt_gives_the_same_tokens_at_every_thread_setting(monkeypatch, threads4, beams):
+    from models import generation
+
+    monkeypatch.setattr(generation, "PROMPT_MIN_FLOPS", 0)
+    model, ids = _deep_tiny(), torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(2))
+    outs = {}
+    for setting in ("off", "1", "2", "auto", "auto"):
+        monkeypatch.setenv("GPT2_PROMPT_THREADS", setting)
+        outs[setting] = model.generate(ids, max_new_tokens=8, num_beams=beams)
+    assert all(torch.equal(outs["off"], outs[s]) for s in ("1", "2", "auto"))
+
+
+def test_a_failing_block_restores_the_count_and_removes_the_hooks(monkeypatch, threads4):
+    from models import generation
+
+    monkeypatch.delenv("GPT2_PROMPT_THREADS", raising=False)
+    monkeypatch.setattr(generation, "PROMPT_MIN_FLOPS", 0)
+    model = _deep_tiny()
+    _blocks_on_a_clock(monkeypatch, model, {4: 1.0, 2: 0.6, 1: 0.5}.get)
+
+    def broken(module, args):
+        if torch.get_num_threads() == 1:
+            raise RuntimeError("a block failed")
+
+    model.gpt.gpt_layers[3].register_forward_pre_hook(broken)
+    with pytest.raises(RuntimeError, match="a block failed"):
+        model.generate(torch.randint(0, 97, (1, 20)), max_new_tokens=1)
+    assert torch.get_num_threads() == 4
+    assert [len(layer._forward_pre_hooks) for layer in model.gpt.gpt_layers] == [0, 0, 0, 1, 0, 0]

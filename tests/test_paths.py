@@ -453,3 +453,15 @@ def test_int8_activation_products_run_where_the_rows_kernel_takes_int8_and_else_
     clean_env.setattr(rows, "pays", lambda dtype, n: dtype != torch.int8)
     assert p.runs_here() == why_not
     assert p.state() == {**p.state(), "taken": False, "why": why_not, "can_run": False}
+
+
+def test_a_long_prompts_blocks_are_timed_unless_a_count_is_fixed(clean_env):
+    from models import decode_threads
+
+    default = paths.BY_NAME["prompt-threads"].default_here
+    assert default() == (True, "a long prompt's blocks timed per thread count (torch's count, its halves, 1)")
+    clean_env.setenv("GPT2_PROMPT_THREADS", "off")
+    assert default() == (False, f"{decode_threads.PROMPT_ENV}=off")
+    clean_env.setenv("GPT2_DECODE_THREADS", "1")  # the decode steps' setting is not the prompt's
+    clean_env.setenv("GPT2_PROMPT_THREADS", "auto")
+    assert default()[0] is True

@@ -51,8 +51,9 @@ GGUF_TYPES = {"llama-f32": "f32", "llama-f16": "f16", "llama-q8_0": "q8_0", "lla
 # int4 >= q4_0 (issue 53: each 8-bit and 4-bit form of ours, weight-only and with int8 activations)
 TARGETS = {"ours-fp32": ("ort-fp32", "llama-f32"), "ours-int8": ("ort-int8", "llama-q8_0"),
            "ours-w8a8": ("ort-int8", "llama-q8_0"), "ours-int4": ("llama-q4_0",), "ours-w4a8": ("llama-q4_0",)}
-# issue 53: the decode thread choice (models/decode_threads.py) against the engines' thread count fixed
-# (GPT2_DECODE_THREADS): within 3% of it on a quiet machine; with a core busy, faster than it
+# issue 53: the thread choice (models/decode_threads.py; decode steps, and a long prompt's blocks) against the
+# engines' thread count fixed (GPT2_DECODE_THREADS, GPT2_PROMPT_THREADS): within 3% of its speed on a quiet machine;
+# with a core busy, faster than it
 FIXED_THREADS = "ours-fp32-fixed"
 THREADS_TARGET = {False: 0.97, True: 1.0}  # ours-fp32 / ours-fp32-fixed: quiet, busy
 QUANTIZE = {"ours-int8": "int8", "ours-w8a8": "w8a8", "ours-int4": "int4", "ours-w4a8": "w4a8"}  # generate(quantize=)
@@ -588,6 +589,15 @@ def main() -> None:
                              target="<= the fastest other engine's time", met=seconds[e] <= others[fastest])
             rec.add(f"prefill {args.prefill} {e}{busy}", {e: seconds[e]}, "seconds", engine=e, kind="prefill",
                     build=workers[e].build, busy=args.busy, tokens_in=args.prefill, seconds=pre_times[e], **extra)
+        if "ours-fp32" in seconds and FIXED_THREADS in seconds:  # the prompt's blocks: the same targets as the steps'
+            ratio, goal = seconds[FIXED_THREADS] / seconds["ours-fp32"], THREADS_TARGET[bool(args.busy)]
+            print(f"prompt thread choice: ours-fp32 {ratio:.2f}x the speed of {FIXED_THREADS} ({args.threads} threads "
+                  f"every block); target >= {goal:.2f}x")
+            rec.add(f"prefill {args.prefill} thread choice{busy}", {"ours-fp32": seconds["ours-fp32"],
+                    FIXED_THREADS: seconds[FIXED_THREADS]}, "seconds", ratio=ratio,
+                    ratio_of=f"{FIXED_THREADS} time / ours-fp32 time", met=ratio >= goal, kind="prompt-threads",
+                    target=f">= {goal:.2f}x the speed of {args.threads} threads fixed{busy}", busy=args.busy,
+                    threads=args.threads, tokens_in=args.prefill)
     rec.write()
     print(f"\ndone in {time.perf_counter() - started:.0f} s; load average now "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)

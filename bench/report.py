@@ -402,19 +402,30 @@ def _busy_claim(records: list[dict]) -> tuple[str, list[dict]]:
 
 
 def _threads_claim(records: list[dict]) -> tuple[str, list[dict]]:
-    """Per CPU class: ours fp32 with the decode thread choice against the same with the thread count fixed, quiet and
-    with a busy core (bench/compare_engines.py's "thread choice" rows)."""
+    """Per CPU class: ours fp32 with the thread choice against the same with the thread count fixed, quiet and with
+    a busy core: the decode steps (bench/compare_engines.py's "thread choice" rows) and, where recorded, a long
+    prompt's blocks (its "prompt thread choice" rows)."""
     parts, used = [], []
     for cls in CLASSES:
-        runs = {busy: [r for r in matching(records, bench="compare_engines", cls=cls)
-                       if r.get("kind") == "threads" and bool(r.get("busy")) == busy] for busy in (False, True)}
-        last = {busy: latest(rs) for busy, rs in runs.items() if rs}
-        if not last:
+        found = []
+        for kind, what in (("threads", "decode"), ("prompt-threads", "prompt")):
+            runs = {busy: [r for r in matching(records, bench="compare_engines", cls=cls)
+                           if r.get("kind") == kind and bool(r.get("busy")) == busy] for busy in (False, True)}
+            last = {busy: latest(rs) for busy, rs in runs.items() if rs}
+            if last:
+                texts = [f"{times(r['ratio'])} {'with a core busy' if busy else 'quiet'}"
+                         for busy, r in sorted(last.items())]
+                tokens = next(iter(last.values())).get("tokens_in")
+                found.append((f"{what} {tokens}" if tokens else what, texts, last))
+        if not found:
             continue
-        texts = [f"{times(r['ratio'])} {'with a core busy' if busy else 'quiet'}" for busy, r in sorted(last.items())]
-        threads = next(iter(last.values())).get("threads")
-        parts.append(f"{cls}: " + ", ".join(texts) + f" (against {threads} threads fixed)")
-        used += list(last.values())
+        threads = next(iter(found[0][2].values())).get("threads")
+        if len(found) == 1 and found[0][1] and found[0][0] == "decode":  # (records from before the prompt's choice)
+            parts.append(f"{cls}: " + ", ".join(found[0][1]) + f" (against {threads} threads fixed)")
+        else:
+            parts.append(f"{cls}: " + "; ".join(f"{what} " + ", ".join(texts) for what, texts, _ in found)
+                         + f" (against {threads} threads fixed)")
+        used += [r for _, _, last in found for r in last.values()]
     return "; ".join(parts), used
 
 
@@ -441,7 +452,7 @@ CLAIMS = [
     ("greedy batch 1 against ONNX Runtime and llama.cpp ([engines](docs/cpu-decoding.md#against-the-cpu-engines))",
      _engines_claim),
     ("the same with one core busy (another process spinning on it)", _busy_claim),
-    ("the decode thread choice against a fixed thread count, fp32 batch 1", _threads_claim),
+    ("the thread choice against a fixed thread count, fp32 (decode batch 1; a prompt's blocks)", _threads_claim),
     ("time to first token, 512-token prompt", _ratio_per_class("compare_hf", "ttft p512 fp32")),
     ("bf16 GEMM against fp32 ([machines](docs/performance.md#machines))", _gemm_ratio),
     ("AdamW step over gpt2's 124M parameters ([variants](docs/variants.md#adamw))",

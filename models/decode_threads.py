@@ -24,13 +24,17 @@ within that rounding of a boundary).
 
 GPT2_DECODE_THREADS=off keeps torch's thread count for every step; GPT2_DECODE_THREADS=N uses N threads.
 
-A long prompt's pass is chosen for the same way, one step per block (`prompt_threads`: each block is the same
-products on the same shapes, so a block on one count is a fair trial of another count's): with a core busy, a
-512-token prompt of gpt2 took 1.40 s on 2 threads and 0.95 s on 1 on a 2-core Zen 3 (w8a8; fp32 2.00 s and 1.35 s),
-while on a quiet machine 2 threads are the faster (0.51 s against 0.83 s). What a prompt learnt is remembered per
-(batch, quantize, model size) apart from the decode steps', so the tries of the slower counts back off across calls
-as the steps' do. Only prompts whose blocks are long enough to time (PROMPT_MIN_FLOPS: about a millisecond of
-products) are timed; shorter ones keep torch's count. GPT2_PROMPT_THREADS=off / N / auto, as for the steps.
+A long prompt's pass is chosen for the same way, one step per block (`prompt_threads` in models/generation.py: each
+block is the same products on the same shapes, so a block on one count is a fair trial of another's): with a core
+busy, a 512-token prompt of gpt2 took 1.40 s on 2 threads and 0.95 s on 1 on a 2-core Zen 3 (w8a8; fp32 2.00 s and
+1.35 s), while on a quiet machine 2 threads are the faster (0.51 s against 0.83 s). What the prompts learnt is
+remembered per (rows rounded up to a power of two, quantize, model size) apart from the decode steps', and times are
+kept per row, so prompts of other lengths compare. The prompts' tries start backed off: a count that lost its first
+try waits LONGEST_PERIOD blocks (five gpt2 prompts) for the next, so a quiet machine pays for one slow block in its
+first prompt and about one in 65 after (the decode steps ramp 8, 16, 32, 64); a block of the best count at more than
+twice its recent median (a core turned busy) re-tries the others at once, as for the steps. Only prompts whose blocks
+are long enough to time (PROMPT_MIN_FLOPS: about a millisecond of products) are timed; shorter ones keep torch's
+count. GPT2_PROMPT_THREADS=off / N / auto, as for the steps.
 """
 from __future__ import annotations
 
@@ -77,11 +81,13 @@ class DecodeThreads:
     the coming step: an untried candidate, a due re-try, or the fastest so far (median of its last WINDOW steps)."""
 
     def __init__(self, key: tuple = (), threads: int | None = None, active: bool = True, env: str = ENV,
-                 work: float = 1.0):
+                 work: float = 1.0, first_period: int = FIRST_PERIOD):
         """active=False: a loop whose work is not on the CPU's threads (a CUDA model): step() and close() do nothing.
         env: the variable that fixes the count or turns the choice off (GPT2_PROMPT_THREADS for prompts).
         work: each step's size (a prompt's rows): times are kept per unit of it, so calls of other sizes under the
-        same key compare."""
+        same key compare. first_period: the steps before a candidate that lost its first try is tried again (then
+        doubling up to LONGEST_PERIOD; a candidate that lost its place as the best is re-tried FIRST_PERIOD steps
+        later whatever this is)."""
         self.original = torch.get_num_threads()
         self.work = work
         setting = fixed_threads(env) if active else "off"
@@ -94,7 +100,7 @@ class DecodeThreads:
             self.options = candidates(top)
         self.key = key
         self.times = {n: deque(maxlen=WINDOW) for n in self.options}
-        self.period = dict.fromkeys(self.options, FIRST_PERIOD)
+        self.period = dict.fromkeys(self.options, first_period)
         self.due = dict.fromkeys(self.options, 0)  # the step at which each candidate is next tried
         self.best = self.options[0] if self.options else None
         memory = _remembered.get(key)

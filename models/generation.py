@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from models import fast_step
-from models.decode_threads import PROMPT_ENV, PROMPT_MIN_FLOPS, DecodeThreads
+from models.decode_threads import LONGEST_PERIOD, PROMPT_ENV, PROMPT_MIN_FLOPS, DecodeThreads
 from modules import rows as row_kernel
 from modules.attention import KVCache
 from modules.linear import blocked_product, prepared_rows, quantized_weights, row_blocks, weight_first
@@ -210,7 +210,7 @@ def prompt_threads(model, rows: int, quantize: str | None = None):
     active = next(model.parameters()).is_cpu and 24 * rows * width * width >= PROMPT_MIN_FLOPS
     size = 1 << (rows - 1).bit_length()  # rows rounded up to a power of two: one remembered state per size class
     key = ("prompt", size, quantize, sum(p.numel() for p in model.parameters()))
-    threads = DecodeThreads(key, active=active, env=PROMPT_ENV, work=rows)
+    threads = DecodeThreads(key, active=active, env=PROMPT_ENV, work=rows, first_period=LONGEST_PERIOD)
     hooks = []
     try:
         if threads.options:

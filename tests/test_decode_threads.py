@@ -378,3 +378,17 @@ def test_a_failing_block_restores_the_count_and_removes_the_hooks(monkeypatch, t
         model.generate(torch.randint(0, 97, (1, 20)), max_new_tokens=1)
     assert torch.get_num_threads() == 4
     assert [len(layer._forward_pre_hooks) for layer in model.gpt.gpt_layers] == [0, 0, 0, 1, 0, 0]
+
+
+def test_a_quiet_machines_prompts_try_the_slower_counts_once_then_every_longest_period(monkeypatch, threads4):
+    from models import generation
+
+    monkeypatch.delenv("GPT2_PROMPT_THREADS", raising=False)
+    monkeypatch.setattr(generation, "PROMPT_MIN_FLOPS", 0)
+    model, ids = _deep_tiny(), torch.randint(0, 97, (1, 20), generator=torch.Generator().manual_seed(1))
+    counts = _blocks_on_a_clock(monkeypatch, model, {4: 0.25, 2: 0.5, 1: 1.0}.get)  # quiet: all threads fastest
+    for _ in range(20):  # 120 blocks
+        model.generate(ids, max_new_tokens=1)
+    slower = [i for i, n in enumerate(counts) if n != 4]
+    # blocks 1 and 2 try the others (block 0 may pay for what the call builds); each lost and waits LONGEST_PERIOD
+    assert slower[:2] == [1, 2] and slower[2] >= 2 + decode_threads.LONGEST_PERIOD and len(slower) == 4, slower

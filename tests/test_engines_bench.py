@@ -149,3 +149,11 @@ def test_the_thread_choice_claim_gives_quiet_and_busy_ratios_per_class():
     text, used = report._threads_claim([_threads_record(0.99, 0), _threads_record(2.5, 1)])
     assert text == "AVX2: 0.99x quiet, 2.50x with a core busy (against 2 threads fixed)" and len(used) == 2
     assert report._threads_claim([_record("ours-fp32", "decode", 40.0)]) == ("", [])
+
+
+def test_the_thread_choice_claim_adds_the_prompts_blocks_where_recorded():
+    prompt = [{**_threads_record(ratio, busy), "kind": "prompt-threads", "tokens_in": 512}
+              for ratio, busy in ((0.98, 0), (1.6, 1))]
+    text, used = report._threads_claim([_threads_record(1.02, 0), _threads_record(1.5, 1), *prompt])
+    assert text == ("AVX2: decode 1.02x quiet, 1.50x with a core busy; prompt 512 0.98x quiet, 1.60x with a core "
+                    "busy (against 2 threads fixed)") and len(used) == 4

@@ -138,9 +138,10 @@ class DecodeThreads:
         return statistics.median(self.times[n]) if self.times[n] else float("inf")
 
     def _record(self, n: int, seconds: float) -> None:
+        if self.steps <= 1:
+            return  # the call's first step pays for what the call builds (copies, kernels, caches): no count's time
         if n == self.best:
-            # (not the call's first step, which may pay for what the call builds)
-            if self.steps > 1 and self.times[n] and seconds > 2 * self._median(n):
+            if self.times[n] and seconds > 2 * self._median(n):
                 self.due = dict.fromkeys(self.options, self.steps)  # the machine changed: re-try the others now
             self.times[n].append(seconds)
             return
@@ -155,7 +156,7 @@ class DecodeThreads:
 
     def _choose(self) -> int:
         if self.steps == 0 or len(self.options) == 1:
-            return self.best  # the first step also pays for anything the call builds: not a fair trial
+            return self.best  # the first step also pays for anything the call builds: not a trial (nor recorded)
         for n in self.options:
             if n != self.best and not self.times[n] and self.times[self.best]:
                 return n  # untried, once the best has a time to be compared with

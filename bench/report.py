@@ -476,7 +476,7 @@ CLAIMS = [
              lambda r: f"acc {_v(r, 'SST-5 acc', '{:.3f}')} / {_v(r, 'CFIMDB acc', '{:.3f}')} / "
                        f"{_v(r, 'Quora acc', '{:.3f}')} (the pipeline end to end, not the course's numbers)")),
     ("LoRA r=8 vs full fine-tuning, gpt2 ([lora](docs/lora.md))",
-     _latest("lora", "gpt2 LoRA r=8 vs full fine-tuning, 8 x 128",
+     _latest("lora", "gpt2 LoRA r=8 vs full fine-tuning, 8 x 64",
              lambda r: f"{100 * r['ratio']:.2f}% of the gradient + AdamW memory; step "
                        f"{r['values']['step s full'] / r['values']['step s LoRA']:.2f}x faster")),
     ("the lecture's losses, `--preset lecture` ([learning path](docs/learning-path.md))",

@@ -471,10 +471,6 @@ CLAIMS = [
     ("sonnets, dev chrF ([tasks](docs/tasks.md#sonnet-generation))",
      _latest("tasks", "sonnets, dev chrF, 4 x 256 BPE model pretrained here",
              lambda r: f"{_v(r, 'chrF', '{:.2f}')} ({r['notes']})")),
-    ("SST-5 / CFIMDB / Quora dev, small random-init models ([tasks](docs/tasks.md))",
-     _latest("tasks", "SST-5 / CFIMDB / Quora dev, small random-init models",
-             lambda r: f"acc {_v(r, 'SST-5 acc', '{:.3f}')} / {_v(r, 'CFIMDB acc', '{:.3f}')} / "
-                       f"{_v(r, 'Quora acc', '{:.3f}')} (the pipeline end to end, not the course's numbers)")),
     ("LoRA r=8 vs full fine-tuning, gpt2 ([lora](docs/lora.md))",
      _latest("lora", "gpt2 LoRA r=8 vs full fine-tuning, 8 x 64",
              lambda r: f"{100 * r['ratio']:.2f}% of the gradient + AdamW memory; step "

@@ -182,8 +182,9 @@ def test_a_losing_candidate_is_retried_at_doubling_intervals_up_to_the_longest(m
 def test_a_tie_keeps_the_best_and_a_win_resets_the_winners_times_and_soon_retries_the_loser(monkeypatch, threads4):
     monkeypatch.delenv("GPT2_DECODE_THREADS", raising=False)
     clock, picker = Clock(monkeypatch), DecodeThreads()
-    clock.run(picker, 40, {4: 0.25, 2: 0.25, 1: 0.25}.get)  # as fast as the best is no win
-    assert picker.best == 4
+    tied = clock.run(picker, 40, {4: 0.25, 2: 0.25, 1: 0.25}.get)  # as fast as the best is no win
+    # the best throughout: each other count is tried at steps 2-3 and once more after its 16 steps, nothing else
+    assert picker.best == 4 and len(tied) - tied.count(4) == 4, tied
     clock.run(picker, 20, {4: 0.25, 2: 0.5, 1: 0.5}.get)
     fast = {4: 0.25, 2: 0.5, 1: 0.125}
     history = clock.run(picker, 70, fast.get)
@@ -398,3 +399,49 @@ def test_a_quiet_machines_prompts_try_the_slower_counts_once_then_every_longest_
     # blocks 2 and 3 try the others (block 0 may pay for what the call builds, block 1 is the time to beat); each
     # lost and waits LONGEST_PERIOD blocks, counted across the prompts
     assert slower[:2] == [2, 3] and slower[2] >= 3 + decode_threads.LONGEST_PERIOD and len(slower) == 4, slower
+
+
+def test_with_two_candidates_the_other_is_tried_wins_and_is_remembered(monkeypatch):
+    old = torch.get_num_threads()
+    decode_threads._remembered.clear()
+    try:
+        torch.set_num_threads(2)
+        monkeypatch.delenv("GPT2_DECODE_THREADS", raising=False)
+        clock, busy = Clock(monkeypatch), {2: 1.0, 1: 0.5}
+        picker = DecodeThreads(key=("two",))
+        assert picker.options == [2, 1] and clock.run(picker, 4, busy.get) == [2, 2, 1, 1]
+        picker.close()
+        assert decode_threads._remembered[("two",)]["best"] == 1
+    finally:
+        torch.set_num_threads(old)
+        decode_threads._remembered.clear()
+
+
+def test_a_calls_first_step_runs_the_best_even_when_another_is_due(monkeypatch, threads4):
+    monkeypatch.delenv("GPT2_DECODE_THREADS", raising=False)
+    clock, cost = Clock(monkeypatch), {4: 0.25, 2: 0.5, 1: 1.0}
+    first = DecodeThreads(key=("k",))
+    clock.run(first, 19, cost.get)  # 2 lost at step 2 and is due again at step 19: the next call's first step
+    first.close()
+    assert decode_threads._remembered[("k",)]["due_in"][2] == 0
+    picker = DecodeThreads(key=("k",))
+    assert clock.run(picker, 2, cost.get) == [4, 2]  # step 0 pays for what the call builds: the due try waits
+
+
+def test_an_inactive_or_fixed_picker_leaves_a_count_set_during_the_loop(monkeypatch, threads4):
+    for picker in (DecodeThreads(active=False), DecodeThreads(threads=1)):
+        torch.set_num_threads(2)  # the loop's own work changed torch's count
+        picker.close()
+        assert torch.get_num_threads() == 2
+        torch.set_num_threads(4)
+
+
+def test_a_steps_time_is_kept_per_unit_of_work(monkeypatch, threads4):
+    monkeypatch.delenv("GPT2_DECODE_THREADS", raising=False)
+    clock, picker = Clock(monkeypatch), DecodeThreads(work=4)
+    picker.step()
+    clock.now += 8.0
+    picker.step()  # step 0's time: not recorded
+    clock.now += 1.0
+    picker.step()
+    assert list(picker.times[4]) == [0.25]

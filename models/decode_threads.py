@@ -50,7 +50,7 @@ PROMPT_ENV = "GPT2_PROMPT_THREADS"
 PROMPT_MIN_FLOPS = 5e8  # a prompt block's products (24 * rows * n_embd^2 flops) below this keep torch's count
 FIRST_PERIOD, LONGEST_PERIOD = 8, 64  # steps between re-tries of a candidate: after a win, and at most
 WINDOW = 3  # the recent steps per candidate whose median is compared
-_remembered: dict[tuple, dict] = {}  # (batch, quantize, parameters) -> the state the last call ended with
+_remembered: dict[tuple, dict] = {}  # a loop's key (decode: rows, quantize, parameters) -> the state its last call left
 
 
 def candidates(threads: int) -> list[int]:

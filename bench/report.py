@@ -420,7 +420,7 @@ def _threads_claim(records: list[dict]) -> tuple[str, list[dict]]:
         if not found:
             continue
         threads = next(iter(found[0][2].values())).get("threads")
-        if len(found) == 1 and found[0][1] and found[0][0] == "decode":  # (records from before the prompt's choice)
+        if [what for what, _, _ in found] == ["decode"]:  # (records from before the prompt's choice)
             parts.append(f"{cls}: " + ", ".join(found[0][1]) + f" (against {threads} threads fixed)")
         else:
             parts.append(f"{cls}: " + "; ".join(f"{what} " + ", ".join(texts) for what, texts, _ in found)

@@ -116,9 +116,7 @@ class DecodeThreads:
     def step(self) -> None:
         if not self.options:
             return
-        now = time.perf_counter()
-        if self.last is not None and self.current is not None:
-            self._record(self.current, (now - self.last) / self.work)
+        self._end_step()
         n = self._choose()
         if n != torch.get_num_threads():
             torch.set_num_threads(n)
@@ -130,9 +128,13 @@ class DecodeThreads:
     def stop(self) -> None:
         """End the running step here: its time is recorded, and the next step() records nothing before it (a
         prompt's block hooks: the work between two blocks is not a block's)."""
-        if self.options and self.last is not None and self.current is not None:
-            self._record(self.current, (time.perf_counter() - self.last) / self.work)
+        self._end_step()
         self.last = None
+
+    def _end_step(self) -> None:
+        """Record the running step's time (per unit of work) against its count; nothing before the first step."""
+        if self.last is not None and self.current is not None:
+            self._record(self.current, (time.perf_counter() - self.last) / self.work)
 
     def _median(self, n: int) -> float:
         return statistics.median(self.times[n]) if self.times[n] else float("inf")

@@ -98,18 +98,14 @@ def _step_runs() -> str | None:
     return _rows_runs()
 
 
-def _threads_default() -> tuple[bool, str]:
-    fixed = decode_threads.fixed_threads()
-    if fixed is None:
-        return True, "decode steps timed per thread count (torch's count, its halves, 1)"
-    return False, f"{decode_threads.ENV}={fixed}"
-
-
-def _prompt_threads_default() -> tuple[bool, str]:
-    fixed = decode_threads.fixed_threads(decode_threads.PROMPT_ENV)
-    if fixed is None:
-        return True, "a long prompt's blocks timed per thread count (torch's count, its halves, 1)"
-    return False, f"{decode_threads.PROMPT_ENV}={fixed}"
+def _timed_threads(env: str, what: str) -> Callable[[], tuple[bool, str]]:
+    """The default of a thread choice (models/decode_threads.py) that `env` can fix or turn off."""
+    def default() -> tuple[bool, str]:
+        fixed = decode_threads.fixed_threads(env)
+        if fixed is None:
+            return True, f"{what} timed per thread count (torch's count, its halves, 1)"
+        return False, f"{env}={fixed}"
+    return default
 
 
 def _rows_take_int8() -> bool:
@@ -152,11 +148,12 @@ PATHS: tuple[Path, ...] = (
          fast_step.ENV, "", "0", _step_runs, lambda: (True, "batch 1, fp32, plain GPT-2 blocks"),
          ("tests/test_fast_step.py", "tests/test_paths.py")),
     Path("decode-threads", "the decode steps' thread count chosen by timing them (models/decode_threads.py)",
-         decode_threads.ENV, "auto", "off", lambda: None, _threads_default,
+         decode_threads.ENV, "auto", "off", lambda: None, _timed_threads(decode_threads.ENV, "decode steps"),
          ("tests/test_decode_threads.py", "tests/test_paths.py")),
     Path("prompt-threads", "a long prompt's thread count, block by block, chosen by timing the blocks "
          "(models/decode_threads.py, models/generation.py's prompt_threads)", decode_threads.PROMPT_ENV, "auto", "off",
-         lambda: None, _prompt_threads_default, ("tests/test_decode_threads.py", "tests/test_paths.py")),
+         lambda: None, _timed_threads(decode_threads.PROMPT_ENV, "a long prompt's blocks"),
+         ("tests/test_decode_threads.py", "tests/test_paths.py")),
     Path("fused-adamw", "AdamW(fused=True) (fit's default on the CPU): one pass per fp32 tensor or bf16 master "
          "(modules/adamw.cpp)", "GPT2_FUSED_ADAMW", "", "0",
          _kernel(adamw, "GPT2_FUSED_ADAMW", "the fused AdamW kernel"),

@@ -401,20 +401,13 @@ def test_a_quiet_machines_prompts_try_the_slower_counts_once_then_every_longest_
     assert slower[:2] == [2, 3] and slower[2] >= 3 + decode_threads.LONGEST_PERIOD and len(slower) == 4, slower
 
 
-def test_with_two_candidates_the_other_is_tried_wins_and_is_remembered(monkeypatch):
-    old = torch.get_num_threads()
-    decode_threads._remembered.clear()
-    try:
-        torch.set_num_threads(2)
-        monkeypatch.delenv("GPT2_DECODE_THREADS", raising=False)
-        clock, busy = Clock(monkeypatch), {2: 1.0, 1: 0.5}
-        picker = DecodeThreads(key=("two",))
-        assert picker.options == [2, 1] and clock.run(picker, 4, busy.get) == [2, 2, 1, 1]
-        picker.close()
-        assert decode_threads._remembered[("two",)]["best"] == 1
-    finally:
-        torch.set_num_threads(old)
-        decode_threads._remembered.clear()
+def test_with_two_candidates_the_other_is_tried_wins_and_is_remembered(monkeypatch, threads4):
+    monkeypatch.delenv("GPT2_DECODE_THREADS", raising=False)
+    clock, busy = Clock(monkeypatch), {2: 1.0, 1: 0.5}
+    picker = DecodeThreads(key=("two",), threads=2)
+    assert picker.options == [2, 1] and clock.run(picker, 4, busy.get) == [2, 2, 1, 1]
+    picker.close()
+    assert decode_threads._remembered[("two",)]["best"] == 1 and torch.get_num_threads() == 4
 
 
 def test_a_calls_first_step_runs_the_best_even_when_another_is_due(monkeypatch, threads4):

@@ -363,9 +363,9 @@ def test_the_decode_threads_are_timed_unless_a_count_is_fixed(clean_env):
     from models import decode_threads
 
     default = paths.BY_NAME["decode-threads"].default_here
-    clean_env.setattr(decode_threads, "fixed_threads", lambda: None)
+    clean_env.setattr(decode_threads, "fixed_threads", lambda env: None)
     assert default() == (True, "decode steps timed per thread count (torch's count, its halves, 1)")
-    clean_env.setattr(decode_threads, "fixed_threads", lambda: 2)
+    clean_env.setattr(decode_threads, "fixed_threads", lambda env: 2)
     assert default() == (False, f"{decode_threads.ENV}=2")
 
 

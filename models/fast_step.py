@@ -86,6 +86,8 @@ class FastStep:
         body, config = model.gpt, model.config
         quantized = body.gpt_layers[0].self_attention.query.quantized  # the same kind for every layer
         kind = {Int8Weight: "int8", Int4Weight: "int4"}.get(type(quantized), "fp32")
+        if kind != "fp32" and quantized.int8_activations:  # w8a8 / w4a8: the plan times those products apart
+            kind = {"int8": "w8a8", "int4": "w4a8"}[kind]
         self.lib = lib or row_kernel.library_step(kind)  # the kernel's form the plan chose for it (modules/rows.py)
         self.body, self.cache = body, cache
         self.keep: list[torch.Tensor] = []  # every tensor a pointer below points into

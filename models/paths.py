@@ -135,6 +135,15 @@ def _a8_runs() -> str | None:
             "dequantized weight)")
 
 
+def _a8_default() -> tuple[bool, str]:
+    what = f"generate(quantize='w8a8' or 'w4a8'): the rows kernel's integer products ({_capability()}"
+    if not _rows_take_int8():
+        return True, what + ")"
+    forms = {kind: row_kernel.plan()["forms"].get(kind, "native") for kind in ("w8a8", "w4a8")}
+    codes = {kind: "VNNI" if row_kernel.library_for(kind).rows_vnni() else "vpmaddubsw" for kind in forms}
+    return True, what + ": " + ", ".join(f"{kind} {forms[kind]} build, {codes[kind]}" for kind in forms) + ")"
+
+
 PATHS: tuple[Path, ...] = (
     Path("packed-bf16", "bf16 Linear of 64+ rows without gradients (evaluation, prompts): oneDNN-packed weights kept "
          "per layer (modules/packed.py)", packed.ENV, "force", "0", _packed_runs, _packed_default,
@@ -173,9 +182,9 @@ PATHS: tuple[Path, ...] = (
          "", "generate(..., quantize='int4')", "quantize=None", _rows_runs,
          lambda: (True, "generate(quantize='int4'): the rows kernel"), ("tests/test_quant.py", "tests/test_paths.py")),
     Path("int8-activations", "generate(quantize='w8a8' / 'w4a8'): int8/int4 copies times activations quantized to "
-         "int8 per 32 columns, integer products in the rows kernel (vpmaddubsw)", "",
-         "generate(..., quantize='w8a8')", "quantize='int8' (weight-only)", _a8_runs,
-         lambda: (True, f"generate(quantize='w8a8' or 'w4a8'): the rows kernel's integer products ({_capability()})"),
+         "int8 per 32 columns, integer products in the rows kernel (VNNI's vpdpbusd in the native build of an "
+         "AVX512-VNNI CPU, vpmaddubsw otherwise: GPT2_DECODE_PLAN=avx2 takes that one there)", "",
+         "generate(..., quantize='w8a8')", "quantize='int8' (weight-only)", _a8_runs, _a8_default,
          ("tests/test_int8_activations.py", "tests/test_quant.py", "tests/test_fast_step.py", "tests/test_paths.py")),
     Path("int8-prompt", "the prompt of generate(quantize='w8a8' / 'w4a8'): oneDNN's int8 GEMM, the activations "
          "quantized per tensor to 7 bits (modules/quant.py), q / k / v as one GEMM, GELU in the rows kernel",

@@ -298,14 +298,25 @@ static int dispatch(int64_t rows, const float* x, int64_t in, W w, const float* 
 // a pair at most 32512; int4: w + 8 <= 15); the block's 32-bit sum is converted once and multiplied by d (and by
 // int4's group scale); int8's per-row scale is applied once at the end. So the result is the fp32 product of the
 // quantized activations and the dequantized weights, to float rounding. Written with 256-bit integer operations
-// only: the same code in the native build of an AVX512 CPU (which has AVX2); VNNI's vpdpbusd would fuse the two
-// multiplies there (not measured: no such CPU at hand when this was written).
+// only, except where the CPU has AVX512-VNNI (the native build of an Ice Lake or later Xeon, a Zen 4): there
+// vpdpbusd does the unsigned x signed multiply and the adds into 32-bit lanes in one instruction, with no 16-bit
+// step, and the blocks go two at a time through 512-bit registers (ROWS_VNNI below). The AVX2 build of the same CPU
+// (GPT2_DECODE_PLAN=avx2, the tests' second form) keeps the vpmaddubsw code, so both are tested on such a machine.
 constexpr int64_t kQBlock = 32;  // activation columns per scale
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define ROWS_VNNI 1
+#endif
 
 struct QuantRows {  // B rows of `in` activations, quantized
   std::vector<int8_t> q;   // (B, in)
   std::vector<float> d;    // (B, in / 32): each block's scale
   std::vector<int32_t> s;  // (B, in / 32): each block's sum of q (int4 takes 8 x it off)
+#ifdef ROWS_VNNI
+  // (B, in / 64, 16): for each pair of blocks (2p, 2p + 1), lanes 0-7 block 2p's and 8-15 block 2p + 1's d and -s,
+  // the 512-bit products' per-lane scale and int4's starting sums (made once per call, read for every weight row)
+  std::vector<float> dpair;
+  std::vector<int32_t> spair;
+#endif
 };
 
 static void quantize_rows(const float* x, int64_t rows, int64_t in, QuantRows& out) {
@@ -343,6 +354,18 @@ static void quantize_rows(const float* x, int64_t rows, int64_t in, QuantRows& o
     s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
     out.s[b] = _mm_cvtsi128_si32(s4);
   }
+#ifdef ROWS_VNNI
+  const int64_t pairs = blocks / 2;
+  out.dpair.resize(rows * pairs * 16);
+  out.spair.resize(rows * pairs * 16);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t p = 0; p < pairs; ++p)
+      for (int lane = 0; lane < 16; ++lane) {
+        const int64_t k = r * blocks + 2 * p + lane / 8;
+        out.dpair[(r * pairs + p) * 16 + lane] = out.d[k];
+        out.spair[(r * pairs + p) * 16 + lane] = -out.s[k];
+      }
+#endif
 }
 
 // 32 int8 weights times 32 int8 activations -> 8 lanes of 32-bit sums: vpmaddubsw wants an unsigned operand, so
@@ -350,8 +373,12 @@ static void quantize_rows(const float* x, int64_t rows, int64_t in, QuantRows& o
 static inline __m256i dot32(const int8_t* w, const int8_t* qx) {
   const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
   const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx));
+#ifdef ROWS_VNNI
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv));
+#else
   const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv));
   return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+#endif
 }
 
 // An int4 block (16 bytes, Int4's layout) times 32 int8 activations: the nibbles plus 8 (0..15: XOR 0x88 flips
@@ -362,7 +389,11 @@ static inline __m256i dot32_int4(const uint8_t* block, const int8_t* qx, int32_t
                                     _mm_set1_epi8(static_cast<char>(0x88)));
   const __m256i w = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(0x0F));
   const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx));
+#ifdef ROWS_VNNI
+  const __m256i sums = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, xv);
+#else
   const __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(w, xv), _mm256_set1_epi16(1));
+#endif
   return _mm256_sub_epi32(sums, _mm256_set1_epi32(qsum));
 }
 
@@ -425,6 +456,106 @@ static inline float qrow_dot(const QuantRows& x, int64_t b, int64_t in, Int4 wei
   return hsum256(_mm256_add_ps(a0, a1));
 }
 
+#ifdef ROWS_VNNI
+// With VNNI, weight row o times all R input rows at once, two blocks (64 columns) a step in 512-bit registers:
+// the weight's 64 values are prepared once a step and multiplied into each row's accumulator (lanes 0-7 block 2p,
+// 8-15 block 2p + 1, each lane's 32-bit sum converted and scaled by its block's d); an odd last block goes through
+// the 256-bit dot32 / dot32_int4 above. int8: AVX512 has no vpsignb, so |w| (vpabsb: -128 gives 0x80, 128
+// unsigned) times qx with w's sign moved onto it by a masked negation (qx is in -127..127, so -qx fits).
+template <int R>
+static void qrows(const QuantRows& x, int64_t in, Dense<int8_t> weight, int64_t o, const float* bias, float* y,
+                  int64_t out) {
+  const int64_t blocks = in / kQBlock, pairs = blocks / 2;
+  const int8_t* row = weight.w + o * in;
+  __m512 acc[R];
+  for (int b = 0; b < R; ++b) acc[b] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < pairs; ++p) {  // 64 bytes (one line) a step: the line kLinear bytes on prefetched
+    _mm_prefetch(reinterpret_cast<const char*>(row + 64 * p) + kLinear, _MM_HINT_T0);
+    const __m512i wv = _mm512_loadu_si512(row + 64 * p);
+    const __m512i magnitude = _mm512_abs_epi8(wv);
+    const __mmask64 negative = _mm512_movepi8_mask(wv);
+    for (int b = 0; b < R; ++b) {
+      const __m512i xv = _mm512_loadu_si512(x.q.data() + b * in + 64 * p);
+      const __m512i sums = _mm512_dpbusd_epi32(_mm512_setzero_si512(), magnitude,
+                                               _mm512_mask_sub_epi8(xv, negative, _mm512_setzero_si512(), xv));
+      acc[b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_loadu_ps(x.dpair.data() + (b * pairs + p) * 16),
+                               acc[b]);
+    }
+  }
+  for (int b = 0; b < R; ++b) {
+    float sum = _mm512_reduce_add_ps(acc[b]);
+    if (blocks & 1) {
+      const int64_t k = blocks - 1;
+      sum += hsum256(_mm256_cvtepi32_ps(dot32(row + k * kQBlock, x.q.data() + b * in + k * kQBlock))) *
+             x.d[b * blocks + k];
+    }
+    y[b * out + o] = sum * weight.scale[o] + (bias ? bias[o] : 0.0f);
+  }
+}
+
+// int4: a pair of blocks is 32 bytes; each 16-byte block duplicated into two 128-bit lanes (vpermq), the second
+// copy shifted down 4 bits (vpsrlvw), then low nibbles kept and their top bit flipped in one vpternlogd ((a & 0x0F)
+// ^ 0x08): lanes of 16 values, block 2p's low nibbles, its high ones, then block 2p + 1's, the columns' order, each
+// plus 8. Each row's sums start at -sum(qx) a lane (8 lanes: 8 x sum(qx) a block, taken off in the same vpdpbusd),
+// are converted and scaled by d times the group's scale.
+static inline __m512i int4_pair(const uint8_t* p) {
+  const __m512i dup = _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 1, 0, 1, 2, 3, 2, 3),
+                                               _mm512_castsi256_si512(_mm256_loadu_si256(
+                                                   reinterpret_cast<const __m256i*>(p))));
+  const __m512i shifted = _mm512_srlv_epi16(dup, _mm512_setr_epi64(0, 0, 0x0004000400040004LL, 0x0004000400040004LL,
+                                                                    0, 0, 0x0004000400040004LL, 0x0004000400040004LL));
+  return _mm512_ternarylogic_epi32(shifted, _mm512_set1_epi8(0x0F), _mm512_set1_epi8(0x08), 0x6A);
+}
+
+template <int R>
+static void qrows(const QuantRows& x, int64_t in, Int4 weight, int64_t o, const float* bias, float* y,
+                  int64_t out) {
+  const int64_t blocks = in / kQBlock, pairs = blocks / 2, per_group = weight.group / kQBlock;
+  const int64_t groups = in / weight.group;
+  const uint8_t* row = weight.w + o * (in / 2);
+  const float* scale = weight.scale + o * groups;
+  const __m512i halves = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+  __m512 acc[R];
+  for (int b = 0; b < R; ++b) acc[b] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < pairs; ++p) {  // 32 bytes a step: the line kLinear bytes on prefetched every other step
+    if (!(p & 1)) _mm_prefetch(reinterpret_cast<const char*>(row + 32 * p) + kLinear, _MM_HINT_T0);
+    const __m512i w = int4_pair(row + 32 * p);
+    __m512 group_scale;  // block 2p's group scale in lanes 0-7, block 2p + 1's in 8-15
+    if (per_group == 1) {
+      group_scale = _mm512_permutexvar_ps(halves, _mm512_castps128_ps512(_mm_castpd_ps(
+                                                      _mm_load_sd(reinterpret_cast<const double*>(scale + 2 * p)))));
+    } else {
+      const float lo = scale[2 * p / per_group], hi = scale[(2 * p + 1) / per_group];
+      group_scale = _mm512_castsi512_ps(_mm512_inserti64x4(_mm512_castps_si512(_mm512_set1_ps(lo)),
+                                                           _mm256_castps_si256(_mm256_set1_ps(hi)), 1));
+    }
+    for (int b = 0; b < R; ++b) {
+      const int64_t at = (b * pairs + p) * 16;
+      const __m512i sums = _mm512_dpbusd_epi32(_mm512_loadu_si512(x.spair.data() + at), w,
+                                               _mm512_loadu_si512(x.q.data() + b * in + 64 * p));
+      acc[b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(_mm512_loadu_ps(x.dpair.data() + at),
+                                                                        group_scale), acc[b]);
+    }
+  }
+  for (int b = 0; b < R; ++b) {
+    float sum = _mm512_reduce_add_ps(acc[b]);
+    if (blocks & 1) {
+      const int64_t k = blocks - 1;
+      sum += hsum256(int4_block(row, x.q.data() + b * in, x.d.data() + b * blocks, x.s.data() + b * blocks, k,
+                                scale[k / per_group], _mm256_setzero_ps()));
+    }
+    y[b * out + o] = sum + (bias ? bias[o] : 0.0f);
+  }
+}
+
+template <int R, typename W>
+static void qproduct_rows(const QuantRows& qx, int64_t in, W w, const float* bias, float* y, int64_t out,
+                          int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t o = 0; o < out; ++o) qrows<R>(qx, in, w, o, bias, y, out);
+}
+#endif
+
 // B rows (1..8) by the weight: the rows quantized once, then each thread takes its block of weight rows as one
 // stream and multiplies each row by every input row (the row read from memory once, from L1 for the others).
 template <typename W>
@@ -434,9 +565,22 @@ static int qproduct(int64_t rows, const float* x, int64_t in, W w, const float* 
   if (in % kQBlock != 0) return -2;
   QuantRows qx;
   quantize_rows(x, rows, in, qx);
+#ifdef ROWS_VNNI
+  switch (rows) {
+    case 1: qproduct_rows<1>(qx, in, w, bias, y, out, threads); break;
+    case 2: qproduct_rows<2>(qx, in, w, bias, y, out, threads); break;
+    case 3: qproduct_rows<3>(qx, in, w, bias, y, out, threads); break;
+    case 4: qproduct_rows<4>(qx, in, w, bias, y, out, threads); break;
+    case 5: qproduct_rows<5>(qx, in, w, bias, y, out, threads); break;
+    case 6: qproduct_rows<6>(qx, in, w, bias, y, out, threads); break;
+    case 7: qproduct_rows<7>(qx, in, w, bias, y, out, threads); break;
+    default: qproduct_rows<8>(qx, in, w, bias, y, out, threads); break;
+  }
+#else
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (int64_t o = 0; o < out; ++o)
     for (int64_t b = 0; b < rows; ++b) y[b * out + o] = qrow_dot(qx, b, in, w, o) + (bias ? bias[o] : 0.0f);
+#endif
   return 0;
 }
 
@@ -506,6 +650,15 @@ int rows_product(int kind, int64_t rows, const float* x, int64_t in, const void*
 }
 
 int rows_vector_width() { return static_cast<int>(kWidth); }
+
+// 1 where this build multiplies int8 activations with VNNI's vpdpbusd (ROWS_VNNI), else 0 (vpmaddubsw)
+int rows_vnni() {
+#ifdef ROWS_VNNI
+  return 1;
+#else
+  return 0;
+#endif
+}
 }
 
 // ---- one decoding step of a plain GPT-2, for one token ------------------------------------------------------------

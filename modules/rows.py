@@ -97,6 +97,7 @@ def library(target_flags: tuple[str, ...] = NATIVE):
                                  ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
                                  ctypes.c_int64]
     lib.rows_vector_width.restype = ctypes.c_int
+    lib.rows_vnni.restype = ctypes.c_int
     lib.rows_gelu_tanh.restype = None
     lib.rows_gelu_tanh.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
     lib.rows_quantize.restype = ctypes.c_int
@@ -117,8 +118,8 @@ def library(target_flags: tuple[str, ...] = NATIVE):
 
 
 def library_step(kind: str = "fp32"):
-    """The kernel form the plan chose for `kind` ('fp32', 'int8', 'int4'), for models/fast_step.py (raises where the
-    kernel is not available)."""
+    """The kernel form the plan chose for `kind` ('fp32', 'int8', 'int4', 'w8a8', 'w4a8'), for models/fast_step.py
+    (raises where the kernel is not available)."""
     if not available():
         raise RuntimeError("the rows kernel is not available here (modules/rows.py)")
     return library_for(kind)
@@ -134,8 +135,13 @@ def library_step(kind: str = "fp32"):
 # `python -m modules.rows` shows the plan, `python -m modules.rows --retime` times it again (a plan timed while the
 # machine was busy is as noisy as any benchmark run then).
 PLAN_ENV = "GPT2_DECODE_PLAN"
-PLAN_KINDS = {"fp32": torch.float32, "int8": torch.int8, "int4": torch.uint8}  # the weight kinds timed (uint8: int4)
-_PLANNED = {dtype: name for name, dtype in PLAN_KINDS.items()}
+# the weight kinds timed (uint8: int4); w8a8 and w4a8 are the int8 and int4 weights times int8 activations (kinds
+# 4 and 5), planned apart: their integer products are other code than the weight-only ones (VNNI's, where the native
+# build has it), so the form that reads int8 weights fastest need not multiply them by int8 activations fastest
+PLAN_KINDS = {"fp32": torch.float32, "int8": torch.int8, "int4": torch.uint8, "w8a8": torch.int8, "w4a8": torch.uint8}
+_ACTIVATION_KINDS = {"w8a8", "w4a8"}
+_PLANNED = {torch.float32: "fp32", torch.int8: "int8", torch.uint8: "int4"}
+_PLANNED_A8 = {torch.int8: "w8a8", torch.uint8: "w4a8"}
 FORMS = {"native": NATIVE, "avx2": AVX2}
 MARGIN = 1.05  # another form is taken only when its median is at least 5% faster than the native one's
 _plan: dict | None = None
@@ -155,7 +161,7 @@ def time_forms(libs: dict[str, object], megabytes: int = 64, rounds: int = 7) ->
     out_f, in_f = 3072, 768
     results: dict[str, dict[str, float]] = {}
     for name, dtype in PLAN_KINDS.items():
-        kind = _KINDS[dtype]
+        kind = _KINDS[dtype] + (2 if name in _ACTIVATION_KINDS else 0)
         cols = in_f // 2 if dtype == torch.uint8 else in_f  # int4: two values a byte
         count = max(1, megabytes * 2**20 // (out_f * cols * dtype.itemsize))
         weights = [torch.randn(out_f, in_f) if dtype == torch.float32 else
@@ -349,7 +355,7 @@ def prepared(weight: torch.Tensor, bias: torch.Tensor | None = None, scale: torc
         group = n_in // scale.shape[1]
         if group % 32:
             raise ValueError(f"the rows kernel reads int4 groups of a multiple of 32 values, got {group}")
-    lib = lib or library_for(_PLANNED.get(weight.dtype, "bf16"))
+    lib = lib or library_for((_PLANNED_A8 if int8_activations else _PLANNED).get(weight.dtype, "bf16"))
     bias, scale = _fp32_contiguous(bias), _fp32_contiguous(scale)
     kind = _KINDS[weight.dtype]
     if int8_activations:

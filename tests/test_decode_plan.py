@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from modules import rows
+from modules.quant import quantize
 
 AVX512 = rows.available() and torch.backends.cpu.get_cpu_capability() == "AVX512"
 
@@ -35,20 +36,20 @@ def test_the_plan_can_be_switched_off(fresh_plan, monkeypatch):
     monkeypatch.setenv("GPT2_DECODE_PLAN", "off")
     monkeypatch.setattr(rows, "time_forms", lambda *a, **k: pytest.fail("timed with the plan off"))
     chosen = rows.plan()
-    assert chosen == {"forms": {"fp32": "native", "int8": "native", "int4": "native"}, "speeds": {},
-                      "source": "GPT2_DECODE_PLAN=off"}
+    native = {kind: "native" for kind in ("fp32", "int8", "int4", "w8a8", "w4a8")}
+    assert chosen == {"forms": native, "speeds": {}, "source": "GPT2_DECODE_PLAN=off"}
     monkeypatch.setenv("GPT2_DECODE_PLAN", "on")
     monkeypatch.setattr(rows, "_plan", None)
     monkeypatch.setattr(rows, "_capability", lambda: "AVX2")  # one form of the kernel: nothing to choose
     chosen = rows.plan()
-    assert chosen == {"forms": {"fp32": "native", "int8": "native", "int4": "native"}, "speeds": {},
-                      "source": "one form of the kernel here"}
+    assert chosen == {"forms": native, "speeds": {}, "source": "one form of the kernel here"}
 
 
 @pytest.mark.skipif(not AVX512, reason="two forms of the kernel exist only on an AVX512 CPU with the kernel built")
 def test_the_plan_is_timed_once_and_cached(fresh_plan, monkeypatch):
     speeds = {"fp32": {"native": 20.0, "avx2": 19.0}, "int8": {"native": 10.0, "avx2": 12.0},
-              "int4": {"native": 6.0, "avx2": 5.0}}
+              "int4": {"native": 6.0, "avx2": 5.0}, "w8a8": {"native": 14.0, "avx2": 12.0},
+              "w4a8": {"native": 8.0, "avx2": 9.0}}
     timed = []
     monkeypatch.setattr(rows, "time_forms", lambda libs, **k: timed.append(libs) or speeds)
     monkeypatch.setenv("GPT2_KERNEL_CACHE", str(fresh_plan / "x" / "y"))  # folders the plan's file needs are made
@@ -56,13 +57,21 @@ def test_the_plan_is_timed_once_and_cached(fresh_plan, monkeypatch):
     (libs,) = timed  # the native build and the AVX2 one, by name
     assert sorted(libs) == ["avx2", "native"] and libs["native"] is rows._load()
     assert libs["avx2"].rows_vector_width() == 8
-    assert chosen["forms"] == {"fp32": "native", "int8": "avx2", "int4": "native"} and chosen["speeds"] == speeds
+    assert chosen["forms"] == {"fp32": "native", "int8": "avx2", "int4": "native", "w8a8": "native",
+                               "w4a8": "avx2"} and chosen["speeds"] == speeds
     fresh_plan = fresh_plan / "x" / "y"
     (cached,) = fresh_plan.glob("plan-*")  # one whole file, no temporary one left
     assert cached.name == f"plan-{rows._cache_key(rows.SOURCE)}.json"
     assert chosen["source"] == f"timed, cached in {cached}" and json.loads(cached.read_text()) == chosen
     assert rows.library_for("int8").rows_vector_width() == 8  # the AVX2 build
     assert rows.library_for("fp32").rows_vector_width() == 16
+    # a product with int8 activations takes its own kind's form: w8a8 native although int8 weights take AVX2
+    asked, real = [], rows.library_for
+    monkeypatch.setattr(rows, "library_for", lambda kind: asked.append(kind) or real(kind))
+    for mode in ("w8a8", "w4a8", "int8", "int4"):
+        q = quantize(torch.randn(8, 64), mode)
+        rows.prepared(q.q, scale=q.scale, int8_activations=mode.startswith("w"))
+    assert asked == ["w8a8", "w4a8", "int8", "int4"]
     monkeypatch.setattr(rows, "_plan", None)
     monkeypatch.setattr(rows, "time_forms", lambda *a, **k: pytest.fail("timed again despite the cache"))
     assert rows.plan()["forms"] == chosen["forms"]
@@ -76,7 +85,7 @@ def test_the_plan_is_timed_once_and_cached(fresh_plan, monkeypatch):
 def test_timing_runs_every_kind_in_every_form():
     libs = {"native": rows.library(), "avx2": rows.library(rows.AVX2)}
     speeds = rows.time_forms(libs, megabytes=1, rounds=1)
-    assert set(speeds) == {"fp32", "int8", "int4"}
+    assert set(speeds) == {"fp32", "int8", "int4", "w8a8", "w4a8"}
     assert all(set(s) == {"native", "avx2"} and min(s.values()) > 0 for s in speeds.values())
 
 
@@ -92,7 +101,7 @@ def test_a_busy_machine_is_not_timed_and_nothing_is_cached(fresh_plan, monkeypat
     monkeypatch.setattr(rows, "machine_busy", lambda: "load average 3.5 on 2 cores")
     monkeypatch.setattr(rows, "time_forms", lambda *a, **k: pytest.fail("timed on a busy machine"))
     chosen = rows.plan()
-    assert chosen == {"forms": {"fp32": "native", "int8": "native", "int4": "native"}, "speeds": {},
+    assert chosen == {"forms": {kind: "native" for kind in rows.PLAN_KINDS}, "speeds": {},
                       "source": "not timed: the machine is busy (load average 3.5 on 2 cores)"}
     assert not list(fresh_plan.glob("plan-*.json"))
 
@@ -129,15 +138,17 @@ def test_timing_reads_each_kinds_weights_in_gpt2_sized_matrices_and_reports_gb_p
     monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
     fast, slow = FakeKernel(0.002, clock), FakeKernel(0.004, clock)
     speeds = rows.time_forms({"native": slow, "avx2": fast}, megabytes=18, rounds=3)
-    kinds = {0: "fp32", 2: "int8", 3: "int4"}  # rows._KINDS' codes
+    kinds = {0: "fp32", 2: "int8", 3: "int4", 4: "w8a8", 5: "w4a8"}  # rows_product's codes (4, 5: int8 activations)
     per_kind = {"fp32": 18 * 2**20 // (3072 * 768 * 4), "int8": 18 * 2**20 // (3072 * 768), "int4": 16}
+    per_kind.update(w8a8=per_kind["int8"], w4a8=per_kind["int4"])
     for lib in (fast, slow):
         assert {kinds[c[0]] for c in lib.calls} == set(per_kind)
         for code, name in kinds.items():
             calls = [c for c in lib.calls if c[0] == code]
             assert len(calls) == 3 * per_kind[name], name
             assert {c[1:] for c in calls} == {(1, 768, 3072, name != "fp32", None, torch.get_num_threads(), 32)}
-    weight_bytes = {"fp32": 3072 * 768 * 4, "int8": 3072 * 768, "int4": 3072 * 384}
+    weight_bytes = {"fp32": 3072 * 768 * 4, "int8": 3072 * 768, "int4": 3072 * 384, "w8a8": 3072 * 768,
+                    "w4a8": 3072 * 384}
     for name, count in per_kind.items():
         for form, seconds in (("native", 0.004), ("avx2", 0.002)):
             expected = count * weight_bytes[name] / (count * seconds) / 1e9  # each round: count products
@@ -156,19 +167,19 @@ def test_busy_is_strictly_above_three_quarters_and_an_unknown_core_count_is_one(
 @pytest.mark.skipif(not AVX512, reason="two forms of the kernel exist only on an AVX512 CPU with the kernel built")
 def test_a_plan_that_cannot_be_timed_or_cached_says_why(fresh_plan, monkeypatch):
     monkeypatch.setattr(rows, "time_forms", lambda libs, **k: (_ for _ in ()).throw(RuntimeError("no AVX2 build")))
-    assert rows.plan() == {"forms": {"fp32": "native", "int8": "native", "int4": "native"}, "speeds": {},
+    assert rows.plan() == {"forms": {kind: "native" for kind in rows.PLAN_KINDS}, "speeds": {},
                            "source": "not timed (RuntimeError: no AVX2 build)"}
     monkeypatch.setattr(rows, "_plan", None)
     monkeypatch.setattr(rows, "machine_busy", lambda: "load average 3.5 on 2 cores")
     assert rows.plan()["source"] == "not timed: the machine is busy (load average 3.5 on 2 cores)"
     monkeypatch.setattr(rows, "_plan", None)
     monkeypatch.setattr(rows, "machine_busy", lambda: None)
-    speeds = {k: {"native": 1.0, "avx2": 2.0} for k in ("fp32", "int8", "int4")}
+    speeds = {k: {"native": 1.0, "avx2": 2.0} for k in ("fp32", "int8", "int4", "w8a8", "w4a8")}
     monkeypatch.setattr(rows, "time_forms", lambda libs, **k: speeds)
     monkeypatch.setattr(rows, "_plan_path", lambda: fresh_plan / "missing" / "plan.json")
     monkeypatch.setattr(rows.Path, "mkdir", lambda *a, **k: (_ for _ in ()).throw(PermissionError("read-only")))
     chosen = rows.plan()  # a cache it cannot write: the plan holds for this process
-    assert chosen["forms"] == {"fp32": "avx2", "int8": "avx2", "int4": "avx2"}
+    assert chosen["forms"] == {kind: "avx2" for kind in speeds}
     assert chosen["source"] == "timed, not cached (read-only)" and not list(fresh_plan.rglob("*.json"))
 
 

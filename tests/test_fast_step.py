@@ -223,8 +223,8 @@ def test_a_failing_step_names_its_code_and_a_step_bumps_what_it_wrote():
             step(torch.tensor([[4]]), torch.tensor([[3]]))
 
 
-@pytest.mark.parametrize("quantize, kind", [(None, "fp32"), ("int8", "int8"), ("int4", "int4"), ("w8a8", "int8"),
-                                            ("w4a8", "int4")])
+@pytest.mark.parametrize("quantize, kind", [(None, "fp32"), ("int8", "int8"), ("int4", "int4"), ("w8a8", "w8a8"),
+                                            ("w4a8", "w4a8")])
 def test_the_step_runs_the_kernel_form_the_plan_chose_for_its_weight_kind(monkeypatch, quantize, kind):
     asked, real = [], rows.library_step
     monkeypatch.setattr(rows, "library_step", lambda k="fp32": asked.append(k) or real(k))

@@ -77,6 +77,32 @@ def test_the_integer_products_equal_the_quantized_reference(lib, mode, shape, ba
         torch.testing.assert_close(quant.run_int8_activations(x, weight, lib=lib), want - b, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("mode, group, in_f", [("w8a8", None, 32), ("w8a8", None, 96), ("w8a8", None, 160),
+                                               ("w4a8", 32, 32), ("w4a8", 32, 96), ("w4a8", 32, 160),
+                                               ("w4a8", 96, 96), ("w4a8", 96, 192)])
+def test_every_row_count_and_an_odd_number_of_blocks(lib, mode, group, in_f):
+    """1 to 8 rows (with VNNI each count is its own unrolled loop), 1, 3 and 5 blocks of 32 columns (the 512-bit
+    loop takes blocks in pairs: an odd last block goes through the 256-bit code), int4 groups of one block and of
+    three (a pair's two blocks under one scale; at 192 columns the second pair's blocks under two)."""
+    g = torch.Generator().manual_seed(in_f)
+    w = torch.randn(24, in_f, generator=g)
+    weight = quantize(w, mode) if group is None else quant._with_int8_activations(quant.quantize_int4(w, group), mode)
+    with torch.no_grad():
+        for n in range(1, rows.MAX_ROWS + 1):
+            x = torch.randn(n, in_f, generator=g) * 3
+            want = F.linear(quantize_activations(x), weight.dequantize())
+            torch.testing.assert_close(quant.run_int8_activations(x, weight, lib=lib), want, rtol=1e-5, atol=1e-4)
+
+
+def test_the_native_build_multiplies_with_vnni_where_the_cpu_has_it(lib):
+    """Where the CPU has AVX512-VNNI the native build must take the vpdpbusd code (a macro that stopped matching
+    would silently fall back to the slower one); the AVX2 form (GPT2_DECODE_PLAN=avx2) never does, so the
+    vpmaddubsw code is tested on such a CPU too."""
+    flags = rows.cpu_flags().split()
+    want = lib is rows._load() and all(f in flags for f in ("avx512_vnni", "avx512bw", "avx512vl"))
+    assert lib.rows_vnni() == want
+
+
 def test_int4_groups_of_64_extreme_weights_and_bf16_rows(lib):
     """Groups of two blocks; weights at the ends of each range (-8 reads back from a nibble, -128 never written but
     read: vpsignb's |-128| is 128 unsigned); bf16 rows come back bf16."""

@@ -8,6 +8,8 @@ Tolerances: the fused AdamW kernel and torch's operations compute the same updat
 differences), which training over N_STEPS with lr 1e-2 grows to at most 6.7e-8 relative in the fp32 losses and
 1.3e-4 with bf16 weights (measured on a Zen 3): TRAIN_RTOL and BF16_RTOL leave about 15x room. A derived copy read after a write must give exactly what a fresh model with the same weights gives.
 """
+from types import SimpleNamespace
+
 import pytest
 import torch
 from conftest import tiny_config
@@ -442,9 +444,14 @@ def test_int8_activation_products_run_where_the_rows_kernel_takes_int8_and_else_
     clean_env.setattr(paths, "_capability", lambda: "AVX2")
     clean_env.setattr(rows, "available", lambda: True)
     clean_env.setattr(rows, "pays", lambda dtype, n: dtype == torch.int8 and n == 1)
+    # the plan's form for each kind, and whether that build multiplies with VNNI
+    clean_env.setattr(rows, "plan", lambda: {"forms": {"w8a8": "avx2"}})
+    builds = {"w8a8": SimpleNamespace(rows_vnni=lambda: 0), "w4a8": SimpleNamespace(rows_vnni=lambda: 1)}
+    clean_env.setattr(rows, "library_for", builds.get)
     assert p.runs_here() is None
     assert p.state()["taken"] is True
-    assert p.state()["why"] == "generate(quantize='w8a8' or 'w4a8'): the rows kernel's integer products (AVX2)"
+    assert p.state()["why"] == ("generate(quantize='w8a8' or 'w4a8'): the rows kernel's integer products (AVX2: "
+                                "w8a8 avx2 build, vpmaddubsw, w4a8 native build, VNNI)")
     why_not = ("the rows kernel does not run here: w8a8 / w4a8 products are F.linear(quantize_activations(x), the "
                "dequantized weight)")
     clean_env.setattr(rows, "available", lambda: False)

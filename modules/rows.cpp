@@ -200,8 +200,10 @@ static inline void rows_at(const float* x, int64_t in, Int4 weight, const float*
 // a time, with two accumulators so neither the FMA's latency nor the conversions (int8, int4) bind, prefetching
 // kLinear bytes ahead in that stream (the next row follows the last in memory). Read cold from memory (gpt2's LM
 // head, 154 MB, caches flushed between calls), one stream a thread measured 21.5 GB/s against 15.5 for four rows
-// in lockstep (four streams 3 KB apart) and 16.8 for ONNX Runtime's MatMul on a 2-core Zen 4.
-constexpr int64_t kLinear = 1024;
+// in lockstep (four streams 3 KB apart) and 16.8 for ONNX Runtime's MatMul on a 2-core Zen 4. How far ahead pays
+// depends on the core: 1024 bytes by default, another distance where the decode plan (modules/rows.py) timed it
+// faster on this machine (rows_prefetch below; an Ice Lake Xeon read 5-13% faster at 4096).
+static int64_t kLinear = 1024;
 
 template <typename T>
 static inline float row_dot(const float* x, int64_t in, Dense<T> weight, int64_t o, const float* /* int4's */) {
@@ -650,6 +652,13 @@ int rows_product(int kind, int64_t rows, const float* x, int64_t in, const void*
 }
 
 int rows_vector_width() { return static_cast<int>(kWidth); }
+
+// The prefetch distance of the products' weight streams, in bytes: set to `bytes` where it is positive (before
+// any product runs: the decode plan sets it once), returned either way.
+int64_t rows_prefetch(int64_t bytes) {
+  if (bytes > 0) kLinear = bytes;
+  return kLinear;
+}
 
 // 1 where this build multiplies int8 activations with VNNI's vpdpbusd (ROWS_VNNI), else 0 (vpmaddubsw)
 int rows_vnni() {

@@ -20,7 +20,13 @@ def fresh_plan(monkeypatch, tmp_path):
     monkeypatch.setenv("GPT2_KERNEL_CACHE", str(tmp_path))
     monkeypatch.delenv("GPT2_DECODE_PLAN", raising=False)
     monkeypatch.setattr(rows, "machine_busy", lambda: None)  # the test suite itself loads the machine
+    monkeypatch.setattr(rows, "time_prefetch", lambda lib, **k: dict(PREFETCH_SPEEDS))  # timed in its own tests
     yield tmp_path
+    for lib in [rows._load(), *rows._forms.values()] if rows.available() else []:
+        lib.rows_prefetch(rows.PREFETCH_DEFAULT)  # a plan that chose another distance set it on the loaded kernels
+
+
+PREFETCH_SPEEDS = {"1024": 10.0, "2048": 10.4, "4096": 11.0}  # 4096 is 10% faster: the plan takes it
 
 
 def test_another_form_is_chosen_only_when_clearly_faster():
@@ -59,12 +65,14 @@ def test_the_plan_is_timed_once_and_cached(fresh_plan, monkeypatch):
     assert libs["avx2"].rows_vector_width() == 8
     assert chosen["forms"] == {"fp32": "native", "int8": "avx2", "int4": "native", "w8a8": "native",
                                "w4a8": "avx2"} and chosen["speeds"] == speeds
+    assert chosen["prefetch"] == 4096 and chosen["prefetch_speeds"] == PREFETCH_SPEEDS
     fresh_plan = fresh_plan / "x" / "y"
     (cached,) = fresh_plan.glob("plan-*")  # one whole file, no temporary one left
     assert cached.name == f"plan-{rows._cache_key(rows.SOURCE)}.json"
     assert chosen["source"] == f"timed, cached in {cached}" and json.loads(cached.read_text()) == chosen
     assert rows.library_for("int8").rows_vector_width() == 8  # the AVX2 build
     assert rows.library_for("fp32").rows_vector_width() == 16
+    assert rows.library_for("fp32").rows_prefetch(0) == 4096 and rows.library_for("int8").rows_prefetch(0) == 4096
     # a product with int8 activations takes its own kind's form: w8a8 native although int8 weights take AVX2
     asked, real = [], rows.library_for
     monkeypatch.setattr(rows, "library_for", lambda kind: asked.append(kind) or real(kind))
@@ -153,6 +161,63 @@ def test_timing_reads_each_kinds_weights_in_gpt2_sized_matrices_and_reports_gb_p
         for form, seconds in (("native", 0.004), ("avx2", 0.002)):
             expected = count * weight_bytes[name] / (count * seconds) / 1e9  # each round: count products
             assert speeds[name][form] == pytest.approx(expected, rel=1e-9), (name, form)
+
+
+class FakePrefetching(FakeKernel):
+    """A FakeKernel whose products take less time the further ahead it prefetches, and that records each distance."""
+
+    def __init__(self, clock: list):
+        super().__init__(0.0, clock)
+        self.ahead, self.set = rows.PREFETCH_DEFAULT, []
+
+    def rows_prefetch(self, ahead):
+        if ahead > 0:
+            self.ahead = ahead
+            self.set.append(ahead)
+        return self.ahead
+
+    def rows_product(self, *args):
+        self.seconds = {1024: 0.004, 2048: 0.003, 4096: 0.002}[self.ahead]
+        return super().rows_product(*args)
+
+
+def test_the_prefetch_distances_are_timed_on_every_kind_and_the_kernel_left_at_the_default(monkeypatch):
+    import time
+
+    clock = [0.0]
+    monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
+    lib = FakePrefetching(clock)
+    speeds = rows.time_prefetch(lib, megabytes=18, rounds=3)
+    assert list(speeds) == ["1024", "2048", "4096"]
+    assert speeds["4096"] == pytest.approx(2 * speeds["1024"], rel=1e-9)  # every kind twice as fast: the mean too
+    assert speeds["2048"] == pytest.approx(4 / 3 * speeds["1024"], rel=1e-9)
+    assert {c[0] for c in lib.calls} == {0, 2, 3, 4, 5}  # every kind, integer products included
+    assert lib.set[:3] == [1024, 2048, 4096] and lib.set[-1] == rows.PREFETCH_DEFAULT == lib.ahead
+
+
+def test_another_prefetch_distance_is_taken_only_when_clearly_faster():
+    assert rows.choose_prefetch({"1024": 10.0, "2048": 10.4, "4096": 10.49}) == 1024
+    assert rows.choose_prefetch({"1024": 10.0, "2048": 10.5, "4096": 10.4}) == 2048
+    assert rows.choose_prefetch({"1024": 10.0, "4096": 9.0}) == 1024
+
+
+@pytest.mark.skipif(not rows.available(), reason="the rows kernel cannot be built here")
+def test_the_kernel_reads_the_distance_it_is_given_with_the_same_results(monkeypatch):
+    lib = rows.library(rows.NATIVE)
+    w = quantize(torch.randn(96, 768), "w8a8")
+    x = torch.randn(3, 768)
+    try:
+        assert lib.rows_prefetch(0) == rows.PREFETCH_DEFAULT  # 0: asks without setting
+        want = rows.run(rows.prepared(w.q, scale=w.scale, lib=lib, int8_activations=True), x)
+        assert lib.rows_prefetch(4096) == 4096 and lib.rows_prefetch(-1) == 4096
+        assert torch.equal(rows.run(rows.prepared(w.q, scale=w.scale, lib=lib, int8_activations=True), x), want)
+    finally:
+        lib.rows_prefetch(rows.PREFETCH_DEFAULT)
+    monkeypatch.setattr(rows, "plan", lambda: {"forms": {}, "speeds": {}, "prefetch": 2048})
+    assert rows.library_for("w8a8").rows_prefetch(0) == 2048  # the plan's distance, set as the form is handed out
+    rows.library_for("w8a8").rows_prefetch(rows.PREFETCH_DEFAULT)
+    monkeypatch.setattr(rows, "plan", lambda: {"forms": {}, "speeds": {}})  # a plan cached before distances
+    assert rows.library_for("fp32").rows_prefetch(0) == rows.PREFETCH_DEFAULT
 
 
 def test_busy_is_strictly_above_three_quarters_and_an_unknown_core_count_is_one(monkeypatch):

@@ -230,7 +230,7 @@ def int8_linear(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None =
         return row_kernel.rows_linear(x, weight.q, bias, weight.scale)
     if compiled is None:
         compiled = x.is_cpu and compiled_kernel_available()
-    if rows.shape[0] == 1 and compiled:
+    if rows.shape[0] == 1 and compiled and _compiled_gemv is not False:  # False: inductor failed here, said once
         try:
             y = _compiled_product(rows, weight, packed_form_chosen() if packed is None else packed)
         except Exception as err:  # no working C++ compiler, inductor unavailable: keep decoding, eagerly

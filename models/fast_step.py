@@ -85,9 +85,8 @@ class FastStep:
         """lib: a rows.library(...) to run instead of this machine's build (tests of the AVX2 form)."""
         body, config = model.gpt, model.config
         quantized = body.gpt_layers[0].self_attention.query.quantized  # the same kind for every layer
-        kind = {Int8Weight: "int8", Int4Weight: "int4"}.get(type(quantized), "fp32")
-        if kind != "fp32" and quantized.int8_activations:  # w8a8 / w4a8: the plan times those products apart
-            kind = {"int8": "w8a8", "int4": "w4a8"}[kind]
+        kind = "fp32" if not isinstance(quantized, (Int8Weight, Int4Weight)) else \
+            row_kernel.plan_kind(quantized.q.dtype, quantized.int8_activations)  # w8a8 / w4a8: planned apart
         self.lib = lib or row_kernel.library_step(kind)  # the kernel's form the plan chose for it (modules/rows.py)
         self.body, self.cache = body, cache
         self.keep: list[torch.Tensor] = []  # every tensor a pointer below points into

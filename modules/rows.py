@@ -207,8 +207,7 @@ def time_prefetch(lib, distances=PREFETCH_TIMED, **kwargs) -> dict[str, float]:
 
 def choose_prefetch(speeds: dict[str, float]) -> int:
     """The distance that read fastest where it beat the default's speed by MARGIN, else the default."""
-    best = max(speeds, key=speeds.get)
-    return int(best) if speeds[best] >= MARGIN * speeds.get(str(PREFETCH_DEFAULT), 0.0) else PREFETCH_DEFAULT
+    return int(_faster(speeds, str(PREFETCH_DEFAULT)))
 
 
 def machine_busy() -> str | None:
@@ -218,13 +217,21 @@ def machine_busy() -> str | None:
     return f"load average {load:.1f} on {cores} cores" if load > 0.75 * cores else None
 
 
+def _faster(speeds: dict[str, float], baseline: str) -> str:
+    """The fastest of `speeds` where it read at least MARGIN times the baseline's speed, else the baseline."""
+    best = max(speeds, key=speeds.get)
+    return best if speeds[best] >= MARGIN * speeds.get(baseline, 0.0) else baseline
+
+
 def choose(speeds: dict[str, dict[str, float]]) -> dict[str, str]:
     """The form per kind: another form where it read at least MARGIN times the native one's speed, else native."""
-    plan = {}
-    for kind, by_form in speeds.items():
-        best = max(by_form, key=by_form.get)
-        plan[kind] = best if by_form[best] >= MARGIN * by_form.get("native", 0.0) else "native"
-    return plan
+    return {kind: _faster(by_form, "native") for kind, by_form in speeds.items()}
+
+
+def plan_kind(dtype: torch.dtype, int8_activations: bool = False) -> str:
+    """The plan's name for a weight dtype's products ('fp32', 'int8', 'int4'; 'w8a8' / 'w4a8' with int8
+    activations; 'bf16', which the plan does not time, for the rest)."""
+    return (_PLANNED_A8 if int8_activations else _PLANNED).get(dtype, "bf16")
 
 
 def plan() -> dict:
@@ -390,7 +397,7 @@ def prepared(weight: torch.Tensor, bias: torch.Tensor | None = None, scale: torc
         group = n_in // scale.shape[1]
         if group % 32:
             raise ValueError(f"the rows kernel reads int4 groups of a multiple of 32 values, got {group}")
-    lib = lib or library_for((_PLANNED_A8 if int8_activations else _PLANNED).get(weight.dtype, "bf16"))
+    lib = lib or library_for(plan_kind(weight.dtype, int8_activations))
     bias, scale = _fp32_contiguous(bias), _fp32_contiguous(scale)
     kind = _KINDS[weight.dtype]
     if int8_activations:

@@ -334,6 +334,13 @@ TASK_CLIS = {"run_classifier.py", "run_paraphrase.py", "run_sonnet.py"}  # the o
 NEEDS = re.compile(r"#.*\b(needs|after|on a GPU machine)\b")
 
 
+def in_clone(path: str) -> bool:
+    """Whether `path` (relative to the project root) is inside this checkout and there: what lies beside the clone
+    here (../nanoGPT, ../shared) is not beside a fresh clone."""
+    full = (ROOT / path).resolve()
+    return full.is_relative_to(ROOT.resolve()) and full.exists()
+
+
 def fresh_clone_gaps(commands: list[tuple[int, str]]) -> list[str]:
     """The commands (in page order) that read a path a fresh clone lacks, made by no earlier command, or that need
     the hub, without saying so on their own line (a comment with 'needs', 'after' or 'on a GPU machine')."""
@@ -352,7 +359,7 @@ def fresh_clone_gaps(commands: list[tuple[int, str]]) -> list[str]:
             for path in inputs:
                 if "/" not in path:  # a hub name
                     continue
-                if (ROOT / path).exists() or any(path == m or path.startswith(m + "/") for m in made):
+                if in_clone(path) or any(path == m or path.startswith(m + "/") for m in made):
                     continue
                 if not says:
                     gaps.append(f"line {line}: {path} (not in a fresh clone, made by no earlier command): {command}")

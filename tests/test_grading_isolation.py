@@ -230,7 +230,7 @@ def test_a_hang_in_attention_costs_the_attention_check_only(grader, tmp_path):
     sub = write_submission(tmp_path / "sub", attention=[(
         "        scores = torch.matmul(query, key.transpose(-1, -2))  # (B, h, T, T)\n",
         "        while True:\n            pass\n")])
-    report = grader.grade(sub, ("attention", "layer", "from_pretrained"), timeout=15)
+    report = grader.grade(sub, ("attention", "layer", "from_pretrained"), timeout=8)
     by = {c.name: c for c in report.checks}
     assert by["attention"].score == 0
     assert by["layer"].score == FULL["layer"], by["layer"].messages

@@ -134,3 +134,17 @@ def test_a_busy_run_does_not_replace_the_quiet_headline():
     assert "| 1.20x |" in out and "one run; 1 busy run apart" in out and "0.70x" not in out
     only_busy = report.render("compare-hf class=AMX", recs[1:])
     assert "| 0.70x |" in only_busy and "load 3.5 (busy)" in only_busy
+
+
+def test_the_race_claim_names_each_classes_fastest_recipe_of_its_latest_race():
+    def race(cls, date, ratios):
+        return [record(f"time to nanogpt's val loss: {name}", cls, date, ratio=ratio, bench="speedrun",
+                       values={"seconds to target": 100 * ratio, "nanogpt s": 100.0}) for name, ratio in ratios.items()]
+    records = (race("AVX2", "2026-11-20T10:00Z", {"baseline": 0.98, "best": 0.30})  # an older race: not shown
+               + race("AVX2", "2026-11-23T10:00Z", {"nanogpt": 1.0, "baseline": 0.97, "best": 0.45, "rope": 0.74})
+               + race("AMX", "2026-11-28T10:00Z", {"best": 0.70, "best-adamw": 0.50}))
+    text, used = report._race_claim(records)
+    assert text == ("AMX: best-adamw in 0.50x nanoGPT's training time (50.0 vs 100.0 s); "
+                    "AVX2: best in 0.45x nanoGPT's training time (45.0 vs 100.0 s)"), text
+    assert [r["row"] for r in used] == ["time to nanogpt's val loss: best-adamw", "time to nanogpt's val loss: best"]
+    assert report._race_claim(race("AVX2", "2026-11-23T10:00Z", {"baseline": 0.9})) == ("", [])

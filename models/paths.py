@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 
 from models import decode_threads, fast_step
-from modules import adamw, dropout, packed, quant
+from modules import adamw, dropout, packed, quant, rmsnorm
 from modules import rows as row_kernel
 
 
@@ -171,6 +171,11 @@ PATHS: tuple[Path, ...] = (
     Path("hashed-dropout", "CPU training dropout: a counter-hash mask in one pass, recomputed for backward "
          "(modules/dropout.cpp)", dropout.ENV, "", "0", _kernel(dropout, dropout.ENV, "the dropout kernel"),
          lambda: (True, "fp32/bf16 CPU training, 0 < p < 1"), ("tests/test_dropout.py", "tests/test_paths.py")),
+    Path("fused-rmsnorm", "RMSNorm and QK-norm in float32 on the CPU, forward and backward one pass each "
+         "(modules/rmsnorm.cpp) instead of torch's composite rms_norm", rmsnorm.ENV, "", "0",
+         _kernel(rmsnorm, rmsnorm.ENV, "the RMSNorm kernel"),
+         lambda: (True, "float32 CPU tensors outside torch.compile (bf16 is widened to float32 first)"),
+         ("tests/test_rmsnorm.py", "tests/test_paths.py")),
     Path("explicit-attention", "attention as scores/softmax/sum instead of torch's SDPA (modules/attention.py)", "",
          "config attn_implementation='eager'", "config attn_implementation='sdpa'", lambda: None,
          lambda: (True, "CPU training with attention dropout or bf16 (explicit_is_faster); SDPA otherwise"),

@@ -2,10 +2,10 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from modules.manual_backward import ManualLayerNorm
+from modules.rmsnorm import rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -22,7 +22,7 @@ class RMSNorm(nn.Module):
         x's dtype: under bf16 autocast or in a bf16 model the statistics keep full precision and the dtypes agree."""
         wide = torch.promote_types(x.dtype, torch.float32)
         weight = None if self.weight is None else self.weight.to(wide)
-        return F.rms_norm(x.to(wide), self.normalized_shape, weight, self.eps).to(x.dtype)
+        return rms_norm(x.to(wide), weight, self.eps).to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"{self.normalized_shape[0]}, eps={self.eps}, scale={self.weight is not None}"

@@ -16,8 +16,9 @@ from models.gpt2 import GPT2LMHeadModel
 from modules import rmsnorm
 from modules.norms import RMSNorm
 
-pytestmark = pytest.mark.skipif(not rmsnorm.available(), reason="the RMSNorm kernel does not build here "
-                                "(x86-64 Linux with a C++ compiler; GPT2_FAST_RMSNORM=0 turns it off)")
+pytestmark = pytest.mark.skipif(not rmsnorm.available(), reason=f"{rmsnorm.ENV}=0 turns the RMSNorm kernel off"
+                                if os.environ.get(rmsnorm.ENV) == "0" else "the RMSNorm kernel does not build here "
+                                "(it needs x86-64 Linux and a C++ compiler)")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

@@ -59,10 +59,10 @@ class _RMSNorm(torch.autograd.Function):
         lib = _load()
         x = x.contiguous()
         w = None if weight is None else weight.contiguous()
-        dim = x.shape[-1]
-        rows_ = x.numel() // dim if dim else 0
+        dim = x.shape[-1]  # > 0 (applies())
+        rows_ = x.numel() // dim
         y = torch.empty_like(x)
-        rstd = torch.empty(rows_, dtype=torch.float32)
+        rstd = x.new_empty(rows_)
         if x.numel():
             lib.rmsnorm_forward(rows_, dim, x.data_ptr(), _ptr(w), eps, y.data_ptr(), rstd.data_ptr(),
                                 _threads(x.numel()))

@@ -71,8 +71,11 @@ def test_a_transposed_input_and_empty_rows_are_handled():
     w = torch.rand(16) + 0.5
     assert close(rmsnorm.rms_norm(x, w, 1e-5), F.rms_norm(x, (16,), w, 1e-5))
     e = torch.randn(0, 16, requires_grad=True)
-    y = rmsnorm._RMSNorm.apply(e, w.clone().requires_grad_(), 1e-5)
+    we = w.clone().requires_grad_()
+    y = rmsnorm._RMSNorm.apply(e, we, 1e-5)
     assert y.shape == (0, 16)
+    y.sum().backward()
+    assert torch.equal(we.grad, torch.zeros(16)) and e.grad.shape == (0, 16)  # no rows: a zero weight gradient
 
 
 def test_the_kernel_applies_to_float32_cpu_tensors_only():
@@ -82,6 +85,12 @@ def test_the_kernel_applies_to_float32_cpu_tensors_only():
     assert not rmsnorm.applies(torch.randn(2, 8, dtype=torch.bfloat16), None)
     assert not rmsnorm.applies(torch.randn(2, 8), torch.ones(8, dtype=torch.float64))
     assert not rmsnorm.applies(torch.randn(2, 8), torch.ones(4))
+    assert rmsnorm.applies(torch.randn(8), w) and rmsnorm.applies(torch.randn(2, 3, 8), w)  # any leading shape
+    assert rmsnorm.applies(torch.randn(3, 1), None) and not rmsnorm.applies(torch.randn(3, 0), None)
+    assert not rmsnorm.applies(torch.tensor(1.0), None)  # a scalar has no last dimension to normalise
+    assert not rmsnorm.applies(torch.randn(2, 8), torch.ones(8, device="meta"))
+    with pytest.raises(RuntimeError):  # a weight of the wrong width is torch's error, never the kernel's bad read
+        rmsnorm.rms_norm(torch.randn(2, 8), torch.ones(4), 1e-5)
     x = torch.randn(2, 8, dtype=torch.float64)  # another dtype: torch's rms_norm, same function
     assert torch.equal(rmsnorm.rms_norm(x, None, 1e-5), F.rms_norm(x, (8,), None, 1e-5))
 
@@ -133,3 +142,47 @@ def test_the_switch_turns_the_kernel_off_in_a_new_process():
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True,
                          env={**os.environ, rmsnorm.ENV: "0"}).stdout
     assert out.strip() == "False"
+
+
+def test_the_kernel_loads_once_under_its_switch_and_a_failed_build_names_itself(monkeypatch):
+    """modules/rmsnorm.py's own loader (conftest.check_kernel_loader); a fresh build computes what the loaded one does
+    (its argument types: 64-bit pointers and a float eps, which ctypes' defaults would cut or pass as a double)."""
+    from conftest import check_kernel_loader
+
+    assert check_kernel_loader(monkeypatch, rmsnorm, rmsnorm.ENV, r"^the RMSNorm kernel modules/rmsnorm\.cpp could not "
+                                                                  r"be built \(OSError: no compiler here\); RMSNorm runs "
+                                                                  r"torch's")
+    x = torch.randn(40, 24, requires_grad=True)
+    w = (torch.rand(24) + 0.5).requires_grad_()
+    runs = []
+    for lib in (rmsnorm._load(), rmsnorm.library()):
+        monkeypatch.setattr(rmsnorm, "_library", lib)
+        x.grad = w.grad = None
+        y = rmsnorm.rms_norm(x, w, 1e-3)
+        y.backward(torch.linspace(-1, 1, 40 * 24).reshape(40, 24))
+        runs.append((y.detach(), x.grad, w.grad))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+    assert close(runs[0][0], F.rms_norm(x.detach(), (24,), w.detach(), 1e-3))  # eps 1e-3 reached the kernel
+
+
+def test_any_thread_count_gives_the_same_bits():
+    """Rows are independent and the weight's gradient is summed by fixed chunks of rows: a run repeats exactly
+    with another thread count (above the size where the kernel splits the rows)."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(700, 96, generator=g, requires_grad=True)
+    w = (torch.rand(96, generator=g) + 0.5).requires_grad_()
+    dy = torch.randn(700, 96, generator=g)
+    assert x.numel() >= rmsnorm.SMALL
+    runs, threads = [], torch.get_num_threads()
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            x.grad = w.grad = None
+            y = rmsnorm.rms_norm(x, w, 1e-5)
+            y.backward(dy)
+            runs.append((y.detach(), x.grad, w.grad))
+    finally:
+        torch.set_num_threads(threads)
+    for run in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(runs[0], run))

@@ -6,6 +6,7 @@ Tolerance: the step's sums run in other orders than torch's (the rows kernel's p
 in double): hidden states agree to 1e-5 (relative and absolute) on these small models."""
 import copy
 import gc
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -19,7 +20,9 @@ from models.lora import apply_lora
 from modules import rows
 from modules.linear import Linear, quantized_weights
 
-pytestmark = pytest.mark.skipif(not rows.available(), reason="the rows kernel cannot be built here")
+pytestmark = [pytest.mark.skipif(not rows.available(), reason="the rows kernel cannot be built here"),
+              pytest.mark.skipif(os.environ.get(fast_step.ENV) == "0",
+                                 reason=f"{fast_step.ENV}=0 turns the decode step off (these tests run it)")]
 TOL = dict(rtol=1e-5, atol=1e-5)
 # w8a8 / w4a8: the step's LayerNorm and torch's differ by float rounding, and an activation within that distance of a
 # half step rounds the other way: one such flip moves an output by its block's step times a weight (about 1e-3 on

@@ -34,7 +34,7 @@ extern "C" void rmsnorm_forward(int64_t rows, int64_t dim, const float* __restri
     }
 }
 
-// dw (dim values, or null without a weight) is written, not accumulated. The rows go in chunks of kChunk, each
+// dw (dim values, or null: no weight, or no gradient asked for it) is written, not accumulated (zeros for no rows). The rows go in chunks of kChunk, each
 // chunk's share of dw summed in double on its own, then the chunks in order: the same sums whatever the thread count.
 constexpr int64_t kChunk = 32;
 

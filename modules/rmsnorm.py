@@ -63,9 +63,7 @@ class _RMSNorm(torch.autograd.Function):
         rows_ = x.numel() // dim
         y = torch.empty_like(x)
         rstd = x.new_empty(rows_)
-        if x.numel():
-            lib.rmsnorm_forward(rows_, dim, x.data_ptr(), _ptr(w), eps, y.data_ptr(), rstd.data_ptr(),
-                                _threads(x.numel()))
+        lib.rmsnorm_forward(rows_, dim, x.data_ptr(), _ptr(w), eps, y.data_ptr(), rstd.data_ptr(), _threads(x.numel()))
         ctx.save_for_backward(x, w, rstd)
         return y
 
@@ -77,14 +75,9 @@ class _RMSNorm(torch.autograd.Function):
         grad = grad.contiguous()
         dim = x.shape[-1]
         dx = torch.empty_like(x)
-        dw = None if w is None else torch.empty_like(w)
-        if x.numel():
-            lib.rmsnorm_backward(x.numel() // dim, dim, grad.data_ptr(), x.data_ptr(), _ptr(w), rstd.data_ptr(),
-                                 dx.data_ptr(), _ptr(dw) if ctx.needs_input_grad[1] else None, _threads(x.numel()))
-        elif dw is not None:
-            dw.zero_()
-        if dw is not None and not ctx.needs_input_grad[1]:
-            dw = None
+        dw = torch.empty_like(w) if w is not None and ctx.needs_input_grad[1] else None  # no rows: zeros (the kernel)
+        lib.rmsnorm_backward(x.numel() // dim, dim, grad.data_ptr(), x.data_ptr(), _ptr(w), rstd.data_ptr(),
+                             dx.data_ptr(), _ptr(dw), _threads(x.numel()))
         return (dx if ctx.needs_input_grad[0] else None), dw, None
 
 

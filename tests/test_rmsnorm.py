@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import ROOT, check_kernel_loader
 
 from config import GPT2Config
 from models.gpt2 import GPT2LMHeadModel
@@ -19,7 +20,6 @@ from modules.norms import RMSNorm
 pytestmark = pytest.mark.skipif(not rmsnorm.available(), reason=f"{rmsnorm.ENV}=0 turns the RMSNorm kernel off"
                                 if os.environ.get(rmsnorm.ENV) == "0" else "the RMSNorm kernel does not build here "
                                 "(it needs x86-64 Linux and a C++ compiler)")
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def reference(x, w, eps):
@@ -147,8 +147,6 @@ def test_the_switch_turns_the_kernel_off_in_a_new_process():
 def test_the_kernel_loads_once_under_its_switch_and_a_failed_build_names_itself(monkeypatch):
     """modules/rmsnorm.py's own loader (conftest.check_kernel_loader); a fresh build computes what the loaded one does
     (its argument types: 64-bit pointers and a float eps, which ctypes' defaults would cut or pass as a double)."""
-    from conftest import check_kernel_loader
-
     assert check_kernel_loader(monkeypatch, rmsnorm, rmsnorm.ENV, r"^the RMSNorm kernel modules/rmsnorm\.cpp could not "
                                                                   r"be built \(OSError: no compiler here\); RMSNorm runs "
                                                                   r"torch's")

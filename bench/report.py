@@ -429,7 +429,6 @@ def _threads_claim(records: list[dict]) -> tuple[str, list[dict]]:
     return "; ".join(parts), used
 
 
-
 def _race_claim(records: list[dict]) -> tuple[str, list[dict]]:
     """bench/speedrun.py against nanoGPT: per CPU class, the fastest recipe of the latest race (its records share a
     date) and its time against nanoGPT's."""
@@ -440,12 +439,13 @@ def _race_claim(records: list[dict]) -> tuple[str, list[dict]]:
                 and not r["row"].endswith((": nanogpt", ": baseline"))]
         if not runs:
             continue
-        race = [r for r in runs if r["date"] == latest(runs)["date"]]
-        r = min(race, key=lambda r: r["ratio"])
+        last = latest(runs)["date"]
+        r = min((r for r in runs if r["date"] == last), key=lambda r: r["ratio"])
         parts.append(f"{cls}: {r['row'].rsplit(': ', 1)[1]} in {times(r['ratio'])} nanoGPT's training time "
                      f"({_v(r, 'seconds to target', '{:.1f}')} vs {_v(r, 'nanogpt s', '{:.1f}')} s)")
         used.append(r)
     return "; ".join(parts), used
+
 
 CLAIMS = [
     ("parity: logits vs transformers, random-init gpt2 ([parity](docs/parity.md))",

@@ -85,6 +85,12 @@ def inductor_why_not() -> str | None:
     return None
 
 
+def need_inductor() -> None:
+    """Skip the calling test, naming why, where torch.compile cannot build C++ here (inductor_why_not)."""
+    if why := inductor_why_not():
+        pytest.skip(f"torch.compile cannot build C++ in this environment ({why})")
+
+
 def check_kernel_loader(monkeypatch, module, env: str, warning: str) -> bool:
     """A C++ kernel module's own loader (modules/adamw.py, modules/dropout.py), its cached library reset so that its
     first load runs here: with `env`=0 it is False; a failed build warns (`warning`, a regex: the kernel and what runs

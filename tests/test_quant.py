@@ -6,7 +6,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import inductor_why_not
+from conftest import need_inductor
 
 import models.generation as generation_module
 import modules.linear as linear_module
@@ -241,8 +241,7 @@ def test_int8_linear_is_the_dequantized_product(rows, eager_int8):
 
 @pytest.mark.skipif(not quant.compiled_kernel_available(), reason="no SIMD capability for the compiled kernel")
 def test_compiled_one_row_kernel_matches_eager():
-    if why := inductor_why_not():
-        pytest.skip(f"torch.compile cannot build C++ in this environment ({why})")
+    need_inductor()
     w8, x = quantize_int8(torch.randn(40, 32)), torch.randn(1, 32)
     y = int8_linear(x, w8, compiled=True)
     ran = quant._compiled_packed if quant.packed_form_chosen() else quant._compiled_gemv
@@ -255,8 +254,7 @@ def test_compiled_one_row_kernel_matches_eager():
 def test_word_packed_kernel_matches_the_byte_kernel(in_features):
     """The word-packed loop unpacks byte k of word j as q[:, 4j + k] with its sign: weights at +-127 and small
     negatives catch a wrong byte order or a zero-extension."""
-    if why := inductor_why_not():
-        pytest.skip(f"torch.compile cannot build C++ in this environment ({why})")
+    need_inductor()
     w = torch.randn(40, in_features)
     w[0, :] = torch.linspace(-1, 1, in_features)
     w8, x = quantize_int8(w), torch.randn(1, in_features)

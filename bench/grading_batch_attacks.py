@@ -41,9 +41,19 @@ def honest(subs: Path) -> list[str]:
 
 
 def pad(folder: Path, n: int = PAD) -> None:
+    """n one-byte files named 00000.txt, 00001.txt, ... in `folder`."""
     folder.mkdir(parents=True, exist_ok=True)
-    for i in range(n):
-        (folder / f"{i:05d}.txt").write_bytes(b"x")
+    names(folder, [f"{i:05d}.txt" for i in range(n)])
+
+
+def names(folder: Path, files: list[str], data: bytes = b"x") -> None:
+    """Each of `files` in `folder`, holding `data`: hard links of one file, which the grader reads as it reads any
+    file (it looks at names, kinds and bytes, never at inode numbers or link counts); 20,000 of them take half a
+    second to make where 20,000 files take 3 to 7 s (an ext4 disk of this project's 2-core machines)."""
+    first = folder / files[0]
+    first.write_bytes(data)
+    for name in files[1:]:
+        os.link(first, folder / name)
 
 
 def deep(folder: Path, levels: int = 1100) -> None:

@@ -49,6 +49,7 @@ MODULE_TESTS = {
     "modules/adamw.py": ["tests/test_optimizer.py", "tests/test_master_weights.py", "tests/test_paths.py"],
     "modules/dropout.py": ["tests/test_dropout.py", "tests/test_paths.py"],
     "modules/rmsnorm.py": ["tests/test_rmsnorm.py", "tests/test_variants.py", "tests/test_paths.py"],
+    "modules/gelu.py": ["tests/test_gelu.py", "tests/test_paths.py"],
     "models/fast_step.py": ["tests/test_fast_step.py", "tests/test_paths.py"],
     "models/decode_threads.py": ["tests/test_decode_threads.py"],
     "models/paths.py": ["tests/test_paths.py"],

@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 
 from models import decode_threads, fast_step
-from modules import adamw, dropout, packed, quant, rmsnorm
+from modules import adamw, dropout, gelu, packed, quant, rmsnorm
 from modules import rows as row_kernel
 
 
@@ -176,6 +176,11 @@ PATHS: tuple[Path, ...] = (
          _kernel(rmsnorm, rmsnorm.ENV, "the RMSNorm kernel"),
          lambda: (True, "float32 CPU tensors outside torch.compile (bf16 is widened to float32 first)"),
          ("tests/test_rmsnorm.py", "tests/test_paths.py")),
+    Path("fused-gelu", "GPT-2's GELU (tanh form) in a float32 CPU training step, forward and backward one pass each "
+         "(modules/gelu.py, in modules/rows.cpp) instead of torch's gelu(approximate='tanh')", gelu.ENV, "", "0",
+         _kernel(gelu, gelu.ENV, "the rows kernel (GELU)"),
+         lambda: (True, "float32 CPU training steps outside torch.compile (evaluation and generation: torch's)"),
+         ("tests/test_gelu.py", "tests/test_paths.py")),
     Path("explicit-attention", "attention as scores/softmax/sum instead of torch's SDPA (modules/attention.py)", "",
          "config attn_implementation='eager'", "config attn_implementation='sdpa'", lambda: None,
          lambda: (True, "CPU training with attention dropout or bf16 (explicit_is_faster); SDPA otherwise"),

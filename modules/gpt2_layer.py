@@ -13,15 +13,11 @@ from modules import quant
 from modules import rows as row_kernel
 from modules.attention import CausalSelfAttention, KVCache
 from modules.dropout import Dropout
+from modules.gelu import gelu_new  # GPT-2's GELU, the tanh form (a training step's in one pass: modules/gelu.py)
 from modules.linear import Linear as DecodeLinear
 from modules.manual_backward import ManualLinear, gelu_tanh
 from modules.norms import make_norm
 from modules.positions import Rope
-
-
-def gelu_new(x: torch.Tensor) -> torch.Tensor:
-    """GPT-2's GELU: the tanh approximation."""
-    return F.gelu(x, approximate="tanh")
 
 
 def relu_squared(x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,71 @@
+"""GPT-2's GELU (the tanh form) for training on the CPU: forward and backward in one pass each (modules/rows.cpp).
+
+torch's CPU `gelu(approximate="tanh")` evaluates tanh with a library call a value, forward and again backward. On
+the race's model (4 x 128, 12 x 64 tokens: a 12 x 64 x 512 activation a layer, 2 cores of an Ice Lake Xeon) that
+was about 1.1 ms forward and 1.2 ms backward a layer, against 0.4 and 0.6 for the exact GELU. The kernel writes
+GELU(v) = v / (1 + e^(-2u)) with one polynomial exp a value (rows.cpp's, which the decode step and the quantized
+prompt already use), and its derivative from the same exp.
+
+`gelu_new` takes the kernel when a gradient will be taken through it (grad mode on and the input requiring one: a
+training step), on a float32 CPU tensor, outside torch.compile, with the rows kernel built and GPT2_FAST_GELU not 0;
+everywhere else, and so in every evaluation and generation, torch's `gelu(approximate="tanh")`, the function
+transformers' GPT-2 runs. The kernel is within 2e-7 relative of the exact tanh GELU (float64), closer than torch's
+float32 (1.2e-5 on tiny values); tests/test_gelu.py holds values and gradients to it and to torch.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+from modules import rows
+
+ENV = "GPT2_FAST_GELU"
+SMALL = 1 << 14  # values under which one thread does it all
+_on: bool | None = None  # the kernel's switch and build, read once
+
+
+def available() -> bool:
+    """Whether training's GELU takes the kernel here: GPT2_FAST_GELU not 0 and the rows kernel built."""
+    global _on
+    if _on is None:
+        _on = os.environ.get(ENV, "1") != "0" and rows.available()
+    return _on
+
+
+def applies(x: torch.Tensor) -> bool:
+    """Whether gelu_new runs x through the kernel (see the module's docstring)."""
+    return (x.requires_grad and torch.is_grad_enabled() and x.dtype == torch.float32 and x.device.type == "cpu"
+            and not torch.compiler.is_compiling() and available())
+
+
+def _threads(n: int) -> int:
+    return 1 if n < SMALL else torch.get_num_threads()
+
+
+class _GELU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        x = x.contiguous()
+        y = torch.empty_like(x)
+        rows._load().rows_gelu_tanh(x.data_ptr(), y.data_ptr(), x.numel(), _threads(x.numel()))
+        ctx.save_for_backward(x)
+        return y
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        (x,) = ctx.saved_tensors
+        grad = grad.contiguous()
+        dx = torch.empty_like(x)
+        rows._load().rows_gelu_tanh_backward(x.data_ptr(), grad.data_ptr(), dx.data_ptr(), x.numel(),
+                                             _threads(x.numel()))
+        return dx
+
+
+def gelu_new(x: torch.Tensor) -> torch.Tensor:
+    """GELU, tanh form (GPT-2's "gelu_new"): the kernel in a training step where it applies, else torch's."""
+    if applies(x):
+        return _GELU.apply(x)
+    return F.gelu(x, approximate="tanh")

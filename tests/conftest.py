@@ -91,6 +91,29 @@ def need_inductor() -> None:
         pytest.skip(f"torch.compile cannot build C++ in this environment ({why})")
 
 
+def train_counting(config: GPT2Config, steps: int) -> list[float]:
+    """A GPT2LMHeadModel of `config` (seed 0) trained `steps` AdamW steps (lr 3e-3) on counting sequences of
+    config.vocab_size tokens (batches of 4 x 17, seed 1): a pattern 20 steps learn. The losses, step by step; the
+    kernel tests run it with a path on and off."""
+    from models.gpt2 import GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    vocab = config.vocab_size
+    model = GPT2LMHeadModel(config)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    starts = torch.randint(0, vocab, (steps, 4, 1), generator=torch.Generator().manual_seed(1))
+    data = (starts + torch.arange(17)) % vocab
+    losses = []
+    for batch in data:
+        logits = model(batch[:, :-1])["logits"]
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, vocab), batch[:, 1:].reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
 def check_kernel_loader(monkeypatch, module, env: str, warning: str) -> bool:
     """A C++ kernel module's own loader (modules/adamw.py, modules/dropout.py), its cached library reset so that its
     first load runs here: with `env`=0 it is False; a failed build warns (`warning`, a regex: the kernel and what runs

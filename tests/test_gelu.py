@@ -10,10 +10,9 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import ROOT
+from conftest import ROOT, train_counting
 
 from config import GPT2Config
-from models.gpt2 import GPT2LMHeadModel
 from modules import gelu, rows
 from modules.gpt2_layer import ACTIVATION_FNS
 
@@ -105,22 +104,8 @@ def test_the_kernel_is_taken_only_in_a_float32_cpu_training_step(monkeypatch):
 def train(steps: int, kernel: bool, monkeypatch) -> list[float]:
     """GPT-2 (tanh GELU, LayerNorm, dropout on) trained `steps` AdamW steps from one seed."""
     monkeypatch.setattr(gelu, "_on", kernel)
-    torch.manual_seed(0)
-    config = GPT2Config(vocab_size=61, n_positions=32, n_embd=48, n_layer=2, n_head=3, resid_pdrop=0.1, embd_pdrop=0.1,
-                        attn_pdrop=0.1)
-    model = GPT2LMHeadModel(config)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    starts = torch.randint(0, 61, (steps, 4, 1), generator=torch.Generator().manual_seed(1))
-    data = (starts + torch.arange(17)) % 61  # counting sequences: a pattern 20 steps learn
-    losses = []
-    for batch in data:
-        logits = model(batch[:, :-1])["logits"]
-        loss = F.cross_entropy(logits.reshape(-1, 61), batch[:, 1:].reshape(-1))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses
+    return train_counting(GPT2Config(vocab_size=61, n_positions=32, n_embd=48, n_layer=2, n_head=3, resid_pdrop=0.1,
+                                     embd_pdrop=0.1, attn_pdrop=0.1), steps)
 
 
 def test_twenty_steps_through_the_kernel_track_torchs_gelu(monkeypatch):

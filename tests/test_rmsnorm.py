@@ -10,10 +10,9 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import ROOT, check_kernel_loader
+from conftest import ROOT, check_kernel_loader, train_counting
 
 from config import GPT2Config
-from models.gpt2 import GPT2LMHeadModel
 from modules import rmsnorm
 from modules.norms import RMSNorm
 
@@ -107,26 +106,13 @@ def test_the_module_takes_the_kernel_and_keeps_its_dtype(monkeypatch):
 
 def train(steps: int, kernel: bool) -> list[float]:
     """A model with RMSNorm and QK-norm trained `steps` AdamW steps (dropout on) from one seed."""
-    torch.manual_seed(0)
     config = GPT2Config(vocab_size=61, n_positions=32, n_embd=48, n_layer=2, n_head=3, norm="rmsnorm", bias=False,
                         qk_norm=True, position_embedding="rope", resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)
-    model = GPT2LMHeadModel(config)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    starts = torch.randint(0, 61, (steps, 4, 1), generator=torch.Generator().manual_seed(1))
-    data = (starts + torch.arange(17)) % 61  # counting sequences: a pattern 20 steps learn
-    losses = []
     saved, rmsnorm._library = rmsnorm._library, (rmsnorm._library if kernel else False)
     try:
-        for batch in data:
-            logits = model(batch[:, :-1])["logits"]
-            loss = F.cross_entropy(logits.reshape(-1, 61), batch[:, 1:].reshape(-1))
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
+        return train_counting(config, steps)
     finally:
         rmsnorm._library = saved
-    return losses
 
 
 def test_twenty_steps_through_the_kernel_track_torchs_rms_norm():

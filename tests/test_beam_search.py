@@ -132,6 +132,27 @@ def test_early_stopping_modes_differ_and_each_equals_transformers():
         assert torch.equal(out, hf.generate(ids, attention_mask=mask, do_sample=False, early_stopping=es, **kw))
 
 
+def test_the_defaults_are_transformers_beam_defaults():
+    """No options but the tokens: 4 beams, 20 new tokens, length_penalty 1, early_stopping False, as transformers'
+    generate(num_beams=4) has them; where a favoured EOS ends hypotheses early, another length penalty or stopping
+    rule would have chosen other beams, and one token fewer or more another length."""
+    config = tiny_config("h4-wide")
+    hf, ours = load_pair(config, seed=0)
+    ids, mask = padded_batch([6, 3, 5, 6], 6, config.vocab_size - 1, "left", seed=9)
+    eos = int(generate(ours, ids, mask, 1)[0, -1])
+    got = beam_search(ours, ids, mask, eos_token_id=eos, pad_token_id=1)
+    expected = hf.generate(ids, attention_mask=mask, do_sample=False, num_beams=4, max_new_tokens=20,
+                           length_penalty=1.0, early_stopping=False, eos_token_id=eos, pad_token_id=1)
+    assert torch.equal(got, expected)
+    for other in (dict(length_penalty=2.0), dict(early_stopping=True), dict(num_beams=3)):
+        assert not torch.equal(got, beam_search(ours, ids, mask, eos_token_id=eos, pad_token_id=1, **other)), other
+    no_eos = beam_search(ours, ids, mask, pad_token_id=1)
+    assert no_eos.shape == (4, 6 + 20)
+    one = beam_search(ours, ids, mask, max_new_tokens=1, pad_token_id=1)  # the first step, not the prompt alone
+    assert one.shape == (4, 7) and torch.equal(one, hf.generate(ids, attention_mask=mask, do_sample=False, num_beams=4,
+                                                                 max_new_tokens=1, pad_token_id=1, eos_token_id=None))
+
+
 def test_repetition_penalty_equals_transformers():
     config = tiny_config("h3-inner")
     hf, ours = load_pair(config, seed=10)
@@ -146,7 +167,7 @@ def test_repetition_penalty_equals_transformers():
 def test_bad_requests_are_refused():
     _, lm = load_pair(tiny_config("h5"), seed=0)  # n_positions 32
     ids, mask = padded_batch([3, 2], 4, 50, "right", seed=0)
-    with pytest.raises(ValueError, match="left-padded"):
+    with pytest.raises(ValueError, match="^prompts must be left-padded for beam search "):
         beam_search(lm, ids, mask, num_beams=2)
     with pytest.raises(ValueError, match="exceeds the context of n_positions=32"):
         beam_search(lm, ids[:, :3], num_beams=2, max_new_tokens=30)

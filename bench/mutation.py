@@ -77,6 +77,17 @@ RETESTED = ("survived", "timeout", "suspicious", "no tests")  # --retest: the re
 COUNTED = ("killed", "survived", "equivalent", "timeout", "no tests", "skipped", "suspicious", "segfault", "not checked")
 
 
+def status_of(code: int | None) -> str:
+    """mutmut's status of a mutant's exit code, where a test process killed by a signal mutmut's table leaves out
+    (SIGABRT from glibc's heap checks, SIGBUS, SIGFPE, SIGILL: a kernel handed a wrong size or dtype) is a crash like
+    its SIGSEGV ("segfault"), not "suspicious"."""
+    from mutmut.stats import status_by_exit_code
+
+    if code is not None and code < 0 and code not in status_by_exit_code:
+        return "segfault"
+    return status_by_exit_code[code]
+
+
 def equivalents(module: str | None = None) -> list[dict]:
     """bench/mutation_equivalents.toml: survivors that cannot change behaviour, each with its reason. An entry names
     the mutated function (mutmut's name without the number) and the mutation's diff line, so it follows the mutant
@@ -163,8 +174,6 @@ def run_mutmut(command: list[str], work: Path, env: dict, log: Path, mode: str, 
 
 
 def run_module(module: str, args) -> dict:
-    from mutmut.stats import status_by_exit_code
-
     work = prepare(module, args.fresh)
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", GPT2_BENCH_RESULTS="off",
                GPT2_DECODE_PLAN="off", PYTHONDONTWRITEBYTECODE="1")
@@ -177,7 +186,7 @@ def run_module(module: str, args) -> dict:
         before = json.loads(meta.read_text())["exit_code_by_key"]
         checked_before = sum(c is not None for c in before.values())
         if args.retest:  # new tests since: run the survivors (and timeouts) again, named, which mutmut always reruns
-            retested = [n for n, c in before.items() if c is not None and status_by_exit_code[c] in RETESTED]
+            retested = [n for n, c in before.items() if c is not None and status_of(c) in RETESTED]
             if not retested:
                 print(f"{module}: no survivors to test again")
             command += retested
@@ -197,7 +206,7 @@ def run_module(module: str, args) -> dict:
     if returncode != 0 and not stopped and all(c is None for c in codes.values()):
         tail = log.read_text()[-2000:]
         raise RuntimeError(f"{module}: mutmut stopped before testing a mutant (exit {returncode}); {log}:\n{tail}")
-    status = {name: status_by_exit_code[code] for name, code in codes.items()}
+    status = {name: status_of(code) for name, code in codes.items()}
     counts = Counter(status.values())
     survivors = sorted((n for n, s in status.items() if s == "survived"), key=lambda n: int(n.rpartition("_")[2]))
     survivors = sorted(survivors, key=function_of)

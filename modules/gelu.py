@@ -30,7 +30,7 @@ def available() -> bool:
     """Whether training's GELU takes the kernel here: GPT2_FAST_GELU not 0 and the rows kernel built."""
     global _on
     if _on is None:
-        _on = os.environ.get(ENV, "1") != "0" and rows.available()
+        _on = os.environ.get(ENV) != "0" and rows.available()
     return _on
 
 

@@ -123,6 +123,21 @@ def test_twenty_steps_through_the_kernel_track_torchs_gelu(monkeypatch):
     assert train(20, True, monkeypatch) == ours
 
 
+def test_the_switch_and_the_build_decide_once_and_small_tensors_take_one_thread(monkeypatch):
+    for env, built, on in (("0", True, False), ("1", True, True), (None, True, True), (None, False, False)):
+        monkeypatch.setattr(gelu, "_on", None)
+        monkeypatch.setattr(rows, "available", lambda built=built: built)
+        if env is None:
+            monkeypatch.delenv(gelu.ENV, raising=False)
+        else:
+            monkeypatch.setenv(gelu.ENV, env)
+        assert gelu.available() is on and gelu._on is on, (env, built)
+        monkeypatch.setenv(gelu.ENV, "1" if env == "0" else "0")
+        assert gelu.available() is on  # read once: a later change of the environment is not seen
+    torch.set_num_threads(2)  # conftest's restore_threads gives the count back
+    assert gelu._threads(gelu.SMALL - 1) == 1 and gelu._threads(gelu.SMALL) == 2
+
+
 def test_the_switch_turns_the_kernel_off_in_a_new_process():
     code = "from modules import gelu; print(gelu.available())"
     run = lambda env: subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,  # noqa: E731

@@ -5,7 +5,7 @@ import tomllib
 
 from conftest import ROOT
 
-from bench.mutation import MODULE_TESTS
+from bench.mutation import MODULE_TESTS, status_of
 
 
 def mutmut_config() -> dict:
@@ -46,3 +46,11 @@ def test_each_equivalent_mutant_names_its_module_a_line_still_there_and_a_reason
         assert old.startswith("-") and sep, f"the diff is '-old / +new' as bench/mutation.py prints it: {entry}"
         assert old[1:].strip() in (ROOT / module).read_text(), f"the mutated line is no longer in {module}: {entry}"
         assert len(entry["reason"].split()) >= 5, f"say why the mutant cannot change behaviour: {entry}"
+
+
+def test_a_test_process_killed_by_any_signal_counts_as_a_crash():
+    """mutmut's table names SIGSEGV and SIGKILL; SIGABRT (glibc's heap check after a kernel wrote past a buffer),
+    SIGBUS, SIGFPE and SIGILL are crashes too, caught like a segfault, never "suspicious"."""
+    assert [status_of(c) for c in (-6, -7, -8, -4, -11, -9)] == ["segfault"] * 6
+    assert [status_of(c) for c in (1, 0, -24, None, 35)] == ["killed", "survived", "timeout", "not checked",
+                                                             "suspicious"]

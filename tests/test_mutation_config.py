@@ -3,6 +3,7 @@ names the modules that make decisions, and the per-module runner knows a test fi
 import re
 import tomllib
 
+import pytest
 from conftest import ROOT
 
 from bench.mutation import MODULE_TESTS, status_of
@@ -51,6 +52,7 @@ def test_each_equivalent_mutant_names_its_module_a_line_still_there_and_a_reason
 def test_a_test_process_killed_by_any_signal_counts_as_a_crash():
     """mutmut's table names SIGSEGV and SIGKILL; SIGABRT (glibc's heap check after a kernel wrote past a buffer),
     SIGBUS, SIGFPE and SIGILL are crashes too, caught like a segfault, never "suspicious"."""
+    pytest.importorskip("mutmut", reason="mutmut is a development package (pip install -r requirements-dev.txt)")
     assert [status_of(c) for c in (-6, -7, -8, -4, -11, -9)] == ["segfault"] * 6
     assert [status_of(c) for c in (1, 0, -24, None, 35)] == ["killed", "survived", "timeout", "not checked",
                                                              "suspicious"]

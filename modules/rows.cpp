@@ -709,29 +709,12 @@ static void layer_norm(const float* x, const float* w, const float* b, float eps
   for (int64_t i = 0; i < n; ++i) y[i] = (x[i] - m) * inv * (w ? w[i] : 1.0f) + (b ? b[i] : 0.0f);
 }
 
-// exp of 8 floats: x = n ln2 + r (|r| <= ln2 / 2; ln2 in two parts, so r is exact to float rounding), e^r by a
-// degree-7 polynomial (Cephes' expf coefficients: within 2 ulp of the true value), times 2^n built in the exponent
-// bits. x is clamped to [-87.3, 88.3], where 2^n and the result stay normal floats.
-static inline __m256 exp8(__m256 x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
-}
-
+// exp of a vector of floats: x = n ln2 + r (|r| <= ln2 / 2; ln2 in two parts, so r is exact to float rounding), e^r
+// by a degree-7 polynomial (Cephes' expf coefficients: within 2 ulp of the true value), times 2^n built in the
+// exponent bits. x is clamped to [-87.3, 88.3], where 2^n and the result stay normal floats. The AVX512 form does
+// the AVX2 form's operations lane by lane, so a value's exp is the same in either build.
 #if defined(__AVX512F__)
-// exp8's steps on 16 floats (the same operations lane by lane, so the same results).
-static inline __m512 exp16(__m512 x) {
+static inline vf vexp(vf x) {
   x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -747,11 +730,25 @@ static inline __m512 exp16(__m512 x) {
   const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
   return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
 }
-static inline vf vexp(vf x) { return exp16(x); }
 static inline vf vdiv(vf a, vf b) { return _mm512_div_ps(a, b); }
 static inline void vstore(float* p, vf a) { _mm512_storeu_ps(p, a); }
 #else
-static inline vf vexp(vf x) { return exp8(x); }
+static inline vf vexp(vf x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
 static inline vf vdiv(vf a, vf b) { return _mm256_div_ps(a, b); }
 static inline void vstore(float* p, vf a) { _mm256_storeu_ps(p, a); }
 #endif
@@ -760,35 +757,22 @@ static inline void vstore(float* p, vf a) { _mm256_storeu_ps(p, a); }
 // = 2 / (1 + e^(-2u))): one exp and one division a value (the scalar std::tanh loop took about 1 ms a gpt2 token on
 // one core). Agrees with torch's gelu(approximate="tanh") to a few float roundings (tests). Its derivative from the
 // same exp: with e = e^(-2u) and s = 1 / (1 + e), GELU(v) = v s and 1 - s = e s, so GELU'(v) = s + 2 v s (e s) u',
-// u' = sqrt(2 / pi) (1 + 3 0.044715 v^2). e is clamped (exp8), so e s stays finite where s underflows.
+// u' = sqrt(2 / pi) (1 + 3 0.044715 v^2). e is clamped (vexp), so e s stays finite where s underflows.
 //
-// Values go vf at a time (16 in the native build of an AVX512 CPU, else 8), then 8 at a time, then the last n % 8
-// by the scalar formulas: the same operations lane by lane at either width, so a value's result is the same in the
-// native and the AVX2 build.
+// Values go a vector at a time (16 in the native build of an AVX512 CPU, else 8); there, 8 more under a mask where
+// 8 to 15 are left; the last n % 8 by the scalar formulas. Each vector value takes the same operations in either
+// build, so its result is the same in the native and the AVX2 build.
 constexpr float kGeluC = 0.7978845608028654f, kGeluA = 0.044715f;
 
-static inline vf gelu_vf(vf v, vf* grad_factor) {
+// GELU(v), or (grad) dy GELU'(v).
+static inline vf gelu_vf(vf v, vf dy, bool grad) {
   const vf v2 = vmul(v, v);
   const vf u = vmul(vset1(kGeluC), vfma(vmul(vset1(kGeluA), v), v2, v));
   const vf e = vexp(vmul(vset1(-2.0f), u));
-  if (!grad_factor) return vdiv(v, vadd(vset1(1.0f), e));
+  if (!grad) return vdiv(v, vadd(vset1(1.0f), e));
   const vf s = vdiv(vset1(1.0f), vadd(vset1(1.0f), e));
   const vf du = vmul(vset1(2.0f * kGeluC), vfma(vset1(3.0f * kGeluA), v2, vset1(1.0f)));
-  *grad_factor = vfma(vmul(vmul(v, s), vmul(e, s)), du, s);
-  return vmul(v, s);
-}
-
-static inline __m256 gelu_8(__m256 v, __m256* grad_factor) {
-  const __m256 v2 = _mm256_mul_ps(v, v);
-  const __m256 u = _mm256_mul_ps(_mm256_set1_ps(kGeluC),
-                                 _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(kGeluA), v), v2, v));
-  const __m256 e = exp8(_mm256_mul_ps(_mm256_set1_ps(-2.0f), u));
-  if (!grad_factor) return _mm256_div_ps(v, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
-  const __m256 s = _mm256_div_ps(_mm256_set1_ps(1.0f), _mm256_add_ps(_mm256_set1_ps(1.0f), e));
-  const __m256 du = _mm256_mul_ps(_mm256_set1_ps(2.0f * kGeluC),
-                                  _mm256_fmadd_ps(_mm256_set1_ps(3.0f * kGeluA), v2, _mm256_set1_ps(1.0f)));
-  *grad_factor = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_mul_ps(v, s), _mm256_mul_ps(e, s)), du, s);
-  return _mm256_mul_ps(v, s);
+  return vmul(dy, vfma(vmul(vmul(v, s), vmul(e, s)), du, s));
 }
 
 // y = GELU(x) (dy null), or dx = dy GELU'(x) (dx may be dy); n values on `threads`.
@@ -796,26 +780,18 @@ static void gelu_tanh_pass(const float* x, const float* dy, float* out, int64_t 
   const int64_t wide = n / kWidth;
 #pragma omp parallel for num_threads(threads) schedule(static) if (n >= 4096)
   for (int64_t j = 0; j < wide; ++j) {
-    const vf v = xload(x + kWidth * j);
-    if (dy) {
-      vf g;
-      gelu_vf(v, &g);
-      vstore(out + kWidth * j, vmul(xload(dy + kWidth * j), g));
-    } else {
-      vstore(out + kWidth * j, gelu_vf(v, nullptr));
-    }
+    const vf d = dy ? xload(dy + kWidth * j) : vzero();
+    vstore(out + kWidth * j, gelu_vf(xload(x + kWidth * j), d, dy != nullptr));
   }
   int64_t i = kWidth * wide;
-  for (; i + 8 <= n; i += 8) {
-    const __m256 v = _mm256_loadu_ps(x + i);
-    if (dy) {
-      __m256 g;
-      gelu_8(v, &g);
-      _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_loadu_ps(dy + i), g));
-    } else {
-      _mm256_storeu_ps(out + i, gelu_8(v, nullptr));
-    }
+#if defined(__AVX512F__)
+  if (n - i >= 8) {  // the AVX2 build's last whole vector: half a vector here
+    const __mmask16 half = 0xFF;
+    const vf d = dy ? _mm512_maskz_loadu_ps(half, dy + i) : vzero();
+    _mm512_mask_storeu_ps(out + i, half, gelu_vf(_mm512_maskz_loadu_ps(half, x + i), d, dy != nullptr));
+    i += 8;
   }
+#endif
   for (; i < n; ++i) {
     const float v = x[i];
     if (dy) {

@@ -59,7 +59,7 @@ MODULE_TESTS = {
                              "tests/test_fast_paths.py", "tests/test_survivors_40.py", "tests/test_int8_activations.py"],
     "modules/rows.py": ["tests/test_rows_kernel.py", "tests/test_decode_plan.py", "tests/test_survivors.py",
                         "tests/test_fast_step.py", "tests/test_int8_activations.py"],
-    "models/beam_search.py": ["tests/test_beam_search.py"],
+    "models/beam_search.py": ["tests/test_beam_search.py", "tests/test_cuda.py"],
     "models/generation.py": ["tests/test_generation.py", "tests/test_beam_search.py", "tests/test_survivors.py"],
     "training/steps.py": ["tests/test_engine_parts.py"],
     "training/batches.py": ["tests/test_engine_parts.py", "tests/test_task_data.py"],

@@ -188,3 +188,47 @@ def test_generate_with_num_beams_runs_beam_search():
     assert torch.equal(lm.generate(ids, mask, num_beams=3, **kw), beam_search(lm, ids, mask, num_beams=3, **kw))
     with pytest.raises(ValueError, match="do_sample=False"):
         lm.generate(ids, mask, num_beams=3, do_sample=True, **kw)
+
+
+
+def test_the_beams_products_are_prepared_once_per_call_for_all_beam_rows(monkeypatch):
+    """The decode steps run B*N rows (one per beam): every Linear and the LM head multiply them through a product
+    prepared once per call for that row count (modules/linear.prepared_rows, decode_lm_head), not again at each
+    step, and the tokens are those of the plain products."""
+    from modules import rows as row_kernel
+    from modules.linear import Linear
+
+    if not row_kernel.available():
+        pytest.skip("the rows kernel cannot be built here (needs an x86 CPU with AVX2 and a C++ compiler)")
+    _, lm = load_pair(tiny_config("h3-inner"), seed=3)
+    ids, mask = padded_batch([5, 3], 5, 100, "left", seed=4)  # B=2, N=3: 6 rows a step
+    kw = dict(num_beams=3, eos_token_id=None, pad_token_id=0)
+    monkeypatch.setattr(row_kernel, "pays", lambda dtype, rows: False)
+    plain = {steps: beam_search(lm, ids, mask, max_new_tokens=steps, **kw) for steps in (4, 8)}
+    monkeypatch.setattr(row_kernel, "pays", lambda dtype, rows: rows == 6)
+    real, made = row_kernel.prepared, []
+    monkeypatch.setattr(row_kernel, "prepared", lambda w, *a, **k: made.append(tuple(w.shape)) or real(w, *a, **k))
+    once = sorted([tuple(m.weight.shape) for m in lm.modules() if type(m) is Linear]
+                  + [tuple(lm.gpt.lm_head_weight.shape)])
+    for steps in (4, 8):
+        made.clear()
+        assert torch.equal(beam_search(lm, ids, mask, max_new_tokens=steps, **kw), plain[steps])
+        assert sorted(made) == once, steps
+
+
+def test_without_a_pad_id_rows_that_end_early_are_filled_with_eos_as_transformers_does():
+    """pad_token_id=None: a row whose best hypothesis ended before the longest one is filled with the EOS id (the
+    default the docstring gives; transformers' generate does the same), not with 0."""
+    config = tiny_config("h4-wide")
+    hf, ours = load_pair(config, seed=8)
+    ids, mask = padded_batch([6, 3, 5, 6], 6, config.vocab_size, "left", seed=9)
+    eos = int(generate(ours, ids, mask, 2)[0, -1])
+    assert eos != 0
+    kw = dict(max_new_tokens=12, num_beams=4, eos_token_id=eos)
+    got = beam_search(ours, ids, mask, **kw)
+    new = got[:, ids.shape[1]:]
+    ended = (new == eos).long().cumsum(1) > 0
+    after = ended & (ended.long().cumsum(1) > 1)  # the positions after each row's first EOS
+    assert after.any(), "no row ended before the longest: the test would not see the filling"
+    assert (new[after] == eos).all()
+    assert torch.equal(got, hf.generate(ids, attention_mask=mask, do_sample=False, pad_token_id=eos, **kw))

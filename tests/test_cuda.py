@@ -97,6 +97,18 @@ def test_batched_left_padded_greedy_decoding_equals_transformers_on_the_device()
     assert got.device.type == DEVICE and torch.equal(got, want)
 
 
+def test_batched_beam_search_equals_transformers_on_the_device():
+    """Every table of the search (beams, scores, finished hypotheses, their lengths) lives on the prompt's device."""
+    hf, ours, config = pair("h3-inner")
+    ids, mask = padded_batch([6, 3, 5], 6, config.vocab_size, "left", seed=3)
+    ids, mask = ids.to(DEVICE), mask.to(DEVICE)
+    eos = int(ours.generate(ids, mask, max_new_tokens=2)[0, -1])
+    kw = dict(max_new_tokens=10, num_beams=3, eos_token_id=eos, pad_token_id=1, length_penalty=0.5)
+    want = hf.generate(ids, attention_mask=mask, do_sample=False, **kw)
+    got = ours.generate(ids, mask, **kw)
+    assert got.device.type == DEVICE and torch.equal(got, want)
+
+
 def test_our_adamw_equals_torch_adamw_on_device_tensors():
     torch.manual_seed(0)
     ours_params = [torch.randn(33, 17, device=DEVICE, requires_grad=True), torch.randn(17, device=DEVICE,

@@ -117,15 +117,17 @@ def test_equals_transformers_beam_search(early_stopping, length_penalty):
     assert torch.equal(got, expected)
 
 
-def test_early_stopping_modes_differ_and_each_equals_transformers():
-    """With a favoured EOS and length_penalty 2, the heuristic (False) stops before a longer, better hypothesis
-    appears; "never" keeps searching. Both must still match transformers."""
+@pytest.mark.parametrize("seed, length_penalty", [(3, 2.0), (0, 1.0)])
+def test_early_stopping_modes_differ_and_each_equals_transformers(seed, length_penalty):
+    """With a favoured EOS and a length_penalty > 0, the heuristic (False) stops before a longer, better hypothesis
+    appears; "never" keeps searching (its bound uses max_new_tokens for any length_penalty > 0, 1 included). Both
+    must still match transformers, whose prompt, once done, stays done."""
     config = tiny_config("h4-wide")
-    hf, ours = load_pair(config, seed=3)
+    hf, ours = load_pair(config, seed=seed)
     ids, mask = padded_batch([6, 3, 5, 6], 6, config.vocab_size - 1, "left", seed=9)
     eos = int(generate(ours, ids, mask, 1)[0, -1])
     # pad 1, not 0: transformers fills with EOS when pad_token_id is 0 (it tests `pad_token_id or eos`)
-    kw = dict(max_new_tokens=10, num_beams=2, eos_token_id=eos, pad_token_id=1, length_penalty=2.0)
+    kw = dict(max_new_tokens=10, num_beams=2, eos_token_id=eos, pad_token_id=1, length_penalty=length_penalty)
     got = {es: beam_search(ours, ids, mask, early_stopping=es, **kw) for es in (False, "never")}
     assert got[False].shape != got["never"].shape or not torch.equal(got[False], got["never"])
     for es, out in got.items():
@@ -232,3 +234,23 @@ def test_without_a_pad_id_rows_that_end_early_are_filled_with_eos_as_transformer
     assert after.any(), "no row ended before the longest: the test would not see the filling"
     assert (new[after] == eos).all()
     assert torch.equal(got, hf.generate(ids, attention_mask=mask, do_sample=False, pad_token_id=eos, **kw))
+
+
+
+def test_the_search_stops_once_every_prompt_is_done_and_decodes_its_beam_rows_on_their_thread_plan(monkeypatch):
+    """early_stopping=True: once each prompt holds N finished hypotheses no further step is decoded; the decode
+    loop's thread plan is keyed by its B*N rows (N = 4 by default, as in transformers)."""
+    from models import generation
+
+    config = tiny_config("h4-wide")
+    _, ours = load_pair(config, seed=8)
+    ids, mask = padded_batch([6, 3, 5, 6], 6, config.vocab_size, "left", seed=9)
+    eos = int(generate(ours, ids, mask, 2)[0, -1])
+    kw = dict(max_new_tokens=16, eos_token_id=eos, pad_token_id=1, early_stopping=True)
+    steps, keys = [], []
+    real_step, real_threads = ours.gpt.decode_step, generation.DecodeThreads
+    monkeypatch.setattr(ours.gpt, "decode_step", lambda *a, **k: steps.append(1) or real_step(*a, **k))
+    monkeypatch.setattr(generation, "DecodeThreads", lambda key, **k: keys.append(key) or real_threads(key, **k))
+    beam_search(ours, ids, mask, **kw)
+    assert 0 < len(steps) < kw["max_new_tokens"] - 1, len(steps)
+    assert [key[0] for key in keys if key[0] != "prompt"] == [4 * 4]

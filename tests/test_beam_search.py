@@ -28,6 +28,14 @@ def sharp_tiny_lm(vocab_size, seed, sharpen=4.0):
     return lm
 
 
+def favoured_eos(seed, ahead, token_ids=1000):
+    """The h4-wide pair (seed), four left-padded prompts of ids below `token_ids`, and as EOS the token greedy
+    decoding emits `ahead` tokens in, so hypotheses end at different steps and the stopping rules matter:
+    (hf, ours, ids, mask, eos)."""
+    hf, ours = load_pair(tiny_config("h4-wide"), seed=seed)
+    ids, mask = padded_batch([6, 3, 5, 6], 6, token_ids, "left", seed=9)
+    return hf, ours, ids, mask, int(generate(ours, ids, mask, ahead)[0, -1])
+
 @torch.no_grad()
 def exhaustive_best(lm, prompt, num_new, eos, length_penalty):
     """Best continuation over every sequence of num_new tokens, cut after its first EOS, scored like beam search
@@ -104,11 +112,7 @@ def test_batched_equals_one_prompt_at_a_time():
 @pytest.mark.parametrize("early_stopping, length_penalty", [(False, 1.0), (True, 1.0), ("never", 1.0),
                                                             (False, 0.0), ("never", 2.0), (False, -1.5)])
 def test_equals_transformers_beam_search(early_stopping, length_penalty):
-    config = tiny_config("h4-wide")
-    hf, ours = load_pair(config, seed=8)
-    ids, mask = padded_batch([6, 3, 5, 6], 6, config.vocab_size, "left", seed=9)
-    # EOS = a token greedy decoding emits early, so hypotheses end at different steps and the stopping rules matter.
-    eos = int(generate(ours, ids, mask, 2)[0, -1])
+    hf, ours, ids, mask, eos = favoured_eos(seed=8, ahead=2)
     kw = dict(max_new_tokens=12, num_beams=4, eos_token_id=eos, pad_token_id=1, length_penalty=length_penalty,
               early_stopping=early_stopping)
     expected = hf.generate(ids, attention_mask=mask, do_sample=False, **kw)
@@ -122,10 +126,7 @@ def test_early_stopping_modes_differ_and_each_equals_transformers(seed, length_p
     """With a favoured EOS and a length_penalty > 0, the heuristic (False) stops before a longer, better hypothesis
     appears; "never" keeps searching (its bound uses max_new_tokens for any length_penalty > 0, 1 included). Both
     must still match transformers, whose prompt, once done, stays done."""
-    config = tiny_config("h4-wide")
-    hf, ours = load_pair(config, seed=seed)
-    ids, mask = padded_batch([6, 3, 5, 6], 6, config.vocab_size - 1, "left", seed=9)
-    eos = int(generate(ours, ids, mask, 1)[0, -1])
+    hf, ours, ids, mask, eos = favoured_eos(seed=seed, ahead=1, token_ids=999)
     # pad 1, not 0: transformers fills with EOS when pad_token_id is 0 (it tests `pad_token_id or eos`)
     kw = dict(max_new_tokens=10, num_beams=2, eos_token_id=eos, pad_token_id=1, length_penalty=length_penalty)
     got = {es: beam_search(ours, ids, mask, early_stopping=es, **kw) for es in (False, "never")}
@@ -138,10 +139,7 @@ def test_the_defaults_are_transformers_beam_defaults():
     """No options but the tokens: 4 beams, 20 new tokens, length_penalty 1, early_stopping False, as transformers'
     generate(num_beams=4) has them; where a favoured EOS ends hypotheses early, another length penalty or stopping
     rule would have chosen other beams, and one token fewer or more another length."""
-    config = tiny_config("h4-wide")
-    hf, ours = load_pair(config, seed=0)
-    ids, mask = padded_batch([6, 3, 5, 6], 6, config.vocab_size - 1, "left", seed=9)
-    eos = int(generate(ours, ids, mask, 1)[0, -1])
+    hf, ours, ids, mask, eos = favoured_eos(seed=0, ahead=1, token_ids=999)
     got = beam_search(ours, ids, mask, eos_token_id=eos, pad_token_id=1)
     expected = hf.generate(ids, attention_mask=mask, do_sample=False, num_beams=4, max_new_tokens=20,
                            length_penalty=1.0, early_stopping=False, eos_token_id=eos, pad_token_id=1)
@@ -192,7 +190,6 @@ def test_generate_with_num_beams_runs_beam_search():
         lm.generate(ids, mask, num_beams=3, do_sample=True, **kw)
 
 
-
 def test_the_beams_products_are_prepared_once_per_call_for_all_beam_rows(monkeypatch):
     """The decode steps run B*N rows (one per beam): every Linear and the LM head multiply them through a product
     prepared once per call for that row count (modules/linear.prepared_rows, decode_lm_head), not again at each
@@ -221,20 +218,16 @@ def test_the_beams_products_are_prepared_once_per_call_for_all_beam_rows(monkeyp
 def test_without_a_pad_id_rows_that_end_early_are_filled_with_eos_as_transformers_does():
     """pad_token_id=None: a row whose best hypothesis ended before the longest one is filled with the EOS id (the
     default the docstring gives; transformers' generate does the same), not with 0."""
-    config = tiny_config("h4-wide")
-    hf, ours = load_pair(config, seed=8)
-    ids, mask = padded_batch([6, 3, 5, 6], 6, config.vocab_size, "left", seed=9)
-    eos = int(generate(ours, ids, mask, 2)[0, -1])
+    hf, ours, ids, mask, eos = favoured_eos(seed=8, ahead=2)
     assert eos != 0
     kw = dict(max_new_tokens=12, num_beams=4, eos_token_id=eos)
     got = beam_search(ours, ids, mask, **kw)
     new = got[:, ids.shape[1]:]
-    ended = (new == eos).long().cumsum(1) > 0
-    after = ended & (ended.long().cumsum(1) > 1)  # the positions after each row's first EOS
+    is_eos = (new == eos).long()
+    after = is_eos.cumsum(1) - is_eos > 0  # the positions after each row's first EOS
     assert after.any(), "no row ended before the longest: the test would not see the filling"
     assert (new[after] == eos).all()
     assert torch.equal(got, hf.generate(ids, attention_mask=mask, do_sample=False, pad_token_id=eos, **kw))
-
 
 
 def test_the_search_stops_once_every_prompt_is_done_and_decodes_its_beam_rows_on_their_thread_plan(monkeypatch):
@@ -242,10 +235,7 @@ def test_the_search_stops_once_every_prompt_is_done_and_decodes_its_beam_rows_on
     loop's thread plan is keyed by its B*N rows (N = 4 by default, as in transformers)."""
     from models import generation
 
-    config = tiny_config("h4-wide")
-    _, ours = load_pair(config, seed=8)
-    ids, mask = padded_batch([6, 3, 5, 6], 6, config.vocab_size, "left", seed=9)
-    eos = int(generate(ours, ids, mask, 2)[0, -1])
+    _, ours, ids, mask, eos = favoured_eos(seed=8, ahead=2)
     kw = dict(max_new_tokens=16, eos_token_id=eos, pad_token_id=1, early_stopping=True)
     steps, keys = [], []
     real_step, real_threads = ours.gpt.decode_step, generation.DecodeThreads

@@ -4,7 +4,8 @@ import torch
 from conftest import make_hf_model, padded_batch, tiny_config
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor, TopKLogitsWarper, TopPLogitsWarper
 
-from models.generation import apply_repetition_penalty, top_k_filter, top_p_filter
+from models import generation
+from models.generation import apply_repetition_penalty, generate, prefill, top_k_filter, top_p_filter
 from models.gpt2 import GPT2LMHeadModel
 from models.loading import hf_to_ours
 
@@ -80,10 +81,11 @@ def test_cached_decoding_equals_recomputing_the_whole_sequence():
 
 def test_eos_stops_each_row_and_pads_after_it():
     config = tiny_config("h4-wide")
-    hf, ours = load_pair(config, seed=2)
-    ids, mask = padded_batch([7, 3, 5], 7, config.vocab_size, "left", seed=4)
+    hf, ours = load_pair(config, seed=1)
+    ids, mask = padded_batch([7, 3, 5], 7, config.vocab_size, "left", seed=9)
     free = ours.generate(ids, mask, max_new_tokens=12)
     eos = int(free[0, 7 + 3])  # the token row 0 emits at step 3 becomes "end of sequence"
+    assert not (free[1:, 7:] == eos).any()  # the other rows never emit it: they decode on after row 0 has ended
     pad = config.vocab_size - 2
     got = ours.generate(ids, mask, max_new_tokens=12, eos_token_id=eos, pad_token_id=pad)
     assert torch.equal(got, hf_greedy(hf, ids, mask, 12, eos=eos, pad=pad))
@@ -93,6 +95,68 @@ def test_eos_stops_each_row_and_pads_after_it():
     # decoding ends once every row has finished
     all_stop = ours.generate(ids[:1], mask[:1], max_new_tokens=12, eos_token_id=eos)
     assert all_stop.shape[1] == 7 + stop + 1
+
+
+def test_twenty_new_tokens_by_default_and_prefills_own_defaults():
+    """generate's default is 20 new tokens. prefill (generate and beam search pass it every argument; a caller of
+    its own may not) keeps no repetition-penalty bookkeeping by default, gives no key mask to prompts without
+    padding and the whole request's mask to padded ones, and follows a finished row with the pad id, else the EOS
+    id, else 0."""
+    config = tiny_config("h4-wide")
+    _, ours = load_pair(config)
+    ids, mask = padded_batch([4, 2], 4, config.vocab_size, "left", seed=1)
+    assert generate(ours, ids[:1]).shape == (1, 4 + 20)
+    plain = prefill(ours, ids[:1], None, 3)
+    assert plain.seen is None and plain.key_mask is None and plain.pad == 0
+    assert plain.cache.length == 4 and plain.cache.capacity == 4 + 3
+    padded = prefill(ours, ids, mask, 3, eos_token_id=5)
+    assert torch.equal(padded.key_mask[:, 0, 0], torch.cat([mask, torch.ones(2, 3, dtype=mask.dtype)], 1).bool())
+    assert padded.pad == 5 and prefill(ours, ids, mask, 3, eos_token_id=5, pad_token_id=7).pad == 7
+
+
+def test_one_left_padded_prompt_equals_transformers_and_the_prompt_without_its_padding():
+    """Batch 1 with padding: the steps must mask the padding keys (the C++ step, which does not, is not taken)."""
+    config = tiny_config("h4-wide")
+    hf, ours = load_pair(config, seed=2)
+    with torch.no_grad():
+        for model in (hf, ours):
+            for p in model.parameters():
+                p.mul_(3)  # sharper logits: greedy tokens that vary, so attending the padding would show
+    ids, mask = padded_batch([8, 1], 8, config.vocab_size, "left", seed=4)
+    row, row_mask = ids[1:], mask[1:]  # one real token after seven pads
+    got = ours.generate(row, row_mask, max_new_tokens=10)
+    assert torch.equal(got, hf_greedy(hf, row, row_mask, 10))
+    assert torch.equal(got[:, 7:], ours.generate(row[:, 7:], max_new_tokens=10))
+
+
+def test_the_thread_plans_are_keyed_by_rows_the_weights_form_and_the_models_size(monkeypatch):
+    """Each prompt pass and each decode loop keeps the thread count it timed under its own key (models/
+    decode_threads.py): the prompt's rows rounded up to a power of two, or the loop's rows; the weights' form
+    (quantize, whose copies stream at other speeds); the model's size."""
+    keys = []
+    real = generation.DecodeThreads
+    monkeypatch.setattr(generation, "DecodeThreads", lambda key, **kw: keys.append(key) or real(key, **kw))
+    _, ours = load_pair(tiny_config("h4-wide"))
+    size = sum(p.numel() for p in ours.parameters())
+    ids = torch.randint(0, 100, (3, 5), generator=torch.Generator().manual_seed(0))
+    ours.generate(ids[:1], max_new_tokens=3, quantize="int8")
+    ours.generate(ids, max_new_tokens=3)
+    assert keys == [("prompt", 8, "int8", size), (1, "int8", size), ("prompt", 16, None, size), (3, None, size)]
+
+
+def test_an_error_in_the_prompts_pass_reaches_the_caller_and_leaves_the_model_as_it_was(monkeypatch):
+    """A prompt pass that fails (Ctrl-C in a long prompt, out of memory) raises its own error, not one of the
+    clean-up's, and the model is back in training mode."""
+    _, ours = load_pair(tiny_config("h4-wide"))
+    ours.train()
+
+    def broken(*args, **kwargs):
+        raise KeyboardInterrupt("the prompt's pass stopped")
+
+    monkeypatch.setattr(ours.gpt, "forward", broken)
+    with pytest.raises(KeyboardInterrupt, match="the prompt's pass stopped"):
+        ours.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=4)
+    assert ours.training
 
 
 def test_generation_refuses_right_padding_and_overlong_requests():
@@ -277,8 +341,9 @@ def test_repetition_penalty_matches_transformers_and_temperature_scales():
     assert len(set(penalised.tolist())) == 22 and len(set(plain.tolist())) < 20
 
 
+@pytest.mark.parametrize("penalty", [1.3, 2.0])
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
-def test_greedy_with_repetition_penalty_equals_transformers(attn):
+def test_greedy_with_repetition_penalty_equals_transformers(attn, penalty):
     """The penalty covers the prompt's tokens as well as the new ones: the prompts are the model's own greedy
     continuations, which it would otherwise repeat."""
     config = tiny_config("h3-inner")
@@ -286,8 +351,8 @@ def test_greedy_with_repetition_penalty_equals_transformers(attn):
     start = torch.randint(0, 100, (2, 3), generator=torch.Generator().manual_seed(13))
     ids = ours.generate(start, max_new_tokens=9)  # no padding: HF penalises pads
     expected = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, min_new_tokens=20,
-                           do_sample=False, repetition_penalty=1.3, pad_token_id=0)
-    got = ours.generate(ids, max_new_tokens=20, repetition_penalty=1.3)
+                           do_sample=False, repetition_penalty=penalty, pad_token_id=0)
+    got = ours.generate(ids, max_new_tokens=20, repetition_penalty=penalty)
     assert torch.equal(got, expected)
     assert not torch.equal(got, ours.generate(ids, max_new_tokens=20))
 

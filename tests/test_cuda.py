@@ -88,6 +88,8 @@ def test_half_precision_autocast_logits_track_fp32(dtype):
 
 
 def test_batched_left_padded_greedy_decoding_equals_transformers_on_the_device():
+    """Every table of the loop (the output, the finished rows, the tokens a repetition penalty has seen) lives on the
+    prompt's device."""
     hf, ours, config = pair("h3-inner")
     ids, mask = padded_batch([6, 3, 5], 6, config.vocab_size, "left", seed=3)
     ids, mask = ids.to(DEVICE), mask.to(DEVICE)
@@ -95,6 +97,13 @@ def test_batched_left_padded_greedy_decoding_equals_transformers_on_the_device()
                        min_new_tokens=12)
     got = ours.generate(ids, mask, max_new_tokens=12)
     assert got.device.type == DEVICE and torch.equal(got, want)
+    kw = dict(max_new_tokens=12, eos_token_id=int(got[0, 6 + 2]), pad_token_id=1)
+    want = hf.generate(ids, attention_mask=mask, do_sample=False, **kw)
+    assert torch.equal(ours.generate(ids, mask, **kw), want)
+    row = ids[:1]  # no padding: transformers' penalty would count the pads
+    want = hf.generate(row, attention_mask=torch.ones_like(row), max_new_tokens=12, min_new_tokens=12,
+                       do_sample=False, repetition_penalty=1.3, pad_token_id=0)
+    assert torch.equal(ours.generate(row, max_new_tokens=12, repetition_penalty=1.3), want)
 
 
 def test_batched_beam_search_equals_transformers_on_the_device():

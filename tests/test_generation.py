@@ -56,6 +56,21 @@ def test_greedy_takes_the_first_of_tied_logits_like_transformers():
     assert torch.equal(got, hf_greedy(hf, ids, mask, 6)) and (got[:, 4:] == 0).all()
 
 
+def test_greedy_search_ignores_the_sampling_settings_as_transformers_does():
+    """Without do_sample, temperature, top_k and top_p change nothing (transformers applies them only when sampling):
+    not even a temperature so small that dividing by it would overflow the logits to ties, nor a nucleus that keeps
+    one of several tied logits."""
+    config = tiny_config("h4-wide")
+    hf, ours = load_pair(config, seed=3)
+    ids, mask = padded_batch([4, 2], 4, config.vocab_size, "left", seed=5)
+    settings = dict(temperature=1e-44, top_k=3, top_p=0.01)
+    assert torch.equal(ours.generate(ids, mask, max_new_tokens=6, **settings), hf_greedy(hf, ids, mask, 6))
+    with torch.no_grad():
+        for emb in (hf.get_input_embeddings().weight, ours.gpt.word_embedding.weight):
+            emb.copy_(emb[:1].expand_as(emb).clone())  # every logit tied
+    assert torch.equal(ours.generate(ids, mask, max_new_tokens=6, **settings), hf_greedy(hf, ids, mask, 6))
+
+
 def test_batched_greedy_equals_one_prompt_at_a_time():
     config = tiny_config("h3-inner")
     _, ours = load_pair(config, seed=3)

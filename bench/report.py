@@ -328,19 +328,21 @@ def _v(r: dict, key: str, fmt: str = "{:g}") -> str:
     return fmt.format(r["values"][key])
 
 
-def _latest_curves(records: list[dict], cls: str | None = None) -> dict[str, dict]:
-    """bench/bf16_curve.py's latest record of each precision compared with fp32, by precision."""
-    runs: dict[str, list[dict]] = {}
+def _latest_curves(records: list[dict], cls: str | None = None) -> dict[tuple[str, str], dict]:
+    """bench/bf16_curve.py's latest record of each precision compared with fp32, by (precision, CPU class): bf16
+    runs on other units (or none) on each class."""
+    runs: dict[tuple[str, str], list[dict]] = {}
     for r in matching(records, bench="bf16_curve", cls=cls):
-        runs.setdefault(next(k for k in r["values"] if not k.startswith("fp32")), []).append(r)
-    return {dtype: latest(rs) for dtype, rs in runs.items()}
+        dtype = next(k for k in r["values"] if not k.startswith("fp32"))
+        runs.setdefault((dtype, r["machine"].get("class", "")), []).append(r)
+    return {key: latest(rs) for key, rs in runs.items()}
 
 
 def _curve_claim(records: list[dict]) -> tuple[str, list[dict]]:
     last = _latest_curves(records)
-    parts = [f"{dtype} {r['values'][dtype]:.4f} vs fp32 {r['values']['fp32']:.4f} "
+    parts = [f"{dtype} {r['values'][dtype]:.4f} vs fp32 {r['values']['fp32']:.4f} on {cls} "
              f"({'within' if r.get('met') else 'outside'} fp32's seed-to-seed {r['noise']:.4f})"
-             for dtype, r in last.items()]
+             for (dtype, cls), r in last.items()]
     return "; ".join(parts), list(last.values())
 
 
@@ -348,7 +350,7 @@ def bf16_curve(records: list[dict], cls: str | None = None, **_) -> str:
     """bench/bf16_curve.py: each precision's final loss over the whole val split against fp32's and its noise (the
     latest run of each)."""
     rows = []
-    for dtype, r in _latest_curves(records, cls).items():
+    for (dtype, _), r in _latest_curves(records, cls).items():
         rows.append([dtype, f"{r['values'][dtype]:.4f}", f"{r['values']['fp32']:.4f}",
                      f"{r['values']['fp32 other seed']:.4f}", f"{r['difference']:.4f}", f"{r['noise']:.4f}",
                      {True: "yes", False: "no", None: ""}[r.get("met")], r.get("notes") or "",

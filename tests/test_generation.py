@@ -17,6 +17,13 @@ def load_pair(config, seed=0, attn="sdpa"):
     return hf, ours.eval()
 
 
+@torch.no_grad()
+def tie_every_logit(hf, ours):
+    """The same row for every token in both tied embeddings: every logit ties, at every step."""
+    for emb in (hf.get_input_embeddings().weight, ours.gpt.word_embedding.weight):
+        emb.copy_(emb[:1].expand_as(emb).clone())
+
+
 def hf_greedy(hf, ids, mask, n, eos=None, pad=0):
     return hf.generate(ids, attention_mask=mask, max_new_tokens=n, do_sample=False, eos_token_id=eos,
                        pad_token_id=pad, min_new_tokens=0 if eos is not None else n)
@@ -48,9 +55,7 @@ def test_greedy_takes_the_first_of_tied_logits_like_transformers():
     step, as argmax and transformers do."""
     config = tiny_config("h4-wide")
     hf, ours = load_pair(config, seed=3)
-    with torch.no_grad():
-        for emb in (hf.get_input_embeddings().weight, ours.gpt.word_embedding.weight):
-            emb.copy_(emb[:1].expand_as(emb).clone())
+    tie_every_logit(hf, ours)
     ids, mask = padded_batch([4, 2], 4, config.vocab_size, "left", seed=5)
     got = ours.generate(ids, mask, max_new_tokens=6)
     assert torch.equal(got, hf_greedy(hf, ids, mask, 6)) and (got[:, 4:] == 0).all()
@@ -65,9 +70,7 @@ def test_greedy_search_ignores_the_sampling_settings_as_transformers_does():
     ids, mask = padded_batch([4, 2], 4, config.vocab_size, "left", seed=5)
     settings = dict(temperature=1e-44, top_k=3, top_p=0.01)
     assert torch.equal(ours.generate(ids, mask, max_new_tokens=6, **settings), hf_greedy(hf, ids, mask, 6))
-    with torch.no_grad():
-        for emb in (hf.get_input_embeddings().weight, ours.gpt.word_embedding.weight):
-            emb.copy_(emb[:1].expand_as(emb).clone())  # every logit tied
+    tie_every_logit(hf, ours)
     assert torch.equal(ours.generate(ids, mask, max_new_tokens=6, **settings), hf_greedy(hf, ids, mask, 6))
 
 
@@ -152,7 +155,7 @@ def test_the_thread_plans_are_keyed_by_rows_the_weights_form_and_the_models_size
     real = generation.DecodeThreads
     monkeypatch.setattr(generation, "DecodeThreads", lambda key, **kw: keys.append(key) or real(key, **kw))
     _, ours = load_pair(tiny_config("h4-wide"))
-    size = sum(p.numel() for p in ours.parameters())
+    size = ours.num_parameters()
     ids = torch.randint(0, 100, (3, 5), generator=torch.Generator().manual_seed(0))
     ours.generate(ids[:1], max_new_tokens=3, quantize="int8")
     ours.generate(ids, max_new_tokens=3)

@@ -2,6 +2,7 @@
 import copy
 import io
 import math
+import subprocess
 import sys
 from pathlib import Path
 
@@ -680,3 +681,54 @@ def test_fused_state_dict_resumes_exactly_and_loads_from_torch():
     train(ours_net, ours, data[5:])
     train(ref_net, ref, data[5:])
     assert_params_close(ours_net, ref_net)
+
+
+
+@pytest.mark.parametrize("loaded", [True, False], ids=["dynamo-loaded", "dynamo-not-loaded"])
+@pytest.mark.parametrize("name", ["zero_grad", "state_dict", "load_state_dict", "add_param_group"])
+def test_torchs_methods_skip_their_dynamo_wrapper_only_while_the_compiler_is_not_loaded(monkeypatch, name, loaded):
+    """optimizer._without_dynamo_import: torch.optim.Optimizer's method as torch wraps it once torch._dynamo is
+    imported, the function under the wrapper (its __wrapped__) before."""
+    opt = AdamW(nn.Linear(3, 2).parameters(), lr=1e-3)
+    args = {"zero_grad": (), "state_dict": (), "add_param_group": ({"params": [nn.Parameter(torch.ones(2))]},),
+            "load_state_dict": (torch.optim.Optimizer.state_dict.__wrapped__(opt),)}[name]
+    real = getattr(torch.optim.Optimizer, name)
+    calls = []
+
+    def plain(self, *args, **kwargs):
+        calls.append("plain")
+        return real.__wrapped__(self, *args, **kwargs)
+
+    def wrapped(self, *args, **kwargs):
+        calls.append("wrapped")
+        return plain.__wrapped__(self, *args, **kwargs)
+    plain.__wrapped__ = real.__wrapped__
+    wrapped.__wrapped__ = plain
+    monkeypatch.setattr(torch.optim.Optimizer, name, wrapped)
+    if loaded:
+        monkeypatch.setitem(sys.modules, "torch._dynamo", sys.modules.get("torch._dynamo", torch))
+    else:
+        monkeypatch.delitem(sys.modules, "torch._dynamo", raising=False)
+    getattr(opt, name)(*args)
+    assert calls == ["wrapped" if loaded else "plain"]
+
+
+def test_a_training_process_with_our_optimizers_never_imports_the_compiler():
+    """Building AdamW and MuonWithAdamW, stepping, zeroing, saving and loading their state: torch._dynamo (2 s of
+    imports) stays unloaded, as it does in run_pretrain.py's runs."""
+    code = """
+import sys, torch
+from torch import nn
+from optimizer import AdamW, MuonWithAdamW, muon_param_groups
+model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+groups = muon_param_groups(model, 0.1, blocks="0")
+for opt in (AdamW(model.parameters(), lr=1e-3), MuonWithAdamW(groups, lr=1e-3)):
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    opt.load_state_dict(opt.state_dict())
+print("torch._dynamo" in sys.modules)
+"""
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["False"]

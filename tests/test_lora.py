@@ -20,6 +20,8 @@ class _Peft:
     without it."""
 
     def __getattr__(self, name):
+        if name.startswith("__"):  # pytest's collection asks every module global for __test__ and the like
+            raise AttributeError(name)
         return getattr(pytest.importorskip("peft"), name)
 
 

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from matplotlib.image import imread
 
+from training import metrics
 from training import plot as plot_cli
 from training.metrics import MetricsLog, read_metrics
 
@@ -189,7 +190,10 @@ def test_refresh_redraws_only_when_the_drawing_costs_at_most_its_share_of_the_ti
     slow = _SlowPlots(monkeypatch, cost=1.0)
     with MetricsLog(tmp_path) as log:
         log.log({"kind": "eval", "step": 1, "val_loss": 3.0})
-        assert log.refresh() == tmp_path / "curves.png" and log.stale is False  # the first one always draws
+        slow.now += 9.5  # before any drawing: 9.5 s since the log opened < FIRST_PLOT_COST (0.5 s) / 0.05
+        assert log.refresh() is None and log.stale
+        slow.now += 0.5
+        assert log.refresh() == tmp_path / "curves.png" and log.stale is False
         log.log({"kind": "eval", "step": 2, "val_loss": 2.9})
         slow.now += 19.5  # 19.5 s since the drawing ended < 1 s / 0.05
         assert log.refresh() is None and log.stale
@@ -202,20 +206,24 @@ def test_refresh_redraws_only_when_the_drawing_costs_at_most_its_share_of_the_ti
     assert MetricsLog(tmp_path / "quiet", plot=False).refresh() is None
 
 
-def test_a_run_that_evaluates_every_step_draws_twice_and_the_last_figure_is_the_whole_run(tmp_path, monkeypatch):
-    """fit refreshes the curves at each evaluation (here each costs more than 5% of the time since the first) and
-    draws the whole run at its end."""
+@pytest.mark.parametrize("first_cost, drawings", [(0.0, 2), (metrics.FIRST_PLOT_COST, 1)],
+                         ids=["first-refresh-draws", "short-run-draws-at-its-end"])
+def test_a_run_that_evaluates_every_step_draws_the_whole_run_at_its_end(tmp_path, monkeypatch, first_cost, drawings):
+    """fit refreshes the curves at each evaluation (each costs more than 5% of the time since the last drawing:
+    here the clock moves only when a figure is drawn, so the first refresh draws only where the first drawing is
+    assumed free) and draws the whole run at its end."""
     from test_pretrain import TEXT, TINY
 
     import run_pretrain
 
+    monkeypatch.setattr(metrics, "FIRST_PLOT_COST", first_cost)
     slow = _SlowPlots(monkeypatch, cost=1.0)
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(TEXT, encoding="utf-8")
     run_pretrain.main(["--data", str(corpus), *TINY, "--max_iters", "12", "--eval_interval", "1", "--eval_iters", "1",
                        "--out_dir", str(tmp_path / "run")])
     evals = [r["step"] for r in read_metrics(tmp_path / "run") if r["kind"] == "eval"]
-    assert len(evals) >= 12 and len(slow.seen) == 2
+    assert len(evals) >= 12 and len(slow.seen) == drawings
     assert [step for kind, step in slow.seen[-1] if kind == "eval"] == evals  # the end draws every evaluation
 
 

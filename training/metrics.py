@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 KINDS = ("train", "eval", "resume")
 FILENAME = "metrics.jsonl"
 PLOT_SHARE = 0.05  # MetricsLog.refresh: the most of a run's wall time that redrawing curves.png may take
+FIRST_PLOT_COST = 0.5  # s: what refresh() assumes a drawing costs before it has timed one (0.3-1 s, 2-core Xeon)
 _DECODE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 
 
@@ -52,8 +53,8 @@ class MetricsLog:
         self.path = self.out_dir / FILENAME
         self.enabled = enabled
         self.plot_enabled = plot  # False: plot() is a no-op (the caller may still call it at every evaluation)
-        self._drawn_at: float | None = None  # time.monotonic() when the last plot() ended, and what it cost
-        self._draw_cost = 0.0
+        self._drawn_at = time.monotonic()  # when the last plot() ended (at first: when the log opened), its cost
+        self._draw_cost = FIRST_PLOT_COST
         self.stale = False  # records logged since the last plot()
         self._file = None
         self._summary_writer_cls = None
@@ -114,11 +115,12 @@ class MetricsLog:
         return out
 
     def refresh(self, share: float = PLOT_SHARE) -> Path | None:
-        """plot() at the first call, then only when the time since the last drawing is at least its cost / `share`:
-        the redraws during a run take at most that share of it (a figure costs about a second on a 2-core machine;
-        a run that evaluates every second would otherwise spend most of its time drawing). The engine calls this at
-        each evaluation and plot() once more at the end, so the last figure always shows the whole run."""
-        if self._drawn_at is not None and time.monotonic() - self._drawn_at < self._draw_cost / share:
+        """plot(), but only when the time since the last drawing (at first: since the log opened) is at least its
+        cost / `share` (before any drawing, FIRST_PLOT_COST / `share`: 10 s): the redraws during a run take at most
+        that share of it (a figure costs 0.3-1 s on a 2-core machine; a run that evaluates every second would
+        otherwise spend most of its time drawing, and a run of a few seconds would draw twice). The engine calls this
+        at each evaluation and plot() once more at the end, so the last figure always shows the whole run."""
+        if time.monotonic() - self._drawn_at < self._draw_cost / share:
             return None
         return self.plot()
 

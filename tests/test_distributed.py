@@ -21,7 +21,8 @@ NO_DROPOUT = "random:n_layer=2,n_head=2,n_embd=16,n_positions=64,vocab_size=64,r
 
 
 def torchrun(script: str, args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    # TMPDIR: torchrun's log folders (torchelastic_*) go to the test's folder, not the machine's /tmp
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "TMPDIR": str(cwd)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(ROOT / script),
            *args]
     done = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=240)

@@ -5,8 +5,9 @@
 
 main: `python run_pretrain.py --output_dir <a fresh temporary folder> --overwrite` (the bundled tiny shakespeare)
 from the project root (the README's command; only the output folder differs, so a run never touches checkpoints/):
-wall time from launch to exit, ms/step and the val loss from its last line, the peak RSS of the process. tests: `ruff check . && python -m pytest -q`, wall time and the counts from pytest's last line.
-Each row is recorded with the machine, commit, date and load (bench/results.py); `python -m bench.report` puts the
+wall time from launch to exit, ms/step and the val loss from its last line, the peak RSS of the process. tests:
+`ruff check . && python -m pytest -q`, wall time and the counts from pytest's last line. Each row is recorded with
+the machine, commit, date and the load before the command ran (bench/results.py); `python -m bench.report` puts the
 latest per CPU class into the README's timing table.
 """
 from __future__ import annotations
@@ -58,7 +59,7 @@ def main_job(rec: Recorder) -> None:
     print(f"main job: {seconds:.1f} s wall, {ms:.1f} ms/step over {steps} steps, peak RSS {peak_mb:.0f} MB, val "
           f"{val:.4f}, best {best:.4f} (load {load:.2f} at the start, {os.getloadavg()[0]:.2f} at the end)", flush=True)
     rec.add("main job", {"wall s": seconds, "ms/step": ms, "peak RSS MB": peak_mb, "val": val, "best val": best},
-            "s, ms, MB, loss", notes=f"load {load:.2f} at the start, {os.getloadavg()[0]:.2f} at the end")
+            "s, ms, MB, loss", notes=f"load {load:.2f} at the start, {os.getloadavg()[0]:.2f} at the end", load=load)
 
 
 def tests(rec: Recorder) -> None:
@@ -72,8 +73,9 @@ def tests(rec: Recorder) -> None:
     print(f"tests: {seconds:.0f} s wall (ruff included), exit {proc.returncode}: {last}", flush=True)
     if proc.returncode != 0:
         raise SystemExit(f"the test suite failed:\n{proc.stdout[-3000:]}")
+    # the record's load is the one before the run: the suite's own workers and subprocesses raise it to 3-4 by its end
     rec.add("test suite", {"wall s": seconds, **{k: float(v) for k, v in counts.items()}}, "s, tests",
-            notes=f"load {load:.2f} at the start, {os.getloadavg()[0]:.2f} at the end")
+            notes=f"load {load:.2f} at the start, {os.getloadavg()[0]:.2f} at the end", load=load)
 
 
 def main() -> None:

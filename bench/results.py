@@ -98,7 +98,9 @@ class Recorder:
 
     def add(self, row: str, values: dict[str, float], unit: str, *, ratio: float | None = None,
             ratio_of: str | None = None, target: str | None = None, met: bool | None = None,
-            notes: str | None = None, **extra) -> dict:
+            notes: str | None = None, load: float | None = None, **extra) -> dict:
+        """One record; `load` is the machine's load average for it, by default the one now (a command that loads the
+        machine itself, such as the test suite, passes the one before it started)."""
         if not values or not all(isinstance(v, (int, float)) for v in values.values()):
             raise ValueError(f"{self.bench} {row}: values must be a non-empty {{contender: number}}, got {values!r}")
         if self.commit is None:
@@ -107,7 +109,8 @@ class Recorder:
                   "ratio": ratio, "ratio_of": ratio_of, "target": target, "met": met, "notes": notes, **extra,
                   "machine": machine_info(self.device), "commit": self.commit,
                   "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%MZ"),
-                  "load": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None, "source": "run"}
+                  "load": round(load if load is not None else os.getloadavg()[0], 2) if hasattr(os, "getloadavg")
+                  else load, "source": "run"}
         self.rows.append(record)
         return record
 

@@ -65,6 +65,9 @@ def test_recorder_appends_records_with_machine_commit_date_and_load(tmp_path, mo
     assert first["machine"]["class"] in results.CLASSES
     assert first["date"].endswith("Z") and "load" in first
     assert [r["row"] for r in results.load(tmp_path)] == ["row one", "row two"]
+    monkeypatch.setattr(results.os, "getloadavg", lambda: (3.9, 3.0, 2.0))
+    assert rec.add("row three", {"ours": 1}, "s")["load"] == 3.9  # the load now, by default
+    assert rec.add("row four", {"ours": 1}, "s", load=0.7712)["load"] == 0.77  # a command's own load left out
 
 
 def test_recording_can_be_turned_off(tmp_path, monkeypatch):

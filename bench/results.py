@@ -105,12 +105,13 @@ class Recorder:
             raise ValueError(f"{self.bench} {row}: values must be a non-empty {{contender: number}}, got {values!r}")
         if self.commit is None:
             self.commit = current_commit()
+        if load is None and hasattr(os, "getloadavg"):
+            load = os.getloadavg()[0]
         record = {"bench": self.bench, "row": row, "values": {k: float(v) for k, v in values.items()}, "unit": unit,
                   "ratio": ratio, "ratio_of": ratio_of, "target": target, "met": met, "notes": notes, **extra,
                   "machine": machine_info(self.device), "commit": self.commit,
                   "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%MZ"),
-                  "load": round(load if load is not None else os.getloadavg()[0], 2) if hasattr(os, "getloadavg")
-                  else load, "source": "run"}
+                  "load": None if load is None else round(load, 2), "source": "run"}
         self.rows.append(record)
         return record
 

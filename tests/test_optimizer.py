@@ -701,8 +701,7 @@ def test_torchs_methods_skip_their_dynamo_wrapper_only_while_the_compiler_is_not
 
     def wrapped(self, *args, **kwargs):
         calls.append("wrapped")
-        return plain.__wrapped__(self, *args, **kwargs)
-    plain.__wrapped__ = real.__wrapped__
+        return real.__wrapped__(self, *args, **kwargs)
     wrapped.__wrapped__ = plain
     monkeypatch.setattr(torch.optim.Optimizer, name, wrapped)
     if loaded:

@@ -16,6 +16,7 @@ folders of the variants it can run (untied head, ReLU^2); GPT2Config.to_hf names
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Iterable
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from config import PRESETS, GPT2Config
 from models.hub import HubUnavailableError, expand, hub_reachable
@@ -306,6 +308,31 @@ def infer_config(hf_sd: dict[str, torch.Tensor]) -> GPT2Config:
 
 # ---- loading into models ---------------------------------------------------------------------------------------------
 
+class _NoInitDraws(TorchFunctionMode):
+    """Leaves out the fills and random draws of module construction (torch.nn.init's functions and the tensor methods
+    they use) on meta tensors, passing every other call on. A meta tensor holds no values, so each of these is a no-op
+    there, except that torch runs normal_ on a meta tensor through its Python reference, whose first call imports
+    torch._dynamo: 1.5 s of every process that loads a checkpoint (nn.Embedding draws its weight as it is built)."""
+
+    SKIPPED = {torch.Tensor.normal_, torch.Tensor.uniform_, torch.Tensor.zero_, torch.Tensor.fill_}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in self.SKIPPED or getattr(func, "__module__", None) == "torch.nn.init":
+            target = args[0] if args else kwargs.get("tensor")
+            if isinstance(target, torch.Tensor) and target.is_meta:
+                return target
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def meta_modules():
+    """Modules built inside are on the meta device with no init work: shapes only, for weights about to be assigned
+    (load_state_dict(..., assign=True))."""
+    with torch.device("meta"), _NoInitDraws():
+        yield
+
+
 def load_pretrained(cls, model: str | os.PathLike, config: GPT2Config | None = None, dtype: torch.dtype | None = None,
                     expect: dict | None = None, **config_overrides):
     """Build `cls` (GPT2Model or GPT2LMHeadModel) with the weights of a hub id, HF folder or weights file."""
@@ -321,7 +348,7 @@ def load_pretrained(cls, model: str | os.PathLike, config: GPT2Config | None = N
     our_sd = hf_to_ours(hf_sd, config)
     del hf_sd
 
-    with torch.device("meta"):  # no random init of weights that are about to be replaced
+    with meta_modules():  # no init of weights that are about to be replaced
         instance = cls(config)
     body = instance.gpt if hasattr(instance, "gpt") else instance
     _check_shapes(body, our_sd, str(weights_path))

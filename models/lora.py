@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from models.gpt2 import GPT2Model
+from models.loading import meta_modules
 from modules.lora import LoRALinear
 
 QKV = ("self_attention.query", "self_attention.key", "self_attention.value")
@@ -284,7 +285,7 @@ def save_base(model: nn.Module, directory: str | os.PathLike) -> Path:
     if any(m.merged for m in lora_modules(body).values()):
         raise ValueError("the adapters are merged into the weights: unmerge_lora(model) before saving the base")
     keep = {k: v for k, v in body.state_dict().items() if ".lora_" not in k}
-    with torch.device("meta"):  # the base's tensors are shared with the model, not copied
+    with meta_modules():  # the base's tensors are shared with the model, not copied
         base = GPT2Model(body.config)
     base.load_state_dict(keep, strict=True, assign=True)
     base.save_pretrained(directory)

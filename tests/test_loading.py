@@ -248,3 +248,52 @@ def test_infer_config_for_a_preset_shaped_file():
     config = loading.infer_config({"wte.weight": torch.empty(50257, 768), "wpe.weight": torch.empty(1024, 768),
                                    **{f"h.{i}.mlp.c_fc.weight": torch.empty(768, 3072) for i in range(12)}})
     assert (config.n_layer, config.n_head, config.n_embd, config.inner_dim) == (12, 12, 768, 3072)
+
+
+def test_meta_modules_build_shapes_only_and_leave_real_tensors_alone():
+    """loading.meta_modules: every parameter and buffer of a model built inside is a meta tensor of the right shape;
+    draws and fills of a real tensor inside it still happen; a model built after it is drawn as if it had never been
+    entered."""
+    config = tiny_config()
+    with loading.meta_modules():
+        skeleton = GPT2LMHeadModel(config)
+        drawn, filled = torch.zeros(3, device="cpu"), torch.zeros(2, device="cpu")
+        torch.manual_seed(0)
+        torch.nn.init.normal_(drawn)
+        filled.fill_(2.0)
+    assert all(t.is_meta for t in [*skeleton.parameters(), *skeleton.buffers()])
+    torch.manual_seed(0)
+    assert torch.equal(drawn, torch.randn(3)) and torch.equal(filled, torch.full((2,), 2.0))
+    torch.manual_seed(1)
+    built = GPT2LMHeadModel(config)
+    assert {k: v.shape for k, v in built.state_dict().items()} == {k: v.shape for k, v in skeleton.state_dict().items()}
+    torch.manual_seed(1)
+    again = GPT2LMHeadModel(config).state_dict()
+    assert all(torch.equal(v, again[k]) for k, v in built.state_dict().items())
+
+
+def test_loading_a_checkpoint_in_a_fresh_process_never_imports_the_compiler(hf_folder):
+    """from_pretrained (GPT2LMHeadModel and GPT2Model) and a LoRA model's save_base build on the meta device without
+    its init draws: torch's normal_ on a meta tensor imports torch._dynamo (1.5 s of every process that loads a
+    checkpoint, run_classifier's reload of best/ among them). The loaded weights are the checkpoint's."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    hf, folder = hf_folder()
+    code = f"""
+import sys, torch
+from models.gpt2 import GPT2LMHeadModel, GPT2Model
+from models.lora import apply_lora, save_base
+lm = GPT2LMHeadModel.from_pretrained({str(folder)!r})
+body = GPT2Model.from_pretrained({str(folder)!r})
+apply_lora(lm, rank=2)
+save_base(lm, {str(folder / "base")!r})
+print("torch._dynamo" in sys.modules, float(lm.gpt.word_embedding.weight.double().sum()))
+"""
+    done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    loaded, total = done.stdout.split()
+    assert loaded == "False"
+    assert float(total) == pytest.approx(float(hf.transformer.wte.weight.double().sum()), rel=0, abs=1e-9)

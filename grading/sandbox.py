@@ -216,7 +216,26 @@ def copy_submission(src: Path, dst: Path, max_files: int = 2000, max_mb: int = 1
 
 
 def _snapshot(folder: Path) -> dict:
-    return {str(p): (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(folder.rglob("*")) if p.is_file()}
+    """Every entry under `folder` but its folders (files, links, anything else; links not followed) -> (its kind, size
+    and mtime): what a check could change in the submission it was given. Walked with a stack, so any depth holds
+    (Path.rglob recursed: RecursionError past about 1,000 levels)."""
+    found, stack = {}, [os.fspath(folder)]
+    while stack:
+        try:
+            with os.scandir(stack.pop()) as it:
+                entries = list(it)
+        except OSError:  # a folder gone or unreadable: what is left is compared
+            continue
+        for entry in entries:
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            if stat.S_ISDIR(st.st_mode):
+                stack.append(entry.path)
+            else:
+                found[entry.path] = (stat.S_IFMT(st.st_mode), st.st_size, st.st_mtime_ns)
+    return found
 
 
 def _read_output(path: Path) -> tuple[str, int]:

@@ -213,3 +213,45 @@ def test_the_fork_servers_killer_outlives_the_checks_and_a_killed_killer_costs_n
     assert grader.sandbox._proc.pid == server and _children(server) == []  # the same server; the killer reaped
     if grader.sandbox.uid is not None:
         assert sandbox_processes(grader) == []
+
+
+def test_the_before_and_after_snapshot_of_a_submission_holds_any_depth_and_sees_any_change(tmp_path):
+    """grading/sandbox.py's _snapshot (a check's "the original submission folder changed" finding): 1,200 folders deep
+    (Path.rglob raised RecursionError past about 1,000), and a changed byte, a new file or a file swapped for a link
+    anywhere in the tree changes it."""
+    from grading.sandbox import _snapshot
+
+    top = tmp_path / "sub"
+    (top / "models").mkdir(parents=True)
+    (top / "models" / "gpt2.py").write_text("x = 1\n")
+    fd = os.open(top, os.O_RDONLY)
+    try:
+        for _ in range(1200):  # each level opened from the last: no path grows past the kernel's limit here
+            os.mkdir("d", dir_fd=fd)
+            fd, old = os.open("d", os.O_RDONLY, dir_fd=fd), fd
+            os.close(old)
+        with open(os.open("deep.txt", os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=fd), "w") as f:
+            f.write("a")
+        bottom = Path(f"/proc/self/fd/{fd}").readlink()
+    finally:
+        os.close(fd)
+    try:
+        first = _snapshot(top)
+        assert str(bottom / "deep.txt") in first and str(top / "models" / "gpt2.py") in first and len(first) == 2
+        assert _snapshot(top) == first
+        (bottom / "deep.txt").write_text("ab")
+        assert _snapshot(top) != first
+        (bottom / "deep.txt").write_text("a")
+        os.utime(bottom / "deep.txt", ns=(0, first[str(bottom / "deep.txt")][2]))
+        assert _snapshot(top) == first
+        (bottom / "new.py").write_text("")
+        assert _snapshot(top) != first
+        (bottom / "new.py").unlink()
+        gpt2 = top / "models" / "gpt2.py"
+        mtime = first[str(gpt2)][2]
+        gpt2.unlink()
+        gpt2.symlink_to("x = 2\n")  # a link whose target's name is as long as the file was
+        os.utime(gpt2, ns=(0, mtime), follow_symlinks=False)
+        assert _snapshot(top) != first
+    finally:
+        subprocess.run(["rm", "-rf", str(top)], check=False)  # shutil.rmtree recurses

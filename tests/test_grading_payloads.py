@@ -102,7 +102,7 @@ def test_root_mode_the_starter_with_each_payload_scores_what_it_earns_and_change
 def test_root_mode_the_venv_is_unchanged_after_every_payload(world, graders):
     """Every file of this Python's venv (size, mtime, ctime: any write, chmod or utime shows) as before the payloads
     of this module ran (run after them, in file order)."""
-    assert venv_state() == world["venv"]
+    assert changed(world["venv"], venv_state()) == []  # paths (two 45,000-entry dicts: 450,000 lines of diff)
 
 
 def grading_user():

@@ -219,23 +219,16 @@ def test_the_before_and_after_snapshot_of_a_submission_holds_any_depth_and_sees_
     """grading/sandbox.py's _snapshot (a check's "the original submission folder changed" finding): 1,200 folders deep
     (Path.rglob raised RecursionError past about 1,000), and a changed byte, a new file or a file swapped for a link
     anywhere in the tree changes it."""
+    from bench.grading_batch_attacks import deep
     from grading.sandbox import _snapshot
 
     top = tmp_path / "sub"
     (top / "models").mkdir(parents=True)
     (top / "models" / "gpt2.py").write_text("x = 1\n")
-    fd = os.open(top, os.O_RDONLY)
     try:
-        for _ in range(1200):  # each level opened from the last: no path grows past the kernel's limit here
-            os.mkdir("d", dir_fd=fd)
-            fd, old = os.open("d", os.O_RDONLY, dir_fd=fd), fd
-            os.close(old)
-        with open(os.open("deep.txt", os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=fd), "w") as f:
-            f.write("a")
-        bottom = Path(f"/proc/self/fd/{fd}").readlink()
-    finally:
-        os.close(fd)
-    try:
+        deep(top, 1200)
+        bottom = top.joinpath(*["d"] * 1200)
+        (bottom / "deep.txt").write_text("a")
         first = _snapshot(top)
         assert str(bottom / "deep.txt") in first and str(top / "models" / "gpt2.py") in first and len(first) == 2
         assert _snapshot(top) == first

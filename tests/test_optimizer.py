@@ -683,7 +683,6 @@ def test_fused_state_dict_resumes_exactly_and_loads_from_torch():
     assert_params_close(ours_net, ref_net)
 
 
-
 @pytest.mark.parametrize("loaded", [True, False], ids=["dynamo-loaded", "dynamo-not-loaded"])
 @pytest.mark.parametrize("name", ["zero_grad", "state_dict", "load_state_dict", "add_param_group"])
 def test_torchs_methods_skip_their_dynamo_wrapper_only_while_the_compiler_is_not_loaded(monkeypatch, name, loaded):

@@ -9,7 +9,7 @@ reference attention, the model's reference layers and embed()), and the grader's
 from __future__ import annotations
 
 import pytest
-from test_grading import STARTER
+from test_grading import STARTER, sharing_server
 
 from bench.grading_payloads import FIND
 from grading.example import write_submission
@@ -127,7 +127,7 @@ HF_ATTENTION = [
 
 
 @pytest.fixture(scope="module")
-def forbidding(tmp_path_factory):
+def forbidding(grader, tmp_path_factory):
     """A grader whose rubric forbids SDPA and MultiheadAttention in attention, and transformers' GPT-2 everywhere."""
     import json
 
@@ -138,7 +138,7 @@ def forbidding(tmp_path_factory):
     path = tmp_path_factory.mktemp("rubric") / "rubric.json"
     path.write_text(json.dumps(rubric))
     with Grader(rubric=load_rubric(path), limits=Limits(timeout=30)) as g:
-        yield g
+        yield sharing_server(grader, g)
 
 
 def forbidden_findings(check):

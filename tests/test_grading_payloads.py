@@ -18,6 +18,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from test_grading import sharing_server
 
 from bench.grading_payloads import (
     PAYLOADS,
@@ -79,7 +80,7 @@ def world(tmp_path_factory):
 def graders(world):
     with Grader(limits=Limits(timeout=TIMEOUT)) as default, \
             Grader(rubric=load_rubric(world["rubric"]), limits=Limits(timeout=TIMEOUT)) as forbidding:
-        yield {"default": default, "forbidden": forbidding}
+        yield {"default": default, "forbidden": sharing_server(default, forbidding)}
 
 
 @pytest.mark.parametrize("name", list(PAYLOADS))

@@ -6,6 +6,7 @@ Each case is a synthetic submission (grading/example.py) whose one defect must c
 from __future__ import annotations
 
 import pytest
+from test_grading import sharing_server
 
 from grading.example import write_submission
 from grading.grader import Grader
@@ -254,7 +255,7 @@ def test_an_error_inside_a_library_call_names_the_submissions_line(grader, tmp_p
     assert "at models/gpt2.py:" in said and "torch.load('weights.pt'" in said, said
 
 
-def test_the_whole_submission_has_a_deadline_besides_each_checks(tmp_path):
+def test_the_whole_submission_has_a_deadline_besides_each_checks(grader, tmp_path):
     """Issue 36: a deadline for all of a submission's checks together; the checks left when it is spent score 0
     and say why (the per-check deadline alone let seven slow checks take seven times it)."""
     from grading.sandbox import Limits
@@ -263,7 +264,7 @@ def test_the_whole_submission_has_a_deadline_besides_each_checks(tmp_path):
         "        scores = torch.matmul(query, key.transpose(-1, -2))  # (B, h, T, T)\n",
         "        while True:\n            pass\n")])
     with Grader(limits=Limits(timeout=5, submission_timeout=6)) as g:
-        report = g.grade(sub, ("attention", "layer"))
+        report = sharing_server(grader, g).grade(sub, ("attention", "layer"))
     by = {c.name: c for c in report.checks}
     assert by["attention"].score == 0 and "timed out" in " ".join(by["attention"].messages)
     assert by["layer"].score == 0 and "not run: the submission's 6 s" in " ".join(by["layer"].messages)

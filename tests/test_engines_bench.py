@@ -3,6 +3,7 @@ past keys/values, the worker protocol returns our generate's tokens, the streame
 agreement, the skip reasons, and bench.report's engines table. ONNX Runtime and llama.cpp themselves are optional
 (bench/requirements.txt): their end-to-end test runs where they are installed."""
 import importlib.util
+import os
 
 import pytest
 import torch
@@ -60,6 +61,34 @@ def test_a_worker_returns_our_generate_tokens(saved):
     assert prefill["tokens"] == expected[:1]
     # the worker says what it runs (recorded with each row): torch's version and CPU capability, the kernel's state
     assert worker.build.startswith(f"torch {torch.__version__}, CPU capability ") and "rows kernel" in worker.build
+
+
+def test_a_call_with_its_own_environment_sets_it_for_that_call_only(saved, monkeypatch):
+    """The thread choice's A/B: one worker's calls alternate between its own setting and GPT2_DECODE_THREADS=N set
+    for the call; the variables are as before after each call (set ones restored, unset ones removed)."""
+    monkeypatch.setenv("GPT2_PROMPT_THREADS", "auto")
+    monkeypatch.delenv("GPT2_DECODE_THREADS", raising=False)
+    with ce.environment({"GPT2_DECODE_THREADS": "1", "GPT2_PROMPT_THREADS": "1"}):
+        assert os.environ["GPT2_DECODE_THREADS"] == os.environ["GPT2_PROMPT_THREADS"] == "1"
+    assert "GPT2_DECODE_THREADS" not in os.environ and os.environ["GPT2_PROMPT_THREADS"] == "auto"
+    asked = []
+
+    class Fake:
+        def ask(self, task):
+            asked.append(task.get("env"))
+            return {"seconds": 1.0 + len(asked)}
+    times = ce.alternating(Fake(), {"task": "decode"}, {"GPT2_DECODE_THREADS": "2"}, 3)
+    fixed = {"GPT2_DECODE_THREADS": "2"}
+    assert asked == [None, fixed, fixed, None, None, fixed]  # the order swapped each round
+    assert times == {"own": [2.0, 5.0, 6.0], "env": [3.0, 4.0, 7.0]}
+    model_dir, _ = saved
+    worker = ce.Worker("ours-fp32", model_dir, None, threads=1)
+    try:  # a real worker answers such a call with the same tokens (one thread either way here)
+        plain = worker.ask({"task": "decode", "prompt": [5, 17, 3], "new": 6})
+        fixed_call = worker.ask({"task": "decode", "prompt": [5, 17, 3], "new": 6, "env": {"GPT2_DECODE_THREADS": "1"}})
+    finally:
+        worker.close()
+    assert plain["tokens"] == fixed_call["tokens"]
 
 
 def test_streamed_bytes_per_format(saved):

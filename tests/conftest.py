@@ -26,9 +26,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
 
+# torch is imported where it is used, not here: the xdist controller loads this file and runs no test (torch's import
+# was 1.7 s of its start, before it starts any worker).
 if os.environ.get("PYTEST_XDIST_WORKER"):  # pytest -n N (pyproject.toml): the cores shared among the workers
+    import torch
+
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
 
 from config import GPT2Config  # noqa: E402
@@ -52,6 +55,7 @@ def tiny_config(name: str = "h3-inner", **overrides) -> GPT2Config:
 def make_hf_model(config: GPT2Config, seed: int = 0):
     """A random-init transformers GPT2LMHeadModel (eager attention) with biases and LayerNorms randomised too,
     so that a mis-mapped bias or LayerNorm cannot hide behind zeros and ones."""
+    import torch
     import transformers
 
     torch.manual_seed(seed)
@@ -83,6 +87,8 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def restore_threads():
     """CLIs under test set torch's thread count (--threads, torchrun, --split_batch); later tests get it back."""
+    import torch
+
     threads = torch.get_num_threads()
     yield
     torch.set_num_threads(threads)
@@ -94,6 +100,8 @@ def inductor_why_not() -> str | None:
     function), or None. It fails, for one, where the venv's path holds an apostrophe (torch 2.13's C++ builder splits
     its command line with shlex: "No closing quotation"), as CI's fresh-clone folder does on purpose; the project's
     compiled int8 loop then falls back to the dequantized weight with a warning (tests/test_quant.py)."""
+    import torch
+
     try:
         torch.compile(lambda x: x * 2 + 1, dynamic=False)(torch.ones(4))
     except Exception as err:  # noqa: BLE001  (whatever inductor raises: its reason is the skip's)
@@ -112,6 +120,8 @@ def train_counting(config: GPT2Config, steps: int) -> list[float]:
     """A GPT2LMHeadModel of `config` (seed 0) trained `steps` AdamW steps (lr 3e-3) on counting sequences of
     config.vocab_size tokens (batches of 4 x 17, seed 1): a pattern 20 steps learn. The losses, step by step; the
     kernel tests run it with a path on and off."""
+    import torch
+
     from models.gpt2 import GPT2LMHeadModel
 
     torch.manual_seed(0)
@@ -171,6 +181,8 @@ def hf_folder(tmp_path):
 
 def checkpointed_twin(config: GPT2Config):
     """Two GPT2LMHeadModels in training mode with the same weights (seed 0), the second with gradient checkpointing."""
+    import torch
+
     from models.gpt2 import GPT2LMHeadModel
 
     torch.manual_seed(0)
@@ -219,6 +231,8 @@ def _present(path: Path) -> Path:
 
 def padded_batch(lengths: list[int], width: int, vocab: int, side: str | list[str], seed: int = 0):
     """Random ids with padding: side 'left', 'right', or one side per row. Padding ids are arbitrary tokens."""
+    import torch
+
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (len(lengths), width), generator=g)
     mask = torch.zeros(len(lengths), width, dtype=torch.long)

@@ -6,7 +6,9 @@
 main: `python run_pretrain.py --output_dir <a fresh temporary folder> --overwrite` (the bundled tiny shakespeare)
 from the project root (the README's command; only the output folder differs, so a run never touches checkpoints/):
 wall time from launch to exit, ms/step and the val loss from its last line, the peak RSS of the process. tests:
-`ruff check . && python -m pytest -q`, wall time and the counts from pytest's last line. Each row is recorded with
+`ruff check . && python -m pytest -q`, wall time and the counts from pytest's last line. Both record the CPU seconds
+of the command and the processes it waited for (a shared machine moves the wall time of the same work by 10%; the
+CPU time says whether the work changed). Each row is recorded with
 the machine, commit, date and the load before the command ran (bench/results.py); `python -m bench.report` puts the
 latest per CPU class into the README's timing table.
 """
@@ -32,16 +34,21 @@ DONE = re.compile(r"^done: step (\d+) \| val ([\d.]+) \| best val ([\d.]+) \| ([
 PYTEST_COUNTS = re.compile(r"(\d+) (passed|skipped|failed|errors?|xfailed|xpassed)")
 
 
-def timed(cmd: list[str]) -> tuple[float, float, subprocess.CompletedProcess]:
-    """Wall seconds, the child's peak RSS in MB (this run's only: each run is a fresh child of a fresh shell), output."""
+def timed(cmd: list[str]) -> tuple[float, float, float, subprocess.CompletedProcess]:
+    """Wall seconds, the child's peak RSS in MB (this run's only: each run is a fresh child of a fresh shell), the CPU
+    seconds (user + system) of the command and every process it waited for, output. On a shared machine the wall time
+    of the same work moves 10% between runs; its CPU time says whether the work itself changed."""
     start = time.perf_counter()
     wrapper = [sys.executable, "-c", "import resource, subprocess, sys; p = subprocess.run(sys.argv[1:]); "
-               "print('peak-rss-kb', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr); "
+               "u = resource.getrusage(resource.RUSAGE_CHILDREN); "
+               "print('peak-rss-kb', u.ru_maxrss, 'cpu-s', u.ru_utime + u.ru_stime, file=sys.stderr); "
                "sys.exit(p.returncode)", *cmd]
     proc = subprocess.run(wrapper, cwd=ROOT, capture_output=True, text=True)
     seconds = time.perf_counter() - start
-    peak = re.search(r"peak-rss-kb (\d+)", proc.stderr)
-    return seconds, int(peak.group(1)) / 1024 if peak else float("nan"), proc
+    usage = re.search(r"peak-rss-kb (\d+) cpu-s ([\d.]+)", proc.stderr)
+    if usage is None:
+        return seconds, float("nan"), float("nan"), proc
+    return seconds, int(usage.group(1)) / 1024, float(usage.group(2)), proc
 
 
 def main_job(rec: Recorder) -> None:
@@ -50,15 +57,16 @@ def main_job(rec: Recorder) -> None:
         raise SystemExit(f"the main job needs its corpus: {not_found('corpus file', data)}")
     with tempfile.TemporaryDirectory(prefix="bench-main-job-") as out:
         load = os.getloadavg()[0]
-        seconds, peak_mb, proc = timed([sys.executable, "run_pretrain.py", "--output_dir",
-                                        str(Path(out) / "shakespeare-char"), "--overwrite"])
+        seconds, peak_mb, cpu, proc = timed([sys.executable, "run_pretrain.py", "--output_dir",
+                                             str(Path(out) / "shakespeare-char"), "--overwrite"])
     done = next((DONE.match(line) for line in proc.stdout.splitlines() if DONE.match(line)), None)
     if proc.returncode != 0 or done is None:
         raise SystemExit(f"the main job failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
     steps, val, best, ms = int(done[1]), float(done[2]), float(done[3]), float(done[4])
-    print(f"main job: {seconds:.1f} s wall, {ms:.1f} ms/step over {steps} steps, peak RSS {peak_mb:.0f} MB, val "
+    print(f"main job: {seconds:.1f} s wall ({cpu:.0f} s of CPU), {ms:.1f} ms/step over {steps} steps, peak RSS {peak_mb:.0f} MB, val "
           f"{val:.4f}, best {best:.4f} (load {load:.2f} at the start, {os.getloadavg()[0]:.2f} at the end)", flush=True)
-    rec.add("main job", {"wall s": seconds, "ms/step": ms, "peak RSS MB": peak_mb, "val": val, "best val": best},
+    rec.add("main job", {"wall s": seconds, "cpu s": cpu, "ms/step": ms, "peak RSS MB": peak_mb, "val": val,
+                         "best val": best},
             "s, ms, MB, loss", notes=f"load {load:.2f} at the start, {os.getloadavg()[0]:.2f} at the end", load=load)
 
 
@@ -67,14 +75,14 @@ def tests(rec: Recorder) -> None:
     lint = subprocess.run([sys.executable, "-m", "ruff", "check", "."], cwd=ROOT, capture_output=True, text=True)
     if lint.returncode != 0:
         raise SystemExit(f"ruff check . failed:\n{lint.stdout[-2000:]}")
-    seconds, _, proc = timed([sys.executable, "-m", "pytest", "-q"])
+    seconds, _, cpu, proc = timed([sys.executable, "-m", "pytest", "-q"])
     last = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
     counts = {kind.rstrip("s") if kind.startswith("error") else kind: int(n) for n, kind in PYTEST_COUNTS.findall(last)}
-    print(f"tests: {seconds:.0f} s wall (ruff included), exit {proc.returncode}: {last}", flush=True)
+    print(f"tests: {seconds:.0f} s wall (ruff included; pytest's CPU {cpu:.0f} s), exit {proc.returncode}: {last}", flush=True)
     if proc.returncode != 0:
         raise SystemExit(f"the test suite failed:\n{proc.stdout[-3000:]}")
     # the record's load is the one before the run: the suite's own workers and subprocesses raise it to 3-4 by its end
-    rec.add("test suite", {"wall s": seconds, **{k: float(v) for k, v in counts.items()}}, "s, tests",
+    rec.add("test suite", {"wall s": seconds, "cpu s": cpu, **{k: float(v) for k, v in counts.items()}}, "s, tests",
             notes=f"load {load:.2f} at the start, {os.getloadavg()[0]:.2f} at the end", load=load)
 
 

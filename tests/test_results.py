@@ -151,3 +151,16 @@ def test_the_race_claim_names_each_classes_fastest_recipe_of_its_latest_race():
                     "AVX2: best in 0.45x nanoGPT's training time (45.0 vs 100.0 s)"), text
     assert [r["row"] for r in used] == ["time to nanogpt's val loss: best-adamw", "time to nanogpt's val loss: best"]
     assert report._race_claim(race("AVX2", "2026-11-23T10:00Z", {"baseline": 0.9})) == ("", [])
+
+
+def test_the_commands_timer_counts_the_cpu_of_the_command_and_of_what_it_waited_for():
+    """bench/commands.py records the CPU seconds beside the wall time: a command that spends 0.3 s of CPU itself and
+    0.3 s more in a child it waits for counts at least 0.6 s; its peak RSS and exit code come back with it."""
+    import sys
+
+    from bench import commands
+
+    spin = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\n"
+    child = f"import subprocess, sys; subprocess.run([sys.executable, '-c', {spin!r}]); exec({spin!r}); sys.exit(3)"
+    seconds, peak_mb, cpu, proc = commands.timed([sys.executable, "-c", child])
+    assert proc.returncode == 3 and cpu >= 0.6 and seconds > 0 and peak_mb > 1, (cpu, seconds, peak_mb)

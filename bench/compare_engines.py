@@ -37,6 +37,7 @@ import sys
 import tarfile
 import time
 from pathlib import Path
+from unittest import mock
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
@@ -406,19 +407,10 @@ class LlamaCpp:
         return self._last()
 
 
-@contextlib.contextmanager
 def environment(env: dict):
-    """os.environ with `env` set within the block; each variable as it was (or unset) after it."""
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    """os.environ with `env` set within the block; each variable as it was (or unset) after it (the standard
+    library's unittest.mock.patch.dict)."""
+    return mock.patch.dict(os.environ, env)
 
 
 def worker(engine: str, model_dir: Path, path: Path | None, threads: int) -> None:

@@ -8,9 +8,8 @@ from the project root (the README's command; only the output folder differs, so 
 wall time from launch to exit, ms/step and the val loss from its last line, the peak RSS of the process. tests:
 `ruff check . && python -m pytest -q`, wall time and the counts from pytest's last line. Both record the CPU seconds
 of the command and the processes it waited for (a shared machine moves the wall time of the same work by 10%; the
-CPU time says whether the work changed). Each row is recorded with
-the machine, commit, date and the load before the command ran (bench/results.py); `python -m bench.report` puts the
-latest per CPU class into the README's timing table.
+CPU time says whether the work changed). Each row is recorded with the machine, commit, date and the load before the
+command ran (bench/results.py); `python -m bench.report` puts the latest per CPU class into the README's timing table.
 """
 from __future__ import annotations
 
@@ -63,8 +62,9 @@ def main_job(rec: Recorder) -> None:
     if proc.returncode != 0 or done is None:
         raise SystemExit(f"the main job failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
     steps, val, best, ms = int(done[1]), float(done[2]), float(done[3]), float(done[4])
-    print(f"main job: {seconds:.1f} s wall ({cpu:.0f} s of CPU), {ms:.1f} ms/step over {steps} steps, peak RSS {peak_mb:.0f} MB, val "
-          f"{val:.4f}, best {best:.4f} (load {load:.2f} at the start, {os.getloadavg()[0]:.2f} at the end)", flush=True)
+    print(f"main job: {seconds:.1f} s wall ({cpu:.0f} s of CPU), {ms:.1f} ms/step over {steps} steps, peak RSS "
+          f"{peak_mb:.0f} MB, val {val:.4f}, best {best:.4f} (load {load:.2f} at the start, "
+          f"{os.getloadavg()[0]:.2f} at the end)", flush=True)
     rec.add("main job", {"wall s": seconds, "cpu s": cpu, "ms/step": ms, "peak RSS MB": peak_mb, "val": val,
                          "best val": best},
             "s, ms, MB, loss", notes=f"load {load:.2f} at the start, {os.getloadavg()[0]:.2f} at the end", load=load)
@@ -78,7 +78,8 @@ def tests(rec: Recorder) -> None:
     seconds, _, cpu, proc = timed([sys.executable, "-m", "pytest", "-q"])
     last = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
     counts = {kind.rstrip("s") if kind.startswith("error") else kind: int(n) for n, kind in PYTEST_COUNTS.findall(last)}
-    print(f"tests: {seconds:.0f} s wall (ruff included; pytest's CPU {cpu:.0f} s), exit {proc.returncode}: {last}", flush=True)
+    print(f"tests: {seconds:.0f} s wall (ruff included; pytest's CPU {cpu:.0f} s), exit {proc.returncode}: {last}",
+          flush=True)
     if proc.returncode != 0:
         raise SystemExit(f"the test suite failed:\n{proc.stdout[-3000:]}")
     # the record's load is the one before the run: the suite's own workers and subprocesses raise it to 3-4 by its end

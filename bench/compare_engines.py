@@ -7,6 +7,10 @@ save_pretrained output: the interop is part of the test).
 Every engine gets the same weights (a random-init gpt2, seeded), runs in its own worker process with the same thread
 count, and is timed in interleaved rounds (one engine busy at a time, the order rotated each round), so load from
 other processes hits all alike; medians are reported. Each row's greedy tokens are compared with transformers' fp32.
+After the warm-up call every worker runs one full garbage collection (`gc.collect()`): a fresh process's first one
+sweeps every object its imports left (about 0.1 s in a process with torch and transformers) and fell, uncollected, in
+the 4th 64-token call of ours: one round in five, 20% of a w4a8 call. What the rounds time is the steady state, where
+none came in 150 calls (docs/cpu-decoding.md, "Stable speed").
 
     CMAKE_ARGS="-DGGML_NATIVE=ON" pip install -r bench/requirements.txt   # ORT, onnx, gguf, llama-cpp-python (builds)
     python bench/compare_engines.py                 # quiet machine: decode b1, prefill 512
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import math
 import os
@@ -427,6 +432,13 @@ def worker(engine: str, model_dir: Path, path: Path | None, threads: int) -> Non
     reply.flush()
     for line in sys.stdin:
         task = json.loads(line)
+        if task["task"] == "collect":  # once, after the warm-up (see the module's docstring)
+            start = time.perf_counter()
+            found = gc.collect()
+            reply.write(json.dumps({"seconds": time.perf_counter() - start, "found": found,
+                                    "full_collections": gc.get_stats()[2]["collections"]}) + "\n")
+            reply.flush()
+            continue
         with environment(task.get("env", {})):  # this call only (the thread choice's A/B: GPT2_DECODE_THREADS=N)
             start = time.perf_counter()
             if task["task"] == "decode":
@@ -559,6 +571,9 @@ def main() -> None:
             print(f"{engine}: {workers[engine].build}", flush=True)
         decode = {"task": "decode", "prompt": prompt, "new": args.new_tokens}
         interleaved(workers, decode, 1)  # warm-up: first calls build kernels, caches and plans
+        swept = {name: w.ask({"task": "collect"})["seconds"] for name, w in workers.items()}
+        print("a full garbage collection after the warm-up: "
+              + ", ".join(f"{name} {seconds * 1e3:.0f} ms" for name, seconds in swept.items()), flush=True)
         spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)]
         times, tokens = interleaved(workers, decode, args.rounds)
         prefill = {"task": "prefill", "prompt": long_prompt}

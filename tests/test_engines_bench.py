@@ -63,6 +63,19 @@ def test_a_worker_returns_our_generate_tokens(saved):
     assert worker.build.startswith(f"torch {torch.__version__}, CPU capability ") and "rows kernel" in worker.build
 
 
+def test_a_worker_collects_its_garbage_when_asked_and_decodes_after(saved):
+    model_dir, _ = saved
+    worker = ce.Worker("ours-fp32", model_dir, None, threads=1)
+    try:
+        first = worker.ask({"task": "collect"})
+        second = worker.ask({"task": "collect"})
+        answer = worker.ask({"task": "decode", "prompt": [5, 17, 3], "new": 2})
+    finally:
+        worker.close()
+    assert second["full_collections"] == first["full_collections"] + 1 and first["seconds"] > 0  # a full one each
+    assert len(answer["tokens"]) == 2
+
+
 def test_a_call_with_its_own_environment_sets_it_for_that_call_only(saved, monkeypatch):
     """The thread choice's A/B: one worker's calls alternate between its own setting and GPT2_DECODE_THREADS=N set
     for the call; the variables are as before after each call (set ones restored, unset ones removed)."""

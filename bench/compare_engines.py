@@ -206,8 +206,9 @@ def converter(folder: Path) -> Path:
     sdist = next(download.glob("llama_cpp_python-*.tar.gz"))
     prefix = f"llama_cpp_python-{version}/vendor/llama.cpp/"
     with tarfile.open(sdist) as tar:
+        wanted = (prefix + "conversion/", prefix + "gguf-py/")
         members = [m for m in tar.getmembers() if m.name.startswith(prefix) and (
-            m.name == prefix + "convert_hf_to_gguf.py" or m.name.startswith((prefix + "conversion/", prefix + "gguf-py/")))]
+            m.name == prefix + "convert_hf_to_gguf.py" or m.name.startswith(wanted))]
         for m in members:
             m.name = m.name[len(prefix):]
         tar.extractall(root, members=members, filter="data")

@@ -249,8 +249,9 @@ static inline float row_dot(const float* x, int64_t in, Int4 weight, int64_t o, 
 // a step. Each input vector is loaded once for both rows; each block's bytes are widened to 32-bit lanes once for
 // both nibble halves; a group's products start with a multiply (no zeroed partial); each row keeps one accumulator
 // a group parity, so four scaled sums are in flight; the 8 x scale x group sum correction is a vector product. The
-// same sum as row_dot's, in another order. On an Ice Lake Xeon, gpt2's shapes (3072 x 768 and 768 x 3072), 2
-// threads: 9.5 and 12.5 GB/s of int4 weights against row_dot's 5.3 and 6.0 (bench/rows_kernel.py).
+// same sum as row_dot's, in another order. An interleaved A/B of the two ways' one-row products (Ice Lake Xeon, 2
+// threads, gpt2's 3072 x 768, 768 x 3072 and 2304 x 768): 1.15-1.35x row_dot's speed in the AVX512 build, 1.25-1.6x
+// in the AVX2 one (docs/cpu-decoding.md, "Weight-only int4 decoding").
 #if defined(__AVX512F__)
 static inline void int4_group(const float* x, const uint8_t* block, vf& acc, float scale) {
   const __m512i b = _mm512_cvtepu8_epi32(_mm_xor_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block)),

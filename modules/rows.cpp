@@ -222,6 +222,16 @@ static inline float row_dot(const float* x, int64_t in, Dense<T> weight, int64_t
   return weight.scale ? s * weight.scale[o] : s;
 }
 
+// int4's correction for reading its weights plus 8: the row's group scales times the input's group sums.
+static inline float int4_offset(const float* scale, const float* gsum, int64_t groups) {
+  vf off = vzero();
+  int64_t k = 0;
+  for (; k + kWidth <= groups; k += kWidth) off = vfma(xload(scale + k), xload(gsum + k), off);
+  float s = vsum(off);
+  for (; k < groups; ++k) s += scale[k] * gsum[k];
+  return s;
+}
+
 // int4: the group's products summed unscaled from the weights plus 8, scaled once per group, and 8 x the scale x
 // the group's input sum (gsum, once per product) taken off: the same sum as the dequantized weights', in another
 // order, with fewer operations a weight (int4 is bound by its unpacking on a 2-core Zen 4, not by the memory).
@@ -230,7 +240,6 @@ static inline float row_dot(const float* x, int64_t in, Int4 weight, int64_t o, 
   const uint8_t* row = weight.w + o * row_bytes;
   const float* scale = weight.scale + o * groups;
   vf acc = vzero();
-  float offset = 0;
   for (int64_t g = 0; g < groups; ++g) {
     vf part[2] = {vzero(), vzero()};
     for (int64_t i = g * weight.group; i < (g + 1) * weight.group; i += kBlock) {
@@ -240,9 +249,8 @@ static inline float row_dot(const float* x, int64_t in, Int4 weight, int64_t o, 
         part[v & 1] = vfma(xload(x + i + v * kWidth), int4_load_plus8(row + i / 2, v), part[v & 1]);
     }
     acc = vfma(vadd(part[0], part[1]), vset1(scale[g]), acc);
-    offset += scale[g] * gsum[g];
   }
-  return vsum(acc) - 8.0f * offset;
+  return vsum(acc) - 8.0f * int4_offset(scale, gsum, groups);
 }
 
 // int4 in groups of 32 (one 16-byte block a group, the default), one input row: two weight rows at a time, two groups
@@ -274,15 +282,6 @@ static inline void int4_group(const float* x, const uint8_t* block, vf& acc, flo
   acc = vfma(p, vset1(scale), acc);
 }
 #endif
-
-static inline float int4_offset(const float* scale, const float* gsum, int64_t groups) {
-  vf off = vzero();
-  int64_t k = 0;
-  for (; k + kWidth <= groups; k += kWidth) off = vfma(xload(scale + k), xload(gsum + k), off);
-  float s = vsum(off);
-  for (; k < groups; ++k) s += scale[k] * gsum[k];
-  return s;
-}
 
 static inline void row_pair_int4(const float* x, int64_t in, Int4 weight, int64_t o, const float* gsum, float* y) {
   const int64_t row_bytes = in / 2, groups = in / kBlock;

@@ -31,6 +31,7 @@ Sections (`--only`, several allowed; default all):
     python bench/compare_hf.py --only train --loss-steps 20 --threads 2
     python bench/compare_hf.py --only train-run --keep-freed-memory   # as each user runs it (fit() keeps freed memory)
     python bench/compare_hf.py --only memory checkpointing
+    python bench/compare_hf.py --only train-run --keep-freed-memory --busy 1   # with a core busy (its own rows)
     python bench/compare_hf.py --skip-xl --compile              # also time torch.compile'd ours (forward, train)
 """
 from __future__ import annotations
@@ -663,6 +664,11 @@ def describe_machine() -> None:
                 f"; transformers {transformers.__version__}; malloc: {malloc}")
 
 
+def busy_suffix(busy: int) -> str:
+    """What a row measured with `busy` spinning processes beside it has after its name (as compare_engines.py's)."""
+    return f", {busy} busy process{'es' if busy > 1 else ''} beside it"
+
+
 def _interrupt(signum, frame):
     raise KeyboardInterrupt(f"signal {signum}")
 
@@ -699,6 +705,10 @@ def main() -> None:
                    help="rows of the generate section (a long section on a shared machine: run the rows apart)")
     g.add_argument("--loss-steps", type=int, default=20, help="steps of the fp32 vs bf16 loss check (0: skip)")
     g.add_argument("--xl-new-tokens", type=int, default=32, help="new tokens per gpt2-xl generation")
+    g.add_argument("--busy", type=int, default=0,
+                   help="processes spinning on a core each while the sections run (the machine's GEMM and read "
+                        "figures are measured before they start); the rows are recorded apart, named '<row>, N busy "
+                        "process(es) beside it'")
     g.add_argument("--child", default=None, help=argparse.SUPPRESS)  # internal: one memory measurement
     args = parser.parse_args()
 
@@ -726,7 +736,11 @@ def main() -> None:
     report = Report()
     started = time.perf_counter()
     signal.signal(signal.SIGTERM, _interrupt)  # kill (or a timeout) still writes the rows measured so far
+    spinners, measured = [], len(RECORDS.rows)  # the rows before this are the machine's (measured quiet)
     try:
+        if args.busy:
+            spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)]
+            print(f"{args.busy} busy process{'es' if args.busy > 1 else ''} spinning beside the sections", flush=True)
         for name in sections:
             print(f"\n== {name} ==", flush=True)
             if name in ("train", "train-run", "forward", "generate"):
@@ -734,6 +748,13 @@ def main() -> None:
             else:
                 globals()[f"section_{name}"](args)
     finally:  # the rows measured so far, also when a later section fails or is interrupted
+        for spinner in spinners:
+            spinner.kill()
+            spinner.wait()
+        if args.busy:  # recorded apart from the quiet rows: bench/report.py shows them as rows of their own
+            for record in RECORDS.rows[measured:]:
+                record["row"] += busy_suffix(args.busy)
+                record["busy"] = args.busy
         RECORDS.write()
     print(f"\ndone in {time.perf_counter() - started:.0f} s; load average now "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)

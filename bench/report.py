@@ -218,6 +218,10 @@ def compare_hf(records: list[dict], cls: str | None = None, device: str | None =
         runs = [r for r in chosen if r["row"] == name]
         if runs:
             rows.append(compare_row(latest(runs), runs))
+        busy = [r for r in chosen if r.get("busy") and r["row"].startswith(name + ", ")]
+        for suffix in sorted({r["row"][len(name):] for r in busy}):  # the same row with busy processes beside it
+            runs = [r for r in busy if r["row"] == name + suffix]
+            rows.append([COMPARE_ROWS[name] + suffix, *compare_row(latest(runs), runs)[1:]])
     if not rows:
         return f"(no compare_hf records for {cls or device} yet: run `python bench/compare_hf.py` there)\n"
     machine = latest(chosen)["machine"]

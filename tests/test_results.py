@@ -139,6 +139,27 @@ def test_a_busy_run_does_not_replace_the_quiet_headline():
     assert "| 0.70x |" in only_busy and "load 3.5 (busy)" in only_busy
 
 
+def test_rows_measured_with_busy_processes_are_rows_of_their_own_beside_the_quiet_one():
+    """compare_hf.py --busy N records its rows as '<row>, N busy process(es) beside it' with busy=N: the table shows
+    them under the quiet row with the row's own label, and they never stand in for the quiet figure."""
+    name = "train as run 4x128 bf16"
+    recs = [record(row=name, ratio=1.13, date="2026-11-29T12:00Z"),
+            record(row=f"{name}, 1 busy process beside it", ratio=1.40, date="2026-11-29T13:00Z", load=3.2, busy=1)]
+    out = report.render("compare-hf class=AMX", recs).splitlines()
+    quiet = next(i for i, line in enumerate(out) if line.startswith(f"| {report.COMPARE_ROWS[name]} |"))
+    assert "| 1.13x |" in out[quiet] and "busy" not in out[quiet]
+    assert out[quiet + 1].startswith(f"| {report.COMPARE_ROWS[name]}, 1 busy process beside it |")
+    assert "| 1.40x |" in out[quiet + 1] and "load 3.2 (busy)" in out[quiet + 1]
+    assert sum("1.40x" in line for line in out) == 1
+
+
+def test_compare_hf_names_its_busy_rows_as_the_report_reads_them():
+    from bench import compare_hf
+
+    assert compare_hf.busy_suffix(1) == ", 1 busy process beside it"
+    assert compare_hf.busy_suffix(2) == ", 2 busy processes beside it"
+
+
 def test_the_race_claim_names_each_classes_fastest_recipe_of_its_latest_race():
     def race(cls, date, ratios):
         return [record(f"time to nanogpt's val loss: {name}", cls, date, ratio=ratio, bench="speedrun",

@@ -40,6 +40,7 @@ sys.path.insert(0, str(ROOT))
 from bench.machine import print_machine_header  # noqa: E402
 from bench.results import Recorder  # noqa: E402
 from models.hub import data_dir  # noqa: E402
+from training.precision import bf16_matmul_is_fast  # noqa: E402
 
 # name -> (what it changes, run_pretrain.py flags on top of the defaults)
 CONTENDERS: dict[str, tuple[str, list[str]]] = {
@@ -62,6 +63,15 @@ CONTENDERS: dict[str, tuple[str, list[str]]] = {
                          "--qk_norm", "--lr", "3e-3", "--min_lr", "3e-4", "--max_iters", "800",
                          "--dtype", "bf16-weights"]),
 }
+
+
+def default_contenders() -> list[str]:
+    """Every contender, less the bf16 ones on a CPU without bf16 units (there they would take many times fp32's time:
+    `--only` still runs them)."""
+    if bf16_matmul_is_fast("cpu"):
+        return list(CONTENDERS)
+    print("best-adamw-bf16 left out: this CPU has no bf16 units (AVX512-BF16 / AMX); --only runs it anyway")
+    return [n for n in CONTENDERS if n != "best-adamw-bf16"]
 
 
 def run(name: str, flags: list[str], data: Path, eval_interval: int, threads: int) -> dict:
@@ -212,7 +222,7 @@ def main() -> None:
     p.add_argument("--json", type=Path, help="write every run's curve and timings here")
     args = p.parse_args()
     print_machine_header()
-    names = ["baseline"] + [n for n in (args.only or CONTENDERS) if n != "baseline"]
+    names = ["baseline"] + [n for n in (args.only or default_contenders()) if n != "baseline"]
     names = (["nanogpt"] if args.nanogpt else []) + names
     runs: dict[str, list[dict]] = {n: [] for n in names}
     reference = "nanogpt" if args.nanogpt else "baseline"  # its final whole-split val loss is the target

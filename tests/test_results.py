@@ -185,3 +185,15 @@ def test_the_commands_timer_counts_the_cpu_of_the_command_and_of_what_it_waited_
     child = f"import subprocess, sys; subprocess.run([sys.executable, '-c', {spin!r}]); exec({spin!r}); sys.exit(3)"
     seconds, peak_mb, cpu, proc = commands.timed([sys.executable, "-c", child])
     assert proc.returncode == 3 and cpu >= 0.6 and seconds > 0 and peak_mb > 1, (cpu, seconds, peak_mb)
+
+
+def test_the_race_leaves_its_bf16_contender_out_by_default_where_bf16_is_slow(monkeypatch, capsys):
+    from bench import speedrun
+
+    monkeypatch.setattr(speedrun, "bf16_matmul_is_fast", lambda device: False)
+    names = speedrun.default_contenders()
+    assert "best-adamw-bf16" not in names and "best-adamw" in names
+    assert "no bf16 units" in capsys.readouterr().out
+    monkeypatch.setattr(speedrun, "bf16_matmul_is_fast", lambda device: True)
+    assert speedrun.default_contenders() == list(speedrun.CONTENDERS)
+    assert "--dtype" in speedrun.CONTENDERS["best-adamw-bf16"][1]

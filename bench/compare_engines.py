@@ -48,7 +48,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.machine import print_machine_header  # noqa: E402
+from bench.machine import busy_suffix, print_machine_header, spin, stop  # noqa: E402
 from bench.results import Recorder  # noqa: E402
 
 SHARED = ROOT.parent / "shared"
@@ -575,7 +575,7 @@ def main() -> None:
         swept = {name: w.ask({"task": "collect"})["seconds"] for name, w in workers.items()}
         print("a full garbage collection after the warm-up: "
               + ", ".join(f"{name} {seconds * 1e3:.0f} ms" for name, seconds in swept.items()), flush=True)
-        spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)]
+        spinners = spin(args.busy)
         times, tokens = interleaved(workers, decode, args.rounds)
         prefill = {"task": "prefill", "prompt": long_prompt}
         pre_times = interleaved(workers, prefill, args.rounds)[0] if args.prefill else {}
@@ -586,11 +586,10 @@ def main() -> None:
             ab["prefill"] = alternating(workers["ours-fp32"], prefill, fixed, args.rounds)
         load = os.getloadavg()[0]
     finally:
-        for s in spinners:
-            s.kill()
+        stop(spinners)
         for w in workers.values():
             w.close()
-    busy = f", {args.busy} busy process{'es' if args.busy > 1 else ''} beside it" if args.busy else ""
+    busy = busy_suffix(args.busy)
     rate = {e: args.new_tokens / statistics.median(times[e]) for e in engines}
     print(f"\ngreedy batch 1, {args.prompt_tokens}-token prompt + {args.new_tokens} new tokens{busy} [load {load:.1f}]")
     print(f"{'engine':<12} {'tok/s':>7} {'range':>13} {'of its limit':>12} {'vs ours fp32':>12}  tokens vs {REFERENCE}")

@@ -55,7 +55,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
-from bench.machine import print_machine_header  # noqa: E402
+from bench.machine import busy_suffix, print_machine_header, spin, stop  # noqa: E402
 from bench.results import Recorder  # noqa: E402
 from config import GPT2Config  # noqa: E402
 from models.gpt2 import GPT2LMHeadModel  # noqa: E402
@@ -664,11 +664,6 @@ def describe_machine() -> None:
                 f"; transformers {transformers.__version__}; malloc: {malloc}")
 
 
-def busy_suffix(busy: int) -> str:
-    """What a row measured with `busy` spinning processes beside it has after its name (as compare_engines.py's)."""
-    return f", {busy} busy process{'es' if busy > 1 else ''} beside it"
-
-
 def _interrupt(signum, frame):
     raise KeyboardInterrupt(f"signal {signum}")
 
@@ -739,7 +734,7 @@ def main() -> None:
     spinners, measured = [], len(RECORDS.rows)  # the rows before this are the machine's (measured quiet)
     try:
         if args.busy:
-            spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)]
+            spinners = spin(args.busy)
             print(f"{args.busy} busy process{'es' if args.busy > 1 else ''} spinning beside the sections", flush=True)
         for name in sections:
             print(f"\n== {name} ==", flush=True)
@@ -748,9 +743,7 @@ def main() -> None:
             else:
                 globals()[f"section_{name}"](args)
     finally:  # the rows measured so far, also when a later section fails or is interrupted
-        for spinner in spinners:
-            spinner.kill()
-            spinner.wait()
+        stop(spinners)
         if args.busy:  # recorded apart from the quiet rows: bench/report.py shows them as rows of their own
             for record in RECORDS.rows[measured:]:
                 record["row"] += busy_suffix(args.busy)

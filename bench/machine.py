@@ -3,12 +3,16 @@ instruction-set flags that decide the fast paths, the date and the load.
 
     from bench.machine import print_machine_header
     print_machine_header()   # machine: AMD EPYC ..., 2 cores; avx2 avx512f avx512_bf16 avx512_vnni, no amx; ...
+
+And the benchmarks' `--busy N` (a machine with N cores taken by other processes): `spin(N)` starts the processes,
+`stop(...)` ends them, and `busy_suffix(N)` is what each row measured so carries after its name.
 """
 from __future__ import annotations
 
 import datetime
 import os
 import platform
+import subprocess
 import sys
 from pathlib import Path
 
@@ -54,3 +58,19 @@ def print_machine_header() -> None:
         from models import paths
 
         print(f"paths: {paths.summary()}", flush=True)
+
+
+def spin(count: int) -> list[subprocess.Popen]:
+    """`count` processes each spinning on a core, until `stop`."""
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+
+
+def stop(spinners: list[subprocess.Popen]) -> None:
+    for spinner in spinners:
+        spinner.kill()
+        spinner.wait()
+
+
+def busy_suffix(busy: int) -> str:
+    """What a row measured with `busy` spinning processes beside it carries after its name ('' for none)."""
+    return f", {busy} busy process{'es' if busy > 1 else ''} beside it" if busy else ""

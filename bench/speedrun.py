@@ -56,13 +56,11 @@ CONTENDERS: dict[str, tuple[str, list[str]]] = {
     "best-adamw": ("ReLU^2, RMSNorm, no bias, RoPE + QK-norm, AdamW lr 3e-3; an 800-step schedule",
                    ["--activation", "relu2", "--norm", "rmsnorm", "--no-bias", "--position_embedding", "rope",
                     "--qk_norm", "--lr", "3e-3", "--min_lr", "3e-4", "--max_iters", "800"]),
-    # where the CPU has bf16 units (AVX512-BF16, AMX): on a Zen 4 its steps took 33-34 ms against fp32's 41 (200
-    # steps each, twice, 2026-11-29); on an AVX2-only CPU bf16 products are emulated and far slower than fp32
-    "best-adamw-bf16": ("best-adamw with bf16 weights and fp32 masters (--dtype bf16-weights; for bf16 units)",
-                        ["--activation", "relu2", "--norm", "rmsnorm", "--no-bias", "--position_embedding", "rope",
-                         "--qk_norm", "--lr", "3e-3", "--min_lr", "3e-4", "--max_iters", "800",
-                         "--dtype", "bf16-weights"]),
 }
+# where the CPU has bf16 units (AVX512-BF16, AMX): on a Zen 4 its steps took 33-34 ms against fp32's 41 (200 steps
+# each, twice, 2026-11-29); on an AVX2-only CPU bf16 products are emulated and far slower than fp32
+CONTENDERS["best-adamw-bf16"] = ("best-adamw with bf16 weights and fp32 masters (--dtype bf16-weights; for bf16 units)",
+                                 [*CONTENDERS["best-adamw"][1], "--dtype", "bf16-weights"])
 
 
 def default_contenders() -> list[str]:
@@ -70,8 +68,9 @@ def default_contenders() -> list[str]:
     `--only` still runs them)."""
     if bf16_matmul_is_fast("cpu"):
         return list(CONTENDERS)
-    print("best-adamw-bf16 left out: this CPU has no bf16 units (AVX512-BF16 / AMX); --only runs it anyway")
-    return [n for n in CONTENDERS if n != "best-adamw-bf16"]
+    bf16 = [n for n, (_, flags) in CONTENDERS.items() if "bf16-weights" in flags]
+    print(f"{', '.join(bf16)} left out: this CPU has no bf16 units (AVX512-BF16 / AMX); --only runs it anyway")
+    return [n for n in CONTENDERS if n not in bf16]
 
 
 def run(name: str, flags: list[str], data: Path, eval_interval: int, threads: int) -> dict:

@@ -153,11 +153,13 @@ def test_rows_measured_with_busy_processes_are_rows_of_their_own_beside_the_quie
     assert sum("1.40x" in line for line in out) == 1
 
 
-def test_compare_hf_names_its_busy_rows_as_the_report_reads_them():
-    from bench import compare_hf
+def test_the_benchmarks_name_their_busy_rows_as_the_report_reads_them():
+    from bench import compare_engines, compare_hf, machine
 
-    assert compare_hf.busy_suffix(1) == ", 1 busy process beside it"
-    assert compare_hf.busy_suffix(2) == ", 2 busy processes beside it"
+    assert compare_hf.busy_suffix is compare_engines.busy_suffix is machine.busy_suffix
+    assert machine.busy_suffix(1) == ", 1 busy process beside it"
+    assert machine.busy_suffix(2) == ", 2 busy processes beside it"
+    assert machine.busy_suffix(0) == ""
 
 
 def test_the_race_claim_names_each_classes_fastest_recipe_of_its_latest_race():

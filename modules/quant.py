@@ -12,8 +12,9 @@ q = round(w / scale) in -7..7; -8, which the 4-bit two's complement also holds, 
 reads back as -8 * scale. Two values a byte, in blocks of 32 columns: byte k of block j of a row (packed column
 16j + k) holds column 32j + k in its low nibble and column 32j + 16 + k in its high nibble, each a 4-bit two's
 complement. So a block's 16 bytes unpack into two 16-value vectors (AVX512) or four 8-value ones (AVX2) of
-consecutive columns, each by shifting the nibble to the top of a 32-bit lane and back (llama.cpp's Q4_0 blocks are
-laid out the same way, with fp16 scales). Shapes: q uint8 (out, in / 2), scale fp32 (out, in / G).
+consecutive columns (modules/rows.cpp: with AVX512 each nibble indexes a table of its group's 16 dequantized values;
+with AVX2 it is shifted to the top of a 32-bit lane and back; llama.cpp's Q4_0 blocks are laid out the same way,
+with fp16 scales). Shapes: q uint8 (out, in / 2), scale fp32 (out, in / G).
 
 torch's own int8 kernels (torch._weight_int8pack_mm, torch._int_mm, fbgemm's dynamic quantized Linear) read the
 weights far slower than fp32 F.linear at one row on the CPU (the measurements: docs/performance.md, "Figures behind

@@ -6,8 +6,9 @@
 // Decoding multiplies one to eight token rows by every weight matrix: the work is reading the weights, and torch's
 // kernels for these shapes read them well below the memory's speed (docs/performance.md). Here each weight row is
 // read once for all B input rows, converted to fp32 in registers (bf16: shift into the high half; int8: sign-extend
-// and convert; int4: shift each nibble to the top of a 32-bit lane and back, which sign-extends it, convert and
-// multiply by its group's scale), and multiplied into B accumulators; R weight rows at a time keep R x B independent sums in flight.
+// and convert; int4: in the AVX512 build the nibble indexes a table of its group's 16 dequantized values, in the AVX2
+// one it is shifted to the top of a 32-bit lane and back, which sign-extends it, converted and multiplied by its
+// group's scale), and multiplied into B accumulators; R weight rows at a time keep R x B independent sums in flight.
 // Sums are fp32 in a different order from torch's, so results agree to float rounding, not bit for bit.
 //
 // Built by modules/rows.py with -march=native on the machine that runs it: the AVX512 or AVX2 path is chosen by the
@@ -48,19 +49,24 @@ static inline vf wload(const int8_t* p) {
 static inline vf vset1(float v) { return _mm512_set1_ps(v); }
 static inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
 static inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
-// Vector v (0, 1) of an int4 block of 32 weights (16 bytes, byte k: weight k in the low nibble, weight 16 + k in the
-// high one): the 16 bytes widened to 32-bit lanes, the low (v = 0) or high (v = 1) nibble shifted to the lane's top
-// and arithmetically back, which sign-extends it; weights 16v .. 16v + 15.
-static inline vf int4_load(const uint8_t* block, int v) {
-  const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block)));
-  return _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(bytes, v == 0 ? 28 : 24), 28));
+// int4 through a table: a group's 16 values, scale x (0..7, -8..-1), the weights a nibble's bits stand for (two's
+// complement), which _mm512_permutexvar_ps picks by each 32-bit lane's low 4 bits; so a block's 16 bytes widened
+// to 32-bit lanes give its low nibbles' weights as they are and its high nibbles' after a shift. Each weight is
+// q x scale rounded once (as Int4Weight.dequantize gives it); fewer operations a weight than sign-extending,
+// converting and scaling (the int4 product is bound by its unpacking on a 2-core Zen 4: an interleaved A/B of the
+// one-row products, gpt2's 3072 x 768, 768 x 3072 and 2304 x 768, 1.07-1.11x on 1 and 2 threads).
+constexpr bool kInt4Plus8 = false;  // the one-row products read the weights as they are (see the AVX2 form)
+static inline vf int4_table(float scale) {
+  return _mm512_mul_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1), _mm512_set1_ps(scale));
 }
-// The same weights plus 8 (0..15): each nibble's top bit flipped (XOR 0x88 on the bytes), then masked or shifted
-// down; cheaper than sign-extending (row_dot subtracts 8 x the group's input sum once per group).
-static inline vf int4_load_plus8(const uint8_t* block, int v) {
-  const __m128i raw = _mm_xor_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block)), _mm_set1_epi8(0x88));
-  const __m512i bytes = _mm512_cvtepu8_epi32(raw);
-  return _mm512_cvtepi32_ps(v == 0 ? _mm512_and_si512(bytes, _mm512_set1_epi32(0x0F)) : _mm512_srli_epi32(bytes, 4));
+static inline __m512i int4_lanes(const uint8_t* block) {  // a block's 16 bytes, one a 32-bit lane
+  return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block)));
+}
+// Vector v (0, 1) of an int4 block of 32 weights (16 bytes, byte k: weight k in the low nibble, weight 16 + k in the
+// high one), each times its group's scale: weights 16v .. 16v + 15.
+static inline vf int4_scaled(const uint8_t* block, int v, vf table) {
+  const __m512i lanes = int4_lanes(block);
+  return _mm512_permutexvar_ps(v == 0 ? lanes : _mm512_srli_epi32(lanes, 4), table);
 }
 #elif defined(__AVX2__) && defined(__FMA__)
 constexpr int64_t kWidth = 8;
@@ -82,18 +88,25 @@ static inline vf vset1(float v) { return _mm256_set1_ps(v); }
 static inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
 static inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
 // Vector v (0..3) of an int4 block of 32 weights (16 bytes, byte k: weight k low, weight 16 + k high): 8 bytes
-// (0-7 for v = 0 and 2, 8-15 for v = 1 and 3), their low (v < 2) or high nibbles sign-extended as in the AVX512
-// form; weights 8v .. 8v + 7.
+// (0-7 for v = 0 and 2, 8-15 for v = 1 and 3), their low (v < 2) or high nibbles shifted to the lane's top and
+// arithmetically back, which sign-extends them; weights 8v .. 8v + 7.
 static inline vf int4_load(const uint8_t* block, int v) {
   const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 8 * (v & 1))));
   return _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(bytes, v < 2 ? 28 : 24), 28));
 }
-static inline vf int4_load_plus8(const uint8_t* block, int v) {  // as the AVX512 form's: the weights plus 8
+// The same weights plus 8 (0..15): each nibble's top bit flipped (XOR 0x88 on the bytes), then masked or shifted
+// down; cheaper than sign-extending (the one-row products take 8 x the group's input sum off once per group).
+static inline vf int4_load_plus8(const uint8_t* block, int v) {
   const __m128i raw = _mm_xor_si128(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 8 * (v & 1))),
                                     _mm_set1_epi8(static_cast<char>(0x88)));
   const __m256i bytes = _mm256_cvtepu8_epi32(raw);
   return _mm256_cvtepi32_ps(v < 2 ? _mm256_and_si256(bytes, _mm256_set1_epi32(0x0F)) : _mm256_srli_epi32(bytes, 4));
 }
+// AVX2 has no 16-entry table lookup in one instruction (two 8-entry permutes and a blend cost more than converting):
+// the weights are sign-extended and scaled, and the one-row products read them plus 8 (int4_load_plus8).
+constexpr bool kInt4Plus8 = true;
+static inline vf int4_table(float scale) { return vset1(scale); }
+static inline vf int4_scaled(const uint8_t* block, int v, vf scale) { return vmul(int4_load(block, v), scale); }
 #else
 #error "rows.cpp needs AVX2 and FMA (modules/rows.py builds it only where torch reports AVX2 or AVX512)"
 #endif
@@ -113,7 +126,7 @@ static inline float to_float(uint16_t v) {
 // distance, 8 rows 16.6-33.8 against 18.2-23.3 (the hardware prefetcher alone: 15-22). One input row: row_dot.
 
 // The weight as rows_at reads it. Dense: fp32, bf16 or int8 rows of `in` values (scale: int8's per-row scales, else
-// null). Int4: rows of in / 2 bytes in blocks of 32 weights (int4_load), scale (out, in / group) row-major, group a
+// null). Int4: rows of in / 2 bytes in blocks of 32 weights (int4_scaled), scale (out, in / group) row-major, group a
 // multiple of 32 that divides in (rows_product checks).
 template <typename T>
 struct Dense {
@@ -162,9 +175,10 @@ static inline void rows_at(const float* x, int64_t in, Dense<T> weight, const fl
   }
 }
 
-// int4: the same product, a group at a time. Each weight vector is multiplied by its group's scale before the FMAs,
-// so the sums are those of x times the dequantized weight (q * scale, as Int4Weight.dequantize gives it), in another
-// order; in is whole groups of whole blocks, so no tail is left. Prefetched like int8: the next group of R rows.
+// int4: the same product, a group at a time. Each weight vector is its values times its group's scale before the FMAs
+// (int4_scaled: a table lookup or a multiply), so the sums are those of x times the dequantized weight (q * scale, as
+// Int4Weight.dequantize gives it), in another order; in is whole groups of whole blocks, so no tail is left.
+// Prefetched like int8: the next group of R rows.
 template <int B, int R>
 static inline void rows_at(const float* x, int64_t in, Int4 weight, const float* bias, float* y, int64_t out,
                            int64_t o) {
@@ -174,13 +188,13 @@ static inline void rows_at(const float* x, int64_t in, Int4 weight, const float*
     for (int b = 0; b < B; ++b) acc[r][b] = vzero();
   vf wv[R], sv[R];
   for (int64_t g = 0; g < groups; ++g) {
-    for (int r = 0; r < R; ++r) sv[r] = vset1(weight.scale[(o + r) * groups + g]);
+    for (int r = 0; r < R; ++r) sv[r] = int4_table(weight.scale[(o + r) * groups + g]);
     for (int64_t i = g * weight.group; i < (g + 1) * weight.group; i += kBlock) {
       for (int r = 0; r < R; ++r)
         _mm_prefetch(reinterpret_cast<const char*>(weight.w + (o + R + r) * row_bytes + i / 2), _MM_HINT_T0);
 #pragma GCC unroll 4
       for (int v = 0; v < kBlock / kWidth; ++v) {
-        for (int r = 0; r < R; ++r) wv[r] = vmul(int4_load(weight.w + (o + r) * row_bytes + i / 2, v), sv[r]);
+        for (int r = 0; r < R; ++r) wv[r] = int4_scaled(weight.w + (o + r) * row_bytes + i / 2, v, sv[r]);
         for (int b = 0; b < B; ++b) {
           const vf xv = xload(x + b * in + i + v * kWidth);
           for (int r = 0; r < R; ++r) acc[r][b] = vfma(xv, wv[r], acc[r][b]);
@@ -232,14 +246,28 @@ static inline float int4_offset(const float* scale, const float* gsum, int64_t g
   return s;
 }
 
-// int4: the group's products summed unscaled from the weights plus 8, scaled once per group, and 8 x the scale x
-// the group's input sum (gsum, once per product) taken off: the same sum as the dequantized weights', in another
-// order, with fewer operations a weight (int4 is bound by its unpacking on a 2-core Zen 4, not by the memory).
+// int4 in the AVX512 build: the dequantized weights from the group's table. In the AVX2 build: the group's products
+// summed unscaled from the weights plus 8, scaled once per group, and 8 x the scale x the group's input sum (gsum,
+// once per product) taken off: the same sum as the dequantized weights', in another order, with fewer operations a
+// weight than scaling each (int4 is bound by its unpacking on 2 cores, not by the memory).
 static inline float row_dot(const float* x, int64_t in, Int4 weight, int64_t o, const float* gsum) {
   const int64_t row_bytes = in / 2, groups = in / weight.group;
   const uint8_t* row = weight.w + o * row_bytes;
   const float* scale = weight.scale + o * groups;
   vf acc = vzero();
+#if defined(__AVX512F__)
+  (void)gsum;
+  vf part = vzero();
+  for (int64_t g = 0; g < groups; ++g) {
+    const vf table = int4_table(scale[g]);
+    for (int64_t i = g * weight.group; i < (g + 1) * weight.group; i += kBlock) {
+      _mm_prefetch(reinterpret_cast<const char*>(row + i / 2) + kLinear, _MM_HINT_T0);
+      acc = vfma(xload(x + i), int4_scaled(row + i / 2, 0, table), acc);
+      part = vfma(xload(x + i + kWidth), int4_scaled(row + i / 2, 1, table), part);
+    }
+  }
+  return vsum(vadd(acc, part));
+#else
   for (int64_t g = 0; g < groups; ++g) {
     vf part[2] = {vzero(), vzero()};
     for (int64_t i = g * weight.group; i < (g + 1) * weight.group; i += kBlock) {
@@ -251,22 +279,23 @@ static inline float row_dot(const float* x, int64_t in, Int4 weight, int64_t o, 
     acc = vfma(vadd(part[0], part[1]), vset1(scale[g]), acc);
   }
   return vsum(acc) - 8.0f * int4_offset(scale, gsum, groups);
+#endif
 }
 
 // int4 in groups of 32 (one 16-byte block a group, the default), one input row: two weight rows at a time, two groups
 // a step. Each input vector is loaded once for both rows; each block's bytes are widened to 32-bit lanes once for
-// both nibble halves; a group's products start with a multiply (no zeroed partial); each row keeps one accumulator
-// a group parity, so four scaled sums are in flight; the 8 x scale x group sum correction is a vector product. The
+// both nibble halves; each row keeps one accumulator a group parity, so four sums are in flight. AVX512: the
+// weights from the group's table (int4_scaled), FMAs straight into the row's sum. AVX2: a group's products start with
+// a multiply (no zeroed partial) and are scaled once; the 8 x scale x group sum correction is a vector product. The
 // same sum as row_dot's, in another order. An interleaved A/B of the two ways' one-row products (Ice Lake Xeon, 2
-// threads, gpt2's 3072 x 768, 768 x 3072 and 2304 x 768): 1.15-1.35x row_dot's speed in the AVX512 build, 1.25-1.6x
-// in the AVX2 one (docs/cpu-decoding.md, "Weight-only int4 decoding").
+// threads, gpt2's 3072 x 768, 768 x 3072 and 2304 x 768, before the table): 1.15-1.35x row_dot's speed in the AVX512
+// build, 1.25-1.6x in the AVX2 one (docs/cpu-decoding.md, "Weight-only int4 decoding").
 #if defined(__AVX512F__)
 static inline void int4_group(const float* x, const uint8_t* block, vf& acc, float scale) {
-  const __m512i b = _mm512_cvtepu8_epi32(_mm_xor_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block)),
-                                                       _mm_set1_epi8(static_cast<char>(0x88))));
-  vf p = vmul(xload(x), _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(0x0F))));
-  p = vfma(xload(x + 16), _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), p);
-  acc = vfma(p, vset1(scale), acc);
+  const vf table = int4_table(scale);
+  const __m512i lanes = int4_lanes(block);
+  acc = vfma(xload(x), _mm512_permutexvar_ps(lanes, table), acc);
+  acc = vfma(xload(x + 16), _mm512_permutexvar_ps(_mm512_srli_epi32(lanes, 4), table), acc);
 }
 #else
 static inline void int4_group(const float* x, const uint8_t* block, vf& acc, float scale) {
@@ -306,8 +335,8 @@ static inline void row_pair_int4(const float* x, int64_t in, Int4 weight, int64_
     int4_group(x + g * kBlock, r0 + g * kBlock / 2, a0, s0[g]);
     int4_group(x + g * kBlock, r1 + g * kBlock / 2, c0, s1[g]);
   }
-  y[o] = vsum(vadd(a0, a1)) - 8.0f * int4_offset(s0, gsum, groups);
-  y[o + 1] = vsum(vadd(c0, c1)) - 8.0f * int4_offset(s1, gsum, groups);
+  y[o] = vsum(vadd(a0, a1)) - (kInt4Plus8 ? 8.0f * int4_offset(s0, gsum, groups) : 0.0f);
+  y[o + 1] = vsum(vadd(c0, c1)) - (kInt4Plus8 ? 8.0f * int4_offset(s1, gsum, groups) : 0.0f);
 }
 
 // Weight rows per step: R x B accumulators, R weight vectors and one input vector must stay in vector registers.
@@ -325,8 +354,8 @@ constexpr int rows_per_step() {
 template <int B, typename W>
 static void product(const float* x, int64_t in, W w, const float* bias, float* y, int64_t out, int threads) {
   if constexpr (B == 1) {
-    std::vector<float> gsum;  // int4: the input's sum over each group of columns
-    if constexpr (std::is_same_v<W, Int4>) {
+    std::vector<float> gsum;  // int4 read plus 8 (the AVX2 build): the input's sum over each group of columns
+    if constexpr (std::is_same_v<W, Int4> && kInt4Plus8) {
       gsum.assign(in / w.group, 0.0f);
       for (int64_t i = 0; i < in; ++i) gsum[i / w.group] += x[i];
     }

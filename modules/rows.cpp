@@ -20,6 +20,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <iterator>
 #include <type_traits>
 #include <vector>
 
@@ -212,12 +213,19 @@ static inline void rows_at(const float* x, int64_t in, Int4 weight, const float*
 
 // One input row (decoding at batch 1): each thread reads its contiguous block of weight rows as one stream, a row at
 // a time, with two accumulators so neither the FMA's latency nor the conversions (int8, int4) bind, prefetching
-// kLinear bytes ahead in that stream (the next row follows the last in memory). Read cold from memory (gpt2's LM
-// head, 154 MB, caches flushed between calls), one stream a thread measured 21.5 GB/s against 15.5 for four rows
-// in lockstep (four streams 3 KB apart) and 16.8 for ONNX Runtime's MatMul on a 2-core Zen 4. How far ahead pays
-// depends on the core: 1024 bytes by default, another distance where the decode plan (modules/rows.py) timed it
-// faster on this machine (rows_prefetch below; an Ice Lake Xeon read 5-13% faster at 4096).
-static int64_t kLinear = 1024;
+// its kind's distance (kAhead) ahead in that stream (the next row follows the last in memory). Read cold
+// from memory (gpt2's LM head, 154 MB, caches flushed between calls), one stream a thread measured 21.5 GB/s
+// against 15.5 for four rows in lockstep (four streams 3 KB apart) and 16.8 for ONNX Runtime's MatMul on a
+// 2-core Zen 4. How far ahead pays
+// depends on the core and on the weight kind: 1024 bytes by default, another distance per kind where the decode plan
+// (modules/rows.py) timed it faster on this machine (rows_prefetch_kind below; an Ice Lake Xeon read 5-13% faster
+// at 4096; a Zen 4 read int4 1.12-1.40x faster at 4096, int8's LM head 0.89x).
+// Indexed by weight kind: 0 fp32, 1 bf16, 2 int8, 3 int4, 4 int8 x int8 activations, 5 int4 x int8 activations.
+static int64_t kAhead[6] = {1024, 1024, 1024, 1024, 1024, 1024};
+template <typename T>
+constexpr int kind_of() {
+  return std::is_same_v<T, float> ? 0 : std::is_same_v<T, uint16_t> ? 1 : 2;
+}
 
 template <typename T>
 static inline float row_dot(const float* x, int64_t in, Dense<T> weight, int64_t o, const float* /* int4's */) {
@@ -226,7 +234,7 @@ static inline float row_dot(const float* x, int64_t in, Dense<T> weight, int64_t
   int64_t i = 0;
   for (; i + 2 * kWidth <= in; i += 2 * kWidth) {
     for (int64_t p = 0; p < 2 * kWidth * static_cast<int64_t>(sizeof(T)); p += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(row + i) + kLinear + p, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(row + i) + kAhead[kind_of<T>()] + p, _MM_HINT_T0);
     a0 = vfma(xload(x + i), wload(row + i), a0);
     a1 = vfma(xload(x + i + kWidth), wload(row + i + kWidth), a1);
   }
@@ -261,7 +269,7 @@ static inline float row_dot(const float* x, int64_t in, Int4 weight, int64_t o, 
   for (int64_t g = 0; g < groups; ++g) {
     const vf table = int4_table(scale[g]);
     for (int64_t i = g * weight.group; i < (g + 1) * weight.group; i += kBlock) {
-      _mm_prefetch(reinterpret_cast<const char*>(row + i / 2) + kLinear, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(row + i / 2) + kAhead[3], _MM_HINT_T0);
       acc = vfma(xload(x + i), int4_scaled(row + i / 2, 0, table), acc);
       part = vfma(xload(x + i + kWidth), int4_scaled(row + i / 2, 1, table), part);
     }
@@ -271,7 +279,7 @@ static inline float row_dot(const float* x, int64_t in, Int4 weight, int64_t o, 
   for (int64_t g = 0; g < groups; ++g) {
     vf part[2] = {vzero(), vzero()};
     for (int64_t i = g * weight.group; i < (g + 1) * weight.group; i += kBlock) {
-      _mm_prefetch(reinterpret_cast<const char*>(row + i / 2) + kLinear, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(row + i / 2) + kAhead[3], _MM_HINT_T0);
 #pragma GCC unroll 4
       for (int v = 0; v < kBlock / kWidth; ++v)
         part[v & 1] = vfma(xload(x + i + v * kWidth), int4_load_plus8(row + i / 2, v), part[v & 1]);
@@ -323,8 +331,8 @@ static inline void row_pair_int4(const float* x, int64_t in, Int4 weight, int64_
   for (; g + 2 <= groups; g += 2) {
     const int64_t i = g * kBlock;
     if ((i & 127) == 0) {  // one prefetch a 64-byte line of each row
-      _mm_prefetch(reinterpret_cast<const char*>(r0 + i / 2) + kLinear, _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(r1 + i / 2) + kLinear, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(r0 + i / 2) + kAhead[3], _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(r1 + i / 2) + kAhead[3], _MM_HINT_T0);
     }
     int4_group(x + i, r0 + i / 2, a0, s0[g]);
     int4_group(x + i + kBlock, r0 + i / 2 + 16, a1, s0[g + 1]);
@@ -503,7 +511,7 @@ static inline __m256i dot32_int4(const uint8_t* block, const int8_t* qx, int32_t
   return _mm256_sub_epi32(sums, _mm256_set1_epi32(qsum));
 }
 
-// Row o of the weight times quantized input row b, two blocks at a time in two accumulators, prefetching kLinear
+// Row o of the weight times quantized input row b, two blocks at a time in two accumulators, prefetching kAhead[4]
 // bytes ahead in the row's stream (as row_dot).
 static inline float qrow_dot(const QuantRows& x, int64_t b, int64_t in, Dense<int8_t> weight, int64_t o) {
   const int64_t blocks = in / kQBlock;
@@ -513,7 +521,7 @@ static inline float qrow_dot(const QuantRows& x, int64_t b, int64_t in, Dense<in
   __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
   int64_t k = 0;
   for (; k + 2 <= blocks; k += 2) {
-    _mm_prefetch(reinterpret_cast<const char*>(row + k * kQBlock) + kLinear, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(row + k * kQBlock) + kAhead[4], _MM_HINT_T0);
     a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot32(row + k * kQBlock, qx + k * kQBlock)), _mm256_set1_ps(d[k]), a0);
     a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot32(row + (k + 1) * kQBlock, qx + (k + 1) * kQBlock)),
                          _mm256_set1_ps(d[k + 1]), a1);
@@ -539,8 +547,8 @@ static inline float qrow_dot(const QuantRows& x, int64_t b, int64_t in, Int4 wei
   __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
   if (per_group == 1) {  // groups of 32 (the default): a scale a block
     int64_t k = 0;
-    for (; k + 2 <= blocks; k += 2) {  // 32 bytes a step: the line kLinear bytes on prefetched every other step
-      if (!(k & 2)) _mm_prefetch(reinterpret_cast<const char*>(row + k * kQBlock / 2) + kLinear, _MM_HINT_T0);
+    for (; k + 2 <= blocks; k += 2) {  // 32 bytes a step: the line kAhead[5] bytes on prefetched every other step
+      if (!(k & 2)) _mm_prefetch(reinterpret_cast<const char*>(row + k * kQBlock / 2) + kAhead[5], _MM_HINT_T0);
       a0 = int4_block(row, qx, d, s, k, scale[k], a0);
       a1 = int4_block(row, qx, d, s, k + 1, scale[k + 1], a1);
     }
@@ -549,12 +557,12 @@ static inline float qrow_dot(const QuantRows& x, int64_t b, int64_t in, Int4 wei
     for (int64_t g = 0, k = 0; g < groups; ++g) {
       const int64_t end = k + per_group;
       for (; k + 2 <= end; k += 2) {
-        _mm_prefetch(reinterpret_cast<const char*>(row + k * kQBlock / 2) + kLinear, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(row + k * kQBlock / 2) + kAhead[5], _MM_HINT_T0);
         a0 = int4_block(row, qx, d, s, k, scale[g], a0);
         a1 = int4_block(row, qx, d, s, k + 1, scale[g], a1);
       }
       if (k < end) {
-        _mm_prefetch(reinterpret_cast<const char*>(row + k * kQBlock / 2) + kLinear, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(row + k * kQBlock / 2) + kAhead[5], _MM_HINT_T0);
         a0 = int4_block(row, qx, d, s, k++, scale[g], a0);
       }
     }
@@ -575,8 +583,8 @@ static void qrows(const QuantRows& x, int64_t in, Dense<int8_t> weight, int64_t 
   const int8_t* row = weight.w + o * in;
   __m512 acc[R];
   for (int b = 0; b < R; ++b) acc[b] = _mm512_setzero_ps();
-  for (int64_t p = 0; p < pairs; ++p) {  // 64 bytes (one line) a step: the line kLinear bytes on prefetched
-    _mm_prefetch(reinterpret_cast<const char*>(row + 64 * p) + kLinear, _MM_HINT_T0);
+  for (int64_t p = 0; p < pairs; ++p) {  // 64 bytes (one line) a step: the line kAhead[4] bytes on prefetched
+    _mm_prefetch(reinterpret_cast<const char*>(row + 64 * p) + kAhead[4], _MM_HINT_T0);
     const __m512i wv = _mm512_loadu_si512(row + 64 * p);
     const __m512i magnitude = _mm512_abs_epi8(wv);
     const __mmask64 negative = _mm512_movepi8_mask(wv);
@@ -623,8 +631,8 @@ static void qrows(const QuantRows& x, int64_t in, Int4 weight, int64_t o, const 
   const __m512i halves = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
   __m512 acc[R];
   for (int b = 0; b < R; ++b) acc[b] = _mm512_setzero_ps();
-  for (int64_t p = 0; p < pairs; ++p) {  // 32 bytes a step: the line kLinear bytes on prefetched every other step
-    if (!(p & 1)) _mm_prefetch(reinterpret_cast<const char*>(row + 32 * p) + kLinear, _MM_HINT_T0);
+  for (int64_t p = 0; p < pairs; ++p) {  // 32 bytes a step: the line kAhead[5] bytes on prefetched every other step
+    if (!(p & 1)) _mm_prefetch(reinterpret_cast<const char*>(row + 32 * p) + kAhead[5], _MM_HINT_T0);
     const __m512i w = int4_pair(row + 32 * p);
     __m512 group_scale;  // block 2p's group scale in lanes 0-7, block 2p + 1's in 8-15
     if (per_group == 1) {
@@ -757,11 +765,18 @@ int rows_product(int kind, int64_t rows, const float* x, int64_t in, const void*
 
 int rows_vector_width() { return static_cast<int>(kWidth); }
 
-// The prefetch distance of the products' weight streams, in bytes: set to `bytes` where it is positive (before
-// any product runs: the decode plan sets it once), returned either way.
+// The prefetch distance of the products' weight streams, in bytes, for every weight kind: set to `bytes` where it
+// is positive (before any product runs), fp32's returned either way.
 int64_t rows_prefetch(int64_t bytes) {
-  if (bytes > 0) kLinear = bytes;
-  return kLinear;
+  if (bytes > 0) std::fill(std::begin(kAhead), std::end(kAhead), bytes);
+  return kAhead[0];
+}
+
+// The same for one weight kind (kAhead's index; the decode plan sets each kind's once): -1 for another kind.
+int64_t rows_prefetch_kind(int kind, int64_t bytes) {
+  if (kind < 0 || kind >= 6) return -1;
+  if (bytes > 0) kAhead[kind] = bytes;
+  return kAhead[kind];
 }
 
 // 1 where this build multiplies int8 activations with VNNI's vpdpbusd (ROWS_VNNI), else 0 (vpmaddubsw)

@@ -100,6 +100,8 @@ def library(target_flags: tuple[str, ...] = NATIVE):
     lib.rows_vnni.restype = ctypes.c_int
     lib.rows_prefetch.restype = ctypes.c_int64
     lib.rows_prefetch.argtypes = [ctypes.c_int64]
+    lib.rows_prefetch_kind.restype = ctypes.c_int64
+    lib.rows_prefetch_kind.argtypes = [ctypes.c_int, ctypes.c_int64]
     lib.rows_gelu_tanh.restype = None
     lib.rows_gelu_tanh.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
     lib.rows_gelu_tanh_backward.restype = None
@@ -149,11 +151,14 @@ _PLANNED = {torch.float32: "fp32", torch.int8: "int8", torch.uint8: "int4"}
 _PLANNED_A8 = {torch.int8: "w8a8", torch.uint8: "w4a8"}
 FORMS = {"native": NATIVE, "avx2": AVX2}
 MARGIN = 1.05  # another form is taken only when its median is at least 5% faster than the native one's
-# The products prefetch their weight stream this many bytes ahead (rows.cpp's kLinear): the default, and the
-# distances the plan times in the native form (every kind, the geometric mean of their GB/s); another distance is
-# taken only when it is MARGIN faster. An Ice Lake Xeon read 5-13% faster at 4096 than at 1024 (2026-11-28).
+# The products prefetch their weight stream this many bytes ahead (rows.cpp's kAhead, one distance a weight kind):
+# the default, and the distances the plan times per kind in the native form; a kind takes another distance only
+# where it read MARGIN faster there. An Ice Lake Xeon read 5-13% faster at 4096 than at 1024 (2026-11-28); a Zen 4
+# read int4 1.12-1.40x and fp32 1.06-1.11x faster at 4096, but int8's LM head 0.89x (2026-11-29): one distance for
+# every kind cost one of them.
 PREFETCH_DEFAULT = 1024
 PREFETCH_TIMED = (1024, 2048, 4096)
+KIND_INDEX = {name: _KINDS[dtype] + (2 if name in _ACTIVATION_KINDS else 0) for name, dtype in PLAN_KINDS.items()}
 _plan: dict | None = None
 _forms: dict[str, object] = {}
 
@@ -172,7 +177,7 @@ def time_forms(libs: dict[str, object], megabytes: int = 64, rounds: int = 7) ->
     out_f, in_f = 3072, 768
     results: dict[str, dict[str, float]] = {}
     for name, dtype in PLAN_KINDS.items():
-        kind = _KINDS[dtype] + (2 if name in _ACTIVATION_KINDS else 0)
+        kind = KIND_INDEX[name]
         cols = in_f // 2 if dtype == torch.uint8 else in_f  # int4: two values a byte
         count = max(1, megabytes * 2**20 // (out_f * cols * dtype.itemsize))
         weights = [torch.randn(out_f, in_f) if dtype == torch.float32 else
@@ -196,21 +201,25 @@ def time_forms(libs: dict[str, object], megabytes: int = 64, rounds: int = 7) ->
     return results
 
 
-def time_prefetch(lib, distances=PREFETCH_TIMED, **kwargs) -> dict[str, float]:
-    """{distance: the geometric mean over the weight kinds of time_forms' GB/s} for `lib` at each prefetch distance
-    (as strings: the plan's JSON keys); the library is left at the default distance."""
-    import statistics
-
+def time_prefetch(lib, distances=PREFETCH_TIMED, **kwargs) -> dict[str, dict[str, float]]:
+    """{kind: {distance: time_forms' GB/s}} for `lib` at each prefetch distance (as strings: the plan's JSON keys);
+    the library is left at the default distance."""
     try:
-        speeds = time_forms({str(d): (lib, d) for d in distances}, **kwargs)
+        return time_forms({str(d): (lib, d) for d in distances}, **kwargs)
     finally:
         lib.rows_prefetch(PREFETCH_DEFAULT)
-    return {str(d): statistics.geometric_mean([speeds[kind][str(d)] for kind in speeds]) for d in distances}
 
 
 def choose_prefetch(speeds: dict[str, float]) -> int:
-    """The distance that read fastest where it beat the default's speed by MARGIN, else the default."""
+    """The distance that read fastest where it beat the default's speed by MARGIN, else the default (one kind's)."""
     return int(_faster(speeds, str(PREFETCH_DEFAULT)))
+
+
+def prefetch_of(chosen: dict, kind: str) -> int:
+    """A plan's distance for `kind`: its per-kind choice; the default for a kind it did not time or a plan without
+    distances."""
+    ahead = chosen.get("prefetch", {})
+    return ahead if isinstance(ahead, int) else ahead.get(kind, PREFETCH_DEFAULT)
 
 
 def machine_busy() -> str | None:
@@ -265,7 +274,8 @@ def plan() -> dict:
                 _plan = {"forms": native, "speeds": {}, "source": f"not timed ({type(err).__name__}: {err})"}
                 return _plan
             ahead = time_prefetch(_load())
-            _plan = {"forms": choose(speeds), "speeds": speeds, "prefetch": choose_prefetch(ahead),
+            _plan = {"forms": choose(speeds), "speeds": speeds,
+                     "prefetch": {kind: choose_prefetch(by_distance) for kind, by_distance in ahead.items()},
                      "prefetch_speeds": ahead, "source": f"timed, cached in {path}"}
             try:  # atomically: another process timing at once ends with one whole file
                 path.parent.mkdir(parents=True, exist_ok=True)
@@ -286,11 +296,13 @@ def _form(form: str):
 
 
 def library_for(kind: str):
-    """The loaded kernel in the form the plan chose for `kind` (the native form where the plan says so), set to the
-    plan's prefetch distance (the default where the plan has none)."""
+    """The loaded kernel in the form the plan chose for `kind` (the native form where the plan says so), each weight
+    kind's prefetch distance set to the plan's (the default where the plan has none): a decoding step's products
+    may be of several kinds."""
     chosen = plan()
     lib = _form(chosen["forms"].get(kind, "native"))
-    lib.rows_prefetch(chosen.get("prefetch", PREFETCH_DEFAULT))
+    for name, index in KIND_INDEX.items():
+        lib.rows_prefetch_kind(index, prefetch_of(chosen, name))
     return lib
 
 
@@ -452,7 +464,7 @@ if __name__ == "__main__":  # python -m modules.rows [--retime]: the plan of thi
     for kind, form in chosen["forms"].items():
         speeds = chosen["speeds"].get(kind, {})
         print(f"  {kind:<5} {form:<7} " + "  ".join(f"{f} {v:.1f} GB/s" for f, v in speeds.items()))
-    ahead = chosen.get("prefetch_speeds", {})
-    print(f"  prefetch {chosen.get('prefetch', PREFETCH_DEFAULT)} bytes ahead"
-          + ("; native form, geometric mean over the kinds: " if ahead else "")
-          + "  ".join(f"{d} {v:.1f} GB/s" for d, v in ahead.items()))
+    timed = chosen.get("prefetch_speeds", {})
+    for kind in PLAN_KINDS:
+        print(f"  {kind:<5} prefetch {prefetch_of(chosen, kind)} bytes ahead" + (": native form, " if timed else "")
+              + "  ".join(f"{d} {v:.1f} GB/s" for d, v in timed.get(kind, {}).items()))

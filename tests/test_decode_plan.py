@@ -26,7 +26,11 @@ def fresh_plan(monkeypatch, tmp_path):
         lib.rows_prefetch(rows.PREFETCH_DEFAULT)  # a plan that chose another distance set it on the loaded kernels
 
 
-PREFETCH_SPEEDS = {"1024": 10.0, "2048": 10.4, "4096": 11.0}  # 4096 is 10% faster: the plan takes it
+# per kind: fp32 and int4 read 10% faster at 4096 (the plan takes it), int8 slower (it keeps the default), w8a8 5%
+# faster at 2048, w4a8 within the margin everywhere
+PREFETCH_SPEEDS = {"fp32": {"1024": 10.0, "2048": 10.4, "4096": 11.0}, "int8": {"1024": 10.0, "2048": 9.0, "4096": 8.9},
+                   "int4": {"1024": 5.0, "2048": 5.2, "4096": 5.5}, "w8a8": {"1024": 10.0, "2048": 10.5, "4096": 10.4},
+                   "w4a8": {"1024": 10.0, "2048": 10.3, "4096": 10.4}}
 
 
 def test_another_form_is_chosen_only_when_clearly_faster():
@@ -65,14 +69,19 @@ def test_the_plan_is_timed_once_and_cached(fresh_plan, monkeypatch):
     assert libs["avx2"].rows_vector_width() == 8
     assert chosen["forms"] == {"fp32": "native", "int8": "avx2", "int4": "native", "w8a8": "native",
                                "w4a8": "avx2"} and chosen["speeds"] == speeds
-    assert chosen["prefetch"] == 4096 and chosen["prefetch_speeds"] == PREFETCH_SPEEDS
+    assert chosen["prefetch"] == {"fp32": 4096, "int8": 1024, "int4": 4096, "w8a8": 2048, "w4a8": 1024}
+    assert chosen["prefetch_speeds"] == PREFETCH_SPEEDS
     fresh_plan = fresh_plan / "x" / "y"
     (cached,) = fresh_plan.glob("plan-*")  # one whole file, no temporary one left
     assert cached.name == f"plan-{rows._cache_key(rows.SOURCE)}.json"
     assert chosen["source"] == f"timed, cached in {cached}" and json.loads(cached.read_text()) == chosen
     assert rows.library_for("int8").rows_vector_width() == 8  # the AVX2 build
     assert rows.library_for("fp32").rows_vector_width() == 16
-    assert rows.library_for("fp32").rows_prefetch(0) == 4096 and rows.library_for("int8").rows_prefetch(0) == 4096
+    for asked in ("fp32", "int8"):  # whichever form is handed out, every kind's distance is the plan's
+        lib = rows.library_for(asked)
+        assert [lib.rows_prefetch_kind(rows.KIND_INDEX[k], 0) for k in ("fp32", "int8", "int4", "w8a8", "w4a8")] == \
+            [4096, 1024, 4096, 2048, 1024], asked
+        assert lib.rows_prefetch_kind(1, 0) == rows.PREFETCH_DEFAULT  # bf16, which the plan does not time
     # a product with int8 activations takes its own kind's form: w8a8 native although int8 weights take AVX2
     asked, real = [], rows.library_for
     monkeypatch.setattr(rows, "library_for", lambda kind: asked.append(kind) or real(kind))
@@ -188,9 +197,11 @@ def test_the_prefetch_distances_are_timed_on_every_kind_and_the_kernel_left_at_t
     monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
     lib = FakePrefetching(clock)
     speeds = rows.time_prefetch(lib, megabytes=18, rounds=3)
-    assert list(speeds) == ["1024", "2048", "4096"]
-    assert speeds["4096"] == pytest.approx(2 * speeds["1024"], rel=1e-9)  # every kind twice as fast: the mean too
-    assert speeds["2048"] == pytest.approx(4 / 3 * speeds["1024"], rel=1e-9)
+    assert list(speeds) == ["fp32", "int8", "int4", "w8a8", "w4a8"]  # each kind's own speeds
+    for kind, by_distance in speeds.items():
+        assert list(by_distance) == ["1024", "2048", "4096"]
+        assert by_distance["4096"] == pytest.approx(2 * by_distance["1024"], rel=1e-9), kind
+        assert by_distance["2048"] == pytest.approx(4 / 3 * by_distance["1024"], rel=1e-9), kind
     assert {c[0] for c in lib.calls} == {0, 2, 3, 4, 5}  # every kind, integer products included
     assert lib.set[:3] == [1024, 2048, 4096] and lib.set[-1] == rows.PREFETCH_DEFAULT == lib.ahead
 
@@ -213,11 +224,22 @@ def test_the_kernel_reads_the_distance_it_is_given_with_the_same_results(monkeyp
         assert torch.equal(rows.run(rows.prepared(w.q, scale=w.scale, lib=lib, int8_activations=True), x), want)
     finally:
         lib.rows_prefetch(rows.PREFETCH_DEFAULT)
-    monkeypatch.setattr(rows, "plan", lambda: {"forms": {}, "speeds": {}, "prefetch": 2048})
-    assert rows.library_for("w8a8").rows_prefetch(0) == 2048  # the plan's distance, set as the form is handed out
-    rows.library_for("w8a8").rows_prefetch(rows.PREFETCH_DEFAULT)
+    try:
+        assert lib.rows_prefetch_kind(5, 0) == rows.PREFETCH_DEFAULT and lib.rows_prefetch_kind(6, 4096) == -1
+        assert lib.rows_prefetch_kind(5, 4096) == 4096 and lib.rows_prefetch_kind(4, 0) == rows.PREFETCH_DEFAULT
+        w4 = quantize(torch.randn(96, 768), "w4a8")
+        assert torch.equal(rows.run(rows.prepared(w4.q, scale=w4.scale, lib=lib, int8_activations=True), x),
+                           rows.run(rows.prepared(w4.q, scale=w4.scale, lib=lib, int8_activations=True), x))
+        assert lib.rows_prefetch(2048) == 2048 and lib.rows_prefetch_kind(5, 0) == 2048  # every kind at once
+    finally:
+        lib.rows_prefetch(rows.PREFETCH_DEFAULT)
+    monkeypatch.setattr(rows, "plan", lambda: {"forms": {}, "speeds": {}, "prefetch": {"w8a8": 2048}})
+    lib = rows.library_for("fp32")  # the plan's distances, set as any form is handed out
+    assert lib.rows_prefetch_kind(rows.KIND_INDEX["w8a8"], 0) == 2048 and lib.rows_prefetch_kind(0, 0) == 1024
+    lib.rows_prefetch(rows.PREFETCH_DEFAULT)
     monkeypatch.setattr(rows, "plan", lambda: {"forms": {}, "speeds": {}})  # a plan cached before distances
     assert rows.library_for("fp32").rows_prefetch(0) == rows.PREFETCH_DEFAULT
+    assert rows.prefetch_of({"prefetch": 4096}, "int4") == 4096  # one distance for every kind (an older plan)
 
 
 def test_busy_is_strictly_above_three_quarters_and_an_unknown_core_count_is_one(monkeypatch):

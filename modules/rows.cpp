@@ -55,7 +55,7 @@ static inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
 // to 32-bit lanes give its low nibbles' weights as they are and its high nibbles' after a shift. Each weight is
 // q x scale rounded once (as Int4Weight.dequantize gives it); fewer operations a weight than sign-extending,
 // converting and scaling (the int4 product is bound by its unpacking on a 2-core Zen 4: an interleaved A/B of the
-// one-row products, gpt2's 3072 x 768, 768 x 3072 and 2304 x 768, 1.07-1.11x on 1 and 2 threads).
+// one-row products, gpt2's 3072 x 768, 768 x 3072 and 2304 x 768: 1.06-1.14x on 2 threads, 1.07-1.11x on 1).
 constexpr bool kInt4Plus8 = false;  // the one-row products read the weights as they are (see the AVX2 form)
 static inline vf int4_table(float scale) {
   return _mm512_mul_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1), _mm512_set1_ps(scale));
@@ -213,13 +213,12 @@ static inline void rows_at(const float* x, int64_t in, Int4 weight, const float*
 
 // One input row (decoding at batch 1): each thread reads its contiguous block of weight rows as one stream, a row at
 // a time, with two accumulators so neither the FMA's latency nor the conversions (int8, int4) bind, prefetching
-// its kind's distance (kAhead) ahead in that stream (the next row follows the last in memory). Read cold
-// from memory (gpt2's LM head, 154 MB, caches flushed between calls), one stream a thread measured 21.5 GB/s
-// against 15.5 for four rows in lockstep (four streams 3 KB apart) and 16.8 for ONNX Runtime's MatMul on a
-// 2-core Zen 4. How far ahead pays
-// depends on the core and on the weight kind: 1024 bytes by default, another distance per kind where the decode plan
-// (modules/rows.py) timed it faster on this machine (rows_prefetch_kind below; an Ice Lake Xeon read 5-13% faster
-// at 4096; a Zen 4 read int4 1.12-1.40x faster at 4096, int8's LM head 0.89x).
+// its kind's distance (kAhead) ahead in that stream (the next row follows the last in memory). Read cold from
+// memory (gpt2's LM head, 154 MB, caches flushed between calls), one stream a thread measured 21.5 GB/s against 15.5
+// for four rows in lockstep (four streams 3 KB apart) and 16.8 for ONNX Runtime's MatMul on a 2-core Zen 4. How far
+// ahead pays depends on the core and on the weight kind: 1024 bytes by default, another distance per kind where the
+// decode plan (modules/rows.py) timed it faster on this machine (rows_prefetch_kind below; an Ice Lake Xeon read
+// 5-13% faster at 4096; a Zen 4 read int4 1.12-1.40x faster at 4096, int8's LM head 0.89x).
 // Indexed by weight kind: 0 fp32, 1 bf16, 2 int8, 3 int4, 4 int8 x int8 activations, 5 int4 x int8 activations.
 static int64_t kAhead[6] = {1024, 1024, 1024, 1024, 1024, 1024};
 template <typename T>

@@ -33,6 +33,31 @@ PREFETCH_SPEEDS = {"fp32": {"1024": 10.0, "2048": 10.4, "4096": 11.0}, "int8": {
                    "w4a8": {"1024": 10.0, "2048": 10.3, "4096": 10.4}}
 
 
+@pytest.mark.skipif(not AVX512, reason="two forms of the kernel exist only on an AVX512 CPU with the kernel built")
+def test_a_form_or_distance_that_does_not_win_a_second_timing_is_not_taken(fresh_plan, monkeypatch):
+    """The first timing takes AVX2 for fp32 and int8 and 4096 bytes for int4 and w4a8; the second, of those kinds
+    only, finds fp32's AVX2 and int4's 4096 within the margin: they go back to native and the default."""
+    first = {"fp32": {"native": 20.0, "avx2": 22.0}, "int8": {"native": 10.0, "avx2": 12.0},
+             "int4": {"native": 6.0, "avx2": 5.0}, "w8a8": {"native": 14.0, "avx2": 12.0},
+             "w4a8": {"native": 8.0, "avx2": 8.0}}
+    second = {"fp32": {"native": 20.0, "avx2": 20.5}, "int8": {"native": 10.0, "avx2": 11.0}}
+    asked = []
+    monkeypatch.setattr(rows, "time_forms", lambda libs, **k: asked.append(k.get("kinds")) or
+                        ({kind: second[kind] for kind in k["kinds"]} if k.get("kinds") else first))
+    ahead_first = {kind: {"1024": 10.0, "2048": 10.0, "4096": 12.0 if kind in ("int4", "w4a8") else 10.0}
+                   for kind in rows.PLAN_KINDS}
+    ahead_second = {"int4": {"1024": 10.0, "2048": 10.4, "4096": 10.4}, "w4a8": {"1024": 10.0, "2048": 9.0,
+                                                                                    "4096": 10.5}}
+    monkeypatch.setattr(rows, "time_prefetch", lambda lib, **k: asked.append(k.get("kinds")) or
+                        ({kind: ahead_second[kind] for kind in k["kinds"]} if k.get("kinds") else ahead_first))
+    chosen = rows.plan()
+    assert asked == [None, None, ["fp32", "int8"], ["int4", "w4a8"]]
+    assert chosen["forms"] == {"fp32": "native", "int8": "avx2", "int4": "native", "w8a8": "native",
+                               "w4a8": "native"}
+    assert chosen["prefetch"] == {"fp32": 1024, "int8": 1024, "int4": 1024, "w8a8": 1024, "w4a8": 4096}
+    assert chosen["speeds"] == first and chosen["confirmed_by"]["speeds"] == second
+
+
 def test_another_form_is_chosen_only_when_clearly_faster():
     speeds = {"fp32": {"native": 20.0, "avx2": 20.9}, "int8": {"native": 10.0, "avx2": 11.0},
               "int4": {"native": 6.0, "avx2": 5.0}}
@@ -61,16 +86,19 @@ def test_the_plan_is_timed_once_and_cached(fresh_plan, monkeypatch):
               "int4": {"native": 6.0, "avx2": 5.0}, "w8a8": {"native": 14.0, "avx2": 12.0},
               "w4a8": {"native": 8.0, "avx2": 9.0}}
     timed = []
-    monkeypatch.setattr(rows, "time_forms", lambda libs, **k: timed.append(libs) or speeds)
+    monkeypatch.setattr(rows, "time_forms", lambda libs, **k: timed.append((libs, k.get("kinds"))) or speeds)
     monkeypatch.setenv("GPT2_KERNEL_CACHE", str(fresh_plan / "x" / "y"))  # folders the plan's file needs are made
     chosen = rows.plan()
-    (libs,) = timed  # the native build and the AVX2 one, by name
+    # every kind timed in the native build and the AVX2 one, by name; then the kinds that left native, again
+    (libs, kinds), (libs_again, kinds_again) = timed
+    assert kinds is None and kinds_again == ["int8", "w4a8"] and libs_again is libs
     assert sorted(libs) == ["avx2", "native"] and libs["native"] is rows._load()
     assert libs["avx2"].rows_vector_width() == 8
     assert chosen["forms"] == {"fp32": "native", "int8": "avx2", "int4": "native", "w8a8": "native",
                                "w4a8": "avx2"} and chosen["speeds"] == speeds
     assert chosen["prefetch"] == {"fp32": 4096, "int8": 1024, "int4": 4096, "w8a8": 2048, "w4a8": 1024}
     assert chosen["prefetch_speeds"] == PREFETCH_SPEEDS
+    assert chosen["confirmed_by"] == {"speeds": speeds, "prefetch_speeds": PREFETCH_SPEEDS}  # the fakes' one answer
     fresh_plan = fresh_plan / "x" / "y"
     (cached,) = fresh_plan.glob("plan-*")  # one whole file, no temporary one left
     assert cached.name == f"plan-{rows._cache_key(rows.SOURCE)}.json"
@@ -170,6 +198,9 @@ def test_timing_reads_each_kinds_weights_in_gpt2_sized_matrices_and_reports_gb_p
         for form, seconds in (("native", 0.004), ("avx2", 0.002)):
             expected = count * weight_bytes[name] / (count * seconds) / 1e9  # each round: count products
             assert speeds[name][form] == pytest.approx(expected, rel=1e-9), (name, form)
+    fast.calls.clear()  # kinds=: those kinds only (the plan's second timing of the kinds that left native)
+    assert list(rows.time_forms({"avx2": fast}, megabytes=18, rounds=1, kinds=["w4a8", "int8"])) == ["int8", "w4a8"]
+    assert {c[0] for c in fast.calls} == {2, 5}
 
 
 class FakePrefetching(FakeKernel):

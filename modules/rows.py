@@ -250,6 +250,17 @@ def plan_kind(dtype: torch.dtype, int8_activations: bool = False) -> str:
     return (_PLANNED_A8 if int8_activations else _PLANNED).get(dtype, "bf16")
 
 
+def _confirmed(chosen: dict[str, str], baseline: str, time_again) -> tuple[dict[str, str], dict]:
+    """`chosen` (kind -> the form or distance taken, a key of its speeds) with each change from `baseline` kept only
+    where `time_again(kinds)`, a second timing of those kinds, shows it MARGIN faster too (`_faster`'s test); and that
+    second timing ({} where nothing changed). One timing's 5% is within a host's noise: a Zen 4's plan took the AVX2
+    form for fp32 at 35.8 GB/s against 31.7, and whole fp32 decodes then ran 0.86x the native form's speed."""
+    doubted = [kind for kind, choice in chosen.items() if choice != baseline]
+    again = time_again(doubted) if doubted else {}
+    return {kind: _faster({c: again[kind][c] for c in (choice, baseline)}, baseline) if kind in again else choice
+            for kind, choice in chosen.items()}, again
+
+
 def plan() -> dict:
     """{'forms': {kind: form}, 'speeds': {kind: {form: GB/s}}, 'source': ...}: read from the cache, else timed now
     (where the CPU has AVX512: both forms exist) and cached; all native where there is one form or the plan is off."""
@@ -279,23 +290,14 @@ def plan() -> dict:
             except Exception as err:  # the AVX2 form does not build: the native one for every kind
                 _plan = {"forms": native, "speeds": {}, "source": f"not timed ({type(err).__name__}: {err})"}
                 return _plan
-            forms = choose(speeds)
             ahead = time_prefetch(libs["native"])
-            prefetch = {kind: choose_prefetch(by_distance) for kind, by_distance in ahead.items()}
-            # A change from the native form or the default distance is kept only where a second timing of that kind
-            # shows it MARGIN faster too: one timing's 5% is within a host's noise (a Zen 4's plan took the AVX2 form
-            # for fp32 at 35.8 GB/s against 31.7, and whole fp32 decodes then ran 0.86x the native form's speed).
-            if doubted := [kind for kind, form in forms.items() if form != "native"]:
-                again = time_forms(libs, kinds=doubted)
-                forms.update({kind: "native" for kind in doubted
-                              if again[kind][forms[kind]] < MARGIN * again[kind]["native"]})
-            if doubted_ahead := [kind for kind, distance in prefetch.items() if distance != PREFETCH_DEFAULT]:
-                ahead_again = time_prefetch(libs["native"], kinds=doubted_ahead)
-                prefetch.update({kind: PREFETCH_DEFAULT for kind in doubted_ahead if ahead_again[kind][
-                    str(prefetch[kind])] < MARGIN * ahead_again[kind][str(PREFETCH_DEFAULT)]})
-            _plan = {"forms": forms, "speeds": speeds, "prefetch": prefetch, "prefetch_speeds": ahead,
-                     "confirmed_by": {"speeds": again if doubted else {},
-                                      "prefetch_speeds": ahead_again if doubted_ahead else {}},
+            forms, again = _confirmed(choose(speeds), "native", lambda kinds: time_forms(libs, kinds=kinds))
+            distances, ahead_again = _confirmed(
+                {kind: str(choose_prefetch(by_distance)) for kind, by_distance in ahead.items()}, str(PREFETCH_DEFAULT),
+                lambda kinds: time_prefetch(libs["native"], kinds=kinds))
+            _plan = {"forms": forms, "speeds": speeds,
+                     "prefetch": {kind: int(distance) for kind, distance in distances.items()},
+                     "prefetch_speeds": ahead, "confirmed_by": {"speeds": again, "prefetch_speeds": ahead_again},
                      "source": f"timed, cached in {path}"}
             try:  # atomically: another process timing at once ends with one whole file
                 path.parent.mkdir(parents=True, exist_ok=True)

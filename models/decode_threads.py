@@ -8,15 +8,22 @@ then several times faster. No rule written on one machine says when: so the step
 follows what the clock shows.
 
 `DecodeThreads` tries the candidates (torch's thread count, its halves, down to 1) one step each at the start of a
-decode loop, keeps the fastest, and re-tries each other candidate now and then (every 8 steps at first, backing off
-to every 64 while it keeps losing), so a machine that turns busy or quiet mid-call is followed within a few steps;
-a step of the best count that takes more than twice its recent median (a core just turned busy) re-tries the others
-at once. torch's thread count is restored when the loop ends. What a loop learnt (the best count, the recent times,
-each candidate's period and how many steps remain until its next try) is remembered per (batch, quantize, model
-size) and the next call in this process goes on from it: the schedule counts decode steps, not calls, so a quiet
-machine's short calls (64 tokens each) do not each pay a fresh round of tries of the slower counts (on a quiet 2-core
-Zen 3 that round cost fp32 decoding 0.90x the fixed count's speed, 0.98x without it: bench/compare_engines.py's
-"thread choice" row, docs/cpu-decoding.md).
+decode loop, keeps the fastest, and re-tries each other candidate now and then (every 8 steps at first, backing off to
+every 64 while it keeps losing), so a machine that turns busy or quiet mid-call is followed within a few steps; a step
+of the best count that takes more than twice its recent median (a core just turned busy) re-tries the others at once. A
+machine that turns quiet again shows in no step time (one thread runs as fast beside a busy core as beside an idle one):
+so while fewer threads than the most run, the CPUs' idle time (/proc/stat, 20 us a read) is read every QUIET_WINDOW
+seconds, and when the cores the other counts would add sat idle for at least QUIET_SHARE of it, those counts are
+re-tried at once. On a 2-core Zen 4 (2026-11-29, gpt2, a spinning process killed after busy calls of random lengths),
+the first 64-token call after a busy spell ran 1-62 of its steps on one thread (median 18) for int4 and 2-52 (median 20)
+for fp32 without the idle reads, 1-12 (median 10.5) and 6 with them. A re-try so called that loses (idle cores another
+process's threads or the hypervisor take the moment ours want them) makes the next wait longer, 8 steps doubling to 64,
+as the schedule's own. torch's thread count is restored when the loop ends. What a loop learnt (the best count, the
+recent times, each candidate's period and how many steps remain until its next try, the idle reads' wait) is remembered
+per (batch, quantize, model size) and the next call in this process goes on from it: the schedule counts decode steps,
+not calls, so a quiet machine's short calls (64 tokens each) do not each pay a fresh round of tries of the slower counts
+(on a quiet 2-core Zen 3 that round cost fp32 decoding 0.90x the fixed count's speed, 0.98x without it:
+bench/compare_engines.py's "thread choice" row, docs/cpu-decoding.md).
 
 Results do not depend on the thread count for the rows kernel (each output row is one thread's sum); torch's own
 products may round differently with another count (to float rounding: a seeded sample changes only if a draw falls
@@ -25,16 +32,18 @@ within that rounding of a boundary).
 GPT2_DECODE_THREADS=off keeps torch's thread count for every step; GPT2_DECODE_THREADS=N uses N threads.
 
 A long prompt's pass is chosen for the same way, one step per block (`prompt_threads` in models/generation.py: each
-block is the same products on the same shapes, so a block on one count is a fair trial of another's): with a core
-busy, a 512-token prompt of gpt2 took 1.40 s on 2 threads and 0.95 s on 1 on a 2-core Zen 3 (w8a8; fp32 2.00 s and
-1.35 s), while on a quiet machine 2 threads are the faster (0.51 s against 0.83 s). What the prompts learnt is
-remembered per (rows rounded up to a power of two, quantize, model size) apart from the decode steps', and times are
-kept per row, so prompts of other lengths compare. The prompts' tries start backed off: a count that lost its first
-try waits LONGEST_PERIOD blocks (five gpt2 prompts) for the next, so a quiet machine pays for one slow block in its
-first prompt and about one in 65 after (the decode steps ramp 8, 16, 32, 64); a block of the best count at more than
-twice its recent median (a core turned busy) re-tries the others at once, as for the steps. Only prompts whose blocks
-are long enough to time (PROMPT_MIN_FLOPS: about a millisecond of products) are timed; shorter ones keep torch's
-count. GPT2_PROMPT_THREADS=off / N / auto, as for the steps.
+block is the same products on the same shapes, so a block on one count is a fair trial of another's): with a core busy,
+a 512-token prompt of gpt2 took 1.40 s on 2 threads and 0.95 s on 1 on a 2-core Zen 3 (w8a8; fp32 2.00 s and 1.35 s),
+while on a quiet machine 2 threads are the faster (0.51 s against 0.83 s). What the prompts learnt is remembered per
+(rows rounded up to a power of two, quantize, model size) apart from the decode steps', and times are kept per row, so
+prompts of other lengths compare. The prompts' tries start backed off: a count that lost its first try waits
+LONGEST_PERIOD blocks (five gpt2 prompts) for the next, so a quiet machine pays for one slow block in its first prompt
+and about one in 65 after (the decode steps ramp 8, 16, 32, 64); a block of the best count at more than twice its recent
+median (a core turned busy) re-tries the others at once, and idle cores re-try the larger counts, as for the steps (w8a8
+512-token prompts on the Zen 4, 2026-11-29: the three prompts after each of five busy spells ran 3, 1 and 1 of their 12
+blocks on one thread, 0.26, 0.23 and 0.23 s; without the idle reads up to 12, 12 and 6, 0.40, 0.40 and 0.27 s). Only
+prompts whose blocks are long enough to time (PROMPT_MIN_FLOPS: about a millisecond of products) are timed; shorter ones
+keep torch's count. GPT2_PROMPT_THREADS=off / N / auto, as for the steps.
 """
 from __future__ import annotations
 
@@ -50,7 +59,26 @@ PROMPT_ENV = "GPT2_PROMPT_THREADS"
 PROMPT_MIN_FLOPS = 5e8  # a prompt block's products (24 * rows * n_embd^2 flops) below this keep torch's count
 FIRST_PERIOD, LONGEST_PERIOD = 8, 64  # steps between re-tries of a candidate: after a win, and at most
 WINDOW = 3  # the recent steps per candidate whose median is compared
+QUIET_WINDOW = 0.05  # seconds of steps over which the CPUs' idle time is read (5 clock ticks of /proc/stat)
+QUIET_SHARE = 0.5  # idle CPUs, as a share of those the larger counts would add, that make them worth a re-try now
 _remembered: dict[tuple, dict] = {}  # a loop's key (decode: rows, quantize, parameters) -> the state its last call left
+
+
+def idle_cpu_seconds() -> float | None:
+    """The seconds this process's CPUs (its affinity) have spent idle since boot, from /proc/stat (idle + iowait);
+    None where there is no /proc/stat to read (not Linux) or it cannot be parsed."""
+    try:
+        cpus = os.sched_getaffinity(0)
+        ticks = 0
+        with open("/proc/stat") as stat:
+            for line in stat:
+                if line.startswith("cpu") and line[3].isdigit():
+                    fields = line.split()
+                    if int(fields[0][3:]) in cpus:
+                        ticks += int(fields[4]) + int(fields[5])
+        return ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
 
 
 def candidates(threads: int) -> list[int]:
@@ -103,11 +131,14 @@ class DecodeThreads:
         self.period = dict.fromkeys(self.options, first_period)
         self.due = dict.fromkeys(self.options, 0)  # the step at which each candidate is next tried
         self.best = self.options[0] if self.options else None
+        self.quiet_period, self.quiet_due = FIRST_PERIOD, 0  # the idle cores' re-tries: their wait, and when next
         memory = _remembered.get(key)
         if memory is not None and memory["options"] == self.options:  # go on where the last call stopped
             self.best = memory["best"]
             self.times = {n: deque(times, maxlen=WINDOW) for n, times in memory["times"].items()}
             self.period, self.due = dict(memory["period"]), dict(memory["due_in"])
+            self.quiet_period, self.quiet_due = memory["quiet_period"], memory["quiet_due_in"]
+        self.window: tuple[float, float] | None = None  # (perf_counter, idle CPU seconds) where the idle read began
         self.current: int | None = None
         self.steps = 0
         self.last: float | None = None
@@ -117,6 +148,7 @@ class DecodeThreads:
         if not self.options:
             return
         self._end_step()
+        self._watch_idle_cores()
         n = self._choose()
         if n != torch.get_num_threads():
             torch.set_num_threads(n)
@@ -136,6 +168,30 @@ class DecodeThreads:
         if self.last is not None and self.current is not None:
             self._record(self.current, (time.perf_counter() - self.last) / self.work)
 
+    def _watch_idle_cores(self) -> None:
+        """While fewer threads than the most run: every QUIET_WINDOW seconds, if the CPUs sat idle for QUIET_SHARE
+        of the cores the larger counts would add, re-try those counts now (see the module's docstring)."""
+        top = self.options[0]
+        if self.steps == 0 or self.best == top or self.steps < self.quiet_due:
+            self.window = None
+            return
+        now = time.perf_counter()
+        if self.window is not None and now - self.window[0] < QUIET_WINDOW:
+            return
+        idle = idle_cpu_seconds()  # (read once a window: 20 us)
+        if idle is None or self.window is None:
+            self.window = None if idle is None else (now, idle)
+            return
+        idle_cpus = (idle - self.window[1]) / (now - self.window[0])
+        self.window = (now, idle)
+        if idle_cpus >= QUIET_SHARE * (top - self.best):
+            for n in self.options:
+                if n > self.best:
+                    self.due[n] = self.steps
+            self.quiet_due = self.steps + self.quiet_period
+            self.quiet_period = min(2 * self.quiet_period, LONGEST_PERIOD)
+            self.window = None
+
     def _median(self, n: int) -> float:
         return statistics.median(self.times[n]) if self.times[n] else float("inf")
 
@@ -149,6 +205,8 @@ class DecodeThreads:
             return
         if seconds < self._median(self.best):
             old, self.best = self.best, n  # the other count is faster now: keep it, and re-try the old best soon
+            if n == self.options[0]:
+                self.quiet_period = FIRST_PERIOD  # back on every core: the idle cores' next re-try waits the least
             self.times[n] = deque([seconds], maxlen=WINDOW)  # its older times were of another machine state
             self.period[old], self.due[old] = FIRST_PERIOD, self.steps + FIRST_PERIOD
         else:
@@ -172,6 +230,8 @@ class DecodeThreads:
             _remembered[self.key] = {"options": list(self.options), "best": self.best,
                                      "times": {n: list(t) for n, t in self.times.items()},
                                      "period": dict(self.period),
-                                     "due_in": {n: max(0, due - self.steps) for n, due in self.due.items()}}
+                                     "due_in": {n: max(0, due - self.steps) for n, due in self.due.items()},
+                                     "quiet_period": self.quiet_period,
+                                     "quiet_due_in": max(0, self.quiet_due - self.steps)}
         if self.options and torch.get_num_threads() != self.original:
             torch.set_num_threads(self.original)

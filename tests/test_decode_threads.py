@@ -1,5 +1,8 @@
 """models/decode_threads.py: the decode steps' thread count follows the measured step times (a simulated clock
 stands in for a quiet and a busy machine), is restored afterwards, and never changes greedy tokens."""
+import os
+import time
+
 import pytest
 import torch
 
@@ -20,18 +23,31 @@ def threads4():
     decode_threads._remembered.clear()
 
 
+@pytest.fixture(autouse=True)
+def no_idle_reads(monkeypatch):
+    """The simulated clocks below have no CPUs to read: the idle cores' signal is off unless a test simulates it."""
+    monkeypatch.setattr(decode_threads, "idle_cpu_seconds", lambda: None)
+
+
 class Clock:
-    """perf_counter for decode_threads: each step costs cost(thread count) seconds of simulated time."""
+    """perf_counter for decode_threads: each step costs cost(thread count) seconds of simulated time. With `cpus`,
+    the CPUs' idle time is simulated too: a step on n threads leaves idle(n) CPUs idle for its time (by default the
+    cpus - n that it does not use)."""
 
-    def __init__(self, monkeypatch):
-        self.now = 0.0
+    def __init__(self, monkeypatch, cpus: int | None = None):
+        self.now, self.idle_seconds, self.cpus = 0.0, 0.0, cpus
         monkeypatch.setattr(decode_threads.time, "perf_counter", lambda: self.now)
+        if cpus is not None:
+            monkeypatch.setattr(decode_threads, "idle_cpu_seconds", lambda: self.idle_seconds)
 
-    def run(self, picker: DecodeThreads, steps: int, cost) -> list[int]:
+    def run(self, picker: DecodeThreads, steps: int, cost, idle=None) -> list[int]:
         start = len(picker.history)
         for _ in range(steps):
             picker.step()
-            self.now += cost(torch.get_num_threads())
+            n = torch.get_num_threads()
+            self.now += cost(n)
+            if self.cpus is not None:
+                self.idle_seconds += (idle(n) if idle else self.cpus - n) * cost(n)
         return picker.history[start:]
 
 
@@ -438,3 +454,76 @@ def test_a_steps_time_is_kept_per_unit_of_work(monkeypatch, threads4):
     clock.now += 1.0
     picker.step()
     assert list(picker.times[4]) == [0.25]
+
+
+QUIET = {4: 0.010, 2: 0.020, 1: 0.040}  # a quiet 4-core machine: the work splits evenly
+BUSY = {4: 0.400, 2: 0.200, 1: 0.025}  # other processes hold the cores: every barrier waits
+
+
+def test_a_machine_that_turned_quiet_is_back_on_every_core_within_the_idle_window(monkeypatch, threads4):
+    """One thread runs as fast beside busy cores as beside idle ones, so no step time shows a busy spell's end; the
+    CPUs' idle time does, and the larger counts are re-tried within QUIET_WINDOW of steps (at 40 ms a step: the 4th
+    step), not when the schedule's 64-step period comes round. Then the next call goes on at 4 threads."""
+    monkeypatch.delenv("GPT2_DECODE_THREADS", raising=False)
+    clock = Clock(monkeypatch, cpus=4)
+    picker = DecodeThreads(key=("k",))
+    clock.run(picker, 300, BUSY.get, idle=lambda n: 0)  # other processes hold the cores: nothing idle
+    assert picker.best == 1 and picker.period[4] == decode_threads.LONGEST_PERIOD
+    picker.close()
+    picker = DecodeThreads(key=("k",))
+    turned_quiet = clock.run(picker, 64, QUIET.get)
+    picker.close()
+    assert turned_quiet.index(4) <= 5 and turned_quiet[8:].count(4) >= 52, turned_quiet
+    assert picker.best == 4 and picker.quiet_period == decode_threads.FIRST_PERIOD
+
+
+def test_idle_cores_that_do_not_help_are_retried_at_doubling_intervals(monkeypatch, threads4):
+    """Cores that read idle while more threads still run slower (the hypervisor or another process takes them the
+    moment ours want them): each re-try the idle time calls loses and the next waits longer, 8 steps doubling to 64,
+    so the steps off the best count stay about twice the schedule's own (which tries each other count every 64)."""
+    monkeypatch.delenv("GPT2_DECODE_THREADS", raising=False)
+    clock = Clock(monkeypatch, cpus=4)
+    picker = DecodeThreads(key=("k",))
+    history = clock.run(picker, 1000, BUSY.get, idle=lambda n: 4 - n)
+    picker.close()
+    assert picker.best == 1 and picker.quiet_period == decode_threads.LONGEST_PERIOD
+    tail = history[-640:]
+    assert 25 <= len(tail) - tail.count(1) <= 45, len(tail) - tail.count(1)  # without the idle reads: 20
+    calls = []  # the same 640 steps as ten calls of 64: the wait goes on from call to call, as the schedule does
+    for _ in range(10):
+        picker = DecodeThreads(key=("k",))
+        calls += clock.run(picker, 64, BUSY.get, idle=lambda n: 4 - n)
+        picker.close()
+    assert 25 <= len(calls) - calls.count(1) <= 45, len(calls) - calls.count(1)
+
+
+def test_a_busy_machines_idle_time_below_the_share_calls_no_retry(monkeypatch, threads4):
+    """QUIET_SHARE of the 3 cores that 4 threads would add to 1: 1.5 idle CPUs re-try the others, 1.4 leave the
+    schedule as it would be with nothing idle."""
+    monkeypatch.delenv("GPT2_DECODE_THREADS", raising=False)
+    histories = {}
+    for idle_cpus in (0.0, 1.4, 1.6):
+        decode_threads._remembered.clear()
+        clock = Clock(monkeypatch, cpus=4)
+        picker = DecodeThreads()
+        clock.run(picker, 200, BUSY.get, idle=lambda n: 0)
+        assert picker.best == 1
+        histories[idle_cpus] = clock.run(picker, 40, BUSY.get, idle=lambda n, i=idle_cpus: i if n == 1 else 0)
+        picker.close()
+    assert histories[1.4] == histories[0.0]
+    assert histories[1.6] != histories[0.0] and histories[1.6][:8].count(4) == 1, histories[1.6]
+
+
+def test_idle_cpu_seconds_reads_proc_stat_or_says_none(monkeypatch):
+    monkeypatch.undo()  # the real reader (the autouse fixture replaced it)
+    first = decode_threads.idle_cpu_seconds()
+    if not os.path.exists("/proc/stat"):
+        assert first is None
+        return
+    time.sleep(0.05)
+    second = decode_threads.idle_cpu_seconds()
+    assert isinstance(first, float) and first > 0 and second >= first
+    monkeypatch.setattr(decode_threads.os, "sched_getaffinity", lambda pid: {10**6}, raising=False)
+    assert decode_threads.idle_cpu_seconds() == 0.0  # no CPU of this process in the file: nothing idle
+    monkeypatch.setattr("builtins.open", lambda *a, **k: (_ for _ in ()).throw(OSError("no /proc")))
+    assert decode_threads.idle_cpu_seconds() is None

@@ -144,6 +144,13 @@ def _a8_default() -> tuple[bool, str]:
     return True, what + ": " + ", ".join(f"{kind} {forms[kind]} build, {codes[kind]}" for kind in forms) + ")"
 
 
+def _prompt_kernel_default() -> tuple[bool, str]:
+    limit = row_kernel.prompt_rows()
+    if limit <= row_kernel.MAX_ROWS:
+        return False, "F.linear beyond 8 rows (the plan did not time the kernel faster, or there is no plan here)"
+    return True, f"9 to {limit} rows ({'timed by the plan' if not os.environ.get(row_kernel.PROMPT_ENV) else 'set'})"
+
+
 PATHS: tuple[Path, ...] = (
     Path("packed-bf16", "bf16 Linear of 64+ rows without gradients (evaluation, prompts): oneDNN-packed weights kept "
          "per layer (modules/packed.py)", packed.ENV, "force", "0", _packed_runs, _packed_default,
@@ -153,6 +160,10 @@ PATHS: tuple[Path, ...] = (
     Path("rows-avx2-form", "the rows kernel's AVX2 build instead of the native one (the decode plan's choice)",
          row_kernel.PLAN_ENV, "avx2", "native", _rows_runs, _form_default,
          ("tests/test_rows_kernel.py", "tests/test_decode_plan.py", "tests/test_paths.py")),
+    Path("prompt-kernel", "fp32 products of 9-64 rows without gradients (a short prompt): the rows kernel 8 rows a "
+         "pass instead of F.linear, up to the row count the decode plan timed faster (modules/rows.py)",
+         row_kernel.PROMPT_ENV, "64", "0", _rows_runs, _prompt_kernel_default,
+         ("tests/test_prompt_kernel.py", "tests/test_paths.py")),
     Path("decode-step", "batch-1 decoding of plain GPT-2: each step in one C++ call (models/fast_step.py)",
          fast_step.ENV, "", "0", _step_runs, lambda: (True, "batch 1, fp32, plain GPT-2 blocks"),
          ("tests/test_fast_step.py", "tests/test_paths.py")),

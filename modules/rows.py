@@ -159,12 +159,20 @@ MARGIN = 1.05  # another form is taken only when its median is at least 5% faste
 PREFETCH_DEFAULT = 1024
 PREFETCH_TIMED = (1024, 2048, 4096)
 KIND_INDEX = {name: _KINDS[dtype] + (2 if name in _ACTIVATION_KINDS else 0) for name, dtype in PLAN_KINDS.items()}
+# fp32 products of 9 to 64 rows without gradients (a short prompt's pass) may take the kernel in chunks of MAX_ROWS
+# rows, each weight's chunks one after another (the later ones read it from the cache): the plan times that against
+# torch's F.linear at these row counts and keeps the largest up to which every timed count was MARGIN faster, twice.
+# On a Zen 4 (2026-11-29, gpt2's 48 block weights, interleaved): 1.97x at 9 rows, 1.64x at 16, 1.33x at 32, 1.11x
+# at 64, 0.88x at 96; torch's product (MKL's sgemm) read 7-8.5 GB/s at 8-16 rows. GPT2_PROMPT_KERNEL=0 keeps torch's
+# product; =N takes the kernel up to N rows.
+PROMPT_ROWS_TIMED = (16, 32, 64)
+PROMPT_ENV = "GPT2_PROMPT_KERNEL"
 _plan: dict | None = None
 _forms: dict[str, object] = {}
 
 
 def _plan_path() -> Path:
-    return _cache_dir() / f"plan-{_cache_key(SOURCE)}.json"
+    return _cache_dir() / f"plan-{_cache_key(SOURCE, 'prompt rows')}.json"
 
 
 def time_forms(libs: dict[str, object], megabytes: int = 64, rounds: int = 7,
@@ -203,6 +211,73 @@ def time_forms(libs: dict[str, object], megabytes: int = 64, rounds: int = 7,
         total = sum(w.numel() * w.element_size() for w in weights)
         results[name] = {form: total / statistics.median(t) / 1e9 for form, t in times.items()}
     return results
+
+
+def time_prompt_rows(lib, counts: tuple[int, ...] | list[int] = PROMPT_ROWS_TIMED, megabytes: int = 64,
+                     rounds: int = 5) -> dict[str, dict[str, float]]:
+    """{row count (a string: the plan's JSON keys): {"kernel": GB/s, "torch": GB/s}}: fp32 products of that many rows over
+    a chain of 3072 x 768 and 768 x 3072 weights (`megabytes` in all), the kernel `lib` in chunks of MAX_ROWS rows
+    against torch's F.linear, in interleaved rounds (medians)."""
+    import statistics
+    import time
+
+    import torch.nn.functional as F
+
+    shapes = [(3072, 768), (768, 3072)]
+    count = max(2, megabytes * 2**20 // (3072 * 768 * 4))
+    weights = [torch.randn(*shapes[i % 2]) for i in range(count)]
+    biases = [torch.randn(w.shape[0]) for w in weights]
+    calls = [prepared(w, b, lib=lib) for w, b in zip(weights, biases)]
+    total = sum(w.numel() * 4 for w in weights)
+    results = {}
+    for n in counts:
+        xs = {768: torch.randn(n, 768), 3072: torch.randn(n, 3072)}
+        contenders = {"kernel": lambda: [_in_chunks(c, xs[w.shape[1]]) for w, c in zip(weights, calls)],
+                      "torch": lambda: [F.linear(xs[w.shape[1]], w, b) for w, b in zip(weights, biases)]}
+        times: dict[str, list[float]] = {name: [] for name in contenders}
+        for r in range(rounds):
+            for name in (list(contenders) if r % 2 == 0 else list(contenders)[::-1]):
+                start = time.perf_counter()
+                contenders[name]()
+                times[name].append(time.perf_counter() - start)
+        results[str(n)] = {name: total / statistics.median(t) / 1e9 for name, t in times.items()}
+    return results
+
+
+def choose_prompt_rows(takes: dict[str, str]) -> int:
+    """The largest timed row count (takes: {rows: "kernel" or "torch", the faster by MARGIN}) up to which the kernel
+    won at every timed count; MAX_ROWS (no chunks) where it did not at the smallest."""
+    limit = MAX_ROWS
+    for n in sorted(takes, key=int):
+        if takes[n] != "kernel":
+            break
+        limit = int(n)
+    return limit
+
+
+def prompt_rows() -> int:
+    """Up to how many rows fp32 products without gradients take the kernel (in chunks of MAX_ROWS): GPT2_PROMPT_KERNEL
+    if set (0: none beyond MAX_ROWS), else the plan's timing (MAX_ROWS where there is no plan: one form of the
+    kernel, or none)."""
+    setting = os.environ.get(PROMPT_ENV, "").strip()
+    if setting:
+        if not setting.isdigit():
+            raise ValueError(f"{PROMPT_ENV} must be a row count (0: torch's product beyond {MAX_ROWS} rows), "
+                             f"got {setting!r}")
+        return max(int(setting), MAX_ROWS)
+    return plan().get("prompt_rows", MAX_ROWS) if available() else MAX_ROWS
+
+
+def _in_chunks(call, x: torch.Tensor) -> torch.Tensor:
+    """A `prepared` product on the rows of a contiguous fp32 x (n, in), MAX_ROWS at a time -> (n, out)."""
+    return torch.cat([call(x[i:i + MAX_ROWS]) for i in range(0, x.shape[0], MAX_ROWS)])
+
+
+def chunked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) for fp32 x (..., in) of any number of rows, through the kernel MAX_ROWS rows at a
+    time (prompt_rows says where it pays); the same values to float rounding (another summation order)."""
+    flat = _fp32_contiguous(x.reshape(-1, x.shape[-1]))
+    return _in_chunks(prepared(weight, bias), flat).view(*x.shape[:-1], weight.shape[0])
 
 
 def time_prefetch(lib, distances=PREFETCH_TIMED, **kwargs) -> dict[str, dict[str, float]]:
@@ -295,9 +370,17 @@ def plan() -> dict:
             distances, ahead_again = _confirmed(
                 {kind: str(choose_prefetch(by_distance)) for kind, by_distance in ahead.items()}, str(PREFETCH_DEFAULT),
                 lambda kinds: time_prefetch(libs["native"], kinds=kinds))
+            for kind, index in KIND_INDEX.items():  # the prompt's chunks read fp32 at its chosen distance
+                libs[forms["fp32"]].rows_prefetch_kind(index, int(distances.get(kind, PREFETCH_DEFAULT)))
+            prompt_lib = libs[forms["fp32"]]
+            prompt = time_prompt_rows(prompt_lib)
+            takes, prompt_again = _confirmed({n: _faster(s, "torch") for n, s in prompt.items()}, "torch",
+                                             lambda counts: time_prompt_rows(prompt_lib, [int(n) for n in counts]))
+            prompt_limit = choose_prompt_rows(takes)
             _plan = {"forms": forms, "speeds": speeds,
                      "prefetch": {kind: int(distance) for kind, distance in distances.items()},
-                     "prefetch_speeds": ahead, "confirmed_by": {"speeds": again, "prefetch_speeds": ahead_again},
+                     "prefetch_speeds": ahead, "prompt_rows": prompt_limit, "prompt_speeds": prompt,
+                     "confirmed_by": {"speeds": again, "prefetch_speeds": ahead_again, "prompt_speeds": prompt_again},
                      "source": f"timed, cached in {path}"}
             try:  # atomically: another process timing at once ends with one whole file
                 path.parent.mkdir(parents=True, exist_ok=True)
@@ -495,3 +578,7 @@ if __name__ == "__main__":  # python -m modules.rows [--retime]: the plan of thi
     for kind in PLAN_KINDS:
         print(f"  {kind:<5} prefetch {prefetch_of(chosen, kind)} bytes ahead" + (": native form, " if timed else "")
               + shown(timed.get(kind, {}), again.get("prefetch_speeds", {}).get(kind)))
+    print(f"  fp32 products of {MAX_ROWS + 1} to {prompt_rows()} rows without gradients: the kernel, {MAX_ROWS} rows a "
+          f"pass" if prompt_rows() > MAX_ROWS else f"  fp32 products of more than {MAX_ROWS} rows: torch's F.linear")
+    for n, by in chosen.get("prompt_speeds", {}).items():
+        print(f"    {n} rows: " + shown(by, again.get("prompt_speeds", {}).get(n)))

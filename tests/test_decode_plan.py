@@ -21,11 +21,15 @@ def fresh_plan(monkeypatch, tmp_path):
     monkeypatch.delenv("GPT2_DECODE_PLAN", raising=False)
     monkeypatch.setattr(rows, "machine_busy", lambda: None)  # the test suite itself loads the machine
     monkeypatch.setattr(rows, "time_prefetch", lambda lib, **k: dict(PREFETCH_SPEEDS))  # timed in its own tests
+    monkeypatch.setattr(rows, "time_prompt_rows", lambda lib, counts=rows.PROMPT_ROWS_TIMED: {
+        str(n): dict(PROMPT_SPEEDS[str(n)]) for n in counts})  # likewise (tests/test_prompt_kernel.py)
     yield tmp_path
     for lib in [rows._load(), *rows._forms.values()] if rows.available() else []:
         lib.rows_prefetch(rows.PREFETCH_DEFAULT)  # a plan that chose another distance set it on the loaded kernels
 
 
+PROMPT_SPEEDS = {"16": {"kernel": 12.0, "torch": 7.0}, "32": {"kernel": 7.0, "torch": 5.0},
+                 "64": {"kernel": 3.0, "torch": 3.3}}  # the kernel 5% faster up to 32 rows: the plan takes 32
 # per kind: fp32 and int4 read 10% faster at 4096 (the plan takes it), int8 slower (it keeps the default), w8a8 5%
 # faster at 2048, w4a8 within the margin everywhere
 PREFETCH_SPEEDS = {"fp32": {"1024": 10.0, "2048": 10.4, "4096": 11.0}, "int8": {"1024": 10.0, "2048": 9.0, "4096": 8.9},
@@ -98,10 +102,12 @@ def test_the_plan_is_timed_once_and_cached(fresh_plan, monkeypatch):
                                "w4a8": "avx2"} and chosen["speeds"] == speeds
     assert chosen["prefetch"] == {"fp32": 4096, "int8": 1024, "int4": 4096, "w8a8": 2048, "w4a8": 1024}
     assert chosen["prefetch_speeds"] == PREFETCH_SPEEDS
-    assert chosen["confirmed_by"] == {"speeds": speeds, "prefetch_speeds": PREFETCH_SPEEDS}  # the fakes' one answer
+    assert chosen["prompt_rows"] == 32 and chosen["prompt_speeds"] == PROMPT_SPEEDS
+    assert chosen["confirmed_by"] == {"speeds": speeds, "prefetch_speeds": PREFETCH_SPEEDS,  # the fakes' one answer
+                                      "prompt_speeds": {n: PROMPT_SPEEDS[n] for n in ("16", "32")}}
     fresh_plan = fresh_plan / "x" / "y"
     (cached,) = fresh_plan.glob("plan-*")  # one whole file, no temporary one left
-    assert cached.name == f"plan-{rows._cache_key(rows.SOURCE)}.json"
+    assert cached.name == f"plan-{rows._cache_key(rows.SOURCE, 'prompt rows')}.json"
     assert chosen["source"] == f"timed, cached in {cached}" and json.loads(cached.read_text()) == chosen
     assert rows.library_for("int8").rows_vector_width() == 8  # the AVX2 build
     assert rows.library_for("fp32").rows_vector_width() == 16

@@ -111,7 +111,8 @@ class Linear(nn.Linear):
                 return blocked_product(x[:, 0], views)[:, None]  # (1, 1, out)
         if (x.dtype == torch.float32 and self.weight.dtype == torch.float32 and x.is_cpu and self.weight.is_cpu
                 and not torch.is_grad_enabled() and self.weight.is_contiguous()
-                and row_kernel.MAX_ROWS < x.shape[:-1].numel() <= row_kernel.prompt_rows()):
+                and row_kernel.MAX_ROWS < x.shape[:-1].numel() <= row_kernel.prompt_rows()
+                and row_kernel.pays(torch.float32, row_kernel.MAX_ROWS)):  # (the chunks are its 8-row product)
             return row_kernel.chunked_linear(x, self.weight, self.bias)  # a short prompt: the kernel, 8 rows a pass
         return F.linear(x, self.weight, self.bias)
 

@@ -215,9 +215,9 @@ def time_forms(libs: dict[str, object], megabytes: int = 64, rounds: int = 7,
 
 def time_prompt_rows(lib, counts: tuple[int, ...] | list[int] = PROMPT_ROWS_TIMED, megabytes: int = 64,
                      rounds: int = 5) -> dict[str, dict[str, float]]:
-    """{row count (a string: the plan's JSON keys): {"kernel": GB/s, "torch": GB/s}}: fp32 products of that many rows over
-    a chain of 3072 x 768 and 768 x 3072 weights (`megabytes` in all), the kernel `lib` in chunks of MAX_ROWS rows
-    against torch's F.linear, in interleaved rounds (medians)."""
+    """{row count (a string: the plan's JSON keys): {"kernel": GB/s, "torch": GB/s}}: fp32 products of that many
+    rows over a chain of 3072 x 768 and 768 x 3072 weights (`megabytes` in all), the kernel `lib` in chunks of
+    MAX_ROWS rows against torch's F.linear, in interleaved rounds (medians)."""
     import statistics
     import time
 

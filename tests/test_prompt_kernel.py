@@ -17,7 +17,8 @@ needs_kernel = pytest.mark.skipif(not rows.available(), reason="the rows kernel 
 def spy(monkeypatch):
     """The row counts chunked_linear was asked for."""
     asked, real = [], rows.chunked_linear
-    monkeypatch.setattr(rows, "chunked_linear", lambda x, w, b=None: asked.append(x.shape[:-1].numel()) or real(x, w, b))
+    monkeypatch.setattr(rows, "chunked_linear",
+                        lambda x, w, b=None: asked.append(x.shape[:-1].numel()) or real(x, w, b))
     return asked
 
 

@@ -17,9 +17,10 @@ take int8 or int4 copies of the weights (modules/quant.py); with w8a8 / w4a8 the
 oneDNN's int8 GEMM on those weights with its activations quantized per tensor (quant.prompt_product); batches of 2-8
 rows, and the prompt of the weight-only modes, keep the layer's own weights (dequantizing per call would cost more
 than the smaller weights save).
-fp32 products of 9 to `rows.prompt_rows()` rows without gradients (a short prompt, in any mode) take the rows kernel
-8 rows a pass, each weight's passes one after another, where the decode plan timed it faster than F.linear (up to
-64 rows on a Zen 4; none where there is no plan); GPT2_PROMPT_KERNEL=0 keeps F.linear.
+fp32 products of 9 to `rows.prompt_rows()` rows without gradients (a short prompt, in any mode) by weights of at least
+`rows.PROMPT_MIN_WEIGHT` values take the rows kernel 8 rows a pass, each weight's passes one after another, where the
+decode plan timed it faster than F.linear (up to 32 rows on a Zen 4; none where there is no plan);
+GPT2_PROMPT_KERNEL=0 keeps F.linear.
 """
 from __future__ import annotations
 
@@ -111,6 +112,7 @@ class Linear(nn.Linear):
                 return blocked_product(x[:, 0], views)[:, None]  # (1, 1, out)
         if (x.dtype == torch.float32 and self.weight.dtype == torch.float32 and x.is_cpu and self.weight.is_cpu
                 and not torch.is_grad_enabled() and self.weight.is_contiguous()
+                and self.weight.numel() >= row_kernel.PROMPT_MIN_WEIGHT
                 and row_kernel.MAX_ROWS < x.shape[:-1].numel() <= row_kernel.prompt_rows()
                 and row_kernel.pays(torch.float32, row_kernel.MAX_ROWS)):  # (the chunks are its 8-row product)
             return row_kernel.chunked_linear(x, self.weight, self.bias)  # a short prompt: the kernel, 8 rows a pass

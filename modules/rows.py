@@ -159,20 +159,24 @@ MARGIN = 1.05  # another form is taken only when its median is at least 5% faste
 PREFETCH_DEFAULT = 1024
 PREFETCH_TIMED = (1024, 2048, 4096)
 KIND_INDEX = {name: _KINDS[dtype] + (2 if name in _ACTIVATION_KINDS else 0) for name, dtype in PLAN_KINDS.items()}
-# fp32 products of 9 to 64 rows without gradients (a short prompt's pass) may take the kernel in chunks of MAX_ROWS
+# fp32 products of 9 to 32 rows without gradients (a short prompt's pass) may take the kernel in chunks of MAX_ROWS
 # rows, each weight's chunks one after another (the later ones read it from the cache): the plan times that against
 # torch's F.linear at these row counts and keeps the largest up to which every timed count was MARGIN faster, twice.
 # On a Zen 4 (2026-11-29, gpt2's 48 block weights, interleaved): 1.97x at 9 rows, 1.64x at 16, 1.33x at 32, 1.11x
-# at 64, 0.88x at 96; torch's product (MKL's sgemm) read 7-8.5 GB/s at 8-16 rows. GPT2_PROMPT_KERNEL=0 keeps torch's
-# product; =N takes the kernel up to N rows.
-PROMPT_ROWS_TIMED = (16, 32, 64)
+# at 64, 0.88x at 96; torch's product (MKL's sgemm) read 7-8.5 GB/s at 8-16 rows. Over weights 256 to 768 wide
+# (w x w, 3w x w, 4w x w, w x 4w) the kernel won 1.43-1.62x at 16 rows and 1.05-1.32x at 32 but 0.86-1.04x at 64,
+# and lost at every count for a 128-wide model (0.46-0.56x: eight calls' overhead on products of microseconds; its
+# sampling ran 1.35x slower): so 64 rows are not timed, and weights under PROMPT_MIN_WEIGHT values keep F.linear.
+# GPT2_PROMPT_KERNEL=0 keeps torch's product; =N takes the kernel up to N rows.
+PROMPT_ROWS_TIMED = (16, 32)
+PROMPT_MIN_WEIGHT = 1 << 18  # values (1 MiB of fp32): 1024 x 256 and up; gpt2's smallest weight is 768 x 768
 PROMPT_ENV = "GPT2_PROMPT_KERNEL"
 _plan: dict | None = None
 _forms: dict[str, object] = {}
 
 
 def _plan_path() -> Path:
-    return _cache_dir() / f"plan-{_cache_key(SOURCE, 'prompt rows')}.json"
+    return _cache_dir() / f"plan-{_cache_key(SOURCE, 'prompt rows 16 32')}.json"
 
 
 def time_forms(libs: dict[str, object], megabytes: int = 64, rounds: int = 7,

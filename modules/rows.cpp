@@ -773,7 +773,7 @@ int64_t rows_prefetch(int64_t bytes) {
 
 // The same for one weight kind (kAhead's index; the decode plan sets each kind's once): -1 for another kind.
 int64_t rows_prefetch_kind(int kind, int64_t bytes) {
-  if (kind < 0 || kind >= 6) return -1;
+  if (kind < 0 || kind >= static_cast<int>(std::size(kAhead))) return -1;
   if (bytes > 0) kAhead[kind] = bytes;
   return kAhead[kind];
 }

@@ -374,16 +374,14 @@ def plan() -> dict:
             distances, ahead_again = _confirmed(
                 {kind: str(choose_prefetch(by_distance)) for kind, by_distance in ahead.items()}, str(PREFETCH_DEFAULT),
                 lambda kinds: time_prefetch(libs["native"], kinds=kinds))
-            for kind, index in KIND_INDEX.items():  # the prompt's chunks read fp32 at its chosen distance
-                libs[forms["fp32"]].rows_prefetch_kind(index, int(distances.get(kind, PREFETCH_DEFAULT)))
+            prefetch = {kind: int(distance) for kind, distance in distances.items()}
             prompt_lib = libs[forms["fp32"]]
+            _set_prefetch(prompt_lib, {"prefetch": prefetch})  # the prompt's chunks read at the chosen distances
             prompt = time_prompt_rows(prompt_lib)
             takes, prompt_again = _confirmed({n: _faster(s, "torch") for n, s in prompt.items()}, "torch",
                                              lambda counts: time_prompt_rows(prompt_lib, [int(n) for n in counts]))
             prompt_limit = choose_prompt_rows(takes)
-            _plan = {"forms": forms, "speeds": speeds,
-                     "prefetch": {kind: int(distance) for kind, distance in distances.items()},
-                     "prefetch_speeds": ahead, "prompt_rows": prompt_limit, "prompt_speeds": prompt,
+            _plan = {"forms": forms, "speeds": speeds, "prefetch": prefetch, "prefetch_speeds": ahead, "prompt_rows": prompt_limit, "prompt_speeds": prompt,
                      "confirmed_by": {"speeds": again, "prefetch_speeds": ahead_again, "prompt_speeds": prompt_again},
                      "source": f"timed, cached in {path}"}
             try:  # atomically: another process timing at once ends with one whole file
@@ -410,9 +408,14 @@ def library_for(kind: str):
     may be of several kinds."""
     chosen = plan()
     lib = _form(chosen["forms"].get(kind, "native"))
+    _set_prefetch(lib, chosen)
+    return lib
+
+
+def _set_prefetch(lib, chosen: dict) -> None:
+    """Each weight kind's prefetch distance in `lib` set to the plan's (`prefetch_of`)."""
     for name, index in KIND_INDEX.items():
         lib.rows_prefetch_kind(index, prefetch_of(chosen, name))
-    return lib
 
 
 def load_kernel(env: str, build, what: str, otherwise: str, usable=lambda: True):

@@ -113,8 +113,8 @@ class Linear(nn.Linear):
         if (x.dtype == torch.float32 and self.weight.dtype == torch.float32 and x.is_cpu and self.weight.is_cpu
                 and not torch.is_grad_enabled() and self.weight.is_contiguous()
                 and self.weight.numel() >= row_kernel.PROMPT_MIN_WEIGHT
-                and row_kernel.MAX_ROWS < x.shape[:-1].numel() <= row_kernel.prompt_rows()
-                and row_kernel.pays(torch.float32, row_kernel.MAX_ROWS)):  # (the chunks are its 8-row product)
+                and row_kernel.pays(torch.float32, row_kernel.MAX_ROWS)  # (the chunks are its 8-row product)
+                and row_kernel.takes_chunks(x.shape[:-1].numel())):
             return row_kernel.chunked_linear(x, self.weight, self.bias)  # a short prompt: the kernel, 8 rows a pass
         return F.linear(x, self.weight, self.bias)
 

@@ -272,6 +272,15 @@ def prompt_rows() -> int:
     return plan().get("prompt_rows", MAX_ROWS) if available() else MAX_ROWS
 
 
+def takes_chunks(rows: int) -> bool:
+    """Whether fp32 products of `rows` rows without gradients take the kernel in chunks: MAX_ROWS < rows <=
+    prompt_rows(). Past the largest count the plan times, with GPT2_PROMPT_KERNEL unset, the answer is no without
+    asking the plan: a machine's first plan is timed for seconds, and an evaluation's long batches never take chunks."""
+    if rows <= MAX_ROWS or (rows > PROMPT_ROWS_TIMED[-1] and not os.environ.get(PROMPT_ENV, "").strip()):
+        return False
+    return rows <= prompt_rows()
+
+
 def _in_chunks(call, x: torch.Tensor) -> torch.Tensor:
     """A `prepared` product on the rows of a contiguous fp32 x (n, in), MAX_ROWS at a time -> (n, out)."""
     return torch.cat([call(x[i:i + MAX_ROWS]) for i in range(0, x.shape[0], MAX_ROWS)])

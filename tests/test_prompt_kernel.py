@@ -63,6 +63,24 @@ def test_gradients_bf16_more_rows_small_weights_and_the_switch_keep_f_linear(mon
     assert spy == [16]
 
 
+@needs_kernel
+def test_longer_inputs_do_not_ask_the_plan(monkeypatch, spy):
+    """Past the largest count the plan times (GPT2_PROMPT_KERNEL unset) no plan is asked for, so an evaluation's long
+    batches never pay for a first plan's timing; within it the plan decides."""
+    monkeypatch.delenv("GPT2_PROMPT_KERNEL", raising=False)
+    monkeypatch.setattr(rows, "plan", lambda: pytest.fail("the plan was asked for a count it never takes"))
+    layer = Linear(512, 512)
+    with torch.no_grad():
+        for n in (rows.PROMPT_ROWS_TIMED[-1] + 1, 512):
+            torch.testing.assert_close(layer(torch.randn(1, n, 512)).shape, torch.Size([1, n, 512]))
+    assert spy == []
+    monkeypatch.setattr(rows, "plan", lambda: {"forms": {}, "prompt_rows": 16})
+    with torch.no_grad():
+        layer(torch.randn(1, 16, 512))
+        layer(torch.randn(1, 17, 512))
+    assert spy == [16]
+
+
 def test_a_bad_setting_is_an_error_naming_it(monkeypatch):
     for bad in ("yes", "-1", "1.5"):
         monkeypatch.setenv("GPT2_PROMPT_KERNEL", bad)

@@ -160,10 +160,10 @@ PATHS: tuple[Path, ...] = (
     Path("rows-avx2-form", "the rows kernel's AVX2 build instead of the native one (the decode plan's choice)",
          row_kernel.PLAN_ENV, "avx2", "native", _rows_runs, _form_default,
          ("tests/test_rows_kernel.py", "tests/test_decode_plan.py", "tests/test_paths.py")),
-    Path("prompt-kernel", "fp32 products of 9-32 rows without gradients (a short prompt) by weights of 2^18+ "
-         "values: the rows kernel 8 rows a pass instead of F.linear, up to the row count the decode plan timed faster "
-         "(modules/rows.py)",
-         row_kernel.PROMPT_ENV, "32", "0", _rows_runs, _prompt_kernel_default,
+    Path("prompt-kernel", "fp32 products of 9-128 rows without gradients (a short prompt) by weights of 2^18+ "
+         "values: the rows kernel, 8 rows a pass over each tile of the weight, instead of F.linear, up to the row "
+         "count the decode plan timed faster (modules/rows.py)",
+         row_kernel.PROMPT_ENV, "128", "0", _rows_runs, _prompt_kernel_default,
          ("tests/test_prompt_kernel.py", "tests/test_paths.py")),
     Path("decode-step", "batch-1 decoding of plain GPT-2: each step in one C++ call (models/fast_step.py)",
          fast_step.ENV, "", "0", _step_runs, lambda: (True, "batch 1, fp32, plain GPT-2 blocks"),

@@ -18,8 +18,8 @@ oneDNN's int8 GEMM on those weights with its activations quantized per tensor (q
 rows, and the prompt of the weight-only modes, keep the layer's own weights (dequantizing per call would cost more
 than the smaller weights save).
 fp32 products of 9 to `rows.prompt_rows()` rows without gradients (a short prompt, in any mode) by weights of at least
-`rows.PROMPT_MIN_WEIGHT` values take the rows kernel 8 rows a pass, each weight's passes one after another, where the
-decode plan timed it faster than F.linear (up to 32 rows on a Zen 4; none where there is no plan);
+`rows.PROMPT_MIN_WEIGHT` values take the rows kernel, 8 rows a pass over each tile of the weight's rows, where the
+decode plan timed it faster than F.linear (up to 128 rows on a Zen 4; none where there is no plan);
 GPT2_PROMPT_KERNEL=0 keeps F.linear.
 """
 from __future__ import annotations
@@ -115,7 +115,7 @@ class Linear(nn.Linear):
                 and self.weight.numel() >= row_kernel.PROMPT_MIN_WEIGHT
                 and row_kernel.pays(torch.float32, row_kernel.MAX_ROWS)  # (the chunks are its 8-row product)
                 and row_kernel.takes_chunks(x.shape[:-1].numel())):
-            return row_kernel.chunked_linear(x, self.weight, self.bias)  # a short prompt: the kernel, 8 rows a pass
+            return row_kernel.chunked_linear(x, self.weight, self.bias)  # a short prompt: the kernel
         return F.linear(x, self.weight, self.bias)
 
     def decode_blocks(self) -> Blocks | None:

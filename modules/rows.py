@@ -96,6 +96,9 @@ def library(target_flags: tuple[str, ...] = NATIVE):
     lib.rows_product.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
                                  ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
                                  ctypes.c_int64]
+    lib.rows_product_many.restype = ctypes.c_int
+    lib.rows_product_many.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                                      ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
     lib.rows_vector_width.restype = ctypes.c_int
     lib.rows_vnni.restype = ctypes.c_int
     lib.rows_prefetch.restype = ctypes.c_int64
@@ -159,16 +162,16 @@ MARGIN = 1.05  # another form is taken only when its median is at least 5% faste
 PREFETCH_DEFAULT = 1024
 PREFETCH_TIMED = (1024, 2048, 4096)
 KIND_INDEX = {name: _KINDS[dtype] + (2 if name in _ACTIVATION_KINDS else 0) for name, dtype in PLAN_KINDS.items()}
-# fp32 products of 9 to 32 rows without gradients (a short prompt's pass) may take the kernel in chunks of MAX_ROWS
-# rows, each weight's chunks one after another (the later ones read it from the cache): the plan times that against
-# torch's F.linear at these row counts and keeps the largest up to which every timed count was MARGIN faster, twice.
-# On a Zen 4 (2026-11-29, gpt2's 48 block weights, interleaved): 1.97x at 9 rows, 1.64x at 16, 1.33x at 32, 1.11x
-# at 64, 0.88x at 96; torch's product (MKL's sgemm) read 7-8.5 GB/s at 8-16 rows. Over weights 256 to 768 wide
-# (w x w, 3w x w, 4w x w, w x 4w) the kernel won 1.43-1.62x at 16 rows and 1.05-1.32x at 32 but 0.86-1.04x at 64,
-# and lost at every count for a 128-wide model (0.46-0.56x: eight calls' overhead on products of microseconds; its
-# sampling ran 1.35x slower): so 64 rows are not timed, and weights under PROMPT_MIN_WEIGHT values keep F.linear.
-# GPT2_PROMPT_KERNEL=0 keeps torch's product; =N takes the kernel up to N rows.
-PROMPT_ROWS_TIMED = (16, 32)
+# fp32 products of 9 to 128 rows without gradients (a short prompt's pass) may take the kernel (rows_product_many:
+# tiles of the weight's rows, MAX_ROWS input rows a pass over each, so the weight streams through once): the plan
+# times that against torch's F.linear at these row counts and keeps the largest up to which every timed count was
+# MARGIN faster, twice. On a Zen 4 (2026-11-29, interleaved, 2 threads), over ~64 MB of weights w x w, 3w x w, 4w x w
+# and w x 4w: 2.07-2.20x F.linear at 16 rows, 1.67-1.77x at 32, 1.31-1.44x at 64, 1.07-1.20x at 128 for widths 256
+# to 1024; gpt2's 48 block weights 1.09x at 128 rows, 0.94x at 192 (torch's product, MKL's sgemm, reads 6-8 GB/s at
+# 9-16 rows). Weights under PROMPT_MIN_WEIGHT values keep F.linear: a 128-wide model's products take microseconds,
+# where the calls' own costs decide (1.35x slower sampling from the README's character model when the kernel took
+# them in Python-side chunks of 8 rows). GPT2_PROMPT_KERNEL=0 keeps torch's product; =N takes the kernel up to N rows.
+PROMPT_ROWS_TIMED = (16, 32, 64, 128)
 PROMPT_MIN_WEIGHT = 1 << 18  # values (1 MiB of fp32): 1024 x 256 and up; gpt2's smallest weight is 768 x 768
 PROMPT_ENV = "GPT2_PROMPT_KERNEL"
 _plan: dict | None = None
@@ -176,7 +179,7 @@ _forms: dict[str, object] = {}
 
 
 def _plan_path() -> Path:
-    return _cache_dir() / f"plan-{_cache_key(SOURCE, 'prompt rows 16 32')}.json"
+    return _cache_dir() / f"plan-{_cache_key(SOURCE, 'prompt rows ' + ' '.join(map(str, PROMPT_ROWS_TIMED)))}.json"
 
 
 def time_forms(libs: dict[str, object], megabytes: int = 64, rounds: int = 7,
@@ -220,8 +223,8 @@ def time_forms(libs: dict[str, object], megabytes: int = 64, rounds: int = 7,
 def time_prompt_rows(lib, counts: tuple[int, ...] | list[int] = PROMPT_ROWS_TIMED, megabytes: int = 64,
                      rounds: int = 5) -> dict[str, dict[str, float]]:
     """{row count (a string: the plan's JSON keys): {"kernel": GB/s, "torch": GB/s}}: fp32 products of that many
-    rows over a chain of 3072 x 768 and 768 x 3072 weights (`megabytes` in all), the kernel `lib` in chunks of
-    MAX_ROWS rows against torch's F.linear, in interleaved rounds (medians)."""
+    rows over a chain of 3072 x 768 and 768 x 3072 weights (`megabytes` in all), the kernel `lib`'s product of many
+    rows (many_rows) against torch's F.linear, in interleaved rounds (medians)."""
     import statistics
     import time
 
@@ -231,12 +234,11 @@ def time_prompt_rows(lib, counts: tuple[int, ...] | list[int] = PROMPT_ROWS_TIME
     count = max(2, megabytes * 2**20 // (3072 * 768 * 4))
     weights = [torch.randn(*shapes[i % 2]) for i in range(count)]
     biases = [torch.randn(w.shape[0]) for w in weights]
-    calls = [prepared(w, b, lib=lib) for w, b in zip(weights, biases)]
     total = sum(w.numel() * 4 for w in weights)
     results = {}
     for n in counts:
         xs = {768: torch.randn(n, 768), 3072: torch.randn(n, 3072)}
-        contenders = {"kernel": lambda: [_in_chunks(c, xs[w.shape[1]]) for w, c in zip(weights, calls)],
+        contenders = {"kernel": lambda: [many_rows(xs[w.shape[1]], w, b, lib) for w, b in zip(weights, biases)],
                       "torch": lambda: [F.linear(xs[w.shape[1]], w, b) for w, b in zip(weights, biases)]}
         times: dict[str, list[float]] = {name: [] for name in contenders}
         for r in range(rounds):
@@ -260,7 +262,7 @@ def choose_prompt_rows(takes: dict[str, str]) -> int:
 
 
 def prompt_rows() -> int:
-    """Up to how many rows fp32 products without gradients take the kernel (in chunks of MAX_ROWS): GPT2_PROMPT_KERNEL
+    """Up to how many rows fp32 products without gradients take the kernel (chunked_linear): GPT2_PROMPT_KERNEL
     if set (0: none beyond MAX_ROWS), else the plan's timing (MAX_ROWS where there is no plan: one form of the
     kernel, or none)."""
     setting = os.environ.get(PROMPT_ENV, "").strip()
@@ -273,7 +275,7 @@ def prompt_rows() -> int:
 
 
 def takes_chunks(rows: int) -> bool:
-    """Whether fp32 products of `rows` rows without gradients take the kernel in chunks: MAX_ROWS < rows <=
+    """Whether fp32 products of `rows` rows without gradients take the kernel (chunked_linear): MAX_ROWS < rows <=
     prompt_rows(). Past the largest count the plan times, with GPT2_PROMPT_KERNEL unset, the answer is no without
     asking the plan: a machine's first plan is timed for seconds, and an evaluation's long batches never take chunks."""
     if rows <= MAX_ROWS or (rows > PROMPT_ROWS_TIMED[-1] and not os.environ.get(PROMPT_ENV, "").strip()):
@@ -281,16 +283,28 @@ def takes_chunks(rows: int) -> bool:
     return rows <= prompt_rows()
 
 
-def _in_chunks(call, x: torch.Tensor) -> torch.Tensor:
-    """A `prepared` product on the rows of a contiguous fp32 x (n, in), MAX_ROWS at a time -> (n, out)."""
-    return torch.cat([call(x[i:i + MAX_ROWS]) for i in range(0, x.shape[0], MAX_ROWS)])
+def many_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lib) -> torch.Tensor:
+    """x (n, in) fp32 contiguous times a contiguous fp32 weight (out, in) (+ bias) -> (n, out) through `lib`'s
+    rows_product_many: the weight's rows in tiles, MAX_ROWS input rows a pass over each tile (rows.cpp)."""
+    y = torch.empty(x.shape[0], weight.shape[0])
+    if lib.rows_product_many(x.shape[0], x.data_ptr(), x.shape[1], weight.data_ptr(),
+                             None if bias is None else bias.data_ptr(), y.data_ptr(), weight.shape[0],
+                             torch.get_num_threads()) != 0:
+        raise ValueError(f"the rows kernel's product of many rows takes at least one row, got {x.shape[0]}")
+    return y
 
 
 def chunked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias) for fp32 x (..., in) of any number of rows, through the kernel MAX_ROWS rows at a
-    time (prompt_rows says where it pays); the same values to float rounding (another summation order)."""
+    """F.linear(x, weight, bias) for fp32 x (..., in) of any number of rows and a contiguous fp32 weight, through the
+    kernel MAX_ROWS input rows a pass over each tile of the weight's rows (prompt_rows says where it pays); the same
+    values to float rounding (another summation order)."""
+    if x.dtype != torch.float32 or weight.dtype != torch.float32 or not weight.is_contiguous() \
+            or x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"chunked_linear takes fp32 x (..., in) and a contiguous fp32 weight (out, in), got "
+                         f"{x.dtype} {tuple(x.shape)} and {weight.dtype} {tuple(weight.shape)}")
     flat = _fp32_contiguous(x.reshape(-1, x.shape[-1]))
-    return _in_chunks(prepared(weight, bias), flat).view(*x.shape[:-1], weight.shape[0])
+    bias = _fp32_contiguous(bias)
+    return many_rows(flat, weight, bias, prompt_library()).view(*x.shape[:-1], weight.shape[0])
 
 
 def time_prefetch(lib, distances=PREFETCH_TIMED, **kwargs) -> dict[str, dict[str, float]]:
@@ -384,8 +398,8 @@ def plan() -> dict:
                 {kind: str(choose_prefetch(by_distance)) for kind, by_distance in ahead.items()}, str(PREFETCH_DEFAULT),
                 lambda kinds: time_prefetch(libs["native"], kinds=kinds))
             prefetch = {kind: int(distance) for kind, distance in distances.items()}
-            prompt_lib = libs[forms["fp32"]]
-            _set_prefetch(prompt_lib, {"prefetch": prefetch})  # the prompt's chunks read at the chosen distances
+            prompt_lib = libs["native"]  # (prompt_library's form)
+            _set_prefetch(prompt_lib, {"prefetch": prefetch})  # the prompt's products read at the chosen distances
             prompt = time_prompt_rows(prompt_lib)
             takes, prompt_again = _confirmed({n: _faster(s, "torch") for n, s in prompt.items()}, "torch",
                                              lambda counts: time_prompt_rows(prompt_lib, [int(n) for n in counts]))
@@ -418,6 +432,19 @@ def library_for(kind: str):
     chosen = plan()
     lib = _form(chosen["forms"].get(kind, "native"))
     _set_prefetch(lib, chosen)
+    return lib
+
+
+def prompt_library():
+    """The kernel a prompt's products of many rows take (chunked_linear): the native build, or the form
+    GPT2_DECODE_PLAN forces (the AVX2 form tested on an AVX512 CPU), at the plan's prefetch distances. Not the plan's
+    fp32 form: that is timed on one-row products, where both forms read the memory alike within a host's noise (a
+    Zen 4's plan once took the AVX2 form by 5%), while many rows are bound by the arithmetic, which the native
+    AVX512 build does with twice the registers of twice the width (the AVX2 form's prompt products on a Zen 4 read
+    11.0 GB/s at 16 rows and lost to F.linear from 64 rows, against 13.5 and 1.3-1.4x F.linear for the native one)."""
+    setting = os.environ.get(PLAN_ENV, "on")
+    lib = _form(setting if setting in FORMS and available() else "native")
+    _set_prefetch(lib, plan())
     return lib
 
 
@@ -595,6 +622,6 @@ if __name__ == "__main__":  # python -m modules.rows [--retime]: the plan of thi
         print(f"  {kind:<5} prefetch {prefetch_of(chosen, kind)} bytes ahead" + (": native form, " if timed else "")
               + shown(timed.get(kind, {}), again.get("prefetch_speeds", {}).get(kind)))
     print(f"  fp32 products of {MAX_ROWS + 1} to {prompt_rows()} rows without gradients: the kernel, {MAX_ROWS} rows a "
-          f"pass" if prompt_rows() > MAX_ROWS else f"  fp32 products of more than {MAX_ROWS} rows: torch's F.linear")
+          f"pass over each tile of the weight" if prompt_rows() > MAX_ROWS else f"  fp32 products of more than {MAX_ROWS} rows: torch's F.linear")
     for n, by in chosen.get("prompt_speeds", {}).items():
         print(f"    {n} rows: " + shown(by, again.get("prompt_speeds", {}).get(n)))

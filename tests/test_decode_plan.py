@@ -28,7 +28,8 @@ def fresh_plan(monkeypatch, tmp_path):
         lib.rows_prefetch(rows.PREFETCH_DEFAULT)  # a plan that chose another distance set it on the loaded kernels
 
 
-PROMPT_SPEEDS = {"16": {"kernel": 12.0, "torch": 7.0}, "32": {"kernel": 5.1, "torch": 5.0}}  # the plan takes 16
+PROMPT_SPEEDS = {"16": {"kernel": 12.0, "torch": 7.0}, "32": {"kernel": 5.1, "torch": 5.0},  # the plan takes 16
+                 "64": {"kernel": 5.0, "torch": 5.0}, "128": {"kernel": 3.0, "torch": 5.0}}
 # per kind: fp32 and int4 read 10% faster at 4096 (the plan takes it), int8 slower (it keeps the default), w8a8 5%
 # faster at 2048, w4a8 within the margin everywhere
 PREFETCH_SPEEDS = {"fp32": {"1024": 10.0, "2048": 10.4, "4096": 11.0}, "int8": {"1024": 10.0, "2048": 9.0, "4096": 8.9},
@@ -106,7 +107,7 @@ def test_the_plan_is_timed_once_and_cached(fresh_plan, monkeypatch):
                                       "prompt_speeds": {"16": PROMPT_SPEEDS["16"]}}
     fresh_plan = fresh_plan / "x" / "y"
     (cached,) = fresh_plan.glob("plan-*")  # one whole file, no temporary one left
-    assert cached.name == f"plan-{rows._cache_key(rows.SOURCE, 'prompt rows 16 32')}.json"
+    assert cached.name == f"plan-{rows._cache_key(rows.SOURCE, 'prompt rows 16 32 64 128')}.json"
     assert chosen["source"] == f"timed, cached in {cached}" and json.loads(cached.read_text()) == chosen
     assert rows.library_for("int8").rows_vector_width() == 8  # the AVX2 build
     assert rows.library_for("fp32").rows_vector_width() == 16

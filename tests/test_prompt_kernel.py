@@ -1,6 +1,7 @@
-"""fp32 products of 9 to rows.prompt_rows() rows without gradients (a short prompt's pass) through the rows kernel 8
-rows a pass (modules/rows.py, modules/linear.py): the same values as F.linear to float rounding, taken only where
-the plan timed it faster or GPT2_PROMPT_KERNEL says so, never with gradients, bf16, more rows or a small weight."""
+"""fp32 products of 9 to rows.prompt_rows() rows without gradients (a short prompt's pass) through the rows kernel,
+8 rows a pass over each tile of the weight's rows (modules/rows.py, modules/linear.py): the same values as F.linear
+to float rounding, taken only where the plan timed it faster or GPT2_PROMPT_KERNEL says so, never with gradients,
+bf16, more rows or a small weight."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -23,9 +24,9 @@ def spy(monkeypatch):
 
 
 @needs_kernel
-@pytest.mark.parametrize("n", [9, 16, 21, 32])
+@pytest.mark.parametrize("n", [9, 10, 11, 12, 13, 14, 15, 16, 21, 47, 64, 100, 128])  # every size of the last group
 def test_a_short_prompts_products_take_the_kernel_in_chunks_with_f_linears_values(monkeypatch, spy, n):
-    monkeypatch.setenv("GPT2_PROMPT_KERNEL", "32")
+    monkeypatch.setenv("GPT2_PROMPT_KERNEL", "128")
     torch.manual_seed(0)
     layer = Linear(256, 1030)  # 2^18 values and a few more: about the smallest weight the chunks take
     x = torch.randn(1, n, 256)
@@ -46,7 +47,7 @@ def test_gradients_bf16_more_rows_small_weights_and_the_switch_keep_f_linear(mon
     monkeypatch.setenv("GPT2_PROMPT_KERNEL", "32")
     layer = Linear(512, 512)
     with torch.no_grad():
-        layer(torch.randn(1, 33, 512))  # past the limit
+        layer(torch.randn(1, 33, 512))  # past the limit set
         layer(torch.randn(1, 8, 512))  # 8 rows: the kernel's own path, not the chunks
         layer.to(torch.bfloat16)(torch.randn(1, 16, 512, dtype=torch.bfloat16))
         layer.float()
@@ -61,6 +62,41 @@ def test_gradients_bf16_more_rows_small_weights_and_the_switch_keep_f_linear(mon
     with torch.no_grad():
         layer(torch.randn(1, 16, 512))
     assert spy == [16]
+
+
+@needs_kernel
+@pytest.mark.parametrize("form", ["native", "avx2"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_product_of_many_rows_over_every_tile_shape_equals_f_linear(form, threads):
+    """rows_product_many itself, in both builds: weights of fewer rows than a tile, a part tile at the end, an `in`
+    with a tail past the last whole vector, 1 to 17 input rows, with and without bias, on 1 and 2 threads."""
+    torch.manual_seed(0)
+    lib, before = rows._load() if form == "native" else rows.library(rows.AVX2), torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for out_f in (1, 5, 12, 13, 37):
+            for in_f in (16, 17, 100, 256):
+                w, b = torch.randn(out_f, in_f), torch.randn(out_f)
+                for n in (1, 7, 8, 9, 17):
+                    x = torch.randn(n, in_f)
+                    for bias in (b, None):
+                        torch.testing.assert_close(rows.many_rows(x, w, bias, lib), F.linear(x, w, bias),
+                                                   atol=1e-4, rtol=1e-5)
+    finally:
+        torch.set_num_threads(before)
+    with pytest.raises(ValueError, match="^the rows kernel's product of many rows takes at least one row, got 0$"):
+        rows.many_rows(torch.randn(0, 16), torch.randn(4, 16), None, lib)
+    with pytest.raises(ValueError, match="^chunked_linear takes fp32 x"):
+        rows.chunked_linear(torch.randn(9, 16), torch.randn(16, 4).t())
+
+
+@needs_kernel
+def test_prompts_take_the_native_build_whatever_form_the_plan_took_for_one_row(monkeypatch):
+    monkeypatch.setattr(rows, "_plan", {"forms": {kind: "avx2" for kind in rows.PLAN_KINDS}, "speeds": {}})
+    monkeypatch.delenv("GPT2_DECODE_PLAN", raising=False)
+    assert rows.prompt_library() is rows._load()
+    monkeypatch.setenv("GPT2_DECODE_PLAN", "avx2")  # a form forced: the prompt's products take it too
+    assert rows.prompt_library().rows_vector_width() == 8
 
 
 @needs_kernel
@@ -109,13 +145,14 @@ def test_a_second_timing_that_disagrees_lowers_the_limit(monkeypatch, tmp_path):
     flat = {kind: {"native": 10.0, "avx2": 10.0} for kind in rows.PLAN_KINDS}
     monkeypatch.setattr(rows, "time_forms", lambda libs, **k: {kind: flat[kind] for kind in k.get("kinds") or flat})
     monkeypatch.setattr(rows, "time_prefetch", lambda lib, **k: {kind: {"1024": 1.0} for kind in rows.PLAN_KINDS})
-    first = {"16": {"kernel": 12.0, "torch": 7.0}, "32": {"kernel": 7.0, "torch": 5.0}}
-    second = {"16": {"kernel": 12.0, "torch": 7.0}, "32": {"kernel": 5.1, "torch": 5.0}}
+    lose = {"64": {"kernel": 4.0, "torch": 5.0}, "128": {"kernel": 4.0, "torch": 5.0}}
+    first = {"16": {"kernel": 12.0, "torch": 7.0}, "32": {"kernel": 7.0, "torch": 5.0}, **lose}
+    second = {"16": {"kernel": 12.0, "torch": 7.0}, "32": {"kernel": 5.1, "torch": 5.0}, **lose}
     asked = []
     monkeypatch.setattr(rows, "time_prompt_rows", lambda lib, counts=rows.PROMPT_ROWS_TIMED: asked.append(list(counts))
                         or {str(n): (second if len(asked) > 1 else first)[str(n)] for n in counts})
     chosen = rows.plan()
-    assert asked == [[16, 32], [16, 32]]
+    assert asked == [[16, 32, 64, 128], [16, 32]]
     assert chosen["prompt_rows"] == 16 and rows.prompt_rows() == 16
 
 

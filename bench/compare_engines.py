@@ -20,8 +20,10 @@ none came in 150 calls (docs/cpu-decoding.md, "Stable speed").
 ours-fp32-fixed is ours fp32 with every decode step and prompt block on --threads threads (GPT2_DECODE_THREADS,
 GPT2_PROMPT_THREADS) in a process of its own: a row of the table. The "thread choice" rows (models/decode_threads.py
 against that fixed count) are timed in ours-fp32's own process, its calls alternating between the choice and the
-fixed count (the variables set per call): two processes running the same code differ by up to 3% here (where their
-memory landed), more than the choice costs, so a ratio of two processes would measure their placement. The ratio
+fixed count (the variables set per call), and each round's two adjacent calls give one ratio, the rounds' median
+reported (a host that changes speed between rounds moves both calls of a round alike): two processes running the
+same code differ by up to 3% here (where their memory landed), more than the choice costs, so a ratio of two
+processes would measure their placement. The ratio
 across the two processes is in the row's notes.
 
 An engine whose package is missing is skipped with the reason. The exported files are cached under --workdir
@@ -501,6 +503,16 @@ def alternating(worker: Worker, task: dict, env: dict, rounds: int) -> dict:
     return times
 
 
+def paired(times: dict) -> tuple[float, float, float]:
+    """An `alternating` A/B's speed ratio, own setting over env's: the median, min and max over its rounds of each
+    round's two adjacent calls (env's seconds / own's). A host that changes speed between rounds (this one switches
+    between two levels minutes apart, 0.82-0.86 s against 1.10-1.15 s for the same call) moves both calls of a round
+    alike, where a ratio of the two sides' medians took one side's slow rounds against the other's fast ones: 0.80x
+    from rounds whose own pairs gave 0.95-1.01x."""
+    ratios = sorted(env / own for own, env in zip(times["own"], times["env"]))
+    return statistics.median(ratios), ratios[0], ratios[-1]
+
+
 def agreement(tokens: list[int], reference: list[int]) -> str:
     """'64/64' (identical), else the first position where they part."""
     if tokens == reference:
@@ -612,16 +624,18 @@ def main() -> None:
     goal = THREADS_TARGET[bool(args.busy)]
     if "decode" in ab:
         own, env = (args.new_tokens / statistics.median(ab["decode"][k]) for k in ("own", "env"))
-        ratio = own / env
+        ratio, lo, hi = paired(ab["decode"])
         across = f"; across processes (ours-fp32 / {FIXED_THREADS}): {rate['ours-fp32'] / rate[FIXED_THREADS]:.3f}" \
             if FIXED_THREADS in rate else ""
-        print(f"thread choice: {ratio:.3f}x the speed of {args.threads} threads every step (ours-fp32's process, "
-              f"{args.rounds} calls each, alternating{across}); target >= {goal:.2f}x")
+        print(f"thread choice: {ratio:.3f}x ({lo:.3f}-{hi:.3f}) the speed of {args.threads} threads every step "
+              f"(ours-fp32's process, {args.rounds} calls each, alternating: the median of each round's pair; of "
+              f"the sides' medians {own / env:.3f}x{across}); target >= {goal:.2f}x")
         rec.add(f"decode b1 thread choice{busy}", {"ours-fp32": own, FIXED_THREADS: env}, "new tokens/s",
                 ratio=ratio, ratio_of=f"ours-fp32 / the same process with {args.threads} threads fixed (calls "
-                f"alternating)", target=f">= {goal:.2f}x {args.threads} threads fixed{busy}", met=ratio >= goal,
-                kind="threads", busy=args.busy, threads=args.threads, seconds=ab["decode"],
-                notes=f"one process, {args.rounds} calls each, alternating{across}")
+                f"alternating; the median of each round's pair)", target=f">= {goal:.2f}x {args.threads} threads "
+                f"fixed{busy}", met=ratio >= goal, kind="threads", busy=args.busy, threads=args.threads,
+                seconds=ab["decode"], notes=f"one process, {args.rounds} calls each, alternating; pairs "
+                f"{lo:.3f}-{hi:.3f}; the sides' medians {own / env:.3f}x{across}")
     if pre_times:
         print(f"\nprefill of {args.prefill} tokens{busy} (seconds, median)")
         seconds = {e: statistics.median(pre_times[e]) for e in engines}
@@ -638,17 +652,19 @@ def main() -> None:
                     build=workers[e].build, busy=args.busy, tokens_in=args.prefill, seconds=pre_times[e], **extra)
         if "prefill" in ab:  # the prompt's blocks: the same targets as the steps'
             own, env = (statistics.median(ab["prefill"][k]) for k in ("own", "env"))
-            ratio = env / own
+            ratio, lo, hi = paired(ab["prefill"])
             across = f"; across processes ({FIXED_THREADS} time / ours-fp32 time): " \
                 f"{seconds[FIXED_THREADS] / seconds['ours-fp32']:.3f}" if FIXED_THREADS in seconds else ""
-            print(f"prompt thread choice: {ratio:.3f}x the speed of {args.threads} threads every block (ours-fp32's "
-                  f"process, {args.rounds} calls each, alternating{across}); target >= {goal:.2f}x")
+            print(f"prompt thread choice: {ratio:.3f}x ({lo:.3f}-{hi:.3f}) the speed of {args.threads} threads every "
+                  f"block (ours-fp32's process, {args.rounds} calls each, alternating: the median of each round's "
+                  f"pair; of the sides' medians {env / own:.3f}x{across}); target >= {goal:.2f}x")
             rec.add(f"prefill {args.prefill} thread choice{busy}", {"ours-fp32": own, FIXED_THREADS: env}, "seconds",
                     ratio=ratio, ratio_of=f"the same process with {args.threads} threads fixed: time / ours-fp32 time "
-                    f"(calls alternating)", met=ratio >= goal, kind="prompt-threads",
+                    f"(calls alternating; the median of each round's pair)", met=ratio >= goal, kind="prompt-threads",
                     target=f">= {goal:.2f}x the speed of {args.threads} threads fixed{busy}", busy=args.busy,
                     threads=args.threads, tokens_in=args.prefill, seconds=ab["prefill"],
-                    notes=f"one process, {args.rounds} calls each, alternating{across}")
+                    notes=f"one process, {args.rounds} calls each, alternating; pairs {lo:.3f}-{hi:.3f}; the sides' "
+                    f"medians {env / own:.3f}x{across}")
     rec.write()
     print(f"\ndone in {time.perf_counter() - started:.0f} s; load average now "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)

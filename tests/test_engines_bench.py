@@ -4,6 +4,7 @@ agreement, the skip reasons, and bench.report's engines table. ONNX Runtime and 
 (bench/requirements.txt): their end-to-end test runs where they are installed."""
 import importlib.util
 import os
+import statistics
 
 import pytest
 import torch
@@ -199,3 +200,13 @@ def test_the_thread_choice_claim_adds_the_prompts_blocks_where_recorded():
     text, used = report._threads_claim([_threads_record(1.02, 0), _threads_record(1.5, 1), *prompt])
     assert text == ("AVX2: decode 1.02x quiet, 1.50x with a core busy; prompt 512 0.98x quiet, 1.60x with a core "
                     "busy (against 2 threads fixed)") and len(used) == 4
+
+
+def test_the_thread_choices_ab_is_the_median_of_each_rounds_pair():
+    """The record that read 0.80x by the sides' medians (the host slowed down between rounds): its rounds' own pairs
+    read 0.80-1.01x, median 0.98x."""
+    times = {"env": [1.1527, 1.1262, 0.9111, 0.8477, 0.8192], "own": [1.1408, 1.1378, 1.1418, 0.8628, 0.8645]}
+    ratio, lo, hi = ce.paired(times)
+    assert (round(ratio, 3), round(lo, 3), round(hi, 3)) == (0.982, 0.798, 1.01)
+    assert round(statistics.median(times["env"]) / statistics.median(times["own"]), 3) == 0.801
+    assert ce.paired({"own": [2.0], "env": [1.0]}) == (0.5, 0.5, 0.5)  # env's time over own's: own twice as slow

@@ -29,6 +29,7 @@ from torch.overrides import TorchFunctionMode
 
 from config import PRESETS, GPT2Config
 from models.hub import HubUnavailableError, expand, hub_reachable
+from modules import hugepages
 
 # Our GPT2Model key -> HF GPT2Model key. "{}" is the layer index.
 OURS_TO_HF: dict[str, str] = {
@@ -357,6 +358,7 @@ def load_pretrained(cls, model: str | os.PathLike, config: GPT2Config | None = N
     body.position_ids = torch.arange(config.n_positions).unsqueeze(0)
     if dtype is not None:
         instance.to(dtype)
+    hugepages.place(instance, views=True)  # decoding streams the weights: 2 MiB pages read them faster (Linux)
     return instance.eval()
 
 

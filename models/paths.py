@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 
 from models import decode_threads, fast_step
-from modules import adamw, dropout, gelu, packed, quant, rmsnorm
+from modules import adamw, dropout, gelu, hugepages, packed, quant, rmsnorm
 from modules import rows as row_kernel
 
 
@@ -144,6 +144,14 @@ def _a8_default() -> tuple[bool, str]:
     return True, what + ": " + ", ".join(f"{kind} {forms[kind]} build, {codes[kind]}" for kind in forms) + ")"
 
 
+def _huge_pages_runs() -> str | None:
+    if os.environ.get(hugepages.ENV) == "0":
+        return f"{hugepages.ENV}=0"
+    if not hugepages.available():
+        return f"no transparent huge pages to ask for here (THP mode {hugepages.mode() or 'unknown'})"
+    return None
+
+
 def _prompt_kernel_default() -> tuple[bool, str]:
     limit = row_kernel.prompt_rows()
     if limit <= row_kernel.MAX_ROWS:
@@ -168,6 +176,10 @@ PATHS: tuple[Path, ...] = (
     Path("decode-step", "batch-1 decoding of plain GPT-2: each step in one C++ call (models/fast_step.py)",
          fast_step.ENV, "", "0", _step_runs, lambda: (True, "batch 1, fp32, plain GPT-2 blocks"),
          ("tests/test_fast_step.py", "tests/test_paths.py")),
+    Path("huge-pages", "a loaded model's CPU parameters in one mapping of 2 MiB pages (madvise MADV_HUGEPAGE) "
+         "instead of torch's 4 KiB ones: from_pretrained (modules/hugepages.py)", hugepages.ENV, "", "0",
+         _huge_pages_runs, lambda: (True, f"from_pretrained's CPU weights (THP mode {hugepages.mode()})"),
+         ("tests/test_hugepages.py", "tests/test_paths.py")),
     Path("decode-threads", "the decode steps' thread count chosen by timing them (models/decode_threads.py)",
          decode_threads.ENV, "auto", "off", lambda: None, _timed_threads(decode_threads.ENV, "decode steps"),
          ("tests/test_decode_threads.py", "tests/test_paths.py")),

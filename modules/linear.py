@@ -160,11 +160,18 @@ def quantized_weights(model: nn.Module, mode: str = "int8"):
     Yields the layers."""
     named = [(name, m) for name, m in model.named_modules() if type(m) is Linear]
     try:
+        fresh = False
         for name, layer in named:
+            before = layer.__dict__.get("_quantized_cache")
             try:
                 layer.quantized = cached_quantized(layer, layer.weight, mode)
             except ValueError as err:
                 raise ValueError(f"quantize={mode!r}: layer {name}: {err}") from None
+            fresh |= layer.__dict__.get("_quantized_cache") is not before
+        if fresh:  # new copies: all of them into one mapping of huge pages (before the products point at them)
+            quant.place_copies([layer for _, layer in named])
+        for name, layer in named:
+            layer.quantized = layer.__dict__["_quantized_cache"][1]
             layer.quantized_call = prepared_quantized(layer.quantized, layer.bias)
         yield [layer for _, layer in named]
     finally:

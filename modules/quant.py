@@ -53,6 +53,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from modules import hugepages
 from modules import rows as row_kernel
 
 QUANTIZE_MODES = ("int8", "int4", "w8a8", "w4a8")  # weight-only int8 / int4; the same with int8 activations
@@ -326,6 +327,18 @@ def cached_quantized(owner: nn.Module, weight: torch.Tensor, mode: str,
         cached = (key, quantize(weight, mode))
         owner.__dict__[name] = cached
     return cached[1]
+
+
+def place_copies(owners: list[nn.Module], name: str = "_quantized_cache") -> None:
+    """The `name` copies kept on `owners` (cached_quantized's) packed into one mapping of 2 MiB pages
+    (modules/hugepages.py: the decode steps stream them as they stream fp32 weights), their cache keys kept; nothing
+    where huge pages are not available."""
+    cached = [(owner, owner.__dict__[name]) for owner in owners if name in owner.__dict__]
+    flat = [t for _, (_, weight) in cached for t in (weight.q, weight.scale)]
+    placed = hugepages.pack(flat)
+    if placed and placed[0] is not flat[0]:
+        for i, (owner, (key, weight)) in enumerate(cached):
+            owner.__dict__[name] = (key, weight._replace(q=placed[2 * i], scale=placed[2 * i + 1]))
 
 
 def clear(model: nn.Module) -> int:

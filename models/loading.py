@@ -355,6 +355,7 @@ def load_pretrained(cls, model: str | os.PathLike, config: GPT2Config | None = N
     _check_shapes(body, our_sd, str(weights_path))
     instance.to_empty(device="cpu")
     body.load_state_dict(our_sd, strict=True, assign=True)
+    del our_sd  # the parameters hold the tensors now: hugepages.place frees each as it moves it
     body.position_ids = torch.arange(config.n_positions).unsqueeze(0)
     if dtype is not None:
         instance.to(dtype)

@@ -29,6 +29,7 @@ HUGE = 2 << 20  # bytes: x86-64's transparent huge page
 ALIGN = 64  # each tensor's start: a cache line
 MIN_BYTES = HUGE  # a tensor smaller than one huge page alone gains nothing (copy); place() packs every parameter
 THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+SMAPS = Path("/proc/self/smaps_rollup")
 
 
 def mode() -> str:
@@ -65,14 +66,15 @@ def _span(t: torch.Tensor) -> int:
 
 
 def _view(block: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tensor:
-    """A tensor over block[offset:] with `like`'s dtype, shape and strides, holding `like`'s values."""
-    flat = block[offset:offset + _span(like)].view(like.dtype)
-    out = flat.as_strided(like.shape, like.stride())
+    """A tensor over block[offset:] (a uint8 block of whole 64-byte lines, offset one of them) with `like`'s dtype,
+    shape and strides, holding `like`'s values."""
+    start = block.storage_offset() + offset  # bytes from the mapping's start (as_strided counts from there)
+    out = block.view(like.dtype).as_strided(like.shape, like.stride(), start // like.element_size())
     out.copy_(like)
     return out
 
 
-def _takes(t: torch.Tensor, views: bool = False) -> bool:
+def _takes(t: torch.Tensor, views: bool) -> bool:
     """A tensor place() can move: on the CPU, dense, not overlapping itself, and (unless `views`) not a view into a
     larger storage (a flat parameter buffer's views keep theirs)."""
     return (t.device.type == "cpu" and t.layout == torch.strided and not t.is_quantized and t.numel() > 0
@@ -135,7 +137,7 @@ def huge_bytes() -> int:
     """This process's memory in transparent huge pages (AnonHugePages of /proc/self/smaps_rollup), bytes; 0 where
     unknown."""
     try:
-        for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
+        for line in SMAPS.read_text().splitlines():
             if line.startswith("AnonHugePages:"):
                 return int(line.split()[1]) * 1024
     except OSError:

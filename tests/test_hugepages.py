@@ -170,3 +170,58 @@ def test_a_generate_calls_quantized_copies_are_packed_in_huge_pages_and_decode_t
             opt = torch.optim.SGD(m.parameters(), lr=0.1)
             m(ids)["logits"].square().mean().backward()
             opt.step()
+
+
+@pytest.mark.parametrize("text, mode, usable", [("always [madvise] never\n", "madvise", True),
+                                                 ("[always] madvise never\n", "always", True),
+                                                 ("always madvise [never]\n", "never", False),
+                                                 ("garbled\n", "", False), (None, "", False)])
+def test_the_thp_mode_is_read_from_sysfs_and_decides_availability(tmp_path, monkeypatch, text, mode, usable):
+    path = tmp_path / "enabled"
+    if text is not None:
+        path.write_text(text)
+    monkeypatch.setattr(hugepages, "THP_MODE", path)
+    monkeypatch.delenv("GPT2_HUGE_PAGES", raising=False)
+    assert hugepages.mode() == mode and hugepages.available() == (usable and hasattr(hugepages.mmap, "MADV_HUGEPAGE")
+                                                                  and hugepages.sys.platform == "linux")
+    monkeypatch.setenv("GPT2_HUGE_PAGES", "0")
+    assert not hugepages.available()
+
+
+def test_huge_bytes_reads_anon_huge_pages(tmp_path, monkeypatch):
+    smaps = tmp_path / "smaps_rollup"
+    smaps.write_text("Rss:  900 kB\nAnonHugePages:    4096 kB\nShmemHugePages: 0 kB\n")
+    monkeypatch.setattr(hugepages, "SMAPS", smaps)
+    assert hugepages.huge_bytes() == 4096 * 1024
+    smaps.write_text("Rss:  900 kB\n")
+    assert hugepages.huge_bytes() == 0
+    monkeypatch.setattr(hugepages, "SMAPS", tmp_path / "missing")
+    assert hugepages.huge_bytes() == 0
+
+
+@needs_thp
+def test_pack_leaves_what_it_cannot_move_and_aligns_the_rest():
+    big = torch.randn(512, 1024)  # exactly one huge page of values: enough on its own
+    overlapping = torch.zeros(1).expand(4096)  # a tensor whose elements share memory: not moved
+    one = torch.tensor([3.5])
+    packed = hugepages.pack([overlapping, big, one])
+    assert packed[0] is overlapping and packed[1] is not big and packed[2] is not one
+    assert torch.equal(packed[1], big) and torch.equal(packed[2], one)
+    assert packed[1].data_ptr() % hugepages.HUGE == 0 and packed[2].data_ptr() == packed[1].data_ptr() + big.nbytes
+    small = [torch.randn(1000), torch.randn(1000)]
+    assert all(a is b for a, b in zip(hugepages.pack(small), small))  # less than a huge page in all
+    m = torch.nn.Module()
+    m.w, m.s = torch.nn.Parameter(torch.randn(512, 1024)), torch.nn.Parameter(torch.tensor([2.0]))
+    assert hugepages.place(m) == big.nbytes + 64 and m.s.data_ptr() == m.w.data_ptr() + big.nbytes
+    assert m.s.item() == 2.0
+
+
+@needs_thp
+def test_exactly_one_huge_page_of_values_is_enough_and_an_arena_is_as_long_as_asked():
+    page = torch.randn(512, 1024)  # 2 MiB
+    assert hugepages.pack([page])[0] is not page and hugepages.copy(page) is not page
+    m = torch.nn.Module()
+    m.w = torch.nn.Parameter(page.clone())
+    assert hugepages.place(m) == hugepages.HUGE and torch.equal(m.w, page)
+    block = hugepages.arena(3 << 20)
+    assert block.numel() == 3 << 20 and block.data_ptr() % hugepages.HUGE == 0 and not block.any()

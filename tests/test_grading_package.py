@@ -121,7 +121,10 @@ def test_namespaces_forbidden_degrades_and_says_so(autograder, tmp_path):
     assert 0 < results["score"] < 100  # graded: everything but the broken optimizer passes
     held = results["extra_data"]["sandbox"]
     assert held["network_isolated"] is False and "Operation not permitted" in held["network"]
-    assert held["own_uid"] is False
+    # the uid of its own needs only root's setuid, but without a private mount namespace the sandbox user must be
+    # able to read the interpreter where it is: a venv made from /usr/bin/python3 is, one under /root/.pyenv is not
+    readable = "not readable by a sandbox user" not in held["python"]
+    assert held["own_uid"] is readable and (held["uid"] != 0) is readable, held
     assert held["grader_code"].startswith("not hidden: no private mount namespace"), held  # said, not claimed
     assert "NOT isolated" in results["output"]
 

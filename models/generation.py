@@ -15,7 +15,14 @@ from models import fast_step
 from models.decode_threads import LONGEST_PERIOD, PROMPT_ENV, PROMPT_MIN_FLOPS, DecodeThreads
 from modules import rows as row_kernel
 from modules.attention import KVCache
-from modules.linear import blocked_product, prepared_rows, quantized_weights, row_blocks, weight_first
+from modules.linear import (
+    blocked_product,
+    prepared_rows,
+    quantized_weights,
+    row_blocks,
+    takes_prompt_kernel,
+    weight_first,
+)
 from modules.masks import position_ids_from_mask
 from modules.quant import QUANTIZE_MODES, cached_quantized, place_copies, prepared_quantized, quantized_linear
 
@@ -188,6 +195,8 @@ def decode_lm_head(body, batch_size: int, quantize: str | None = None):
         call = row_kernel.prepared(weight.detach())  # once per decode call, like the layers' (prepared_rows)
         return lambda hidden: softcap(row_kernel.run(call, hidden))
     if batch_size > 1:
+        if takes_prompt_kernel(batch_size, weight.dtype, weight):
+            return lambda hidden: softcap(row_kernel.chunked_linear(hidden, weight.detach()))  # 9+ rows: its tiles
         return lambda hidden: softcap(weight_first(hidden, weight))  # (V, C) @ (C, B) -> (B, V)
     views = row_blocks(weight.detach(), None, torch.get_num_threads())  # one block of V's rows per thread
     return body.hidden_state_to_token if views is None else lambda hidden: softcap(blocked_product(hidden, views))

@@ -42,6 +42,16 @@ def weight_first(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return out.t()
 
 
+def takes_prompt_kernel(rows: int, dtype: torch.dtype, weight: torch.Tensor) -> bool:
+    """Whether `rows` rows of `dtype` times `weight` take the rows kernel's product of many rows (rows.chunked_linear):
+    fp32 on the CPU without gradients, a contiguous weight of at least rows.PROMPT_MIN_WEIGHT values, where the kernel
+    pays at 8 rows (its passes are its 8-row product) and the rows are within rows.prompt_rows() (a short prompt; a
+    decode step of 9+ rows, and its LM head: models/generation.py)."""
+    return (dtype == torch.float32 and weight.dtype == torch.float32 and weight.is_cpu and not torch.is_grad_enabled()
+            and weight.is_contiguous() and weight.numel() >= row_kernel.PROMPT_MIN_WEIGHT
+            and row_kernel.pays(torch.float32, row_kernel.MAX_ROWS) and row_kernel.takes_chunks(rows))
+
+
 class Blocks(NamedTuple):
     """A weight's rows cut into equal blocks, as views (no copy): (blocks, in, size) and the bias as (blocks, 1, size);
     `rest` holds the rows left over when the block count does not divide out_features (else None)."""
@@ -105,16 +115,15 @@ class Linear(nn.Linear):
                 return row_kernel.run(self.rows_call[1], x)
             if row_kernel.pays(self.weight.dtype, x.shape[0]) and row_kernel.applies(x, self.weight):
                 return row_kernel.rows_linear(x, self.weight, self.bias)
-            if x.shape[0] > 1:  # row-major like F.linear's output: a transposed view sends the next product and
-                return weight_first(x[:, 0], self.weight, self.bias).contiguous()[:, None]  # SDPA down slow paths
+            if x.shape[0] > 1:
+                if takes_prompt_kernel(x.shape[0], x.dtype, self.weight):  # 9+ rows (12 sonnets): the kernel
+                    return row_kernel.chunked_linear(x, self.weight, self.bias)
+                # row-major like F.linear's output: a transposed view sends the next product and SDPA down slow paths
+                return weight_first(x[:, 0], self.weight, self.bias).contiguous()[:, None]
             views = self.decode_blocks()
             if views is not None:
                 return blocked_product(x[:, 0], views)[:, None]  # (1, 1, out)
-        if (x.dtype == torch.float32 and self.weight.dtype == torch.float32 and x.is_cpu and self.weight.is_cpu
-                and not torch.is_grad_enabled() and self.weight.is_contiguous()
-                and self.weight.numel() >= row_kernel.PROMPT_MIN_WEIGHT
-                and row_kernel.pays(torch.float32, row_kernel.MAX_ROWS)  # (the chunks are its 8-row product)
-                and row_kernel.takes_chunks(x.shape[:-1].numel())):
+        if x.is_cpu and takes_prompt_kernel(x.shape[:-1].numel(), x.dtype, self.weight):
             return row_kernel.chunked_linear(x, self.weight, self.bias)  # a short prompt: the kernel
         return F.linear(x, self.weight, self.bias)
 

@@ -266,12 +266,11 @@ def prompt_rows() -> int:
     if set (0: none beyond MAX_ROWS), else the plan's timing (MAX_ROWS where there is no plan: one form of the
     kernel, or none)."""
     setting = os.environ.get(PROMPT_ENV, "").strip()
-    if setting:
-        if not setting.isdigit():
-            raise ValueError(f"{PROMPT_ENV} must be a row count (0: torch's product beyond {MAX_ROWS} rows), "
-                             f"got {setting!r}")
-        return max(int(setting), MAX_ROWS)
-    return plan().get("prompt_rows", MAX_ROWS) if available() else MAX_ROWS
+    if setting and not setting.isdigit():
+        raise ValueError(f"{PROMPT_ENV} must be a row count (0: torch's product beyond {MAX_ROWS} rows), got {setting!r}")
+    if not available():  # no kernel here (or GPT2_ROWS_KERNEL=0): nothing to take, whatever the setting
+        return MAX_ROWS
+    return max(int(setting), MAX_ROWS) if setting else plan().get("prompt_rows", MAX_ROWS)
 
 
 def takes_chunks(rows: int) -> bool:

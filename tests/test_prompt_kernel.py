@@ -196,3 +196,15 @@ def test_decode_steps_of_nine_or_more_rows_and_their_lm_head_take_the_kernel_wit
     # the prompt's 60 rows through q, k, v, the projection and the MLP's two; then 12 rows through those six in each
     # of the 5 steps after the first token, and through the LM head (600 x 512) for each of the 6 new tokens
     assert outs["128rows"] == [60] * 6 + [12] * (6 * 5 + 6), outs["128rows"]
+
+
+def test_no_kernel_here_means_no_chunks_whatever_the_setting(monkeypatch):
+    """GPT2_ROWS_KERNEL=0 (or a machine where the kernel does not build) with GPT2_PROMPT_KERNEL set: F.linear, not
+    a crash in a kernel that is not there."""
+    monkeypatch.setenv("GPT2_PROMPT_KERNEL", "128")
+    monkeypatch.setattr(rows, "available", lambda: False)
+    assert rows.prompt_rows() == rows.MAX_ROWS and not rows.takes_chunks(16)
+    layer = Linear(512, 1024)
+    x = torch.randn(1, 16, 512)
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))

@@ -19,7 +19,6 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,17 +37,6 @@ def paired(first: list[float], second: list[float]) -> tuple[float, float, float
     """Median, min and max over rounds of first[i] / second[i] (4 KiB's seconds over 2 MiB's: 2 MiB's speed-up)."""
     ratios = sorted(a / b for a, b in zip(first, second))
     return statistics.median(ratios), ratios[0], ratios[-1]
-
-
-def timed(contenders: dict, rounds: int) -> dict[str, list[float]]:
-    """{name: seconds per round}: each round calls every contender once, the order reversed every other round."""
-    times: dict[str, list[float]] = {name: [] for name in contenders}
-    for r in range(rounds):
-        for name in (list(contenders) if r % 2 == 0 else list(contenders)[::-1]):
-            start = time.perf_counter()
-            contenders[name]()
-            times[name].append(time.perf_counter() - start)
-    return times
 
 
 def block_weights(model) -> list[torch.Tensor]:
@@ -95,7 +83,7 @@ def main() -> None:
                 products = [(rows.prepared(w, lib=lib), torch.randn(1, w.shape[1])) for w in weights]
                 calls[name] = lambda products=products: [call(x) for call, x in products]
                 size = sum(w.numel() * 4 for w in weights)
-            times = timed(calls, 3 * args.rounds)
+            times = rows.interleaved(calls, 3 * args.rounds)
             speed = {name: size / statistics.median(t) / 1e9 for name, t in times.items()}
             ratio, lo, hi = paired(times["4k"], times["2m"])
             print(f"{what}, one row each (rows kernel): 4 KiB pages {speed['4k']:.1f} GB/s, 2 MiB {speed['2m']:.1f} "
@@ -122,7 +110,7 @@ def main() -> None:
         calls = {name: (lambda name=name, model=model: decode(name, model)) for name, model in models.items()}
         for call in calls.values():  # warm-up: the copies, the plan, the thread choice
             call()
-        times = timed(calls, args.rounds)
+        times = rows.interleaved(calls, args.rounds)
         rate = {name: 64 / statistics.median(t) for name, t in times.items()}
         ratio, lo, hi = paired(times["4k"], times["2m"])
         same = torch.equal(out["4k"], out["2m"])

@@ -226,7 +226,6 @@ def time_prompt_rows(lib, counts: tuple[int, ...] | list[int] = PROMPT_ROWS_TIME
     rows over a chain of 3072 x 768 and 768 x 3072 weights (`megabytes` in all), the kernel `lib`'s product of many
     rows (many_rows) against torch's F.linear, in interleaved rounds (medians)."""
     import statistics
-    import time
 
     import torch.nn.functional as F
 
@@ -240,14 +239,23 @@ def time_prompt_rows(lib, counts: tuple[int, ...] | list[int] = PROMPT_ROWS_TIME
         xs = {768: torch.randn(n, 768), 3072: torch.randn(n, 3072)}
         contenders = {"kernel": lambda: [many_rows(xs[w.shape[1]], w, b, lib) for w, b in zip(weights, biases)],
                       "torch": lambda: [F.linear(xs[w.shape[1]], w, b) for w, b in zip(weights, biases)]}
-        times: dict[str, list[float]] = {name: [] for name in contenders}
-        for r in range(rounds):
-            for name in (list(contenders) if r % 2 == 0 else list(contenders)[::-1]):
-                start = time.perf_counter()
-                contenders[name]()
-                times[name].append(time.perf_counter() - start)
+        times = interleaved(contenders, rounds)
         results[str(n)] = {name: total / statistics.median(t) / 1e9 for name, t in times.items()}
     return results
+
+
+def interleaved(contenders: dict, rounds: int) -> dict[str, list[float]]:
+    """{name: seconds per round} of calling each contender once a round, the order reversed every other round (so a
+    machine that slows down or speeds up within a round moves them alike); bench/hugepages.py times with it too."""
+    import time
+
+    times: dict[str, list[float]] = {name: [] for name in contenders}
+    for r in range(rounds):
+        for name in (list(contenders) if r % 2 == 0 else list(contenders)[::-1]):
+            start = time.perf_counter()
+            contenders[name]()
+            times[name].append(time.perf_counter() - start)
+    return times
 
 
 def choose_prompt_rows(takes: dict[str, str]) -> int:

@@ -164,24 +164,9 @@ def test_the_timing_reports_both_contenders_per_count():
 
 
 @needs_kernel
-def test_a_short_prompt_gives_the_same_greedy_tokens_either_way(monkeypatch):
-    torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=4, n_embd=512, vocab_size=97, n_positions=64)).eval()
-    ids = torch.randint(0, 97, (1, 20))
-    outs = {}
-    for setting in ("0", "32"):
-        monkeypatch.setenv("GPT2_PROMPT_KERNEL", setting)
-        with torch.no_grad():
-            outs[setting] = model.generate(ids, max_new_tokens=12, do_sample=False)
-            outs[setting + "logits"] = model(ids)["logits"]
-    assert torch.equal(outs["0"], outs["32"])
-    torch.testing.assert_close(outs["0logits"], outs["32logits"], atol=1e-4, rtol=1e-4)
-
-
-@needs_kernel
-def test_decode_steps_of_nine_or_more_rows_and_their_lm_head_take_the_kernel_with_the_same_tokens(monkeypatch, spy):
-    """A batch of 12 prompts (run_sonnet.py's dev set) decodes each step's 12 rows through the kernel, its LM head
-    too; the greedy tokens and the logits of every step are F.linear's (GPT2_PROMPT_KERNEL=0) to float rounding."""
+def test_a_prompt_and_decode_steps_of_nine_or_more_rows_take_the_kernel_with_the_same_tokens(monkeypatch, spy):
+    """A batch of 12 prompts (run_sonnet.py's dev set): the prompt's 60 rows, then each step's 12 rows, its LM head
+    too, through the kernel; the greedy tokens are F.linear's (GPT2_PROMPT_KERNEL=0), the logits to float rounding."""
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=4, n_embd=512, vocab_size=600, n_positions=64)).eval()
     ids = torch.randint(0, 600, (12, 5))
@@ -192,7 +177,10 @@ def test_decode_steps_of_nine_or_more_rows_and_their_lm_head_take_the_kernel_wit
         with torch.no_grad():
             outs[setting] = model.generate(ids, max_new_tokens=6, do_sample=False)
         outs[setting + "rows"] = list(spy)
+        with torch.no_grad():
+            outs[setting + "logits"] = model(ids)["logits"]
     assert torch.equal(outs["0"], outs["128"]) and outs["0rows"] == []
+    torch.testing.assert_close(outs["0logits"], outs["128logits"], atol=1e-4, rtol=1e-4)
     # the prompt's 60 rows through q, k, v, the projection and the MLP's two; then 12 rows through those six in each
     # of the 5 steps after the first token, and through the LM head (600 x 512) for each of the 6 new tokens
     assert outs["128rows"] == [60] * 6 + [12] * (6 * 5 + 6), outs["128rows"]

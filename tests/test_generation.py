@@ -1,4 +1,5 @@
 """Decoding: token-for-token equal to transformers' generate under greedy search; cache, EOS, filters, sampling."""
+import numpy as np
 import pytest
 import torch
 from conftest import make_hf_model, padded_batch, tiny_config
@@ -577,3 +578,30 @@ def test_a_call_reusing_the_last_calls_cache_buffers_poisoned_equals_a_fresh_mod
         assert ours.gpt not in gpt2._KEPT_CACHES
     finally:
         gpt2.KEPT_CACHE_BYTES = gpt2_bytes
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_a_batchs_rows_are_sorted_on_torchs_threads_to_the_same_values(monkeypatch, threads):
+    """generation.sorted_best_first (the top-p filter's sort): -np.sort(-x) for 1 to 12 rows, any leading shape, the
+    rows split over torch's thread count (one helper thread fewer than that, at most one per row)."""
+    started = []
+    real = generation.threading.Thread
+
+    def counting(*args, **kwargs):
+        started.append(kwargs.get("args"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(generation.threading, "Thread", counting)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        rng = np.random.default_rng(0)
+        for shape in [(1, 500), (2, 500), (3, 500), (12, 50257), (2, 3, 40)]:
+            started.clear()
+            x = rng.standard_normal(shape).astype(np.float32)
+            x[..., :7] = x[..., 7:8]  # ties
+            assert np.array_equal(generation.sorted_best_first(x), -np.sort(-x, axis=-1))
+            rows = int(np.prod(shape[:-1]))
+            assert len(started) == min(threads, rows) - 1, (shape, started)
+    finally:
+        torch.set_num_threads(before)

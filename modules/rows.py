@@ -176,6 +176,7 @@ PROMPT_MIN_WEIGHT = 1 << 18  # values (1 MiB of fp32): 1024 x 256 and up; gpt2's
 PROMPT_ENV = "GPT2_PROMPT_KERNEL"
 _plan: dict | None = None
 _forms: dict[str, object] = {}
+_prompt_lib: tuple | None = None  # prompt_library's: (the plan, the form, the library at that plan's distances)
 
 
 def _plan_path() -> Path:
@@ -275,7 +276,8 @@ def prompt_rows() -> int:
     kernel, or none)."""
     setting = os.environ.get(PROMPT_ENV, "").strip()
     if setting and not setting.isdigit():
-        raise ValueError(f"{PROMPT_ENV} must be a row count (0: torch's product beyond {MAX_ROWS} rows), got {setting!r}")
+        raise ValueError(f"{PROMPT_ENV} must be a row count (0: torch's product beyond {MAX_ROWS} rows), "
+                         f"got {setting!r}")
     if not available():  # no kernel here (or GPT2_ROWS_KERNEL=0): nothing to take, whatever the setting
         return MAX_ROWS
     return max(int(setting), MAX_ROWS) if setting else plan().get("prompt_rows", MAX_ROWS)
@@ -411,7 +413,8 @@ def plan() -> dict:
             takes, prompt_again = _confirmed({n: _faster(s, "torch") for n, s in prompt.items()}, "torch",
                                              lambda counts: time_prompt_rows(prompt_lib, [int(n) for n in counts]))
             prompt_limit = choose_prompt_rows(takes)
-            _plan = {"forms": forms, "speeds": speeds, "prefetch": prefetch, "prefetch_speeds": ahead, "prompt_rows": prompt_limit, "prompt_speeds": prompt,
+            _plan = {"forms": forms, "speeds": speeds, "prefetch": prefetch, "prefetch_speeds": ahead,
+                     "prompt_rows": prompt_limit, "prompt_speeds": prompt,
                      "confirmed_by": {"speeds": again, "prefetch_speeds": ahead_again, "prompt_speeds": prompt_again},
                      "source": f"timed, cached in {path}"}
             try:  # atomically: another process timing at once ends with one whole file
@@ -449,10 +452,14 @@ def prompt_library():
     Zen 4's plan once took the AVX2 form by 5%), while many rows are bound by the arithmetic, which the native
     AVX512 build does with twice the registers of twice the width (the AVX2 form's prompt products on a Zen 4 read
     11.0 GB/s at 16 rows and lost to F.linear from 64 rows, against 13.5 and 1.3-1.4x F.linear for the native one)."""
+    global _prompt_lib
     setting = os.environ.get(PLAN_ENV, "on")
-    lib = _form(setting if setting in FORMS and available() else "native")
-    _set_prefetch(lib, plan())
-    return lib
+    form, chosen = setting if setting in FORMS and available() else "native", plan()
+    if _prompt_lib is None or _prompt_lib[0] is not chosen or _prompt_lib[1] != form:  # once per plan and form, not
+        lib = _form(form)  # once per product: a batched decode step takes 73 of them
+        _set_prefetch(lib, chosen)
+        _prompt_lib = (chosen, form, lib)
+    return _prompt_lib[2]
 
 
 def _set_prefetch(lib, chosen: dict) -> None:
@@ -629,6 +636,7 @@ if __name__ == "__main__":  # python -m modules.rows [--retime]: the plan of thi
         print(f"  {kind:<5} prefetch {prefetch_of(chosen, kind)} bytes ahead" + (": native form, " if timed else "")
               + shown(timed.get(kind, {}), again.get("prefetch_speeds", {}).get(kind)))
     print(f"  fp32 products of {MAX_ROWS + 1} to {prompt_rows()} rows without gradients: the kernel, {MAX_ROWS} rows a "
-          f"pass over each tile of the weight" if prompt_rows() > MAX_ROWS else f"  fp32 products of more than {MAX_ROWS} rows: torch's F.linear")
+          f"pass over each tile of the weight" if prompt_rows() > MAX_ROWS
+          else f"  fp32 products of more than {MAX_ROWS} rows: torch's F.linear")
     for n, by in chosen.get("prompt_speeds", {}).items():
         print(f"    {n} rows: " + shown(by, again.get("prompt_speeds", {}).get(n)))

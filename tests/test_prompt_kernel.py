@@ -94,7 +94,10 @@ def test_the_product_of_many_rows_over_every_tile_shape_equals_f_linear(form, th
 def test_prompts_take_the_native_build_whatever_form_the_plan_took_for_one_row(monkeypatch):
     monkeypatch.setattr(rows, "_plan", {"forms": {kind: "avx2" for kind in rows.PLAN_KINDS}, "speeds": {}})
     monkeypatch.delenv("GPT2_DECODE_PLAN", raising=False)
-    assert rows.prompt_library() is rows._load()
+    set_for, real = [], rows._set_prefetch
+    monkeypatch.setattr(rows, "_set_prefetch", lambda lib, chosen: set_for.append(lib) or real(lib, chosen))
+    assert rows.prompt_library() is rows._load() and rows.prompt_library() is rows._load()
+    assert set_for == [rows._load()]  # the plan's distances set once for this plan, not at every product
     monkeypatch.setenv("GPT2_DECODE_PLAN", "avx2")  # a form forced: the prompt's products take it too
     assert rows.prompt_library().rows_vector_width() == 8
 

@@ -25,7 +25,7 @@ from modules.linear import (
     weight_first,
 )
 from modules.masks import position_ids_from_mask
-from modules.quant import QUANTIZE_MODES, cached_quantized, place_copies, prepared_quantized, quantized_linear
+from modules.quant import QUANTIZE_MODES, cached_copies, prepared_quantized, quantized_linear
 
 
 def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
@@ -201,14 +201,7 @@ def decode_lm_head(body, batch_size: int, quantize: str | None = None):
     stays as it is)."""
     weight, softcap = body.lm_head_weight, body.logit_softcap  # softcap: nn.Identity unless the config caps logits
     if quantize is not None and batch_size == 1:
-        before = body.__dict__.get("_quantized_head")
-        try:
-            head = cached_quantized(body, weight, quantize, "_quantized_head")
-        except ValueError as err:
-            raise ValueError(f"quantize={quantize!r}: the LM head: {err}") from None
-        if body.__dict__["_quantized_head"] is not before:  # a new copy: into huge pages (modules/hugepages.py)
-            place_copies([body], "_quantized_head")
-            head = body.__dict__["_quantized_head"][1]
+        (head,) = cached_copies([("the LM head", body, weight)], quantize, "_quantized_head")
         call = prepared_quantized(head)
         if call is not None:
             return lambda hidden: softcap(call(hidden) if hidden.dtype == torch.float32 and hidden.is_contiguous()

@@ -33,7 +33,7 @@ from torch import nn
 
 from modules import packed, quant
 from modules import rows as row_kernel
-from modules.quant import Int4Weight, Int8Weight, cached_quantized, prepared_quantized, quantized_linear
+from modules.quant import Int4Weight, Int8Weight, prepared_quantized, quantized_linear
 
 
 def weight_first(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -168,20 +168,11 @@ def quantized_weights(model: nn.Module, mode: str = "int8"):
     the layer.
     Yields the layers."""
     named = [(name, m) for name, m in model.named_modules() if type(m) is Linear]
-    try:
-        fresh = False
-        for name, layer in named:
-            before = layer.__dict__.get("_quantized_cache")
-            try:
-                layer.quantized = cached_quantized(layer, layer.weight, mode)
-            except ValueError as err:
-                raise ValueError(f"quantize={mode!r}: layer {name}: {err}") from None
-            fresh |= layer.__dict__.get("_quantized_cache") is not before
-        if fresh:  # new copies: all of them into one mapping of huge pages (before the products point at them)
-            quant.place_copies([layer for _, layer in named])
-        for name, layer in named:
-            layer.quantized = layer.__dict__["_quantized_cache"][1]
-            layer.quantized_call = prepared_quantized(layer.quantized, layer.bias)
+    try:  # the copies placed first (huge pages, where new), then the products prepared on them
+        copies = quant.cached_copies([(f"layer {name}", layer, layer.weight) for name, layer in named], mode)
+        for (_, layer), copy in zip(named, copies):
+            layer.quantized = copy
+            layer.quantized_call = prepared_quantized(copy, layer.bias)
         yield [layer for _, layer in named]
     finally:
         for _, layer in named:

@@ -329,16 +329,30 @@ def cached_quantized(owner: nn.Module, weight: torch.Tensor, mode: str,
     return cached[1]
 
 
-def place_copies(owners: list[nn.Module], name: str = "_quantized_cache") -> None:
-    """The `name` copies kept on `owners` (cached_quantized's) packed into one mapping of 2 MiB pages
-    (modules/hugepages.py: the decode steps stream them as they stream fp32 weights), their cache keys kept; nothing
-    where huge pages are not available."""
-    cached = [(owner, owner.__dict__[name]) for owner in owners if name in owner.__dict__]
-    flat = [t for _, (_, weight) in cached for t in (weight.q, weight.scale)]
-    placed = hugepages.pack(flat)
-    if placed and placed[0] is not flat[0]:
-        for i, (owner, (key, weight)) in enumerate(cached):
-            owner.__dict__[name] = (key, weight._replace(q=placed[2 * i], scale=placed[2 * i + 1]))
+def cached_copies(owned: list[tuple[str, nn.Module, torch.Tensor]], mode: str,
+                  name: str = "_quantized_cache") -> list[Int8Weight | Int4Weight]:
+    """cached_quantized's `mode` copy for each (label, owner, weight), in order; where any copy was made anew, all of
+    them packed into one mapping of 2 MiB pages (modules/hugepages.py: the decode steps stream them as they stream
+    fp32 weights; nothing moves where huge pages are not available), their cache keys kept. A weight the mode cannot
+    take raises ValueError naming its label ("layer h.0.mlp", "the LM head")."""
+    fresh = False
+    for label, owner, weight in owned:
+        before = owner.__dict__.get(name)
+        try:
+            cached_quantized(owner, weight, mode, name)
+        except ValueError as err:
+            raise ValueError(f"quantize={mode!r}: {label}: {err}") from None
+        fresh |= owner.__dict__[name] is not before
+    cached = [owner.__dict__[name] for _, owner, _ in owned]
+    if fresh:
+        flat = [t for _, weight in cached for t in (weight.q, weight.scale)]
+        placed = hugepages.pack(flat)
+        if placed[0] is not flat[0]:
+            cached = [(key, weight._replace(q=placed[2 * i], scale=placed[2 * i + 1]))
+                      for i, (key, weight) in enumerate(cached)]
+            for (_, owner, _), entry in zip(owned, cached):
+                owner.__dict__[name] = entry
+    return [weight for _, weight in cached]
 
 
 def clear(model: nn.Module) -> int:

@@ -159,6 +159,11 @@ def test_a_generate_calls_quantized_copies_are_packed_in_huge_pages_and_decode_t
                   if "_quantized_cache" in layer.__dict__]
         head = model.gpt.__dict__["_quantized_head"][1].q
         assert len(copies) == 12 and all(thp_eligible(q.data_ptr()) for q in copies + [head])
+        with torch.no_grad():  # nothing changed: the next call reads the same copies, not a new packing of them
+            model.generate(ids, max_new_tokens=2, do_sample=False, quantize=quantize)
+        assert [layer.__dict__["_quantized_cache"][1].q.data_ptr() for layer in model.modules()
+                if "_quantized_cache" in layer.__dict__] == [q.data_ptr() for q in copies]
+        assert model.gpt.__dict__["_quantized_head"][1].q.data_ptr() == head.data_ptr()
         monkeypatch.setenv("GPT2_HUGE_PAGES", "0")
         with torch.no_grad():
             assert torch.equal(tokens, twin.generate(ids, max_new_tokens=6, do_sample=False, quantize=quantize))

@@ -27,7 +27,7 @@ import torch
 ENV = "GPT2_HUGE_PAGES"
 HUGE = 2 << 20  # bytes: x86-64's transparent huge page
 ALIGN = 64  # each tensor's start: a cache line
-MIN_BYTES = HUGE  # a tensor smaller than one huge page alone gains nothing (copy); place() packs every parameter
+MIN_BYTES = HUGE  # less than one huge page in all gains nothing: pack() and place() leave such tensors
 THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 SMAPS = Path("/proc/self/smaps_rollup")
 
@@ -97,8 +97,10 @@ def pack(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """Copies of `tensors` (their dtypes, shapes and strides) packed in order into one mapping of huge pages, each
     64-byte aligned, where available() and they span MIN_BYTES or more in all (tensors place() cannot move are
     returned as they are); else `tensors` themselves."""
+    if not available():
+        return list(tensors)
     offsets, total = _layout(tensors)
-    if not available() or total < MIN_BYTES:
+    if total < MIN_BYTES:
         return list(tensors)
     block = arena(total)
     with torch.no_grad():
@@ -125,12 +127,6 @@ def place(module: torch.nn.Module, views: bool = False) -> int:
         for p, offset in zip(params, offsets):
             p.data = _view(block, offset, p.data)
     return total
-
-
-def copy(t: torch.Tensor) -> torch.Tensor:
-    """`t`'s values in huge pages (a new tensor with its dtype, shape and strides) where available() and it spans
-    at least MIN_BYTES; else `t` itself."""
-    return pack([t])[0]
 
 
 def huge_bytes() -> int:

@@ -76,15 +76,16 @@ def test_small_models_views_and_the_switch_stay_where_they_are(monkeypatch):
     ptr = big[0].weight.data_ptr()
     assert not hugepages.available() and hugepages.place(big) == 0 and big[0].weight.data_ptr() == ptr
     t = torch.randn(1024, 1024)
-    assert hugepages.copy(t) is t
+    assert hugepages.pack([t])[0] is t
 
 
 @needs_thp
-def test_copy_gives_the_same_values_in_an_eligible_mapping():
+def test_one_tensor_packed_keeps_its_values_in_an_eligible_mapping():
     t = torch.randn(1024, 1024)
-    c = hugepages.copy(t)
+    c = hugepages.pack([t])[0]
     assert c is not t and torch.equal(c, t) and c.stride() == t.stride() and thp_eligible(c.data_ptr())
-    assert hugepages.copy(torch.randn(10)).numel() == 10  # small: itself
+    small = torch.randn(10)
+    assert hugepages.pack([small])[0] is small  # less than a huge page: itself
 
 
 def test_from_pretrained_places_cpu_weights_and_decodes_the_same_tokens(saved, monkeypatch):
@@ -224,7 +225,7 @@ def test_pack_leaves_what_it_cannot_move_and_aligns_the_rest():
 @needs_thp
 def test_exactly_one_huge_page_of_values_is_enough_and_an_arena_is_as_long_as_asked():
     page = torch.randn(512, 1024)  # 2 MiB
-    assert hugepages.pack([page])[0] is not page and hugepages.copy(page) is not page
+    assert hugepages.pack([page])[0] is not page
     m = torch.nn.Module()
     m.w = torch.nn.Parameter(page.clone())
     assert hugepages.place(m) == hugepages.HUGE and torch.equal(m.w, page)

@@ -23,8 +23,7 @@ against that fixed count) are timed in ours-fp32's own process, its calls altern
 fixed count (the variables set per call), and each round's two adjacent calls give one ratio, the rounds' median
 reported (a host that changes speed between rounds moves both calls of a round alike): two processes running the
 same code differ by up to 3% here (where their memory landed), more than the choice costs, so a ratio of two
-processes would measure their placement. The ratio
-across the two processes is in the row's notes.
+processes would measure their placement. The ratio across the two processes is in the row's notes.
 
 An engine whose package is missing is skipped with the reason. The exported files are cached under --workdir
 (default ~/.cache/gpt2-cs224n/engines), keyed by the seed; --fresh rebuilds them.

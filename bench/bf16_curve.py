@@ -9,10 +9,13 @@ difference is judged against. Each run is a fresh process; its OUT/metrics.jsonl
 bench/results/bf16_curve.jsonl.
 
 Precisions: fp32; bf16-weights (`--dtype bf16-weights`: bf16 weights, fp32 masters in AdamW, no autocast); bfloat16
-(autocast over fp32 weights).
+(autocast over fp32 weights); bf16-weights+packed (bf16-weights with GPT2_PACKED_BF16=force: the evaluations' products
+from oneDNN-packed weight copies, the path an AMX CPU takes by default, forced on any CPU whose oneDNN has bf16
+kernels).
 
     python bench/bf16_curve.py                                   # fp32, fp32 (seed 2), bf16-weights, bfloat16
     python bench/bf16_curve.py --dtypes bf16-weights --max-iters 500 --plot /tmp/curve.png
+    python bench/bf16_curve.py --dtypes bf16-weights+packed --plot /tmp/packed.png   # AMX's default, forced
 """
 from __future__ import annotations
 
@@ -35,16 +38,21 @@ from models.hub import data_dir, not_found  # noqa: E402
 
 CORPUS = data_dir() / "tinyshakespeare" / "input.txt"
 SEEDS = (1337, 2024)  # the runs' seed, and the second fp32 run's
+FORCED = {"+packed": {"GPT2_PACKED_BF16": "force"}}  # a precision's suffix: the paths its run is forced onto
 
 
 def run(dtype: str, seed: int, out: Path, max_iters: int, extra: list[str]) -> dict:
     """One pretraining run in a fresh process; its metrics records, wall time and final val loss."""
+    env = dict(os.environ)
+    for suffix, forced in FORCED.items():
+        if dtype.endswith(suffix):
+            env.update(forced)
     cmd = [sys.executable, str(ROOT / "run_pretrain.py"), "--data", str(CORPUS), "--output_dir", str(out),
-           "--dtype", dtype, "--seed", str(seed), "--max_iters", str(max_iters), "--num_samples", "0",
+           "--dtype", dtype.split("+")[0], "--seed", str(seed), "--max_iters", str(max_iters), "--num_samples", "0",
            "--overwrite", *extra]
     load = os.getloadavg()[0]
     start = time.perf_counter()
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
     seconds = time.perf_counter() - start
     if done.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stderr[-3000:]}")
@@ -94,7 +102,8 @@ def plot(runs: list[dict], path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtypes", nargs="+", default=["bf16-weights", "bfloat16"],
-                        choices=["bf16-weights", "bfloat16", "float16"], help="precisions compared with fp32")
+                        choices=["bf16-weights", "bfloat16", "float16", "bf16-weights+packed"],
+                        help="precisions compared with fp32")
     parser.add_argument("--max-iters", type=int, default=2000, help="steps of each run")
     parser.add_argument("--plot", default=str(ROOT / "docs/images/bf16-loss-curve.png"), help="where the PNG goes")
     parser.add_argument("extra", nargs="*", help="more run_pretrain.py flags, after --")

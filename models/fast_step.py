@@ -3,15 +3,18 @@ hundred torch operations of GPT2Model.decode_step.
 
 Each torch operation costs a dispatch of several microseconds; at gpt2 size they added about a third to the time
 the weights take to stream, and with int8 or int4 weights, whose products are 4 to 6 times shorter, they were most
-of the step (docs/cpu-decoding.md, "Against the CPU engines"). The C++ step runs every block (LayerNorm, q/k/v,
-the cache write, attention, projections, GELU, residuals) and the final LayerNorm, with every product in the rows
-kernel and in the layer's own weight kind (fp32, or the int8/int4 copies of quantize=...). The embedding lookup,
-the LM head and the logits processing stay in Python. The results agree with decode_step to float rounding (other
-summation orders), like the kernel's products.
+of the step (docs/cpu-decoding.md, "Against the CPU engines"); with bf16 weights (half fp32's bytes) they were 40%
+of it. The C++ step runs every block (LayerNorm, q/k/v, the cache write, attention, projections, GELU, residuals) and
+the final LayerNorm, with every product in the rows kernel and in the layer's own weight kind (fp32, bf16, or the
+int8/int4 copies of quantize=...). A bf16 model's step keeps its activations in fp32 storage rounded to bf16 wherever
+decode_step's bf16 operations round them, and its cache in bf16. The embedding lookup, the LM head and the logits
+processing stay in Python. The results agree with decode_step to float rounding (other summation orders), like the
+kernel's products.
 
-Taken by models.generation.generate for one prompt without padding on the CPU in fp32, where the kernel builds, for
-the GPT-2 architecture (LayerNorm, learned positions, GELU tanh, full heads; biases, norm scales, an untied head and
-a logit soft-cap may vary); anything else keeps decode_step. GPT2_DECODE_STEP=0 turns it off.
+Taken by models.generation.generate for one prompt without padding on the CPU in fp32, or in bf16 without quantize,
+where the kernel builds, for the GPT-2 architecture (LayerNorm, learned positions, GELU tanh, full heads; biases, norm
+scales, an untied head and a logit soft-cap may vary); anything else keeps decode_step. GPT2_DECODE_STEP=0 turns it
+off.
 """
 from __future__ import annotations
 
@@ -27,6 +30,8 @@ from modules.linear import Linear
 from modules.quant import Int4Weight, Int8Weight
 
 ENV = "GPT2_DECODE_STEP"
+DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16"}  # the models' dtypes the step runs: gpt2_step, _bf16
+STEP_DTYPES = tuple(DTYPE_NAMES)
 ALLOWED_VARIANTS = {"bias", "norm_scale", "tie_word_embeddings", "logit_softcap"}  # handled here or by the LM head
 ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")
 
@@ -57,8 +62,9 @@ def why_not(model, batch_size: int, key_mask: torch.Tensor | None, cache: KVCach
         return "not GPT-2's blocks (manual backward or another activation)"
     if set(config.variant_fields()) - ALLOWED_VARIANTS:
         return f"a variant the step does not run: {sorted(set(config.variant_fields()) - ALLOWED_VARIANTS)}"
-    if cache.keys.dtype != torch.float32 or not cache.keys.is_cpu or not cache.keys.is_contiguous():
-        return "the cache is not fp32 on the CPU"
+    dtype = cache.keys.dtype
+    if dtype not in STEP_DTYPES or not cache.keys.is_cpu or not cache.keys.is_contiguous():
+        return "the cache is not fp32 or bf16 on the CPU"
     for layer in body.gpt_layers:
         attn = layer.self_attention
         if any(type(m) is not Linear for m in (attn.query, attn.key, attn.value, layer.attention_dense,
@@ -67,8 +73,11 @@ def why_not(model, batch_size: int, key_mask: torch.Tensor | None, cache: KVCach
         if any(type(n) is not nn.LayerNorm or n.eps != config.layer_norm_epsilon
                for n in (layer.attention_layer_norm, layer.out_layer_norm)):
             return "a norm that is not LayerNorm"
-    if any(p.dtype != torch.float32 or not p.is_cpu for p in model.parameters()):
-        return "not fp32 on the CPU"
+    if any(p.dtype != dtype or not p.is_cpu for p in model.parameters()):
+        return f"parameters not all {DTYPE_NAMES[dtype]} on the CPU, as the cache is"
+    quantized = body.gpt_layers[0].self_attention.query.quantized
+    if dtype == torch.bfloat16 and quantized is not None:
+        return "bf16 weights with quantized copies (the step's bf16 form reads the bf16 weights)"
     final = body.final_layer_norm
     if type(final) is not nn.LayerNorm or final.eps != config.layer_norm_epsilon:
         return "a final norm that is not LayerNorm"
@@ -85,9 +94,11 @@ class FastStep:
         """lib: a rows.library(...) to run instead of this machine's build (tests of the AVX2 form)."""
         body, config = model.gpt, model.config
         quantized = body.gpt_layers[0].self_attention.query.quantized  # the same kind for every layer
-        kind = "fp32" if not isinstance(quantized, (Int8Weight, Int4Weight)) else \
+        self.bf16 = cache.keys.dtype == torch.bfloat16  # a bf16 model: gpt2_step_bf16 (why_not checked the rest)
+        kind = ("bf16" if self.bf16 else "fp32") if not isinstance(quantized, (Int8Weight, Int4Weight)) else \
             row_kernel.plan_kind(quantized.q.dtype, quantized.int8_activations)  # w8a8 / w4a8: planned apart
         self.lib = lib or row_kernel.library_step(kind)  # the kernel's form the plan chose for it (modules/rows.py)
+        self.step = self.lib.gpt2_step_bf16 if self.bf16 else self.lib.gpt2_step
         self.body, self.cache = body, cache
         self.keep: list[torch.Tensor] = []  # every tensor a pointer below points into
         layers = (StepLayer * config.n_layer)()
@@ -103,42 +114,50 @@ class FastStep:
             config.n_embd
         self.x = torch.empty(config.n_embd)
         self.out = torch.empty(1, config.n_embd)
+        self.hidden = torch.empty(1, config.n_embd, dtype=cache.keys.dtype) if self.bf16 else self.out  # returned
         self.scratch = torch.empty(self.lib.gpt2_step_scratch(config.n_head, config.n_embd, config.inner_dim,
                                                               cache.capacity))
 
+    def _fp32(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        """A norm's or a bias's values as the step reads them: fp32 and contiguous (a bf16 model's: an fp32 copy,
+        made per generate call, so later changes to the model are seen by the next call), kept alive."""
+        if t is None:
+            return None
+        t = t.detach().to(torch.float32).contiguous()
+        self.keep.append(t)
+        return t
+
     def _norm(self, norm: nn.LayerNorm) -> tuple[int | None, int | None]:
-        w = None if norm.weight is None else norm.weight.detach()
-        b = None if norm.bias is None else norm.bias.detach()
-        self.keep += [t for t in (w, b) if t is not None]
-        return _pointer(w), _pointer(b)
+        return _pointer(self._fp32(norm.weight)), _pointer(self._fp32(norm.bias))
 
     def _linear(self, layer: Linear) -> StepLinear:
-        bias = None if layer.bias is None else layer.bias.detach().contiguous()
+        bias = self._fp32(layer.bias)
         q = layer.quantized  # set within quantized_weights (quantize="int8" / "int4" / "w8a8" / "w4a8")
-        if isinstance(q, Int8Weight):  # rows_product's kinds: 2 int8, 3 int4; 4 and 5 with int8 activations
+        if isinstance(q, Int8Weight):  # rows_product's kinds: 0 fp32, 1 bf16, 2 int8, 3 int4; 4, 5 int8 activations
             kind, w, scale, group = 2 + 2 * q.int8_activations, q.q, q.scale, 0
         elif isinstance(q, Int4Weight):
             kind, w, scale, group = 3 + 2 * q.int8_activations, q.q, q.scale, q.group
         else:
-            kind, w, scale, group = 0, layer.weight.detach().contiguous(), None, 0
-        self.keep += [t for t in (w, scale, bias) if t is not None]
+            kind, w, scale, group = int(self.bf16), layer.weight.detach().contiguous(), None, 0
+        self.keep += [t for t in (w, scale) if t is not None]
         return StepLinear(kind, w.data_ptr(), _pointer(scale), _pointer(bias), group, layer.in_features,
                           layer.out_features)
 
     def __call__(self, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-        """token, position: (1, 1) ids -> the final hidden state (1, C) after writing the token's keys and values
-        into the cache and advancing it."""
+        """token, position: (1, 1) ids -> the final hidden state (1, C), in the model's dtype, after writing the
+        token's keys and values into the cache and advancing it."""
         cache, body = self.cache, self.body
         if cache.length + 1 > cache.capacity:
             raise RuntimeError(f"the decode cache holds {cache.capacity} tokens and is full")
-        torch.add(body.word_embedding.weight[token.reshape(())], body.pos_embedding.weight[position.reshape(())],
-                  out=self.x)
-        err = self.lib.gpt2_step(self.layers, self.n_layer, self.n_head, self.width, self.eps, self.x.data_ptr(),
-                                 self.final[0], self.final[1], cache.keys.data_ptr(), cache.values.data_ptr(),
-                                 cache.capacity, cache.length, self.scratch.data_ptr(), self.out.data_ptr(),
-                                 torch.get_num_threads())
+        embedded = body.word_embedding.weight[token.reshape(())] + body.pos_embedding.weight[position.reshape(())]
+        self.x.copy_(embedded)  # summed in the model's dtype (bf16: rounded, as decode_step's embedding is)
+        err = self.step(self.layers, self.n_layer, self.n_head, self.width, self.eps, self.x.data_ptr(), self.final[0],
+                        self.final[1], cache.keys.data_ptr(), cache.values.data_ptr(), cache.capacity, cache.length,
+                        self.scratch.data_ptr(), self.out.data_ptr(), torch.get_num_threads())
         if err != 0:
             raise RuntimeError(f"the C++ decode step failed (code {err})")
         row_kernel.wrote(cache.keys, cache.values, self.out)  # written in place by the step, as torch would count it
         cache.advance(1)
-        return self.out
+        if self.bf16:
+            self.hidden.copy_(self.out)  # the final norm's output rounded to bf16, as decode_step's is
+        return self.hidden

@@ -174,7 +174,7 @@ PATHS: tuple[Path, ...] = (
          row_kernel.PROMPT_ENV, "128", "0", _rows_runs, _prompt_kernel_default,
          ("tests/test_prompt_kernel.py", "tests/test_paths.py")),
     Path("decode-step", "batch-1 decoding of plain GPT-2: each step in one C++ call (models/fast_step.py)",
-         fast_step.ENV, "", "0", _step_runs, lambda: (True, "batch 1, fp32, plain GPT-2 blocks"),
+         fast_step.ENV, "", "0", _step_runs, lambda: (True, "batch 1, fp32 or bf16, plain GPT-2 blocks"),
          ("tests/test_fast_step.py", "tests/test_paths.py")),
     Path("huge-pages", "a loaded model's CPU parameters in one mapping of 2 MiB pages (madvise MADV_HUGEPAGE) "
          "instead of torch's 4 KiB ones: from_pretrained (modules/hugepages.py)", hugepages.ENV, "", "0",

@@ -992,22 +992,49 @@ extern "C" void rows_gelu_tanh_backward(const float* x, const float* dy, float* 
   gelu_tanh_pass(x, dy, dx, n, threads < 1 ? 1 : threads);
 }
 
-// One head's attention of one query over `length` cached keys and values (rows of `dim`, `cap` rows a head): each
-// score a dot product 8 columns at a time in two accumulators (a scalar sum is one dependent chain of adds, about
-// a millisecond a gpt2 token at 80 tokens of context), the weighted sum of values 8 columns at a time.
-static void attend(const float* q, const float* keys, const float* values, int64_t length, int64_t dim, float scale,
+// The cache's values: fp32, or bf16 (a bf16 model's cache, as uint16 bits) widened to fp32 exactly.
+static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+static inline __m256 load8(const uint16_t* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
+// bf16 rounding of fp32 values (to nearest, ties to even, as torch converts; NaN stays NaN): `bf16_bits` the 16 bits
+// kept, `round_bf16` the values left in fp32 storage holding bf16 numbers. A bf16 model's step rounds at each point
+// where torch's bf16 operations hand a bf16 tensor on, so its numbers are those of decode_step in bf16.
+static inline uint16_t bf16_bits(float f) {
+  uint32_t b;
+  std::memcpy(&b, &f, sizeof b);
+  if ((b & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((b >> 16) | 0x40);  // a quiet NaN
+  return static_cast<uint16_t>((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
+}
+static inline void round_bf16(float* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) x[i] = to_float(bf16_bits(x[i]));
+}
+static inline void store(float* p, float v) { *p = v; }
+static inline void store(uint16_t* p, float v) { *p = bf16_bits(v); }
+
+// One head's attention of one query over `length` cached keys and values (rows of `dim`, `cap` rows a head; K: the
+// cache's type): each score a dot product 8 columns at a time in two accumulators (a scalar sum is one dependent
+// chain of adds, about a millisecond a gpt2 token at 80 tokens of context), the weighted sum of values 8 columns at
+// a time, all in fp32. A bf16 cache's form weighs each value by its exp(score - max) rounded to bf16 and divides the
+// sum by the exps' fp32 total at the end, as torch's bf16 SDPA on the CPU does (its exp is not ours: the two agree
+// to a bf16 rounding of an exp, not bit for bit).
+template <typename K>
+static void attend(const float* q, const K* keys, const K* values, int64_t length, int64_t dim, float scale,
                    float* scores, float* y) {
+  constexpr bool bf16 = std::is_same_v<K, uint16_t>;
   const int64_t wide = dim / 16 * 16;
   float top = -INFINITY;
   for (int64_t t = 0; t < length; ++t) {
-    const float* k = keys + t * dim;
+    const K* k = keys + t * dim;
     __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
     for (int64_t d = 0; d < wide; d += 16) {
-      a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(k + d), a0);
-      a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + 8), _mm256_loadu_ps(k + d + 8), a1);
+      a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load8(k + d), a0);
+      a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + 8), load8(k + d + 8), a1);
     }
     float s = hsum256(_mm256_add_ps(a0, a1));
-    for (int64_t d = wide; d < dim; ++d) s += q[d] * k[d];
+    for (int64_t d = wide; d < dim; ++d) s += q[d] * to_float(k[d]);
     scores[t] = s * scale;
     top = std::max(top, scores[t]);
   }
@@ -1015,24 +1042,27 @@ static void attend(const float* q, const float* keys, const float* values, int64
   for (int64_t t = 0; t < length; ++t) total += (scores[t] = std::exp(scores[t] - top));
   for (int64_t d = 0; d < dim; ++d) y[d] = 0;
   for (int64_t t = 0; t < length; ++t) {
-    const float p = scores[t] / total;
-    const float* v = values + t * dim;
+    const float p = bf16 ? to_float(bf16_bits(scores[t])) : scores[t] / total;
+    const K* v = values + t * dim;
     int64_t d = 0;
     for (; d + 8 <= dim; d += 8)
-      _mm256_storeu_ps(y + d, _mm256_fmadd_ps(_mm256_set1_ps(p), _mm256_loadu_ps(v + d), _mm256_loadu_ps(y + d)));
-    for (; d < dim; ++d) y[d] += p * v[d];
+      _mm256_storeu_ps(y + d, _mm256_fmadd_ps(_mm256_set1_ps(p), load8(v + d), _mm256_loadu_ps(y + d)));
+    for (; d < dim; ++d) y[d] += p * to_float(v[d]);
   }
+  if constexpr (bf16)
+    for (int64_t d = 0; d < dim; ++d) y[d] /= total;
 }
 
-extern "C" {
-
 // x (C): the token's embedding (token + position), replaced by the last block's output; out (C): the final
-// LayerNorm of it. keys, values: the model's cache (n_layer, 1, n_head, cap, C / n_head), `length` tokens filled;
-// the new token's key and value go to position `length` of each layer. scratch: gpt2_step_scratch floats.
-// Returns 0, or the first product's error.
-int gpt2_step(const StepLayer* layers, int n_layer, int n_head, int64_t C, float eps, float* x, const float* lnf_w,
-              const float* lnf_b, float* keys, float* values, int64_t cap, int64_t length, float* scratch,
-              float* out, int threads) {
+// LayerNorm of it. keys, values: the model's cache (n_layer, 1, n_head, cap, C / n_head) of K (float, or uint16_t
+// for bf16), `length` tokens filled; the new token's key and value go to position `length` of each layer. scratch:
+// gpt2_step_scratch floats. Bf16 (a bf16 model: bf16 weights, fp32 copies of its norms and biases): every value torch
+// would hand on in bf16 is rounded to bf16 there (a norm's, a product's, attention's and GELU's output, the residual
+// sums; the final norm's `out` as the caller converts it). Returns 0, or the first product's error.
+template <typename K, bool Bf16>
+static int step(const StepLayer* layers, int n_layer, int n_head, int64_t C, float eps, float* x, const float* lnf_w,
+                const float* lnf_b, K* keys, K* values, int64_t cap, int64_t length, float* scratch, float* out,
+                int threads) {
   if (threads < 1) threads = 1;
   const int64_t dim = C / n_head, inner = layers[0].fc.out;
   float* h = scratch;          // C: a LayerNorm's output
@@ -1042,33 +1072,66 @@ int gpt2_step(const StepLayer* layers, int n_layer, int n_head, int64_t C, float
   float* f = y + C;            // inner: the MLP's hidden
   float* scores = f + inner;   // n_head * (length + 1)
   const int64_t seen = length + 1;
+  auto rounded = [](float* v, int64_t n) {
+    if constexpr (Bf16) round_bf16(v, n);
+  };
   for (int l = 0; l < n_layer; ++l) {
     const StepLayer& L = layers[l];
     layer_norm(x, L.ln1_w, L.ln1_b, eps, C, h);
+    rounded(h, C);
     int err = linear(L.q, h, q, threads);
     if (!err) err = linear(L.k, h, kv, threads);
     if (!err) err = linear(L.v, h, kv + C, threads);
     if (err) return err;
-    float* lk = keys + static_cast<int64_t>(l) * n_head * cap * dim;
-    float* lv = values + static_cast<int64_t>(l) * n_head * cap * dim;
-    for (int hd = 0; hd < n_head; ++hd) {
-      std::memcpy(lk + (hd * cap + length) * dim, kv + hd * dim, dim * sizeof(float));
-      std::memcpy(lv + (hd * cap + length) * dim, kv + C + hd * dim, dim * sizeof(float));
-    }
+    rounded(q, C);
+    rounded(kv, 2 * C);
+    K* lk = keys + static_cast<int64_t>(l) * n_head * cap * dim;
+    K* lv = values + static_cast<int64_t>(l) * n_head * cap * dim;
+    for (int hd = 0; hd < n_head; ++hd)
+      for (int64_t d = 0; d < dim; ++d) {
+        store(lk + (hd * cap + length) * dim + d, kv[hd * dim + d]);
+        store(lv + (hd * cap + length) * dim + d, kv[C + hd * dim + d]);
+      }
 #pragma omp parallel for num_threads(threads) schedule(static) if (seen * dim * n_head > (1 << 16))
     for (int hd = 0; hd < n_head; ++hd)
       attend(q + hd * dim, lk + hd * cap * dim, lv + hd * cap * dim, seen, dim, L.attn_scale, scores + hd * seen,
              y + hd * dim);
+    rounded(y, C);
     if ((err = linear(L.proj, y, h, threads))) return err;
+    rounded(h, C);
     for (int64_t i = 0; i < C; ++i) x[i] += h[i];
+    rounded(x, C);
     layer_norm(x, L.ln2_w, L.ln2_b, eps, C, h);
+    rounded(h, C);
     if ((err = linear(L.fc, h, f, threads))) return err;
+    rounded(f, inner);
     gelu_tanh(f, f, inner, threads);
+    rounded(f, inner);
     if ((err = linear(L.out, f, y, threads))) return err;
+    rounded(y, C);
     for (int64_t i = 0; i < C; ++i) x[i] += y[i];
+    rounded(x, C);
   }
-  layer_norm(x, lnf_w, lnf_b, eps, C, out);
+  layer_norm(x, lnf_w, lnf_b, eps, C, out);  // bf16: rounded by the caller, as it converts `out` to the model's dtype
   return 0;
+}
+
+extern "C" {
+
+// The step of an fp32 model (fp32 cache; weights fp32 or int8 / int4 copies) and of a bf16 one (bf16 weights and
+// cache); arguments as `step`'s.
+int gpt2_step(const StepLayer* layers, int n_layer, int n_head, int64_t C, float eps, float* x, const float* lnf_w,
+              const float* lnf_b, float* keys, float* values, int64_t cap, int64_t length, float* scratch,
+              float* out, int threads) {
+  return step<float, false>(layers, n_layer, n_head, C, eps, x, lnf_w, lnf_b, keys, values, cap, length, scratch,
+                            out, threads);
+}
+
+int gpt2_step_bf16(const StepLayer* layers, int n_layer, int n_head, int64_t C, float eps, float* x,
+                   const float* lnf_w, const float* lnf_b, uint16_t* keys, uint16_t* values, int64_t cap,
+                   int64_t length, float* scratch, float* out, int threads) {
+  return step<uint16_t, true>(layers, n_layer, n_head, C, eps, x, lnf_w, lnf_b, keys, values, cap, length, scratch,
+                              out, threads);
 }
 
 // The floats of scratch gpt2_step needs.

@@ -118,10 +118,11 @@ def library(target_flags: tuple[str, ...] = NATIVE):
     lib.rows_quantize_u7.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_void_p,
                                      ctypes.c_int]
     # models/fast_step.py's whole decoding step (its layers argument: an array of its StepLayer structures)
-    lib.gpt2_step.restype = ctypes.c_int
-    lib.gpt2_step.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_float,
-                              ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                              ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+    for step in (lib.gpt2_step, lib.gpt2_step_bf16):  # an fp32 model's and a bf16 model's (bf16 cache)
+        step.restype = ctypes.c_int
+        step.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p,
+                         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                         ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
     lib.gpt2_step_scratch.restype = ctypes.c_int64
     lib.gpt2_step_scratch.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
     return lib
@@ -148,9 +149,10 @@ PLAN_ENV = "GPT2_DECODE_PLAN"
 # the weight kinds timed (uint8: int4); w8a8 and w4a8 are the int8 and int4 weights times int8 activations (kinds
 # 4 and 5), planned apart: their integer products are other code than the weight-only ones (VNNI's, where the native
 # build has it), so the form that reads int8 weights fastest need not multiply them by int8 activations fastest
-PLAN_KINDS = {"fp32": torch.float32, "int8": torch.int8, "int4": torch.uint8, "w8a8": torch.int8, "w4a8": torch.uint8}
+PLAN_KINDS = {"fp32": torch.float32, "int8": torch.int8, "int4": torch.uint8, "w8a8": torch.int8, "w4a8": torch.uint8,
+              "bf16": torch.bfloat16}
 _ACTIVATION_KINDS = {"w8a8", "w4a8"}
-_PLANNED = {torch.float32: "fp32", torch.int8: "int8", torch.uint8: "int4"}
+_PLANNED = {torch.float32: "fp32", torch.int8: "int8", torch.uint8: "int4", torch.bfloat16: "bf16"}
 _PLANNED_A8 = {torch.int8: "w8a8", torch.uint8: "w4a8"}
 FORMS = {"native": NATIVE, "avx2": AVX2}
 MARGIN = 1.05  # another form is taken only when its median is at least 5% faster than the native one's, twice
@@ -200,7 +202,7 @@ def time_forms(libs: dict[str, object], megabytes: int = 64, rounds: int = 7,
         kind = KIND_INDEX[name]
         cols = in_f // 2 if dtype == torch.uint8 else in_f  # int4: two values a byte
         count = max(1, megabytes * 2**20 // (out_f * cols * dtype.itemsize))
-        weights = [torch.randn(out_f, in_f) if dtype == torch.float32 else
+        weights = [torch.randn(out_f, in_f).to(dtype) if dtype.is_floating_point else
                    torch.randint(-100, 100, (out_f, cols), dtype=torch.int8).view(dtype) for _ in range(count)]
         scale = {torch.uint8: torch.rand(out_f, in_f // 32), torch.int8: torch.rand(out_f)}.get(dtype)
         x, y = torch.randn(in_f), torch.empty(out_f)
@@ -356,9 +358,10 @@ def choose(speeds: dict[str, dict[str, float]]) -> dict[str, str]:
 
 
 def plan_kind(dtype: torch.dtype, int8_activations: bool = False) -> str:
-    """The plan's name for a weight dtype's products ('fp32', 'int8', 'int4'; 'w8a8' / 'w4a8' with int8
-    activations; 'bf16', which the plan does not time, for the rest)."""
-    return (_PLANNED_A8 if int8_activations else _PLANNED).get(dtype, "bf16")
+    """The plan's name for a weight dtype's products ('fp32', 'int8', 'int4', 'bf16'; 'w8a8' / 'w4a8' with int8
+    activations; 'fp32' for a pair the kernel refuses, such as float weights with int8 activations: `prepared` says
+    so after loading the library)."""
+    return (_PLANNED_A8 if int8_activations else _PLANNED).get(dtype, "fp32")
 
 
 def _confirmed(chosen: dict[str, str], baseline: str, time_again) -> tuple[dict[str, str], dict]:

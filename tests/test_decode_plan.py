@@ -58,7 +58,7 @@ def test_a_form_or_distance_that_does_not_win_a_second_timing_is_not_taken(fresh
     assert asked == [None, None, ["fp32", "int8"], ["int4", "w4a8"]]
     assert chosen["forms"] == {"fp32": "native", "int8": "avx2", "int4": "native", "w8a8": "native",
                                "w4a8": "native"}
-    assert chosen["prefetch"] == {"fp32": 1024, "int8": 1024, "int4": 1024, "w8a8": 1024, "w4a8": 4096}
+    assert chosen["prefetch"] == {"fp32": 1024, "int8": 1024, "int4": 1024, "w8a8": 1024, "w4a8": 4096, "bf16": 1024}
     assert chosen["speeds"] == first and chosen["confirmed_by"]["speeds"] == second
 
 
@@ -75,7 +75,7 @@ def test_the_plan_can_be_switched_off(fresh_plan, monkeypatch):
     monkeypatch.setenv("GPT2_DECODE_PLAN", "off")
     monkeypatch.setattr(rows, "time_forms", lambda *a, **k: pytest.fail("timed with the plan off"))
     chosen = rows.plan()
-    native = {kind: "native" for kind in ("fp32", "int8", "int4", "w8a8", "w4a8")}
+    native = {kind: "native" for kind in ("fp32", "int8", "int4", "w8a8", "w4a8", "bf16")}
     assert chosen == {"forms": native, "speeds": {}, "source": "GPT2_DECODE_PLAN=off"}
     monkeypatch.setenv("GPT2_DECODE_PLAN", "on")
     monkeypatch.setattr(rows, "_plan", None)
@@ -136,7 +136,7 @@ def test_the_plan_is_timed_once_and_cached(fresh_plan, monkeypatch):
 def test_timing_runs_every_kind_in_every_form():
     libs = {"native": rows.library(), "avx2": rows.library(rows.AVX2)}
     speeds = rows.time_forms(libs, megabytes=1, rounds=1)
-    assert set(speeds) == {"fp32", "int8", "int4", "w8a8", "w4a8"}
+    assert set(speeds) == {"fp32", "int8", "int4", "w8a8", "w4a8", "bf16"}
     assert all(set(s) == {"native", "avx2"} and min(s.values()) > 0 for s in speeds.values())
 
 
@@ -189,17 +189,20 @@ def test_timing_reads_each_kinds_weights_in_gpt2_sized_matrices_and_reports_gb_p
     monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
     fast, slow = FakeKernel(0.002, clock), FakeKernel(0.004, clock)
     speeds = rows.time_forms({"native": slow, "avx2": fast}, megabytes=18, rounds=3)
-    kinds = {0: "fp32", 2: "int8", 3: "int4", 4: "w8a8", 5: "w4a8"}  # rows_product's codes (4, 5: int8 activations)
-    per_kind = {"fp32": 18 * 2**20 // (3072 * 768 * 4), "int8": 18 * 2**20 // (3072 * 768), "int4": 16}
+    kinds = {0: "fp32", 1: "bf16", 2: "int8", 3: "int4", 4: "w8a8", 5: "w4a8"}  # rows_product's codes (4, 5: int8
+    # activations)
+    per_kind = {"fp32": 18 * 2**20 // (3072 * 768 * 4), "bf16": 18 * 2**20 // (3072 * 768 * 2),
+                "int8": 18 * 2**20 // (3072 * 768), "int4": 16}
     per_kind.update(w8a8=per_kind["int8"], w4a8=per_kind["int4"])
     for lib in (fast, slow):
         assert {kinds[c[0]] for c in lib.calls} == set(per_kind)
         for code, name in kinds.items():
             calls = [c for c in lib.calls if c[0] == code]
             assert len(calls) == 3 * per_kind[name], name
-            assert {c[1:] for c in calls} == {(1, 768, 3072, name != "fp32", None, torch.get_num_threads(), 32)}
-    weight_bytes = {"fp32": 3072 * 768 * 4, "int8": 3072 * 768, "int4": 3072 * 384, "w8a8": 3072 * 768,
-                    "w4a8": 3072 * 384}
+            assert {c[1:] for c in calls} == {(1, 768, 3072, name not in ("fp32", "bf16"), None,
+                                               torch.get_num_threads(), 32)}
+    weight_bytes = {"fp32": 3072 * 768 * 4, "bf16": 3072 * 768 * 2, "int8": 3072 * 768, "int4": 3072 * 384,
+                    "w8a8": 3072 * 768, "w4a8": 3072 * 384}
     for name, count in per_kind.items():
         for form, seconds in (("native", 0.004), ("avx2", 0.002)):
             expected = count * weight_bytes[name] / (count * seconds) / 1e9  # each round: count products
@@ -234,12 +237,12 @@ def test_the_prefetch_distances_are_timed_on_every_kind_and_the_kernel_left_at_t
     monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
     lib = FakePrefetching(clock)
     speeds = rows.time_prefetch(lib, megabytes=18, rounds=3)
-    assert list(speeds) == ["fp32", "int8", "int4", "w8a8", "w4a8"]  # each kind's own speeds
+    assert list(speeds) == ["fp32", "int8", "int4", "w8a8", "w4a8", "bf16"]  # each kind's own speeds
     for kind, by_distance in speeds.items():
         assert list(by_distance) == ["1024", "2048", "4096"]
         assert by_distance["4096"] == pytest.approx(2 * by_distance["1024"], rel=1e-9), kind
         assert by_distance["2048"] == pytest.approx(4 / 3 * by_distance["1024"], rel=1e-9), kind
-    assert {c[0] for c in lib.calls} == {0, 2, 3, 4, 5}  # every kind, integer products included
+    assert {c[0] for c in lib.calls} == {0, 1, 2, 3, 4, 5}  # every kind, integer products included
     assert lib.set[:3] == [1024, 2048, 4096] and lib.set[-1] == rows.PREFETCH_DEFAULT == lib.ahead
 
 

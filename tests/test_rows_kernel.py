@@ -187,7 +187,8 @@ PAYS = [  # (weight dtype, rows, capability) -> whether the kernel pays (rows.pa
     (torch.float32, 9, "AVX2", False), (torch.float32, 1, "DEFAULT", False), (torch.int8, 4, "AVX512", True),
     (torch.int8, 1, "AVX2", True), (torch.int8, 8, "AVX2", True), (torch.int8, 9, "AVX2", False),
     (torch.int8, 0, "AVX2", False), (torch.int8, 1, "DEFAULT", False), (torch.bfloat16, 1, "AVX512", True),
-    (torch.bfloat16, 2, "AVX512", False), (torch.bfloat16, 1, "AVX2", True), (torch.bfloat16, 8, "AVX2", True),
+    (torch.bfloat16, 2, "AVX512", True), (torch.bfloat16, 8, "AVX512", True), (torch.bfloat16, 9, "AVX512", False),
+    (torch.bfloat16, 0, "AVX512", False), (torch.bfloat16, 1, "AVX2", True), (torch.bfloat16, 8, "AVX2", True),
     (torch.bfloat16, 9, "AVX2", False), (torch.bfloat16, 1, "DEFAULT", False), (torch.float16, 1, "AVX512", False),
     (torch.float16, 1, "AVX2", False), (torch.float64, 2, "AVX2", False),
 ]

@@ -1,5 +1,5 @@
-"""Greedy decoding against the CPU engines people pick for speed: ours (fp32; int8 and int4 weight-only, and w8a8 and
-w4a8: the same weights with int8 activations) beside transformers, ONNX Runtime
+"""Greedy decoding against the CPU engines people pick for speed: ours (fp32; bf16 weights; int8 and int4 weight-only, and
+w8a8 and w4a8: the same weights with int8 activations) beside transformers, ONNX Runtime
 (fp32 and dynamic int8, a plain decode loop over an exported graph with past keys and values) and llama.cpp (f32,
 f16, q8_0, q4_0 through llama-cpp-python, converted by llama.cpp's own convert_hf_to_gguf.py from OUR
 save_pretrained output: the interop is part of the test).
@@ -53,13 +53,14 @@ from bench.machine import busy_suffix, print_machine_header, spin, stop  # noqa:
 from bench.results import Recorder  # noqa: E402
 
 SHARED = ROOT.parent / "shared"
-ENGINES = ("ours-fp32", "ours-fp32-fixed", "ours-int8", "ours-w8a8", "ours-int4", "ours-w4a8", "hf-fp32", "ort-fp32",
-           "ort-int8", "llama-f32", "llama-f16", "llama-q8_0", "llama-q4_0")
+ENGINES = ("ours-fp32", "ours-fp32-fixed", "ours-bf16", "ours-int8", "ours-w8a8", "ours-int4", "ours-w4a8", "hf-fp32",
+           "ort-fp32", "ort-int8", "llama-f32", "llama-f16", "llama-q8_0", "llama-q4_0")
 REFERENCE = "hf-fp32"  # whose greedy tokens the others are compared with
 GGUF_TYPES = {"llama-f32": "f32", "llama-f16": "f16", "llama-q8_0": "q8_0", "llama-q4_0": "q4_0"}
 # the targets of issue 38: ours fp32 >= the faster of ORT fp32 and llama.cpp f32; int8 >= ORT int8 and q8_0;
 # int4 >= q4_0 (issue 53: each 8-bit and 4-bit form of ours, weight-only and with int8 activations)
-TARGETS = {"ours-fp32": ("ort-fp32", "llama-f32"), "ours-int8": ("ort-int8", "llama-q8_0"),
+# 16-bit weights: ours bf16 >= llama.cpp f16 (the 16-bit engine here; ONNX Runtime's CPU kernels have no bf16 MatMul)
+TARGETS = {"ours-fp32": ("ort-fp32", "llama-f32"), "ours-bf16": ("llama-f16",), "ours-int8": ("ort-int8", "llama-q8_0"),
            "ours-w8a8": ("ort-int8", "llama-q8_0"), "ours-int4": ("llama-q4_0",), "ours-w4a8": ("llama-q4_0",)}
 # issue 53: the thread choice (models/decode_threads.py; decode steps, and a long prompt's blocks) against the
 # engines' thread count fixed (GPT2_DECODE_THREADS, GPT2_PROMPT_THREADS): within 3% of its speed on a quiet machine;
@@ -262,6 +263,8 @@ def streamed_bytes(engine: str, path: Path | None, model_dir: Path) -> int:
     numel = {k: math.prod(s) for k, s in shapes.items() if "wpe" not in k}
     if engine in ("ours-fp32", FIXED_THREADS, "hf-fp32"):
         return 4 * sum(numel.values())
+    if engine == "ours-bf16":
+        return 2 * sum(numel.values())
     if engine in ("ours-int8", "ours-w8a8"):  # int8 rows, one fp32 scale a row (HF's Conv1D weights: (in, out))
         return sum(n + 4 * shapes[k][0 if "wte" in k else 1] if len(shapes[k]) == 2 else 4 * n
                    for k, n in numel.items())
@@ -289,7 +292,9 @@ class Ours:
         from models.gpt2 import GPT2LMHeadModel
 
         self.torch = torch
-        self.model = GPT2LMHeadModel.from_pretrained(model_dir).eval()
+        # ours-bf16: loaded as bf16 (its weights in the loader's 2 MiB pages, as fp32's are)
+        dtype = torch.bfloat16 if engine == "ours-bf16" else None
+        self.model = GPT2LMHeadModel.from_pretrained(model_dir, dtype=dtype).eval()
         self.quantize = QUANTIZE.get(engine)
 
     def decode(self, prompt, new):

@@ -3,7 +3,7 @@
 Decoding multiplies a (B, 1, in) input by each weight: a matrix-vector product (B = 1) or a skinny GEMM that reads
 the whole weight for a few rows. It is bound by how fast the weights stream, and on CPUs torch's kernels for these
 shapes stream slowly (the measurements: docs/performance.md, "Figures behind the code"):
-- where `modules.rows.pays` (AVX512 CPUs: fp32 with 1 to 8 rows, bf16 with one): modules/rows.cpp, which reads
+- where `modules.rows.pays` (AVX2 and AVX512 CPUs: fp32 and bf16 with 1 to 8 rows): modules/rows.cpp, which reads
   each weight row once for all rows, with a software prefetch;
 - else B = 1: `blocked_linear`: the weight's rows cut into one block per thread and multiplied as one batched
   product, whose blocks torch runs on separate threads (torch's matrix-vector kernel keeps to one core). The rows of

@@ -243,6 +243,28 @@ static inline float row_dot(const float* x, int64_t in, Dense<T> weight, int64_t
   return weight.scale ? s * weight.scale[o] : s;
 }
 
+#if defined(__AVX512F__)
+// bf16 in the AVX512 build: a 64-byte load holds 32 weights, each 32-bit lane a pair; shifted left 16 bits the lanes
+// are the even-indexed weights as fp32, masked to their high halves the odd-indexed ones: no widening shuffle. `pairs`
+// holds x in the same order (per block of 32 values, the 16 even-indexed, then the 16 odd-indexed; product<1> makes
+// it once per call), so the sum is of the same products, in another order.
+static inline float row_dot(const float* x, int64_t in, Dense<uint16_t> weight, int64_t o, const float* pairs) {
+  const uint16_t* row = weight.w + o * in;
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  vf a0 = vzero(), a1 = vzero();
+  int64_t i = 0;
+  for (; i + 32 <= in; i += 32) {
+    _mm_prefetch(reinterpret_cast<const char*>(row + i) + kAhead[1], _MM_HINT_T0);
+    const __m512i v = _mm512_loadu_si512(row + i);
+    a0 = vfma(xload(pairs + i), _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)), a0);
+    a1 = vfma(xload(pairs + i + 16), _mm512_castsi512_ps(_mm512_and_si512(v, high)), a1);
+  }
+  float s = vsum(a0) + vsum(a1);
+  for (; i < in; ++i) s += x[i] * to_float(row[i]);
+  return weight.scale ? s * weight.scale[o] : s;
+}
+#endif
+
 // int4's correction for reading its weights plus 8: the row's group scales times the input's group sums.
 static inline float int4_offset(const float* scale, const float* gsum, int64_t groups) {
   vf off = vzero();
@@ -365,6 +387,14 @@ static void product(const float* x, int64_t in, W w, const float* bias, float* y
     if constexpr (std::is_same_v<W, Int4> && kInt4Plus8) {
       gsum.assign(in / w.group, 0.0f);
       for (int64_t i = 0; i < in; ++i) gsum[i / w.group] += x[i];
+    }
+    if constexpr (std::is_same_v<W, Dense<uint16_t>> && kWidth == 16) {  // bf16, AVX512: x in row_dot's pairs order
+      gsum.resize(in / 32 * 32);
+      for (int64_t k = 0; k + 32 <= in; k += 32)
+        for (int j = 0; j < 16; ++j) {
+          gsum[k + j] = x[k + 2 * j];
+          gsum[k + 16 + j] = x[k + 2 * j + 1];
+        }
     }
     if constexpr (std::is_same_v<W, Int4>) {
       if (w.group == kBlock) {  // two rows at a time (row_pair_int4), the last of an odd count alone

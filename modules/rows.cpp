@@ -383,7 +383,9 @@ constexpr int rows_per_step() {
 template <int B, typename W>
 static void product(const float* x, int64_t in, W w, const float* bias, float* y, int64_t out, int threads) {
   if constexpr (B == 1) {
-    std::vector<float> gsum;  // int4 read plus 8 (the AVX2 build): the input's sum over each group of columns
+    // what each row's product reads of the input besides x, made once a call: int4 read plus 8 (the AVX2 build) the
+    // input's sum over each group of columns; bf16 in the AVX512 build x in its row_dot's pairs order
+    std::vector<float> gsum;
     if constexpr (std::is_same_v<W, Int4> && kInt4Plus8) {
       gsum.assign(in / w.group, 0.0f);
       for (int64_t i = 0; i < in; ++i) gsum[i / w.group] += x[i];

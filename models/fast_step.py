@@ -31,7 +31,6 @@ from modules.quant import Int4Weight, Int8Weight
 
 ENV = "GPT2_DECODE_STEP"
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16"}  # the models' dtypes the step runs: gpt2_step, _bf16
-STEP_DTYPES = tuple(DTYPE_NAMES)
 ALLOWED_VARIANTS = {"bias", "norm_scale", "tie_word_embeddings", "logit_softcap"}  # handled here or by the LM head
 ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")
 
@@ -63,7 +62,7 @@ def why_not(model, batch_size: int, key_mask: torch.Tensor | None, cache: KVCach
     if set(config.variant_fields()) - ALLOWED_VARIANTS:
         return f"a variant the step does not run: {sorted(set(config.variant_fields()) - ALLOWED_VARIANTS)}"
     dtype = cache.keys.dtype
-    if dtype not in STEP_DTYPES or not cache.keys.is_cpu or not cache.keys.is_contiguous():
+    if dtype not in DTYPE_NAMES or not cache.keys.is_cpu or not cache.keys.is_contiguous():
         return "the cache is not fp32 or bf16 on the CPU"
     for layer in body.gpt_layers:
         attn = layer.self_attention

@@ -32,6 +32,14 @@ static inline float hsum256(__m256 a) {
   return _mm_cvtss_f32(s);
 }
 
+// 8 values as fp32: fp32, or bf16 (as uint16 bits: shifted into the high half, exactly) -- the AVX2 build's weight
+// loads and, in either build, the decode step's reads of a fp32 or bf16 cache.
+static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+static inline __m256 load8(const uint16_t* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
 #if defined(__AVX512F__)
 constexpr int64_t kWidth = 16;
 using vf = __m512;
@@ -77,10 +85,7 @@ static inline vf xload(const float* p) { return _mm256_loadu_ps(p); }
 static inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
 static inline float vsum(vf a) { return hsum256(a); }
 static inline vf wload(const float* p) { return _mm256_loadu_ps(p); }
-static inline vf wload(const uint16_t* p) {
-  __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-}
+static inline vf wload(const uint16_t* p) { return load8(p); }
 static inline vf wload(const int8_t* p) {
   // a full 8-byte load, sign-extended in register (no partial vector load through memory)
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
@@ -1024,13 +1029,6 @@ extern "C" void rows_gelu_tanh_backward(const float* x, const float* dy, float* 
   gelu_tanh_pass(x, dy, dx, n, threads < 1 ? 1 : threads);
 }
 
-// The cache's values: fp32, or bf16 (a bf16 model's cache, as uint16 bits) widened to fp32 exactly.
-static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-static inline __m256 load8(const uint16_t* p) {
-  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-}
-
 // bf16 rounding of fp32 values (to nearest, ties to even, as torch converts; NaN stays NaN): `bf16_bits` the 16 bits
 // kept, `round_bf16` the values left in fp32 storage holding bf16 numbers. A bf16 model's step rounds at each point
 // where torch's bf16 operations hand a bf16 tensor on, so its numbers are those of decode_step in bf16.
@@ -1091,7 +1089,7 @@ static void attend(const float* q, const K* keys, const K* values, int64_t lengt
 // gpt2_step_scratch floats. Bf16 (a bf16 model: bf16 weights, fp32 copies of its norms and biases): every value torch
 // would hand on in bf16 is rounded to bf16 there (a norm's, a product's, attention's and GELU's output, the residual
 // sums; the final norm's `out` as the caller converts it). Returns 0, or the first product's error.
-template <typename K, bool Bf16>
+template <typename K>
 static int step(const StepLayer* layers, int n_layer, int n_head, int64_t C, float eps, float* x, const float* lnf_w,
                 const float* lnf_b, K* keys, K* values, int64_t cap, int64_t length, float* scratch, float* out,
                 int threads) {
@@ -1105,7 +1103,7 @@ static int step(const StepLayer* layers, int n_layer, int n_head, int64_t C, flo
   float* scores = f + inner;   // n_head * (length + 1)
   const int64_t seen = length + 1;
   auto rounded = [](float* v, int64_t n) {
-    if constexpr (Bf16) round_bf16(v, n);
+    if constexpr (std::is_same_v<K, uint16_t>) round_bf16(v, n);  // a bf16 model's cache: its rounding points
   };
   for (int l = 0; l < n_layer; ++l) {
     const StepLayer& L = layers[l];
@@ -1155,15 +1153,15 @@ extern "C" {
 int gpt2_step(const StepLayer* layers, int n_layer, int n_head, int64_t C, float eps, float* x, const float* lnf_w,
               const float* lnf_b, float* keys, float* values, int64_t cap, int64_t length, float* scratch,
               float* out, int threads) {
-  return step<float, false>(layers, n_layer, n_head, C, eps, x, lnf_w, lnf_b, keys, values, cap, length, scratch,
-                            out, threads);
+  return step<float>(layers, n_layer, n_head, C, eps, x, lnf_w, lnf_b, keys, values, cap, length, scratch, out,
+                     threads);
 }
 
 int gpt2_step_bf16(const StepLayer* layers, int n_layer, int n_head, int64_t C, float eps, float* x,
                    const float* lnf_w, const float* lnf_b, uint16_t* keys, uint16_t* values, int64_t cap,
                    int64_t length, float* scratch, float* out, int threads) {
-  return step<uint16_t, true>(layers, n_layer, n_head, C, eps, x, lnf_w, lnf_b, keys, values, cap, length, scratch,
-                              out, threads);
+  return step<uint16_t>(layers, n_layer, n_head, C, eps, x, lnf_w, lnf_b, keys, values, cap, length, scratch,
+                        out, threads);
 }
 
 // The floats of scratch gpt2_step needs.

@@ -152,8 +152,8 @@ PLAN_ENV = "GPT2_DECODE_PLAN"
 PLAN_KINDS = {"fp32": torch.float32, "int8": torch.int8, "int4": torch.uint8, "w8a8": torch.int8, "w4a8": torch.uint8,
               "bf16": torch.bfloat16}
 _ACTIVATION_KINDS = {"w8a8", "w4a8"}
-_PLANNED = {torch.float32: "fp32", torch.int8: "int8", torch.uint8: "int4", torch.bfloat16: "bf16"}
-_PLANNED_A8 = {torch.int8: "w8a8", torch.uint8: "w4a8"}
+_PLANNED = {dtype: name for name, dtype in PLAN_KINDS.items() if name not in _ACTIVATION_KINDS}  # plan_kind's
+_PLANNED_A8 = {dtype: name for name, dtype in PLAN_KINDS.items() if name in _ACTIVATION_KINDS}
 FORMS = {"native": NATIVE, "avx2": AVX2}
 MARGIN = 1.05  # another form is taken only when its median is at least 5% faster than the native one's, twice
 # The products prefetch their weight stream this many bytes ahead (rows.cpp's kAhead, one distance a weight kind):

@@ -27,6 +27,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from models import fast_step
 from models.generation import (
     apply_repetition_penalty,
     check_request,
@@ -81,6 +82,9 @@ def beam_search(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | N
             key_mask = key_mask[rows] if key_mask is not None else None  # (B*N, 1, 1, T + new)
             seen = seen[rows] if seen is not None else None
             lm_head = decode_lm_head(body, hidden.shape[0])
+            # up to 8 beam rows on the CPU, plain GPT-2: each step in one C++ call (models/fast_step.py)
+            fast = None if fast_step.why_not(model, B * N, key_mask, cache) else \
+                fast_step.FastStep(model, cache, key_mask)
 
             seqs = torch.full((B, N, T + max_new_tokens), pad, dtype=torch.long, device=device)
             seqs[:, :, :T] = input_ids[:, None]
@@ -134,7 +138,10 @@ def beam_search(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | N
                     mark_seen(seen, next_ids)
                 pos = T + step
                 step_mask = key_mask[..., : pos + 1] if key_mask is not None else None
-                hidden = body.decode_step(next_ids[:, None], beam_positions[:, pos: pos + 1], step_mask, cache)
+                if fast is not None:  # reads the cache's buffers as reorder left them
+                    hidden = fast(next_ids, beam_positions[:, pos])
+                else:
+                    hidden = body.decode_step(next_ids[:, None], beam_positions[:, pos: pos + 1], step_mask, cache)
             return fin_seqs[:, 0, : T + int(fin_len[:, 0].max())]
         finally:
             prepared.close()

@@ -1,20 +1,22 @@
-"""Batch-1 decoding steps of a plain GPT-2 in one C++ call (modules/rows.cpp, `gpt2_step`), instead of the few
-hundred torch operations of GPT2Model.decode_step.
+"""Decoding steps of a plain GPT-2 for 1 to 8 rows in one C++ call (modules/rows.cpp, `gpt2_step`), instead of the
+few hundred torch operations of GPT2Model.decode_step.
 
 Each torch operation costs a dispatch of several microseconds; at gpt2 size they added about a third to the time
 the weights take to stream, and with int8 or int4 weights, whose products are 4 to 6 times shorter, they were most
 of the step (docs/cpu-decoding.md, "Against the CPU engines"); with bf16 weights (half fp32's bytes) they were 40%
-of it. The C++ step runs every block (LayerNorm, q/k/v, the cache write, attention, projections, GELU, residuals) and
-the final LayerNorm, with every product in the rows kernel and in the layer's own weight kind (fp32, bf16, or the
-int8/int4 copies of quantize=...). A bf16 model's step keeps its activations in fp32 storage rounded to bf16 wherever
+of it, and a batch of 8 bf16 rows spent 45% of its step outside the products. The C++ step runs every block
+(LayerNorm, q/k/v, the cache write, attention under the padding mask, projections, GELU, residuals) and the final
+LayerNorm, for all rows at once, every product in the rows kernel (all rows in one pass over the weight) and in the
+layer's own weight kind (fp32, bf16, or, for one row, the int8/int4 copies of quantize=...; 2-8 rows keep the layers'
+weights, as decode_step does). A bf16 model's step keeps its activations in fp32 storage rounded to bf16 wherever
 decode_step's bf16 operations round them, and its cache in bf16. The embedding lookup, the LM head and the logits
 processing stay in Python. The results agree with decode_step to float rounding (other summation orders), like the
 kernel's products.
 
-Taken by models.generation.generate for one prompt without padding on the CPU in fp32, or in bf16 without quantize,
-where the kernel builds, for the GPT-2 architecture (LayerNorm, learned positions, GELU tanh, full heads; biases, norm
-scales, an untied head and a logit soft-cap may vary); anything else keeps decode_step. GPT2_DECODE_STEP=0 turns it
-off.
+Taken by models.generation.generate and models.beam_search for 1 to 8 rows (left-padded or not) on the CPU in fp32,
+or in bf16 (with quantize: one row not), where the kernel builds, for the GPT-2 architecture (LayerNorm, learned
+positions, GELU tanh, full heads; biases, norm scales, an untied head and a logit soft-cap may vary); anything else
+keeps decode_step. GPT2_DECODE_STEP=0 turns it off.
 """
 from __future__ import annotations
 
@@ -55,8 +57,11 @@ def why_not(model, batch_size: int, key_mask: torch.Tensor | None, cache: KVCach
     config, body = model.config, model.gpt
     if os.environ.get(ENV, "1") == "0":
         return f"{ENV}=0"
-    if batch_size != 1 or key_mask is not None:
-        return "several rows or padding"
+    if not 1 <= batch_size <= row_kernel.MAX_ROWS:
+        return f"{batch_size} rows (the step runs 1 to {row_kernel.MAX_ROWS})"
+    if key_mask is not None and (key_mask.dtype != torch.bool or key_mask.dim() != 4 or key_mask.shape[:3] !=
+                                 (batch_size, 1, 1) or key_mask.device != cache.keys.device):
+        return "a key mask that is not (rows, 1, 1, keys) bool beside the cache"
     if config.backward != "autograd" or config.activation_function not in ACTIVATIONS:
         return "not GPT-2's blocks (manual backward or another activation)"
     if set(config.variant_fields()) - ALLOWED_VARIANTS:
@@ -75,7 +80,7 @@ def why_not(model, batch_size: int, key_mask: torch.Tensor | None, cache: KVCach
     if any(p.dtype != dtype or not p.is_cpu for p in model.parameters()):
         return f"parameters not all {DTYPE_NAMES[dtype]} on the CPU, as the cache is"
     quantized = body.gpt_layers[0].self_attention.query.quantized
-    if dtype == torch.bfloat16 and quantized is not None:
+    if dtype == torch.bfloat16 and quantized is not None and batch_size == 1:  # more rows read the bf16 weights
         return "bf16 weights with quantized copies (the step's bf16 form reads the bf16 weights)"
     final = body.final_layer_norm
     if type(final) is not nn.LayerNorm or final.eps != config.layer_norm_epsilon:
@@ -89,12 +94,18 @@ class FastStep:
     """The C++ step for one generate call: made after the prompt's pass (inside quantized_weights where quantize is
     set, so the layers' int8/int4 copies are in place) and called once per new token."""
 
-    def __init__(self, model, cache: KVCache, lib=None):
-        """lib: a rows.library(...) to run instead of this machine's build (tests of the AVX2 form)."""
+    def __init__(self, model, cache: KVCache, key_mask: torch.Tensor | None = None, lib=None):
+        """key_mask: generate's (rows, 1, 1, prompt + new tokens) bool, True for the keys a row attends (left
+        padding: False on the padding), or None; read at each step up to the new token. lib: a rows.library(...) to
+        run instead of this machine's build (tests of the AVX2 form)."""
         body, config = model.gpt, model.config
-        quantized = body.gpt_layers[0].self_attention.query.quantized  # the same kind for every layer
+        rows = self.rows = cache.keys.shape[1]
+        first = body.gpt_layers[0].self_attention.query.quantized  # the same kind for every layer
+        # quantized copies serve one row, as in decode_step (modules/linear.py); 2-8 rows take the layers' weights
+        quantized = first if rows == 1 and isinstance(first, (Int8Weight, Int4Weight)) else None
+        self.quantized = quantized is not None
         self.bf16 = cache.keys.dtype == torch.bfloat16  # a bf16 model: gpt2_step_bf16 (why_not checked the rest)
-        kind = ("bf16" if self.bf16 else "fp32") if not isinstance(quantized, (Int8Weight, Int4Weight)) else \
+        kind = ("bf16" if self.bf16 else "fp32") if quantized is None else \
             row_kernel.plan_kind(quantized.q.dtype, quantized.int8_activations)  # w8a8 / w4a8: planned apart
         self.lib = lib or row_kernel.library_step(kind)  # the kernel's form the plan chose for it (modules/rows.py)
         self.step = self.lib.gpt2_step_bf16 if self.bf16 else self.lib.gpt2_step
@@ -111,11 +122,13 @@ class FastStep:
         self.final = self._norm(body.final_layer_norm)
         self.eps, self.n_layer, self.n_head, self.width = config.layer_norm_epsilon, config.n_layer, config.n_head, \
             config.n_embd
-        self.x = torch.empty(config.n_embd)
-        self.out = torch.empty(1, config.n_embd)
-        self.hidden = torch.empty(1, config.n_embd, dtype=cache.keys.dtype) if self.bf16 else self.out  # returned
+        self.capacity = cache.capacity  # the scratch's size
+        self.mask = None if key_mask is None else key_mask.reshape(rows, -1).contiguous()  # bool: one byte a key
+        self.x = torch.empty(rows, config.n_embd)
+        self.out = torch.empty(rows, config.n_embd)
+        self.hidden = torch.empty(rows, config.n_embd, dtype=cache.keys.dtype) if self.bf16 else self.out  # returned
         self.scratch = torch.empty(self.lib.gpt2_step_scratch(config.n_head, config.n_embd, config.inner_dim,
-                                                              cache.capacity))
+                                                              cache.capacity, rows))
 
     def _fp32(self, t: torch.Tensor | None) -> torch.Tensor | None:
         """A norm's or a bias's values as the step reads them: fp32 and contiguous (a bf16 model's: an fp32 copy,
@@ -131,7 +144,7 @@ class FastStep:
 
     def _linear(self, layer: Linear) -> StepLinear:
         bias = self._fp32(layer.bias)
-        q = layer.quantized  # set within quantized_weights (quantize="int8" / "int4" / "w8a8" / "w4a8")
+        q = layer.quantized if self.quantized else None  # set within quantized_weights (quantize="int8" / ...)
         if isinstance(q, Int8Weight):  # rows_product's kinds: 0 fp32, 1 bf16, 2 int8, 3 int4; 4, 5 int8 activations
             kind, w, scale, group = 2 + 2 * q.int8_activations, q.q, q.scale, 0
         elif isinstance(q, Int4Weight):
@@ -143,16 +156,22 @@ class FastStep:
                           layer.out_features)
 
     def __call__(self, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-        """token, position: (1, 1) ids -> the final hidden state (1, C), in the model's dtype, after writing the
-        token's keys and values into the cache and advancing it."""
-        cache, body = self.cache, self.body
+        """token, position: a row's id each ((rows,) or (rows, 1)) -> the final hidden states (rows, C), in the
+        model's dtype, after writing the tokens' keys and values into the cache and advancing it."""
+        cache, body, mask = self.cache, self.body, self.mask
         if cache.length + 1 > cache.capacity:
             raise RuntimeError(f"the decode cache holds {cache.capacity} tokens and is full")
-        embedded = body.word_embedding.weight[token.reshape(())] + body.pos_embedding.weight[position.reshape(())]
+        if (cache.keys.shape[1], cache.capacity) != (self.rows, self.capacity) or \
+                (mask is not None and mask.shape[1] <= cache.length):
+            raise RuntimeError(f"the decode step was made for {self.rows} rows, {self.capacity} cached tokens and a "
+                               f"key mask of {None if mask is None else mask.shape[1]} keys; the cache has "
+                               f"{cache.keys.shape[1]} rows, {cache.capacity} places and {cache.length} keys")
+        embedded = body.word_embedding.weight[token.reshape(-1)] + body.pos_embedding.weight[position.reshape(-1)]
         self.x.copy_(embedded)  # summed in the model's dtype (bf16: rounded, as decode_step's embedding is)
-        err = self.step(self.layers, self.n_layer, self.n_head, self.width, self.eps, self.x.data_ptr(), self.final[0],
-                        self.final[1], cache.keys.data_ptr(), cache.values.data_ptr(), cache.capacity, cache.length,
-                        self.scratch.data_ptr(), self.out.data_ptr(), torch.get_num_threads())
+        err = self.step(self.layers, self.n_layer, self.n_head, self.width, self.eps, self.rows, self.x.data_ptr(),
+                        self.final[0], self.final[1], cache.keys.data_ptr(), cache.values.data_ptr(), cache.capacity,
+                        cache.length, _pointer(mask), 0 if mask is None else mask.shape[1], self.scratch.data_ptr(),
+                        self.out.data_ptr(), torch.get_num_threads())
         if err != 0:
             raise RuntimeError(f"the C++ decode step failed (code {err})")
         row_kernel.wrote(cache.keys, cache.values, self.out)  # written in place by the step, as torch would count it

@@ -882,12 +882,13 @@ int rows_vnni() {
 }
 }
 
-// ---- one decoding step of a plain GPT-2, for one token ------------------------------------------------------------
+// ---- one decoding step of a plain GPT-2, for 1 to 8 rows ----------------------------------------------------------
 // Decoding one token runs a few hundred small operations; from Python each costs a dispatch (about 10 us), which at
 // gpt2 size adds a third to the time the weights take to stream (docs/performance.md, "Against the CPU engines").
-// Here the whole stack of blocks runs in one call: LayerNorm, the q/k/v products, the new key and value written
-// into the model's cache, attention over the cache, the output projection, LayerNorm, the MLP with GELU (tanh), the
-// residual adds, and the final LayerNorm; every product through `product` above, in the weight's own kind.
+// Here the whole stack of blocks runs in one call for every row of the batch: LayerNorm, the q/k/v products, the new
+// keys and values written into the model's cache, attention over the cache (under the padding mask, where rows were
+// left-padded), the output projection, LayerNorm, the MLP with GELU (tanh), the residual adds, and the final
+// LayerNorm; every product through `product` above, in the weight's own kind, all rows in one pass over the weight.
 // Python keeps the embedding lookup (token + position, into x), the LM head and the logits processing.
 
 struct StepLinear {  // one Linear: kind as rows_product's, its weight, scale (int8/int4), bias (or null), group
@@ -908,8 +909,8 @@ struct StepLayer {
   float attn_scale;
 };
 
-static int linear(const StepLinear& l, const float* x, float* y, int threads) {
-  return rows_product(l.kind, 1, x, l.in, l.w, l.scale, l.bias, y, l.out, threads, l.group);
+static int linear(const StepLinear& l, int64_t rows, const float* x, float* y, int threads) {
+  return rows_product(l.kind, rows, x, l.in, l.w, l.scale, l.bias, y, l.out, threads, l.group);
 }
 
 static void layer_norm(const float* x, const float* w, const float* b, float eps, int64_t n, float* y) {
@@ -1045,18 +1046,22 @@ static inline void store(float* p, float v) { *p = v; }
 static inline void store(uint16_t* p, float v) { *p = bf16_bits(v); }
 
 // One head's attention of one query over `length` cached keys and values (rows of `dim`, `cap` rows a head; K: the
-// cache's type): each score a dot product 8 columns at a time in two accumulators (a scalar sum is one dependent
+// cache's type), the keys where `mask` (null: none) holds 0 left out (a left-padded row's padding): each score a dot product 8 columns at a time in two accumulators (a scalar sum is one dependent
 // chain of adds, about a millisecond a gpt2 token at 80 tokens of context), the weighted sum of values 8 columns at
 // a time, all in fp32. A bf16 cache's form weighs each value by its exp(score - max) rounded to bf16 and divides the
 // sum by the exps' fp32 total at the end, as torch's bf16 SDPA on the CPU does (its exp is not ours: the two agree
 // to a bf16 rounding of an exp, not bit for bit).
 template <typename K>
 static void attend(const float* q, const K* keys, const K* values, int64_t length, int64_t dim, float scale,
-                   float* scores, float* y) {
+                   const uint8_t* mask, float* scores, float* y) {
   constexpr bool bf16 = std::is_same_v<K, uint16_t>;
   const int64_t wide = dim / 16 * 16;
   float top = -INFINITY;
   for (int64_t t = 0; t < length; ++t) {
+    if (mask && !mask[t]) {
+      scores[t] = -INFINITY;  // its exp, 0, weighs its value, as in SDPA
+      continue;
+    }
     const K* k = keys + t * dim;
     __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
     for (int64_t d = 0; d < wide; d += 16) {
@@ -1083,66 +1088,72 @@ static void attend(const float* q, const K* keys, const K* values, int64_t lengt
     for (int64_t d = 0; d < dim; ++d) y[d] /= total;
 }
 
-// x (C): the token's embedding (token + position), replaced by the last block's output; out (C): the final
-// LayerNorm of it. keys, values: the model's cache (n_layer, 1, n_head, cap, C / n_head) of K (float, or uint16_t
-// for bf16), `length` tokens filled; the new token's key and value go to position `length` of each layer. scratch:
-// gpt2_step_scratch floats. Bf16 (a bf16 model: bf16 weights, fp32 copies of its norms and biases): every value torch
-// would hand on in bf16 is rounded to bf16 there (a norm's, a product's, attention's and GELU's output, the residual
-// sums; the final norm's `out` as the caller converts it). Returns 0, or the first product's error.
+// x (rows, C): each row's token embedding (token + position), replaced by the last block's output; out (rows, C):
+// the final LayerNorm of it. keys, values: the model's cache (n_layer, rows, n_head, cap, C / n_head) of K (float, or
+// uint16_t for bf16), `length` tokens filled; each row's new key and value go to position `length` of each layer.
+// mask: null (every cached key seen), or (rows, mask_stride) bytes, row b's key t attended where mask[b, t] is
+// nonzero (generate's left padding; the new token's, at `length`, must be). scratch: gpt2_step_scratch floats. Bf16
+// (a bf16 model: bf16 weights, fp32 copies of its norms and biases): every value torch would hand on in bf16 is
+// rounded to bf16 there (a norm's, a product's, attention's and GELU's output, the residual sums; the final norm's
+// `out` as the caller converts it). Returns 0, or the first product's error (-1: rows outside 1..8).
 template <typename K>
-static int step(const StepLayer* layers, int n_layer, int n_head, int64_t C, float eps, float* x, const float* lnf_w,
-                const float* lnf_b, K* keys, K* values, int64_t cap, int64_t length, float* scratch, float* out,
-                int threads) {
+static int step(const StepLayer* layers, int n_layer, int n_head, int64_t C, float eps, int64_t rows, float* x,
+                const float* lnf_w, const float* lnf_b, K* keys, K* values, int64_t cap, int64_t length,
+                const uint8_t* mask, int64_t mask_stride, float* scratch, float* out, int threads) {
   if (threads < 1) threads = 1;
-  const int64_t dim = C / n_head, inner = layers[0].fc.out;
-  float* h = scratch;          // C: a LayerNorm's output
-  float* q = h + C;            // C
-  float* kv = q + C;           // 2 C: the new key and value, before they go to the cache
-  float* y = kv + 2 * C;       // C: attention's output, then a projection's
-  float* f = y + C;            // inner: the MLP's hidden
-  float* scores = f + inner;   // n_head * (length + 1)
-  const int64_t seen = length + 1;
-  auto rounded = [](float* v, int64_t n) {
-    if constexpr (std::is_same_v<K, uint16_t>) round_bf16(v, n);  // a bf16 model's cache: its rounding points
+  const int64_t dim = C / n_head, inner = layers[0].fc.out, R = rows;
+  float* h = scratch;          // R x C: a LayerNorm's output
+  float* q = h + R * C;        // R x C
+  float* k = q + R * C;        // R x C: the new keys, then values, before they go to the cache
+  float* v = k + R * C;        // R x C
+  float* y = v + R * C;        // R x C: attention's output, then a projection's
+  float* f = y + R * C;        // R x inner: the MLP's hidden
+  float* scores = f + R * inner;  // R x n_head x (length + 1)
+  const int64_t seen = length + 1, heads = R * n_head;
+  auto rounded = [](float* a, int64_t n) {
+    if constexpr (std::is_same_v<K, uint16_t>) round_bf16(a, n);  // a bf16 model's cache: its rounding points
+  };
+  auto norm = [&](const float* a, const float* w, const float* b, float* to) {
+    for (int64_t r = 0; r < R; ++r) layer_norm(a + r * C, w, b, eps, C, to + r * C);
   };
   for (int l = 0; l < n_layer; ++l) {
     const StepLayer& L = layers[l];
-    layer_norm(x, L.ln1_w, L.ln1_b, eps, C, h);
-    rounded(h, C);
-    int err = linear(L.q, h, q, threads);
-    if (!err) err = linear(L.k, h, kv, threads);
-    if (!err) err = linear(L.v, h, kv + C, threads);
+    norm(x, L.ln1_w, L.ln1_b, h);
+    rounded(h, R * C);
+    int err = linear(L.q, R, h, q, threads);
+    if (!err) err = linear(L.k, R, h, k, threads);
+    if (!err) err = linear(L.v, R, h, v, threads);
     if (err) return err;
-    rounded(q, C);
-    rounded(kv, 2 * C);
-    K* lk = keys + static_cast<int64_t>(l) * n_head * cap * dim;
-    K* lv = values + static_cast<int64_t>(l) * n_head * cap * dim;
-    for (int hd = 0; hd < n_head; ++hd)
+    rounded(q, R * C);
+    rounded(k, 2 * R * C);
+    K* lk = keys + static_cast<int64_t>(l) * R * n_head * cap * dim;  // row r's head hd: (r n_head + hd) cap dim on
+    K* lv = values + static_cast<int64_t>(l) * R * n_head * cap * dim;
+    for (int64_t rh = 0; rh < heads; ++rh)  // the new key and value of row rh / n_head, head rh % n_head
       for (int64_t d = 0; d < dim; ++d) {
-        store(lk + (hd * cap + length) * dim + d, kv[hd * dim + d]);
-        store(lv + (hd * cap + length) * dim + d, kv[C + hd * dim + d]);
+        store(lk + (rh * cap + length) * dim + d, k[rh * dim + d]);
+        store(lv + (rh * cap + length) * dim + d, v[rh * dim + d]);
       }
-#pragma omp parallel for num_threads(threads) schedule(static) if (seen * dim * n_head > (1 << 16))
-    for (int hd = 0; hd < n_head; ++hd)
-      attend(q + hd * dim, lk + hd * cap * dim, lv + hd * cap * dim, seen, dim, L.attn_scale, scores + hd * seen,
-             y + hd * dim);
-    rounded(y, C);
-    if ((err = linear(L.proj, y, h, threads))) return err;
-    rounded(h, C);
-    for (int64_t i = 0; i < C; ++i) x[i] += h[i];
-    rounded(x, C);
-    layer_norm(x, L.ln2_w, L.ln2_b, eps, C, h);
-    rounded(h, C);
-    if ((err = linear(L.fc, h, f, threads))) return err;
-    rounded(f, inner);
-    gelu_tanh(f, f, inner, threads);
-    rounded(f, inner);
-    if ((err = linear(L.out, f, y, threads))) return err;
-    rounded(y, C);
-    for (int64_t i = 0; i < C; ++i) x[i] += y[i];
-    rounded(x, C);
+#pragma omp parallel for num_threads(threads) schedule(static) if (seen * dim * heads > (1 << 16))
+    for (int64_t rh = 0; rh < heads; ++rh)
+      attend(q + rh * dim, lk + rh * cap * dim, lv + rh * cap * dim, seen, dim, L.attn_scale,
+             mask ? mask + rh / n_head * mask_stride : nullptr, scores + rh * seen, y + rh * dim);
+    rounded(y, R * C);
+    if ((err = linear(L.proj, R, y, h, threads))) return err;
+    rounded(h, R * C);
+    for (int64_t i = 0; i < R * C; ++i) x[i] += h[i];
+    rounded(x, R * C);
+    norm(x, L.ln2_w, L.ln2_b, h);
+    rounded(h, R * C);
+    if ((err = linear(L.fc, R, h, f, threads))) return err;
+    rounded(f, R * inner);
+    gelu_tanh(f, f, R * inner, threads);
+    rounded(f, R * inner);
+    if ((err = linear(L.out, R, f, y, threads))) return err;
+    rounded(y, R * C);
+    for (int64_t i = 0; i < R * C; ++i) x[i] += y[i];
+    rounded(x, R * C);
   }
-  layer_norm(x, lnf_w, lnf_b, eps, C, out);  // bf16: rounded by the caller, as it converts `out` to the model's dtype
+  norm(x, lnf_w, lnf_b, out);  // bf16: rounded by the caller, as it converts `out` to the model's dtype
   return 0;
 }
 
@@ -1150,22 +1161,25 @@ extern "C" {
 
 // The step of an fp32 model (fp32 cache; weights fp32 or int8 / int4 copies) and of a bf16 one (bf16 weights and
 // cache); arguments as `step`'s.
-int gpt2_step(const StepLayer* layers, int n_layer, int n_head, int64_t C, float eps, float* x, const float* lnf_w,
-              const float* lnf_b, float* keys, float* values, int64_t cap, int64_t length, float* scratch,
-              float* out, int threads) {
-  return step<float>(layers, n_layer, n_head, C, eps, x, lnf_w, lnf_b, keys, values, cap, length, scratch, out,
-                     threads);
+int gpt2_step(const StepLayer* layers, int n_layer, int n_head, int64_t C, float eps, int64_t rows, float* x,
+              const float* lnf_w, const float* lnf_b, float* keys, float* values, int64_t cap, int64_t length,
+              const uint8_t* mask, int64_t mask_stride, float* scratch, float* out, int threads) {
+  return step<float>(layers, n_layer, n_head, C, eps, rows, x, lnf_w, lnf_b, keys, values, cap, length, mask,
+                     mask_stride, scratch, out, threads);
 }
 
-int gpt2_step_bf16(const StepLayer* layers, int n_layer, int n_head, int64_t C, float eps, float* x,
+int gpt2_step_bf16(const StepLayer* layers, int n_layer, int n_head, int64_t C, float eps, int64_t rows, float* x,
                    const float* lnf_w, const float* lnf_b, uint16_t* keys, uint16_t* values, int64_t cap,
-                   int64_t length, float* scratch, float* out, int threads) {
-  return step<uint16_t>(layers, n_layer, n_head, C, eps, x, lnf_w, lnf_b, keys, values, cap, length, scratch,
-                        out, threads);
+                   int64_t length, const uint8_t* mask, int64_t mask_stride, float* scratch, float* out,
+                   int threads) {
+  return step<uint16_t>(layers, n_layer, n_head, C, eps, rows, x, lnf_w, lnf_b, keys, values, cap, length, mask,
+                        mask_stride, scratch, out, threads);
 }
 
-// The floats of scratch gpt2_step needs.
-int64_t gpt2_step_scratch(int n_head, int64_t C, int64_t inner, int64_t cap) { return 5 * C + inner + n_head * cap; }
+// The floats of scratch gpt2_step needs for `rows` rows.
+int64_t gpt2_step_scratch(int n_head, int64_t C, int64_t inner, int64_t cap, int64_t rows) {
+  return rows * (5 * C + inner + n_head * cap);
+}
 
 }  // extern "C"
 

@@ -120,11 +120,12 @@ def library(target_flags: tuple[str, ...] = NATIVE):
     # models/fast_step.py's whole decoding step (its layers argument: an array of its StepLayer structures)
     for step in (lib.gpt2_step, lib.gpt2_step_bf16):  # an fp32 model's and a bf16 model's (bf16 cache)
         step.restype = ctypes.c_int
-        step.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p,
-                         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
-                         ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+        step.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_int64,
+                         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                         ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                         ctypes.c_void_p, ctypes.c_int]
     lib.gpt2_step_scratch.restype = ctypes.c_int64
-    lib.gpt2_step_scratch.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
+    lib.gpt2_step_scratch.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
     return lib
 
 

@@ -1,7 +1,7 @@
 """models/fast_step.py: the C++ decoding step (modules/rows.cpp gpt2_step) against GPT2Model.decode_step, the
 reference, in every weight kind (fp32, int8, int4, and those two with int8 activations; a bf16 model's bf16 weights),
-in the native and the forced AVX2 build, for the GPT-2 variants it takes; and generate keeps decode_step for the
-variants it does not take.
+in the native and the forced AVX2 build, for one row and for batches of left-padded rows, for the GPT-2 variants it
+takes; generate and beam search give decode_step's tokens with it, and keep decode_step for what it does not take.
 
 Tolerance: the step's sums run in other orders than torch's (the rows kernel's products, a plain softmax, LayerNorm
 in double): hidden states agree to 1e-5 (relative and absolute) on these small models. bf16: see its tests."""
@@ -16,6 +16,7 @@ from torch import nn
 
 from config import GPT2Config
 from models import fast_step
+from models.generation import prefill
 from models.gpt2 import GPT2LMHeadModel
 from models.lora import apply_lora
 from modules import rows
@@ -86,6 +87,67 @@ def test_the_avx2_build_takes_the_same_steps(quantize):
     except Exception as err:  # a compiler without x86-64-v3
         pytest.skip(f"the AVX2 build is not available: {err}")
     steps_agree(tiny(), quantize, lib=lib)
+
+
+# Left-padded prompts of 3 to 7 tokens (0: padding), as generate gets them; the first rows of each batch size.
+PADDED = torch.tensor([[0, 0, 3, 14, 15, 92, 65], [5, 8, 9, 7, 9, 3, 2], [0, 0, 0, 0, 6, 26, 4],
+                       [0, 1, 2, 3, 4, 5, 6], [0, 0, 0, 33, 8, 32, 79], [0, 0, 0, 0, 0, 12, 21],
+                       [9, 10, 11, 12, 13, 14, 15], [0, 0, 0, 50, 28, 8, 41]])
+
+
+def batch_steps(model, rows_: int, lib=None, n_steps: int = 4, quantize: str | None = None):
+    """The step's and decode_step's (hidden states, keys, values) for `rows_` left-padded rows of PADDED after each
+    of n_steps tokens, from the same prefill."""
+    ids = PADDED[:rows_]
+    start = prefill(model, ids, (ids != 0).long(), n_steps)
+    assert start.key_mask is not None or rows_ == 1
+    cache, ref = start.cache, clone(start.cache)
+    got, want = [], []
+    with torch.no_grad():
+        assert fast_step.why_not(model, rows_, start.key_mask, cache) is None
+        fast = fast_step.FastStep(model, cache, start.key_mask, lib=lib)
+        for i in range(n_steps):
+            t, pos = (torch.arange(rows_) * 7 + 3 * i + 1) % 97, ids.shape[1] + i
+            got.append(fast(t, start.positions[:, pos]).clone())
+            mask = None if start.key_mask is None else start.key_mask[..., : pos + 1]
+            want.append(model.gpt.decode_step(t[:, None], start.positions[:, pos: pos + 1], mask, ref))
+            n = cache.length
+            got.append(torch.cat([cache.keys[..., :n, :].flatten(), cache.values[..., :n, :].flatten()]))
+            want.append(torch.cat([ref.keys[..., :n, :].flatten(), ref.values[..., :n, :].flatten()]))
+    return got, want
+
+
+def avx2_or_skip():
+    try:
+        return rows.library(rows.AVX2)
+    except Exception as err:  # a compiler without x86-64-v3
+        pytest.skip(f"the AVX2 build is not available: {err}")
+
+
+@pytest.mark.parametrize("form", ["native", "avx2"])
+@pytest.mark.parametrize("quantize", [None, "int8", "int4", "w8a8", "w4a8"])
+@pytest.mark.parametrize("rows_", [1, 3, 8])
+def test_batches_of_padded_rows_take_decode_steps_steps(form, quantize, rows_):
+    """Each row attends its own keys only (the padding masked out) and writes its own cache row: a row's mask, keys
+    or position read from another row moves its hidden states by far more than the tolerance."""
+    lib = avx2_or_skip() if form == "avx2" else None
+    model = tiny()
+    tol = A8_TOL if quantize in ("w8a8", "w4a8") else TOL
+    with quantized_weights(model, quantize) if quantize else torch.no_grad():
+        for got, want in zip(*batch_steps(model, rows_, lib)):
+            torch.testing.assert_close(got, want, **tol)
+
+
+@pytest.mark.parametrize("form", ["native", "avx2"])
+def test_batches_of_a_bf16_model_round_where_decode_step_does(form):
+    """As test_a_bf16_models_step_rounds_where_decode_step_does, for 8 left-padded rows (torch's bf16 SDPA under a
+    mask: the same structure as without)."""
+    lib = avx2_or_skip() if form == "avx2" else None
+    for seed in (0, 1):
+        for got, want in zip(*batch_steps(tiny(seed).to(torch.bfloat16), 8, lib)):
+            assert got.dtype == want.dtype == torch.bfloat16
+            assert (got == want).float().mean() >= 0.95, (got.float() - want.float()).abs().max()
+            torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=2 ** -7)
 
 
 def bf16_steps(model, lib=None, n_steps: int = 6):
@@ -165,11 +227,10 @@ def test_the_variants_it_leaves_to_decode_step(variant, reason):
     assert reason in fast_step.why_not(model, 1, None, prompt_cache(model, torch.tensor([[1, 2]])))
 
 
-def test_lora_padding_batches_and_the_switch_keep_decode_step(monkeypatch):
+def test_lora_more_than_8_rows_and_the_switch_keep_decode_step(monkeypatch):
     model = tiny()
     cache = prompt_cache(model, torch.tensor([[1, 2]]))
-    assert "rows" in fast_step.why_not(model, 2, None, cache)
-    assert "padding" in fast_step.why_not(model, 1, torch.ones(1, 1, 1, 3, dtype=torch.bool), cache)
+    assert "rows" in fast_step.why_not(model, 9, None, cache)
     monkeypatch.setenv("GPT2_DECODE_STEP", "0")
     assert "GPT2_DECODE_STEP=0" in fast_step.why_not(model, 1, None, cache)
     monkeypatch.delenv("GPT2_DECODE_STEP")
@@ -177,25 +238,54 @@ def test_lora_padding_batches_and_the_switch_keep_decode_step(monkeypatch):
     assert "LoRA" in fast_step.why_not(model, 1, None, cache)
 
 
-@pytest.mark.parametrize("quantize", [None, "int8", "int4", "w8a8", "w4a8", "bf16"])
-@pytest.mark.parametrize("sample", [False, True])
-def test_generate_gives_the_tokens_of_decode_step(monkeypatch, quantize, sample):
-    model = tiny(seed=1)
+def sharp(model):
     with torch.no_grad():
         for p in model.parameters():
             p.mul_(4)  # sharp logits: greedy tokens that vary
+    return model
+
+
+def counted(monkeypatch) -> list:
+    """The FastStep calls made from here on."""
+    taken, real = [], fast_step.FastStep.__call__
+    monkeypatch.setattr(fast_step.FastStep, "__call__", lambda self, *a: taken.append(1) or real(self, *a))
+    return taken
+
+
+@pytest.mark.parametrize("quantize", [None, "int8", "int4", "w8a8", "w4a8", "bf16"])
+@pytest.mark.parametrize("sample", [False, True])
+@pytest.mark.parametrize("rows_", [1, 5])
+def test_generate_gives_the_tokens_of_decode_step(monkeypatch, quantize, sample, rows_):
+    """One prompt, or 5 left-padded ones (with quantize, 2-8 rows keep the layers' own weights in both paths)."""
+    model = sharp(tiny(seed=1))
     if quantize == "bf16":  # a bf16 model, its own weights
         model, quantize = model.to(torch.bfloat16), None
-    ids = torch.tensor([[5, 6, 7]])
-    kwargs = dict(max_new_tokens=12, quantize=quantize, do_sample=sample)
-    taken = []
-    real = fast_step.FastStep.__call__
-    monkeypatch.setattr(fast_step.FastStep, "__call__", lambda self, *a: taken.append(1) or real(self, *a))
+    ids = torch.tensor([[5, 6, 7]]) if rows_ == 1 else PADDED[:rows_, 2:]
+    kwargs = dict(attention_mask=(ids != 0).long(), max_new_tokens=12, quantize=quantize, do_sample=sample)
+    taken = counted(monkeypatch)
     fast = model.generate(ids, generator=torch.Generator().manual_seed(0), **kwargs)
     assert len(taken) == 11  # every step after the prompt's
     monkeypatch.setenv("GPT2_DECODE_STEP", "0")
     plain = model.generate(ids, generator=torch.Generator().manual_seed(0), **kwargs)
     assert torch.equal(fast, plain)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("prompts", [1, 2])
+def test_beam_search_gives_the_beams_of_decode_step(monkeypatch, dtype, prompts):
+    """4 beams of one prompt, 2 x 4 of two left-padded ones (8 rows): the step follows the cache's reorders (it reads
+    the buffers reorder swaps in); 3 prompts' 12 rows keep decode_step."""
+    model = sharp(tiny(seed=2)).to(dtype)
+    ids = PADDED[:prompts, 2:] if prompts > 1 else PADDED[:1]
+    kwargs = dict(attention_mask=(ids != 0).long(), max_new_tokens=10, num_beams=4)
+    taken = counted(monkeypatch)
+    fast = model.generate(ids, **kwargs)
+    assert len(taken) == 9
+    monkeypatch.setenv("GPT2_DECODE_STEP", "0")
+    assert torch.equal(fast, model.generate(ids, **kwargs))
+    monkeypatch.delenv("GPT2_DECODE_STEP")
+    model.generate(PADDED[:3], attention_mask=(PADDED[:3] != 0).long(), max_new_tokens=3, num_beams=4)
+    assert len(taken) == 9
 
 
 def test_a_weight_edit_between_calls_is_seen():
@@ -232,7 +322,12 @@ def test_each_reason_to_keep_decode_step_is_named_as_it_is(monkeypatch):
     def why(m=model, rows_=1, mask=None, c=cache):
         return fast_step.why_not(m, rows_, mask, c)
     assert why() is None
-    assert why(rows_=2) == why(mask=torch.ones(1, 1, 1, 3, dtype=torch.bool)) == "several rows or padding"
+    assert why(mask=torch.ones(1, 1, 1, 3, dtype=torch.bool)) is None
+    assert why(rows_=9) == "9 rows (the step runs 1 to 8)"
+    assert why(rows_=0) == "0 rows (the step runs 1 to 8)"
+    for mask in (torch.ones(1, 1, 1, 3), torch.ones(1, 3, dtype=torch.bool), torch.ones(2, 1, 1, 3, dtype=torch.bool),
+                 torch.ones(1, 2, 1, 3, dtype=torch.bool), torch.ones(1, 1, 1, 3, dtype=torch.bool, device="meta")):
+        assert why(mask=mask) == "a key mask that is not (rows, 1, 1, keys) bool beside the cache", mask.shape
     assert why(m=tiny(activation_function="relu")) == "not GPT-2's blocks (manual backward or another activation)"
     keys = cache.keys
     for other in (keys.double(), keys.transpose(-1, -2), keys.to("meta")):  # another dtype, strides or device alone
@@ -270,6 +365,24 @@ def test_the_last_place_in_the_cache_is_used_and_the_next_step_is_an_error():
         assert cache.length == cache.capacity == 3
         with pytest.raises(RuntimeError, match=r"^the decode cache holds 3 tokens and is full$"):
             step(torch.tensor([[4]]), torch.tensor([[3]]))
+
+
+def test_a_step_made_for_other_rows_or_a_short_mask_is_an_error():
+    """The scratch and the mask are sized for the cache the step was made for: another row count, capacity, or a mask
+    without the new token's key is an error before anything is written."""
+    model = tiny()
+    ids = PADDED[:2]
+    start = prefill(model, ids, (ids != 0).long(), 2)
+    token, pos = torch.tensor([3, 4]), start.positions[:, ids.shape[1]]
+    with torch.no_grad():
+        short = fast_step.FastStep(model, start.cache, start.key_mask[..., : ids.shape[1]])
+        with pytest.raises(RuntimeError, match=r"^the decode step was made for 2 rows, 9 cached tokens and a key mask "
+                                               r"of 7 keys; the cache has 2 rows, 9 places and 7 keys$"):
+            short(token, pos)
+        step = fast_step.FastStep(model, start.cache, start.key_mask)
+        start.cache.reorder(torch.tensor([0, 1, 1]))  # three rows now
+        with pytest.raises(RuntimeError, match="made for 2 rows.*the cache has 3 rows"):
+            step(torch.tensor([3, 4, 5]), pos)
 
 
 def test_a_failing_step_names_its_code_and_a_step_bumps_what_it_wrote():

@@ -107,7 +107,7 @@ class FastStep:
         self.bf16 = cache.keys.dtype == torch.bfloat16  # a bf16 model: gpt2_step_bf16 (why_not checked the rest)
         kind = ("bf16" if self.bf16 else "fp32") if quantized is None else \
             row_kernel.plan_kind(quantized.q.dtype, quantized.int8_activations)  # w8a8 / w4a8: planned apart
-        self.lib = lib or row_kernel.library_step(kind)  # the kernel's form the plan chose for it (modules/rows.py)
+        self.lib = lib or row_kernel.library_step(kind, rows)  # the kernel's form for it (modules/rows.py)
         self.step = self.lib.gpt2_step_bf16 if self.bf16 else self.lib.gpt2_step
         self.body, self.cache = body, cache
         self.keep: list[torch.Tensor] = []  # every tensor a pointer below points into

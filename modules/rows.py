@@ -129,12 +129,15 @@ def library(target_flags: tuple[str, ...] = NATIVE):
     return lib
 
 
-def library_step(kind: str = "fp32"):
-    """The kernel form the plan chose for `kind` ('fp32', 'int8', 'int4', 'w8a8', 'w4a8'), for models/fast_step.py
-    (raises where the kernel is not available)."""
+def library_step(kind: str = "fp32", rows: int = 1):
+    """The kernel a decoding step of `rows` rows takes for weight kind `kind` ('fp32', 'bf16', 'int8', 'int4', 'w8a8',
+    'w4a8'), for models/fast_step.py and the decode loops' products: one row, the form the plan chose for the kind
+    (timed on one-row products, which the memory bounds); 2-8 rows, the native build, as a prompt's products
+    (prompt_library: bound by the arithmetic, where the native build has the wider registers and, on an AVX512-BF16
+    CPU, bf16 pair products). Raises where the kernel is not available."""
     if not available():
         raise RuntimeError("the rows kernel is not available here (modules/rows.py)")
-    return library_for(kind)
+    return library_for(kind) if rows == 1 else prompt_library()
 
 
 # ---- the plan: which build of the kernel reads each weight kind fastest on this CPU ---------------------------------

@@ -416,12 +416,17 @@ def test_a_failing_step_names_its_code_and_a_step_bumps_what_it_wrote():
                                             ("w4a8", "w4a8"), ("bf16", "bf16")])
 def test_the_step_runs_the_kernel_form_the_plan_chose_for_its_weight_kind(monkeypatch, quantize, kind):
     asked, real = [], rows.library_step
-    monkeypatch.setattr(rows, "library_step", lambda k="fp32": asked.append(k) or real(k))
+    monkeypatch.setattr(rows, "library_step", lambda k="fp32", n=1: asked.append((k, n)) or real(k, n))
     if quantize == "bf16":
         bf16_steps(tiny(n_layer=1).to(torch.bfloat16), n_steps=1)
     else:
         steps_agree(tiny(n_layer=1), quantize, n_steps=1)
-    assert asked == [kind]
+    assert asked == [(kind, 1)]
+    asked.clear()
+    model = tiny(n_layer=1).to(torch.bfloat16) if quantize == "bf16" else tiny(n_layer=1)
+    with quantized_weights(model, quantize) if quantize and quantize != "bf16" else torch.no_grad():
+        batch_steps(model, 3, n_steps=1)
+    assert asked == [("bf16" if quantize == "bf16" else "fp32", 3)]  # 2-8 rows: the layers' own weights
 
 
 def test_weights_it_copies_to_make_contiguous_live_as_long_as_the_step():

@@ -50,6 +50,24 @@ def test_bf16_weights_equal_the_fp32_product_rounded_once(batch, shape, lib):
     torch.testing.assert_close(y.double(), exact.to(torch.bfloat16).double(), rtol=8e-3, atol=1e-2)
 
 
+@pytest.mark.parametrize("form", ["native", "avx2"])
+@pytest.mark.parametrize("batch", [2, 5, 8])
+@pytest.mark.parametrize("in_f", [768, 2048])
+def test_bf16_weights_by_rows_sum_exact_products_in_fp32(form, batch, in_f):
+    """2-8 rows by bf16 weights in fp32 output: rows of bf16 numbers (a bf16 model's; vdpbf16ps on an AVX512-BF16 CPU,
+    one weight row at a time up to 1024 inputs, R in lockstep beyond, 37 rows leaving a tail) and rows that are not
+    (the FMA form: x not rounded to bf16) both give the fp32 sum of the exact products, to fp32 rounding of the
+    double product (x rounded to bf16 would miss it by about 0.1)."""
+    lib = rows.library(rows.NATIVE if form == "native" else rows.AVX2)
+    g = torch.Generator().manual_seed(batch + in_f)
+    w = torch.randn(37, in_f, generator=g).bfloat16()
+    for x in (torch.randn(batch, in_f, generator=g).bfloat16().float(), torch.randn(batch, in_f, generator=g)):
+        with torch.no_grad():
+            y = rows.rows_linear(x, w, lib=lib)
+        assert y.dtype == torch.float32
+        torch.testing.assert_close(y.double(), F.linear(x.double(), w.double()), rtol=1e-5, atol=1e-4)
+
+
 @pytest.mark.parametrize("batch", [1, 2, 5, 8])
 @pytest.mark.parametrize("shape", SHAPES)
 def test_int8_weights_equal_the_dequantized_product(batch, shape, lib):
@@ -244,9 +262,12 @@ def test_the_loader_refuses_other_systems_and_machines_and_warns_from_the_caller
 
 
 def test_library_step_is_fp32s_plan_by_default_and_refuses_without_the_kernel(monkeypatch):
+    """One row: the plan's form for the kind; 2-8 rows: the prompt's library (the native build, or the forced form)."""
     asked = []
     monkeypatch.setattr(rows, "library_for", lambda kind: asked.append(kind) or "lib")
+    monkeypatch.setattr(rows, "prompt_library", lambda: "prompt lib")
     assert rows.library_step() == "lib" and rows.library_step("int4") == "lib" and asked == ["fp32", "int4"]
+    assert rows.library_step("bf16", 2) == rows.library_step("fp32", 8) == "prompt lib" and len(asked) == 2
     monkeypatch.setattr(rows, "available", lambda: False)
     with pytest.raises(RuntimeError, match=r"^the rows kernel is not available here \(modules/rows\.py\)$"):
         rows.library_step()

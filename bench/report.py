@@ -470,6 +470,8 @@ CLAIMS = [
      _curve_claim),
     ("greedy generation fp32, batch 1", _ratio_per_class("compare_hf", "generate b1 fp32")),
     ("greedy generation fp32, batch 8", _ratio_per_class("compare_hf", "generate b8 fp32")),
+    ("greedy generation, bf16 weights, batch 8",
+     _ratio_per_class("compare_hf", "generate b8 bf16", "transformers bf16")),
     ("greedy batch 1, int8 weights ([int8](docs/cpu-decoding.md#weight-only-int8-decoding))",
      _ratio_per_class("compare_hf", "generate b1 int8", "transformers fp32")),
     ("beam search, 4 beams", _ratio_per_class("compare_hf", "beam4 b1 fp32")),

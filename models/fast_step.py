@@ -1,5 +1,5 @@
-"""Decoding steps of a plain GPT-2 for 1 to 8 rows in one C++ call (modules/rows.cpp, `gpt2_step`), instead of the
-few hundred torch operations of GPT2Model.decode_step.
+"""Decoding steps of a plain GPT-2 for 1 to 8 rows (fp32: more, as far as the kernel's many-row product pays) in one
+C++ call (modules/rows.cpp, `gpt2_step`), instead of the few hundred torch operations of GPT2Model.decode_step.
 
 Each torch operation costs a dispatch of several microseconds; at gpt2 size they added about a third to the time
 the weights take to stream, and with int8 or int4 weights, whose products are 4 to 6 times shorter, they were most
@@ -14,7 +14,9 @@ processing stay in Python. The results agree with decode_step to float rounding 
 kernel's products.
 
 Taken by models.generation.generate and models.beam_search for 1 to 8 rows (left-padded or not) on the CPU in fp32,
-or in bf16 (with quantize: one row not), where the kernel builds, for the GPT-2 architecture (LayerNorm, learned
+or in bf16 (with quantize: one row not), where the kernel builds; fp32 batches of 9 to rows.prompt_rows() rows too
+(product_many's tiles, as decode_step's chunked_linear; not with int8 activations, whose 9+ rows take oneDNN's int8
+GEMM in decode_step); for 12 rows sampled, 1.05x decode_step (2026-11-30, Zen 4); for the GPT-2 architecture (LayerNorm, learned
 positions, GELU tanh, full heads; biases, norm scales, an untied head and a logit soft-cap may vary); anything else
 keeps decode_step. GPT2_DECODE_STEP=0 turns it off.
 """
@@ -57,8 +59,8 @@ def why_not(model, batch_size: int, key_mask: torch.Tensor | None, cache: KVCach
     config, body = model.config, model.gpt
     if os.environ.get(ENV, "1") == "0":
         return f"{ENV}=0"
-    if not 1 <= batch_size <= row_kernel.MAX_ROWS:
-        return f"{batch_size} rows (the step runs 1 to {row_kernel.MAX_ROWS})"
+    if batch_size < 1:
+        return f"{batch_size} rows"
     if key_mask is not None and (key_mask.dtype != torch.bool or key_mask.dim() != 4 or key_mask.shape[:3] !=
                                  (batch_size, 1, 1) or key_mask.device != cache.keys.device):
         return "a key mask that is not (rows, 1, 1, keys) bool beside the cache"
@@ -79,9 +81,14 @@ def why_not(model, batch_size: int, key_mask: torch.Tensor | None, cache: KVCach
             return "a norm that is not LayerNorm"
     if any(p.dtype != dtype or not p.is_cpu for p in model.parameters()):
         return f"parameters not all {DTYPE_NAMES[dtype]} on the CPU, as the cache is"
+    if batch_size > row_kernel.MAX_ROWS and (dtype != torch.float32 or not row_kernel.takes_chunks(batch_size)):
+        return f"{batch_size} rows (the step runs 1 to {row_kernel.MAX_ROWS}, and fp32 up to the rows the kernel's " \
+               f"many-row product pays for: {row_kernel.prompt_rows()})"
     quantized = body.gpt_layers[0].self_attention.query.quantized
     if dtype == torch.bfloat16 and quantized is not None and batch_size == 1:  # more rows read the bf16 weights
         return "bf16 weights with quantized copies (the step's bf16 form reads the bf16 weights)"
+    if batch_size > row_kernel.MAX_ROWS and getattr(quantized, "int8_activations", False):
+        return "more than 8 rows with int8 activations (decode_step's int8 GEMM)"
     final = body.final_layer_norm
     if type(final) is not nn.LayerNorm or final.eps != config.layer_norm_epsilon:
         return "a final norm that is not LayerNorm"

@@ -950,7 +950,7 @@ int rows_vnni() {
 }
 }
 
-// ---- one decoding step of a plain GPT-2, for 1 to 8 rows ----------------------------------------------------------
+// ---- one decoding step of a plain GPT-2, for 1 to 8 rows (fp32: more) -----------------------------------------------
 // Decoding one token runs a few hundred small operations; from Python each costs a dispatch (about 10 us), which at
 // gpt2 size adds a third to the time the weights take to stream (docs/performance.md, "Against the CPU engines").
 // Here the whole stack of blocks runs in one call for every row of the batch: LayerNorm, the q/k/v products, the new
@@ -977,8 +977,11 @@ struct StepLayer {
   float attn_scale;
 };
 
+// 1-8 rows: rows_product, in the weight's kind; more (fp32 weights only): product_many's tiles, 8 rows a pass.
 static int linear(const StepLinear& l, int64_t rows, const float* x, float* y, int threads) {
-  return rows_product(l.kind, rows, x, l.in, l.w, l.scale, l.bias, y, l.out, threads, l.group);
+  if (rows <= 8) return rows_product(l.kind, rows, x, l.in, l.w, l.scale, l.bias, y, l.out, threads, l.group);
+  if (l.kind != 0) return -1;
+  return rows_product_many(rows, x, l.in, static_cast<const float*>(l.w), l.bias, y, l.out, threads);
 }
 
 static void layer_norm(const float* x, const float* w, const float* b, float eps, int64_t n, float* y) {
@@ -1169,7 +1172,8 @@ static void attend(const float* q, const K* keys, const K* values, int64_t lengt
 // nonzero (generate's left padding; the new token's, at `length`, must be). scratch: gpt2_step_scratch floats. Bf16
 // (a bf16 model: bf16 weights, fp32 copies of its norms and biases): every value torch would hand on in bf16 is
 // rounded to bf16 there (a norm's, a product's, attention's and GELU's output, the residual sums; the final norm's
-// `out` as the caller converts it). Returns 0, or the first product's error (-1: rows outside 1..8).
+// `out` as the caller converts it). Returns 0, or the first product's error (-1: more than 8 rows of weights that
+// are not fp32).
 template <typename K>
 static int step(const StepLayer* layers, int n_layer, int n_head, int64_t C, float eps, int64_t rows, float* x,
                 const float* lnf_w, const float* lnf_b, K* keys, K* values, int64_t cap, int64_t length,

@@ -89,10 +89,11 @@ def test_the_avx2_build_takes_the_same_steps(quantize):
     steps_agree(tiny(), quantize, lib=lib)
 
 
-# Left-padded prompts of 3 to 7 tokens (0: padding), as generate gets them; the first rows of each batch size.
+# Left-padded prompts of 2 to 7 tokens (0: padding), as generate gets them; the first rows of each batch size.
 PADDED = torch.tensor([[0, 0, 3, 14, 15, 92, 65], [5, 8, 9, 7, 9, 3, 2], [0, 0, 0, 0, 6, 26, 4],
                        [0, 1, 2, 3, 4, 5, 6], [0, 0, 0, 33, 8, 32, 79], [0, 0, 0, 0, 0, 12, 21],
-                       [9, 10, 11, 12, 13, 14, 15], [0, 0, 0, 50, 28, 8, 41]])
+                       [9, 10, 11, 12, 13, 14, 15], [0, 0, 0, 50, 28, 8, 41], [0, 0, 7, 7, 7, 7, 7],
+                       [0, 0, 0, 0, 0, 90, 1], [3, 1, 4, 1, 5, 9, 2], [0, 0, 0, 0, 60, 61, 62]])
 
 
 def batch_steps(model, rows_: int, lib=None, n_steps: int = 4, quantize: str | None = None):
@@ -126,13 +127,21 @@ def avx2_or_skip():
 
 @pytest.mark.parametrize("form", ["native", "avx2"])
 @pytest.mark.parametrize("quantize", [None, "int8", "int4", "w8a8", "w4a8"])
-@pytest.mark.parametrize("rows_", [1, 3, 8])
-def test_batches_of_padded_rows_take_decode_steps_steps(form, quantize, rows_):
+@pytest.mark.parametrize("rows_", [1, 3, 8, 12])
+def test_batches_of_padded_rows_take_decode_steps_steps(monkeypatch, form, quantize, rows_):
     """Each row attends its own keys only (the padding masked out) and writes its own cache row: a row's mask, keys
-    or position read from another row moves its hidden states by far more than the tolerance."""
+    or position read from another row moves its hidden states by far more than the tolerance. 12 rows: fp32
+    products of the kernel's many-row form (the layers' own weights under quantize, as for 2-8 rows)."""
+    monkeypatch.setenv(rows.PROMPT_ENV, "128")  # the tests run without the plan: its row count set here
     lib = avx2_or_skip() if form == "avx2" else None
     model = tiny()
     tol = A8_TOL if quantize in ("w8a8", "w4a8") else TOL
+    if rows_ > rows.MAX_ROWS and quantize in ("w8a8", "w4a8"):  # decode_step's int8 GEMM for 9+ rows: kept
+        with quantized_weights(model, quantize):
+            start = prefill(model, PADDED[:rows_], (PADDED[:rows_] != 0).long(), 1)
+            assert fast_step.why_not(model, rows_, start.key_mask, start.cache) == \
+                "more than 8 rows with int8 activations (decode_step's int8 GEMM)"
+        return
     with quantized_weights(model, quantize) if quantize else torch.no_grad():
         for got, want in zip(*batch_steps(model, rows_, lib)):
             torch.testing.assert_close(got, want, **tol)
@@ -227,10 +236,10 @@ def test_the_variants_it_leaves_to_decode_step(variant, reason):
     assert reason in fast_step.why_not(model, 1, None, prompt_cache(model, torch.tensor([[1, 2]])))
 
 
-def test_lora_more_than_8_rows_and_the_switch_keep_decode_step(monkeypatch):
+def test_lora_many_rows_and_the_switch_keep_decode_step(monkeypatch):
     model = tiny()
     cache = prompt_cache(model, torch.tensor([[1, 2]]))
-    assert "rows" in fast_step.why_not(model, 9, None, cache)
+    assert "rows" in fast_step.why_not(model, 200, None, cache)  # past the many-row product's timed counts
     monkeypatch.setenv("GPT2_DECODE_STEP", "0")
     assert "GPT2_DECODE_STEP=0" in fast_step.why_not(model, 1, None, cache)
     monkeypatch.delenv("GPT2_DECODE_STEP")
@@ -274,7 +283,9 @@ def test_generate_gives_the_tokens_of_decode_step(monkeypatch, quantize, sample,
 @pytest.mark.parametrize("prompts", [1, 2])
 def test_beam_search_gives_the_beams_of_decode_step(monkeypatch, dtype, prompts):
     """4 beams of one prompt, 2 x 4 of two left-padded ones (8 rows): the step follows the cache's reorders (it reads
-    the buffers reorder swaps in); 3 prompts' 12 rows keep decode_step."""
+    the buffers reorder swaps in); 3 prompts' 12 rows take it in fp32 (the many-row products), keep decode_step in
+    bf16."""
+    monkeypatch.setenv(rows.PROMPT_ENV, "128")  # the tests run without the plan: its row count set here
     model = sharp(tiny(seed=2)).to(dtype)
     ids = PADDED[:prompts, 2:] if prompts > 1 else PADDED[:1]
     kwargs = dict(attention_mask=(ids != 0).long(), max_new_tokens=10, num_beams=4)
@@ -285,7 +296,7 @@ def test_beam_search_gives_the_beams_of_decode_step(monkeypatch, dtype, prompts)
     assert torch.equal(fast, model.generate(ids, **kwargs))
     monkeypatch.delenv("GPT2_DECODE_STEP")
     model.generate(PADDED[:3], attention_mask=(PADDED[:3] != 0).long(), max_new_tokens=3, num_beams=4)
-    assert len(taken) == 9
+    assert len(taken) == (11 if dtype == torch.float32 else 9)
 
 
 def test_a_weight_edit_between_calls_is_seen():
@@ -323,8 +334,18 @@ def test_each_reason_to_keep_decode_step_is_named_as_it_is(monkeypatch):
         return fast_step.why_not(m, rows_, mask, c)
     assert why() is None
     assert why(mask=torch.ones(1, 1, 1, 3, dtype=torch.bool)) is None
-    assert why(rows_=9) == "9 rows (the step runs 1 to 8)"
-    assert why(rows_=0) == "0 rows (the step runs 1 to 8)"
+    assert why(rows_=0) == "0 rows"
+    monkeypatch.setenv(rows.PROMPT_ENV, "128")  # the kernel's many-row product up to 128 rows (else the plan's)
+    assert why(rows_=12) is None  # fp32
+    half = tiny().to(torch.bfloat16)
+    assert why(m=half, rows_=9, c=prompt_cache(half, torch.tensor([[1, 2]]))) == \
+        "9 rows (the step runs 1 to 8, and fp32 up to the rows the kernel's many-row product pays for: 128)"
+    assert why(rows_=129) == "129 rows (the step runs 1 to 8, and fp32 up to the rows the kernel's many-row " \
+                             "product pays for: 128)"
+    monkeypatch.setenv(rows.PROMPT_ENV, "0")  # torch's product beyond 8 rows: the step stops there too
+    assert why(rows_=12) == "12 rows (the step runs 1 to 8, and fp32 up to the rows the kernel's many-row product " \
+                            "pays for: 8)"
+    monkeypatch.delenv(rows.PROMPT_ENV)
     for mask in (torch.ones(1, 1, 1, 3), torch.ones(1, 3, dtype=torch.bool), torch.ones(2, 1, 1, 3, dtype=torch.bool),
                  torch.ones(1, 2, 1, 3, dtype=torch.bool), torch.ones(1, 1, 1, 3, dtype=torch.bool, device="meta")):
         assert why(mask=mask) == "a key mask that is not (rows, 1, 1, keys) bool beside the cache", mask.shape

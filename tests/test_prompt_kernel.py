@@ -184,9 +184,16 @@ def test_a_prompt_and_decode_steps_of_nine_or_more_rows_take_the_kernel_with_the
             outs[setting + "logits"] = model(ids)["logits"]
     assert torch.equal(outs["0"], outs["128"]) and outs["0rows"] == []
     torch.testing.assert_close(outs["0logits"], outs["128logits"], atol=1e-4, rtol=1e-4)
-    # the prompt's 60 rows through q, k, v, the projection and the MLP's two; then 12 rows through those six in each
-    # of the 5 steps after the first token, and through the LM head (600 x 512) for each of the 6 new tokens
-    assert outs["128rows"] == [60] * 6 + [12] * (6 * 5 + 6), outs["128rows"]
+    # the prompt's 60 rows through q, k, v, the projection and the MLP's two, and the LM head (600 x 512) for each of
+    # the 6 new tokens; the 5 steps after the first token run their blocks in the C++ step (the kernel's many-row
+    # product there: models/fast_step.py) ...
+    assert outs["128rows"] == [60] * 6 + [12] * 6, outs["128rows"]
+    # ... and in decode_step, where it is off: 12 rows through those six in each of the 5 steps
+    monkeypatch.setenv("GPT2_DECODE_STEP", "0")
+    spy.clear()
+    with torch.no_grad():
+        assert torch.equal(model.generate(ids, max_new_tokens=6, do_sample=False), outs["0"])
+    assert list(spy) == [60] * 6 + [12] * (6 * 5 + 6), list(spy)
 
 
 def test_no_kernel_here_means_no_chunks_whatever_the_setting(monkeypatch):

@@ -82,7 +82,7 @@ def beam_search(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | N
             key_mask = key_mask[rows] if key_mask is not None else None  # (B*N, 1, 1, T + new)
             seen = seen[rows] if seen is not None else None
             lm_head = decode_lm_head(body, hidden.shape[0])
-            # up to 8 beam rows on the CPU, plain GPT-2: each step in one C++ call (models/fast_step.py)
+            # the beam rows on the CPU (1-8; fp32: more), plain GPT-2: each step in one C++ call (models/fast_step.py)
             fast = None if fast_step.why_not(model, B * N, key_mask, cache) else \
                 fast_step.FastStep(model, cache, key_mask)
 

@@ -16,9 +16,9 @@ kernel's products.
 Taken by models.generation.generate and models.beam_search for 1 to 8 rows (left-padded or not) on the CPU in fp32,
 or in bf16 (with quantize: one row not), where the kernel builds; fp32 batches of 9 to rows.prompt_rows() rows too
 (product_many's tiles, as decode_step's chunked_linear; not with int8 activations, whose 9+ rows take oneDNN's int8
-GEMM in decode_step); for 12 rows sampled, 1.05x decode_step (2026-11-30, Zen 4); for the GPT-2 architecture (LayerNorm, learned
-positions, GELU tanh, full heads; biases, norm scales, an untied head and a logit soft-cap may vary); anything else
-keeps decode_step. GPT2_DECODE_STEP=0 turns it off.
+GEMM in decode_step; 12 rows sampled: 1.05x decode_step, 2026-11-30, Zen 4); for the GPT-2 architecture (LayerNorm,
+learned positions, GELU tanh, full heads; biases, norm scales, an untied head and a logit soft-cap may vary);
+anything else keeps decode_step. GPT2_DECODE_STEP=0 turns it off.
 """
 from __future__ import annotations
 
@@ -98,8 +98,8 @@ def why_not(model, batch_size: int, key_mask: torch.Tensor | None, cache: KVCach
 
 
 class FastStep:
-    """The C++ step for one generate call: made after the prompt's pass (inside quantized_weights where quantize is
-    set, so the layers' int8/int4 copies are in place) and called once per new token."""
+    """The C++ step for one generate or beam search call: made after the prompt's pass (inside quantized_weights
+    where quantize is set, so the layers' int8/int4 copies are in place) and called once per new token."""
 
     def __init__(self, model, cache: KVCache, key_mask: torch.Tensor | None = None, lib=None):
         """key_mask: generate's (rows, 1, 1, prompt + new tokens) bool, True for the keys a row attends (left
@@ -108,7 +108,7 @@ class FastStep:
         body, config = model.gpt, model.config
         rows = self.rows = cache.keys.shape[1]
         first = body.gpt_layers[0].self_attention.query.quantized  # the same kind for every layer
-        # quantized copies serve one row, as in decode_step (modules/linear.py); 2-8 rows take the layers' weights
+        # quantized copies serve one row, as in decode_step (modules/linear.py); more rows take the layers' weights
         quantized = first if rows == 1 and isinstance(first, (Int8Weight, Int4Weight)) else None
         self.quantized = quantized is not None
         self.bf16 = cache.keys.dtype == torch.bfloat16  # a bf16 model: gpt2_step_bf16 (why_not checked the rest)

@@ -302,7 +302,7 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
                                                                     quantize)
             out = torch.full((B, T + max_new_tokens), pad, dtype=torch.long, device=input_ids.device)
             out[:, :T] = input_ids
-            # 1 to 8 rows on the CPU, plain GPT-2: each step in one C++ call (models/fast_step.py)
+            # a batch on the CPU (1-8 rows; fp32: more), plain GPT-2: each step in one C++ call (models/fast_step.py)
             fast = None if fast_step.why_not(model, B, key_mask, cache) else fast_step.FastStep(model, cache, key_mask)
             # the steps' thread count, chosen by timing them (models/decode_threads.py)
             threads = quantized.enter_context(closing_threads(model, B, quantize))

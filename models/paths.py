@@ -173,9 +173,9 @@ PATHS: tuple[Path, ...] = (
          "the weight, instead of F.linear, up to the row count the decode plan timed faster (modules/rows.py)",
          row_kernel.PROMPT_ENV, "128", "0", _rows_runs, _prompt_kernel_default,
          ("tests/test_prompt_kernel.py", "tests/test_paths.py")),
-    Path("decode-step", "decoding 1-8 rows of plain GPT-2 (generate, beam search): each step in one C++ call "
-         "(models/fast_step.py)", fast_step.ENV, "", "0", _step_runs,
-         lambda: (True, "1-8 rows, fp32 or bf16, plain GPT-2 blocks"),
+    Path("decode-step", "decoding batches of plain GPT-2 (generate, beam search; 1-8 rows, fp32 up to the rows "
+         "prompt-kernel takes): each step in one C++ call (models/fast_step.py)", fast_step.ENV, "", "0", _step_runs,
+         lambda: (True, "1-8 rows (fp32: more), fp32 or bf16, plain GPT-2 blocks"),
          ("tests/test_fast_step.py", "tests/test_paths.py")),
     Path("huge-pages", "a loaded model's CPU parameters in one mapping of 2 MiB pages (madvise MADV_HUGEPAGE) "
          "instead of torch's 4 KiB ones: from_pretrained (modules/hugepages.py)", hugepages.ENV, "", "0",

@@ -393,9 +393,10 @@ constexpr int rows_per_step() {
 // instruction's rule: no bf16 activation of a model is one). Rows of at most kPairsStream values go one weight row
 // at a time, each thread's rows one stream prefetched kAhead[1] bytes ahead (the B input rows stay in L1); longer
 // rows R at a time in lockstep (each input vector loaded once for R weight rows), prefetched as rows_at. GB/s of
-// weights, 8 rows, Zen 4, 2 threads, interleaved (2026-11-30): 48 768 x 768 weights 9.5 -> 22-25 (the FMA form's
-// R rows: ~16), 12 3072 x 768 18 -> 23, the 50257 x 768 LM head 15 -> 28; 12 768 x 3072 23 in lockstep against 15
-// one row at a time. 2 and 4 input rows: the same choice measured best (8 of 8 shapes). gpt2 greedy batch 8 of a
+// weights, 8 rows, Zen 4, 2 threads, interleaved (2026-11-30), one row a stream (1024 / 4096 bytes ahead) against
+// R in lockstep: 48 768 x 768 weights 22 / 25 against 18, 12 3072 x 768 18 / 23 against 19, the 50257 x 768 LM
+// head 28 against 21 (the FMA form 15-16); 12 768 x 3072 14-15 against 23. At 4 rows the same choice measured
+// best for every shape; at 2, for all but 3072 x 768 (within 2%). gpt2 greedy batch 8 of a
 // bf16 model, whole decodes (64 new tokens, two in-process runs of 7 interleaved rounds): 536-550 tok/s against
 // 409-427 in the FMA form, the same tokens.
 constexpr int64_t kPairsStream = 1024;
@@ -1123,9 +1124,9 @@ static inline void store(float* p, float v) { *p = v; }
 static inline void store(uint16_t* p, float v) { *p = bf16_bits(v); }
 
 // One head's attention of one query over `length` cached keys and values (rows of `dim`, `cap` rows a head; K: the
-// cache's type), the keys where `mask` (null: none) holds 0 left out (a left-padded row's padding): each score a dot product 8 columns at a time in two accumulators (a scalar sum is one dependent
-// chain of adds, about a millisecond a gpt2 token at 80 tokens of context), the weighted sum of values 8 columns at
-// a time, all in fp32. A bf16 cache's form weighs each value by its exp(score - max) rounded to bf16 and divides the
+// cache's type), the keys where `mask` (null: none) holds 0 left out (a left-padded row's padding): each score a
+// dot product 8 columns at a time in two accumulators (a scalar sum is one dependent chain of adds, about a
+// millisecond a gpt2 token at 80 tokens of context), the weighted sum of values 8 columns at a time, all in fp32. A bf16 cache's form weighs each value by its exp(score - max) rounded to bf16 and divides the
 // sum by the exps' fp32 total at the end, as torch's bf16 SDPA on the CPU does (its exp is not ours: the two agree
 // to a bf16 rounding of an exp, not bit for bit).
 template <typename K>

@@ -401,9 +401,13 @@ def test_a_step_made_for_other_rows_or_a_short_mask_is_an_error():
                                                r"of 7 keys; the cache has 2 rows, 9 places and 7 keys$"):
             short(token, pos)
         step = fast_step.FastStep(model, start.cache, start.key_mask)
+        unmasked = fast_step.FastStep(model, start.cache)
         start.cache.reorder(torch.tensor([0, 1, 1]))  # three rows now
         with pytest.raises(RuntimeError, match="made for 2 rows.*the cache has 3 rows"):
             step(torch.tensor([3, 4, 5]), pos)
+        with pytest.raises(RuntimeError, match=r"^the decode step was made for 2 rows, 9 cached tokens and a key mask "
+                                               r"of None keys; the cache has 3 rows, 9 places and 7 keys$"):
+            unmasked(torch.tensor([3, 4, 5]), pos)
 
 
 def test_a_failing_step_names_its_code_and_a_step_bumps_what_it_wrote():

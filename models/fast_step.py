@@ -64,6 +64,8 @@ def why_not(model, batch_size: int, key_mask: torch.Tensor | None, cache: KVCach
     if key_mask is not None and (key_mask.dtype != torch.bool or key_mask.dim() != 4 or key_mask.shape[:3] !=
                                  (batch_size, 1, 1) or key_mask.device != cache.keys.device):
         return "a key mask that is not (rows, 1, 1, keys) bool beside the cache"
+    if torch.is_autocast_enabled("cpu"):
+        return "autocast (its products in another dtype than the weights')"
     if config.backward != "autograd" or config.activation_function not in ACTIVATIONS:
         return "not GPT-2's blocks (manual backward or another activation)"
     if set(config.variant_fields()) - ALLOWED_VARIANTS:

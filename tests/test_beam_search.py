@@ -233,13 +233,15 @@ def test_without_a_pad_id_rows_that_end_early_are_filled_with_eos_as_transformer
 def test_the_search_stops_once_every_prompt_is_done_and_decodes_its_beam_rows_on_their_thread_plan(monkeypatch):
     """early_stopping=True: once each prompt holds N finished hypotheses no further step is decoded; the decode
     loop's thread plan is keyed by its B*N rows (N = 4 by default, as in transformers)."""
-    from models import generation
+    from models import fast_step, generation
 
     _, ours, ids, mask, eos = favoured_eos(seed=8, ahead=2)
     kw = dict(max_new_tokens=16, eos_token_id=eos, pad_token_id=1, early_stopping=True)
     steps, keys = [], []
-    real_step, real_threads = ours.gpt.decode_step, generation.DecodeThreads
+    real_step, real_fast, real_threads = ours.gpt.decode_step, fast_step.FastStep.__call__, generation.DecodeThreads
+    # a step is decode_step's or, where the C++ step takes these 16 rows (fp32 with the many-row product), its
     monkeypatch.setattr(ours.gpt, "decode_step", lambda *a, **k: steps.append(1) or real_step(*a, **k))
+    monkeypatch.setattr(fast_step.FastStep, "__call__", lambda self, *a: steps.append(1) or real_fast(self, *a))
     monkeypatch.setattr(generation, "DecodeThreads", lambda key, **k: keys.append(key) or real_threads(key, **k))
     beam_search(ours, ids, mask, **kw)
     assert 0 < len(steps) < kw["max_new_tokens"] - 1, len(steps)

@@ -310,6 +310,20 @@ def test_a_weight_edit_between_calls_is_seen():
     steps_agree(model)
 
 
+@pytest.mark.parametrize("rows_", [1, 12])
+def test_generate_under_autocast_keeps_decode_step(monkeypatch, rows_):
+    """Under torch.autocast a decode step's products run in bf16 (decode_step), not in the weights' fp32 (the step):
+    the step is not taken, at one row or at 12 (the many-row product)."""
+    monkeypatch.setenv(rows.PROMPT_ENV, "128")
+    model = tiny()
+    taken = counted(monkeypatch)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model.generate(PADDED[:rows_], attention_mask=(PADDED[:rows_] != 0).long(), max_new_tokens=3)
+    assert taken == []
+    model.generate(PADDED[:rows_], attention_mask=(PADDED[:rows_] != 0).long(), max_new_tokens=3)
+    assert len(taken) == 2
+
+
 def test_a_full_cache_is_an_error():
     model = tiny()
     cache = prompt_cache(model, torch.tensor([[1, 2]]), extra=0)
@@ -334,6 +348,8 @@ def test_each_reason_to_keep_decode_step_is_named_as_it_is(monkeypatch):
         return fast_step.why_not(m, rows_, mask, c)
     assert why() is None
     assert why(mask=torch.ones(1, 1, 1, 3, dtype=torch.bool)) is None
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # decode_step's products in bf16: not the step's
+        assert why() == "autocast (its products in another dtype than the weights')"
     assert why(rows_=0) == "0 rows"
     monkeypatch.setenv(rows.PROMPT_ENV, "128")  # the kernel's many-row product up to 128 rows (else the plan's)
     assert why(rows_=12) is None  # fp32

@@ -170,6 +170,7 @@ def test_the_timing_reports_both_contenders_per_count():
 def test_a_prompt_and_decode_steps_of_nine_or_more_rows_take_the_kernel_with_the_same_tokens(monkeypatch, spy):
     """A batch of 12 prompts (run_sonnet.py's dev set): the prompt's 60 rows, then each step's 12 rows, its LM head
     too, through the kernel; the greedy tokens are F.linear's (GPT2_PROMPT_KERNEL=0), the logits to float rounding."""
+    monkeypatch.delenv("GPT2_DECODE_STEP", raising=False)  # the C++ step on (its default), then off below
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=4, n_embd=512, vocab_size=600, n_positions=64)).eval()
     ids = torch.randint(0, 600, (12, 5))

@@ -26,6 +26,7 @@ import ctypes
 import os
 
 import torch
+import torch.nn.modules.module as module_hooks
 from torch import nn
 
 from modules import rows as row_kernel
@@ -54,6 +55,13 @@ def _pointer(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+def _hooked(body: nn.Module) -> bool:
+    """Whether a forward hook or pre-hook would run in decode_step: on any module of the body, or global ones."""
+    if module_hooks._global_forward_hooks or module_hooks._global_forward_pre_hooks:
+        return True
+    return any(m._forward_hooks or m._forward_pre_hooks for m in body.modules())
+
+
 def why_not(model, batch_size: int, key_mask: torch.Tensor | None, cache: KVCache) -> str | None:
     """Why this decode cannot take the C++ step (None: it can)."""
     config, body = model.config, model.gpt
@@ -66,6 +74,8 @@ def why_not(model, batch_size: int, key_mask: torch.Tensor | None, cache: KVCach
         return "a key mask that is not (rows, 1, 1, keys) bool beside the cache"
     if torch.is_autocast_enabled("cpu"):
         return "autocast (its products in another dtype than the weights')"
+    if _hooked(body):
+        return "forward hooks on the model's modules (the step calls none of them)"
     if config.backward != "autograd" or config.activation_function not in ACTIVATIONS:
         return "not GPT-2's blocks (manual backward or another activation)"
     if set(config.variant_fields()) - ALLOWED_VARIANTS:

@@ -324,6 +324,17 @@ def test_generate_under_autocast_keeps_decode_step(monkeypatch, rows_):
     assert len(taken) == 2
 
 
+def test_a_forward_hook_sees_every_step_of_generate():
+    """A hook on a module (here the final norm) is called for the prompt's pass and each decode step, as without the
+    step: generate keeps decode_step while one is registered."""
+    model = tiny()
+    calls = []
+    handle = model.gpt.final_layer_norm.register_forward_hook(lambda *a: calls.append(1))
+    model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=5)
+    handle.remove()
+    assert len(calls) == 5  # the prompt, then 4 steps
+
+
 def test_a_full_cache_is_an_error():
     model = tiny()
     cache = prompt_cache(model, torch.tensor([[1, 2]]), extra=0)
@@ -350,6 +361,14 @@ def test_each_reason_to_keep_decode_step_is_named_as_it_is(monkeypatch):
     assert why(mask=torch.ones(1, 1, 1, 3, dtype=torch.bool)) is None
     with torch.autocast("cpu", dtype=torch.bfloat16):  # decode_step's products in bf16: not the step's
         assert why() == "autocast (its products in another dtype than the weights')"
+    for register in (lambda: model.gpt.gpt_layers[1].interm_dense.register_forward_hook(lambda *a: None),
+                     lambda: model.gpt.final_layer_norm.register_forward_pre_hook(lambda *a: None),
+                     lambda: torch.nn.modules.module.register_module_forward_hook(lambda *a: None),
+                     lambda: torch.nn.modules.module.register_module_forward_pre_hook(lambda *a: None)):
+        handle = register()  # a hook decode_step would call: an interpretability probe, a global logger
+        assert why() == "forward hooks on the model's modules (the step calls none of them)"
+        handle.remove()
+        assert why() is None
     assert why(rows_=0) == "0 rows"
     monkeypatch.setenv(rows.PROMPT_ENV, "128")  # the kernel's many-row product up to 128 rows (else the plan's)
     assert why(rows_=12) is None  # fp32

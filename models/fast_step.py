@@ -18,7 +18,8 @@ or in bf16 (with quantize: one row not), where the kernel builds; fp32 batches o
 (product_many's tiles, as decode_step's chunked_linear; not with int8 activations, whose 9+ rows take oneDNN's int8
 GEMM in decode_step; 12 rows sampled: 1.05x decode_step, 2026-11-30, Zen 4); for the GPT-2 architecture (LayerNorm,
 learned positions, GELU tanh, full heads; biases, norm scales, an untied head and a logit soft-cap may vary);
-anything else keeps decode_step. GPT2_DECODE_STEP=0 turns it off.
+anything else keeps decode_step, as do calls under torch.autocast (bf16 products) and models with forward hooks
+(the step calls no module). GPT2_DECODE_STEP=0 turns it off.
 """
 from __future__ import annotations
 

@@ -210,9 +210,7 @@ def decode_lm_head(body, batch_size: int, quantize: str | None = None):
     if weight.device.type != "cpu":
         return body.hidden_state_to_token
     if row_kernel.pays(weight.dtype, batch_size) and row_kernel.available() and weight.is_contiguous():
-        # once per decode call, like the layers' (prepared_rows)
-        call = row_kernel.prepared(weight.detach(), lib=row_kernel.library_step(row_kernel.plan_kind(weight.dtype),
-                                                                                batch_size))
+        call = row_kernel.prepared(weight.detach(), rows=batch_size)  # once per decode call, like the layers'
         return lambda hidden: softcap(row_kernel.run(call, hidden))
     if batch_size > 1:
         if takes_prompt_kernel(batch_size, weight.dtype, weight):

@@ -148,8 +148,7 @@ def prepared_rows(model: nn.Module, rows: int):
               and row_kernel.pays(m.weight.dtype, rows) and row_kernel.available()]
     for layer in layers:
         bias = None if layer.bias is None else layer.bias.detach()
-        lib = row_kernel.library_step(row_kernel.plan_kind(layer.weight.dtype), rows)
-        layer.rows_call = (rows, row_kernel.prepared(layer.weight.detach(), bias, lib=lib))
+        layer.rows_call = (rows, row_kernel.prepared(layer.weight.detach(), bias, rows=rows))
     try:
         yield layers
     finally:

@@ -144,6 +144,7 @@ struct Int4 {
   const float* scale;
   int64_t group;
 };
+constexpr int64_t kMaxRows = 8;  // the most input rows of rows_product (modules/rows.py MAX_ROWS)
 constexpr int64_t kBlock = 32;  // int4 weights per packed block (16 bytes): kBlock / kWidth vectors
 
 // R weight rows starting at o, times all B input rows.
@@ -828,7 +829,7 @@ static void qproduct_rows(const QuantRows& qx, int64_t in, W w, const float* bia
 template <typename W>
 static int qproduct(int64_t rows, const float* x, int64_t in, W w, const float* bias, float* y, int64_t out,
                     int threads) {
-  if (rows < 1 || rows > 8) return -1;
+  if (rows < 1 || rows > kMaxRows) return -1;
   if (in % kQBlock != 0) return -2;
   QuantRows qx;
   quantize_rows(x, rows, in, qx);
@@ -980,7 +981,7 @@ struct StepLayer {
 
 // 1-8 rows: rows_product, in the weight's kind; more (fp32 weights only): product_many's tiles, 8 rows a pass.
 static int linear(const StepLinear& l, int64_t rows, const float* x, float* y, int threads) {
-  if (rows <= 8) return rows_product(l.kind, rows, x, l.in, l.w, l.scale, l.bias, y, l.out, threads, l.group);
+  if (rows <= kMaxRows) return rows_product(l.kind, rows, x, l.in, l.w, l.scale, l.bias, y, l.out, threads, l.group);
   if (l.kind != 0) return -1;
   return rows_product_many(rows, x, l.in, static_cast<const float*>(l.w), l.bias, y, l.out, threads);
 }
@@ -1105,18 +1106,21 @@ extern "C" void rows_gelu_tanh_backward(const float* x, const float* dy, float* 
 // bf16 rounding of fp32 values (to nearest, ties to even, as torch converts; NaN stays NaN): `bf16_bits` the 16 bits
 // kept, `round_bf16` the values left in fp32 storage holding bf16 numbers. A bf16 model's step rounds at each point
 // where torch's bf16 operations hand a bf16 tensor on, so its numbers are those of decode_step in bf16.
+// The rule on a float's bits, its low 16 bits left zero; branch-free, so round_bf16's loop vectorizes.
+static inline uint32_t bf16_rounded(uint32_t b) {
+  const uint32_t nearest = (b + 0x7FFFu + ((b >> 16) & 1u)) & 0xFFFF0000u, nan = (b & 0xFFFF0000u) | 0x00400000u;
+  return (b & 0x7FFFFFFFu) > 0x7F800000u ? nan : nearest;  // a NaN stays a (quiet) NaN
+}
 static inline uint16_t bf16_bits(float f) {
   uint32_t b;
   std::memcpy(&b, &f, sizeof b);
-  if ((b & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((b >> 16) | 0x40);  // a quiet NaN
-  return static_cast<uint16_t>((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
+  return static_cast<uint16_t>(bf16_rounded(b) >> 16);
 }
-static inline void round_bf16(float* x, int64_t n) {  // bf16_bits's rule without branches: the compiler vectorizes it
+static inline void round_bf16(float* x, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
     uint32_t b;
     std::memcpy(&b, x + i, sizeof b);
-    const uint32_t nearest = (b + 0x7FFFu + ((b >> 16) & 1u)) & 0xFFFF0000u, nan = (b & 0xFFFF0000u) | 0x00400000u;
-    b = (b & 0x7FFFFFFFu) > 0x7F800000u ? nan : nearest;
+    b = bf16_rounded(b);
     std::memcpy(x + i, &b, sizeof b);
   }
 }
@@ -1126,9 +1130,10 @@ static inline void store(uint16_t* p, float v) { *p = bf16_bits(v); }
 // One head's attention of one query over `length` cached keys and values (rows of `dim`, `cap` rows a head; K: the
 // cache's type), the keys where `mask` (null: none) holds 0 left out (a left-padded row's padding): each score a
 // dot product 8 columns at a time in two accumulators (a scalar sum is one dependent chain of adds, about a
-// millisecond a gpt2 token at 80 tokens of context), the weighted sum of values 8 columns at a time, all in fp32. A bf16 cache's form weighs each value by its exp(score - max) rounded to bf16 and divides the
-// sum by the exps' fp32 total at the end, as torch's bf16 SDPA on the CPU does (its exp is not ours: the two agree
-// to a bf16 rounding of an exp, not bit for bit).
+// millisecond a gpt2 token at 80 tokens of context), the weighted sum of values 8 columns at a time, all in fp32.
+// A bf16 cache's form weighs each value by its exp(score - max) rounded to bf16 and divides the sum by the exps'
+// fp32 total at the end, as torch's bf16 SDPA on the CPU does (its exp is not ours: the two agree to a bf16 rounding
+// of an exp, not bit for bit).
 template <typename K>
 static void attend(const float* q, const K* keys, const K* values, int64_t length, int64_t dim, float scale,
                    const uint8_t* mask, float* scores, float* y) {

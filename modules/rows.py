@@ -137,6 +137,11 @@ def library_step(kind: str = "fp32", rows: int = 1):
     CPU, bf16 pair products). Raises where the kernel is not available."""
     if not available():
         raise RuntimeError("the rows kernel is not available here (modules/rows.py)")
+    return _library_of(kind, rows)
+
+
+def _library_of(kind: str, rows: int):
+    """library_step's choice, without its check: the plan's form for one row, the prompt's library for more."""
     return library_for(kind) if rows == 1 else prompt_library()
 
 
@@ -559,14 +564,16 @@ def run(call, x: torch.Tensor) -> torch.Tensor:
 
 
 def prepared(weight: torch.Tensor, bias: torch.Tensor | None = None, scale: torch.Tensor | None = None, lib=None,
-             int8_activations: bool = False):
+             int8_activations: bool = False, rows: int = 1):
     """The kernel's product for one weight with its lookups done once -> a function of x (..., in), fp32 and
     contiguous, with 1 to 8 rows, returning (..., out) fp32 (rows_linear makes one per call). The decode loop keeps
     one per layer: the checks and conversions cost about 8 us a call, 0.6 ms a gpt2 token. The function holds the
     tensors it points at, so the pointers stay valid; it reads their current values (in-place changes are seen), and
     is made again when a tensor is replaced (quantized_weights does so at every generate call).
     int8_activations (int8 and int4 weights, `in` a multiple of 32): the rows are quantized to int8 in blocks of 32
-    columns first and multiplied in integers (quantize="w8a8" / "w4a8": modules/quant.py)."""
+    columns first and multiplied in integers (quantize="w8a8" / "w4a8": modules/quant.py).
+    rows: the row count the calls will have (a decode loop's batch), which picks the library as library_step does;
+    lib overrides it."""
     if weight.dtype == torch.int8 and scale is None:
         raise ValueError("an int8 weight needs its per-row scale")
     if not weight.is_contiguous():
@@ -581,7 +588,7 @@ def prepared(weight: torch.Tensor, bias: torch.Tensor | None = None, scale: torc
         group = n_in // scale.shape[1]
         if group % 32:
             raise ValueError(f"the rows kernel reads int4 groups of a multiple of 32 values, got {group}")
-    lib = lib or library_for(plan_kind(weight.dtype, int8_activations))
+    lib = lib or _library_of(plan_kind(weight.dtype, int8_activations), rows)
     bias, scale = _fp32_contiguous(bias), _fp32_contiguous(scale)
     kind = _KINDS[weight.dtype]
     if int8_activations:

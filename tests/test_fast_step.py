@@ -75,6 +75,14 @@ def steps_agree(model, quantize: str | None = None, lib=None, n_steps: int = 3) 
                                        **tol)
 
 
+def avx2_or_skip():
+    """The AVX2 build of the kernel, or a skip where the compiler cannot make it."""
+    try:
+        return rows.library(rows.AVX2)
+    except Exception as err:  # a compiler without x86-64-v3
+        pytest.skip(f"the AVX2 build is not available: {err}")
+
+
 @pytest.mark.parametrize("quantize", [None, "int8", "int4", "w8a8", "w4a8"])
 def test_the_step_is_decode_step_in_every_weight_kind(quantize):
     steps_agree(tiny(), quantize)
@@ -82,11 +90,7 @@ def test_the_step_is_decode_step_in_every_weight_kind(quantize):
 
 @pytest.mark.parametrize("quantize", [None, "int8", "int4", "w8a8", "w4a8"])
 def test_the_avx2_build_takes_the_same_steps(quantize):
-    try:
-        lib = rows.library(rows.AVX2)
-    except Exception as err:  # a compiler without x86-64-v3
-        pytest.skip(f"the AVX2 build is not available: {err}")
-    steps_agree(tiny(), quantize, lib=lib)
+    steps_agree(tiny(), quantize, lib=avx2_or_skip())
 
 
 # Left-padded prompts of 2 to 7 tokens (0: padding), as generate gets them; the first rows of each batch size.
@@ -116,13 +120,6 @@ def batch_steps(model, rows_: int, lib=None, n_steps: int = 4, quantize: str | N
             got.append(torch.cat([cache.keys[..., :n, :].flatten(), cache.values[..., :n, :].flatten()]))
             want.append(torch.cat([ref.keys[..., :n, :].flatten(), ref.values[..., :n, :].flatten()]))
     return got, want
-
-
-def avx2_or_skip():
-    try:
-        return rows.library(rows.AVX2)
-    except Exception as err:  # a compiler without x86-64-v3
-        pytest.skip(f"the AVX2 build is not available: {err}")
 
 
 @pytest.mark.parametrize("form", ["native", "avx2"])
@@ -184,12 +181,7 @@ def test_a_bf16_models_step_rounds_where_decode_step_does(form):
     hidden states and the cache come out bit for bit as decode_step's (all of them on the Zen 4 this was written on);
     the test asks 95% of them equal and the rest within two bf16 steps: a rounding point left out or added moved 40-60%
     of them (the attention's exps unrounded: 39 of 64 at the first step)."""
-    lib = None
-    if form == "avx2":
-        try:
-            lib = rows.library(rows.AVX2)
-        except Exception as err:  # a compiler without x86-64-v3
-            pytest.skip(f"the AVX2 build is not available: {err}")
+    lib = avx2_or_skip() if form == "avx2" else None
     for seed in (0, 1):
         model = tiny(seed).to(torch.bfloat16)
         for got, want in zip(*bf16_steps(model, lib)):

@@ -15,7 +15,7 @@ kernel's products.
 
 Taken by models.generation.generate and models.beam_search for 1 to 8 rows (left-padded or not) on the CPU in fp32,
 or in bf16 (with quantize: one row not), where the kernel builds; fp32 batches of 9 to rows.prompt_rows() rows too
-(product_many's tiles, as decode_step's chunked_linear; not with int8 activations, whose 9+ rows take oneDNN's int8
+(product_many, as decode_step's chunked_linear; not with int8 activations, whose 9+ rows take oneDNN's int8
 GEMM in decode_step; 12 rows sampled: 1.05x decode_step, 2026-11-30, Zen 4); for the GPT-2 architecture (LayerNorm,
 learned positions, GELU tanh, full heads; biases, norm scales, an untied head and a logit soft-cap may vary);
 anything else keeps decode_step, as do calls under torch.autocast (bf16 products) and models with forward hooks

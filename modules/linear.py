@@ -18,7 +18,7 @@ oneDNN's int8 GEMM on those weights with its activations quantized per tensor (q
 rows, and the prompt of the weight-only modes, keep the layer's own weights (dequantizing per call would cost more
 than the smaller weights save).
 fp32 products of 9 to `rows.prompt_rows()` rows without gradients (a short prompt, in any mode) by weights of at least
-`rows.PROMPT_MIN_WEIGHT` values take the rows kernel, 8 rows a pass over each tile of the weight's rows, where the
+`rows.PROMPT_MIN_WEIGHT` values take the rows kernel's product of many rows (rows.many_rows), where the
 decode plan timed it faster than F.linear (up to 128 rows on a Zen 4; none where there is no plan);
 GPT2_PROMPT_KERNEL=0 keeps F.linear.
 """

@@ -58,6 +58,7 @@ static inline vf wload(const int8_t* p) {
 static inline vf vset1(float v) { return _mm512_set1_ps(v); }
 static inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
 static inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
+static inline void vstore(float* p, vf a) { _mm512_storeu_ps(p, a); }
 // int4 through a table: a group's 16 values, scale x (0..7, -8..-1), the weights a nibble's bits stand for (two's
 // complement), which _mm512_permutexvar_ps picks by each 32-bit lane's low 4 bits; so a block's 16 bytes widened
 // to 32-bit lanes give its low nibbles' weights as they are and its high nibbles' after a shift. Each weight is
@@ -93,6 +94,7 @@ static inline vf wload(const int8_t* p) {
 static inline vf vset1(float v) { return _mm256_set1_ps(v); }
 static inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
 static inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
+static inline void vstore(float* p, vf a) { _mm256_storeu_ps(p, a); }
 // Vector v (0..3) of an int4 block of 32 weights (16 bytes, byte k: weight k low, weight 16 + k high): 8 bytes
 // (0-7 for v = 0 and 2, 8-15 for v = 1 and 3), their low (v < 2) or high nibbles shifted to the lane's top and
 // arithmetically back, which sign-extends them; weights 8v .. 8v + 7.
@@ -510,52 +512,107 @@ static int dispatch(int64_t rows, const float* x, int64_t in, W w, const float* 
   }
 }
 
-// More than 8 input rows (a short prompt's pass, fp32: modules/linear.py): the output rows in tiles of kTile, each
-// tile's weight rows read from memory once for the first 8 input rows and from the core's cache (at most 12 rows of
-// 3072 floats, 144 KB) for each further group of 8, so the weight streams through once; every thread takes a run of
-// whole tiles and writes y directly. The kernel called once a group of 8 rows instead (each call a whole pass over
-// the weight, the groups' outputs joined in Python) took 1.14-1.19x this time for gpt2's 48 block weights at 16-64
-// rows on a Zen 4 (2026-11-29, 2 threads, interleaved; tiles of 3 to 24 rows within 3% of each other).
-constexpr int64_t kTile = 12;
-// A tile's weight rows a step for a group of B input rows: rows_per_step where it divides the tile, else 6 (AVX512:
-// 6 x B accumulators, 6 weight vectors and the input's vector within the 32 registers for B <= 4).
-template <int B>
-constexpr int tile_rows_per_step() {
-  return kTile % rows_per_step<B>() == 0 ? rows_per_step<B>() : 6;
-}
-static_assert(kTile % tile_rows_per_step<2>() == 0 && kTile % tile_rows_per_step<4>() == 0);
+// More than 8 input rows (a short prompt's pass, a decode step of 9+ rows; fp32: modules/linear.py): a GEMM whose
+// inner product runs the other way from rows_at's. The input rows are packed first, transposed, in blocks of MB rows
+// (xt[k][j] = x[m0 + j][k], zero past the last row); then each weight element is broadcast into a vector and
+// multiplied into MB accumulators, one a lane per input row: y[m0 .. m0 + MB, o] accumulates w[o, k] * xt[k] over k.
+// R weight rows at a time give R x MV independent sums (MV = MB / kWidth vectors a row block) and each loaded input
+// vector feeds R FMAs; no horizontal sums remain at the end (rows_at reduces every accumulator across its lanes).
+// Every thread takes a run of R-row blocks of the weight and multiplies each against all the input blocks while it
+// sits in the core's cache (12 rows of 3072 floats, 144 KB), so the weight streams through once. The sums run over k
+// in chunks of kChunk, each chunk's sum added to the running total in memory (as a blocked GEMM's passes over C do):
+// fp32 rounding like torch's product (rel. error ~3e-7 where one chain over 768 gave 1e-6). gpt2's 48 block weights,
+// Zen 4, 2 threads (2026-12-01): 16 rows 19-21 ms against 29 in rows_at's tiles (8 input rows a pass) and ONNX
+// Runtime's MatMul 21 ms; 64 rows 63 against 90; 128 rows 122-128 against torch's F.linear 157 (170-178 GFLOP/s of
+// the ~200 its FMA units give). Blocks of 2 x kWidth rows (12 weight rows: 24 accumulators of the 32 registers; AVX2:
+// 6 of 16) and, for a last block of at most kWidth rows or a call of 9-16 rows, kWidth rows (12 weight rows).
+constexpr int64_t kChunk = 256;
+constexpr int kBigR = kWidth == 16 ? 12 : 6;  // weight rows a step for blocks of 2 x kWidth input rows
+constexpr int kSmallR = 12;  // and for blocks of kWidth
 
-template <int B, typename W>
-static inline void tile_rows(const float* x, int64_t in, W w, const float* bias, float* y, int64_t out, int64_t o0,
-                             int64_t o1) {
-  constexpr int R = tile_rows_per_step<B>();
-  int64_t o = o0;
-  for (; o + R <= o1; o += R) rows_at<B, R>(x, in, w, bias, y, out, o);
-  for (; o < o1; ++o) rows_at<B, 1>(x, in, w, bias, y, out, o);  // the weight's last rows, fewer than R
-}
-
-template <typename W>
-static void product_many(int64_t rows, const float* x, int64_t in, W w, const float* bias, float* y, int64_t out,
-                         int threads) {
-  const int64_t tiles = (out + kTile - 1) / kTile;
-#pragma omp parallel for num_threads(threads) schedule(static)
-  for (int64_t t = 0; t < tiles; ++t) {
-    const int64_t o0 = t * kTile, o1 = std::min(out, o0 + kTile);
-    for (int64_t r = 0; r < rows; r += 8) {  // the groups of 8 input rows; the last may hold fewer
-      const float* xr = x + r * in;
-      float* yr = y + r * out;
-      switch (std::min<int64_t>(8, rows - r)) {
-        case 1: tile_rows<1>(xr, in, w, bias, yr, out, o0, o1); break;
-        case 2: tile_rows<2>(xr, in, w, bias, yr, out, o0, o1); break;
-        case 3: tile_rows<3>(xr, in, w, bias, yr, out, o0, o1); break;
-        case 4: tile_rows<4>(xr, in, w, bias, yr, out, o0, o1); break;
-        case 5: tile_rows<5>(xr, in, w, bias, yr, out, o0, o1); break;
-        case 6: tile_rows<6>(xr, in, w, bias, yr, out, o0, o1); break;
-        case 7: tile_rows<7>(xr, in, w, bias, yr, out, o0, o1); break;
-        default: tile_rows<8>(xr, in, w, bias, yr, out, o0, o1); break;
+// acc (R x MV vectors, kept in `sums`: R rows of MV x kWidth floats) = w[o .. o + R] x the packed block xt, over k.
+template <int MV, int R>
+static inline void gemm_block(const float* xt, int64_t in, const float* w, float* sums) {
+  constexpr int64_t MB = MV * kWidth;
+  for (int64_t k0 = 0; k0 < in; k0 += kChunk) {
+    const int64_t k1 = std::min(in, k0 + kChunk);
+    vf acc[R][MV];
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < MV; ++v) acc[r][v] = vzero();
+    for (int64_t k = k0; k < k1; ++k) {
+      vf xv[MV];
+      for (int v = 0; v < MV; ++v) xv[v] = xload(xt + k * MB + v * kWidth);
+      for (int r = 0; r < R; ++r) {
+        const vf wv = vset1(w[r * in + k]);
+        for (int v = 0; v < MV; ++v) acc[r][v] = vfma(wv, xv[v], acc[r][v]);
       }
     }
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < MV; ++v) {
+        float* to = sums + r * MB + v * kWidth;
+        vstore(to, k0 == 0 ? acc[r][v] : vadd(acc[r][v], xload(to)));
+      }
   }
+}
+
+// Weight rows o .. o + R (R = rows or the rest: 1 at a time) times every packed input block, into y with the bias.
+template <int R>
+static inline void gemm_rows(const float* xt, const int64_t* blocks, int64_t nblocks, int64_t rows, int64_t in,
+                             const float* w, const float* bias, float* y, int64_t out, int64_t o) {
+  alignas(64) float sums[R * 2 * kWidth];
+  for (int64_t b = 0; b < nblocks; ++b) {
+    const int64_t m0 = blocks[2 * b], mb = blocks[2 * b + 1];  // the block's first row and its width (kWidth or 2x)
+    const float* block = xt + m0 * in;
+    if (mb == kWidth)
+      gemm_block<1, R>(block, in, w + o * in, sums);
+    else
+      gemm_block<2, R>(block, in, w + o * in, sums);
+    const int64_t m1 = std::min(rows, m0 + mb);
+    for (int r = 0; r < R; ++r) {
+      const float add = bias ? bias[o + r] : 0.0f;
+      for (int64_t m = m0; m < m1; ++m) y[m * out + o + r] = sums[r * mb + (m - m0)] + add;
+    }
+  }
+}
+
+template <int R>
+static void gemm_over(const float* xt, const int64_t* blocks, int64_t nblocks, int64_t rows, int64_t in,
+                      const float* w, const float* bias, float* y, int64_t out, int threads) {
+  const int64_t steps = out / R;
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t s = 0; s <= steps; ++s) {
+    if (s < steps) {
+      gemm_rows<R>(xt, blocks, nblocks, rows, in, w, bias, y, out, s * R);
+    } else {  // the weight's last rows, fewer than R
+      for (int64_t o = steps * R; o < out; ++o) gemm_rows<1>(xt, blocks, nblocks, rows, in, w, bias, y, out, o);
+    }
+  }
+}
+
+static void product_many(int64_t rows, const float* x, int64_t in, const float* w, const float* bias, float* y,
+                         int64_t out, int threads) {
+  // the input blocks: 2 x kWidth rows each, the last kWidth where no more rows are left for it
+  std::vector<int64_t> blocks;
+  for (int64_t m0 = 0; m0 < rows;) {
+    const int64_t mb = rows - m0 <= kWidth ? kWidth : 2 * kWidth;
+    blocks.push_back(m0);
+    blocks.push_back(mb);
+    m0 += mb;
+  }
+  const int64_t nblocks = static_cast<int64_t>(blocks.size() / 2);
+  const int64_t padded = blocks[2 * (nblocks - 1)] + blocks[2 * nblocks - 1];
+  std::vector<float> xt(padded * in);  // block b at xt + m0 * in: (in, mb), rows past the last zero
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t b = 0; b < nblocks; ++b) {
+    const int64_t m0 = blocks[2 * b], mb = blocks[2 * b + 1];
+    float* block = xt.data() + m0 * in;
+    for (int64_t k = 0; k < in; ++k)
+      for (int64_t j = 0; j < mb; ++j) block[k * mb + j] = m0 + j < rows ? x[(m0 + j) * in + k] : 0.0f;
+  }
+  if (rows <= kWidth)  // one block of kWidth rows: its own weight rows a step
+    gemm_over<kSmallR>(xt.data(), blocks.data(), nblocks, rows, in, w, bias, y, out, threads);
+  else
+    gemm_over<kBigR>(xt.data(), blocks.data(), nblocks, rows, in, w, bias, y, out, threads);
 }
 
 // ---- integer products: int8 or int4 weights times int8 activations (quantize="w8a8" / "w4a8") -------------------
@@ -917,12 +974,12 @@ int rows_product(int kind, int64_t rows, const float* x, int64_t in, const void*
   }
 }
 
-// fp32 products of any number of rows (product_many: tiles of the weight's rows, 8 input rows a pass over each):
+// fp32 products of any number of rows (product_many: the input rows packed in blocks, weight elements broadcast):
 // y (rows, out) = x (rows, in) w^T + bias. Returns 0; -1 for rows < 1 (nothing written).
 int rows_product_many(int64_t rows, const float* x, int64_t in, const float* w, const float* bias, float* y,
                       int64_t out, int threads) {
   if (rows < 1) return -1;
-  product_many(rows, x, in, Dense<float>{w, nullptr}, bias, y, out, threads < 1 ? 1 : threads);
+  product_many(rows, x, in, w, bias, y, out, threads < 1 ? 1 : threads);
   return 0;
 }
 
@@ -979,7 +1036,7 @@ struct StepLayer {
   float attn_scale;
 };
 
-// 1-8 rows: rows_product, in the weight's kind; more (fp32 weights only): product_many's tiles, 8 rows a pass.
+// 1-8 rows: rows_product, in the weight's kind; more (fp32 weights only): product_many.
 static int linear(const StepLinear& l, int64_t rows, const float* x, float* y, int threads) {
   if (rows <= kMaxRows) return rows_product(l.kind, rows, x, l.in, l.w, l.scale, l.bias, y, l.out, threads, l.group);
   if (l.kind != 0) return -1;
@@ -1017,7 +1074,6 @@ static inline vf vexp(vf x) {
   return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
 }
 static inline vf vdiv(vf a, vf b) { return _mm512_div_ps(a, b); }
-static inline void vstore(float* p, vf a) { _mm512_storeu_ps(p, a); }
 #else
 static inline vf vexp(vf x) {
   x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
@@ -1036,7 +1092,6 @@ static inline vf vexp(vf x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
 }
 static inline vf vdiv(vf a, vf b) { return _mm256_div_ps(a, b); }
-static inline void vstore(float* p, vf a) { _mm256_storeu_ps(p, a); }
 #endif
 
 // GELU, tanh form: 0.5 v (1 + tanh(u)), u = sqrt(2 / pi) (v + 0.044715 v^3), which is v / (1 + e^(-2u)) (1 + tanh u

@@ -174,14 +174,15 @@ PREFETCH_DEFAULT = 1024
 PREFETCH_TIMED = (1024, 2048, 4096)
 KIND_INDEX = {name: _KINDS[dtype] + (2 if name in _ACTIVATION_KINDS else 0) for name, dtype in PLAN_KINDS.items()}
 # fp32 products of 9 to 128 rows without gradients (a short prompt's pass) may take the kernel (rows_product_many:
-# tiles of the weight's rows, MAX_ROWS input rows a pass over each, so the weight streams through once): the plan
-# times that against torch's F.linear at these row counts and keeps the largest up to which every timed count was
-# MARGIN faster, twice. On a Zen 4 (2026-11-29, interleaved, 2 threads), over ~64 MB of weights w x w, 3w x w, 4w x w
-# and w x 4w: 2.07-2.20x F.linear at 16 rows, 1.67-1.77x at 32, 1.31-1.44x at 64, 1.07-1.20x at 128 for widths 256
-# to 1024; gpt2's 48 block weights 1.09x at 128 rows, 0.94x at 192 (torch's product, MKL's sgemm, reads 6-8 GB/s at
-# 9-16 rows). Weights under PROMPT_MIN_WEIGHT values keep F.linear: a 128-wide model's products take microseconds,
-# where the calls' own costs decide (1.35x slower sampling from the README's character model when the kernel took
-# them in Python-side chunks of 8 rows). GPT2_PROMPT_KERNEL=0 keeps torch's product; =N takes the kernel up to N rows.
+# the input rows packed in blocks, each weight element broadcast across a block, the weight streamed through once):
+# the plan times that against torch's F.linear at these row counts and keeps the largest up to which every timed
+# count was MARGIN faster, twice. gpt2's 48 block weights on a Zen 4 (2026-12-01, 2 threads, medians of 9; torch's
+# product is MKL's sgemm): 21 ms against F.linear's 42 at 16 rows, 36 / 60 at 32, 71 / 83 at 64, 128 / 153 at 128,
+# 201 / 201 at 192, 259 / 306 at 256, 515 / 481 at 512 (the previous form, rows_at's tiles 8 input rows a pass: 29,
+# 47, 90 and 171 ms at 16-128 rows). Weights under PROMPT_MIN_WEIGHT values keep F.linear: a 128-wide model's
+# products take microseconds, where the calls' own costs decide (1.35x slower sampling from the README's character
+# model when the kernel took them in Python-side chunks of 8 rows). GPT2_PROMPT_KERNEL=0 keeps torch's product; =N
+# takes the kernel up to N rows.
 PROMPT_ROWS_TIMED = (16, 32, 64, 128)
 PROMPT_MIN_WEIGHT = 1 << 18  # values (1 MiB of fp32): 1024 x 256 and up; gpt2's smallest weight is 768 x 768
 PROMPT_ENV = "GPT2_PROMPT_KERNEL"
@@ -305,7 +306,7 @@ def takes_chunks(rows: int) -> bool:
 
 def many_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lib) -> torch.Tensor:
     """x (n, in) fp32 contiguous times a contiguous fp32 weight (out, in) (+ bias) -> (n, out) through `lib`'s
-    rows_product_many: the weight's rows in tiles, MAX_ROWS input rows a pass over each tile (rows.cpp)."""
+    rows_product_many: the input rows packed in blocks, each weight element broadcast across a block (rows.cpp)."""
     y = torch.empty(x.shape[0], weight.shape[0])
     if lib.rows_product_many(x.shape[0], x.data_ptr(), x.shape[1], weight.data_ptr(),
                              None if bias is None else bias.data_ptr(), y.data_ptr(), weight.shape[0],
@@ -316,8 +317,8 @@ def many_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
 
 def chunked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias) for fp32 x (..., in) of any number of rows and a contiguous fp32 weight, through the
-    kernel MAX_ROWS input rows a pass over each tile of the weight's rows (prompt_rows says where it pays); the same
-    values to float rounding (another summation order)."""
+    kernel's product of many rows (many_rows; prompt_rows says where it pays); the same values to float rounding
+    (another summation order)."""
     if x.dtype != torch.float32 or weight.dtype != torch.float32 or not weight.is_contiguous() \
             or x.shape[-1] != weight.shape[1]:
         raise ValueError(f"chunked_linear takes fp32 x (..., in) and a contiguous fp32 weight (out, in), got "

@@ -1,5 +1,5 @@
-"""fp32 products of 9 to rows.prompt_rows() rows without gradients (a short prompt's pass) through the rows kernel,
-8 rows a pass over each tile of the weight's rows (modules/rows.py, modules/linear.py): the same values as F.linear
+"""fp32 products of 9 to rows.prompt_rows() rows without gradients (a short prompt's pass) through the rows kernel's
+product of many rows (modules/rows.py, modules/linear.py): the same values as F.linear
 to float rounding, taken only where the plan timed it faster or GPT2_PROMPT_KERNEL says so, never with gradients,
 bf16, more rows or a small weight."""
 import pytest
@@ -67,17 +67,19 @@ def test_gradients_bf16_more_rows_small_weights_and_the_switch_keep_f_linear(mon
 @needs_kernel
 @pytest.mark.parametrize("form", ["native", "avx2"])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_the_product_of_many_rows_over_every_tile_shape_equals_f_linear(form, threads):
-    """rows_product_many itself, in both builds: weights of fewer rows than a tile, a part tile at the end, an `in`
-    with a tail past the last whole vector, 1 to 17 input rows, with and without bias, on 1 and 2 threads."""
+def test_the_product_of_many_rows_over_every_block_shape_equals_f_linear(form, threads):
+    """rows_product_many itself, in both builds: weights of fewer rows than a step (12 or 6 weight rows), a part step
+    at the end, `in` shorter than a chunk of the sums (256), a part chunk at the end, several chunks; input rows of one
+    block of a vector's width or less (AVX512 16, AVX2 8), of whole blocks of two widths, and a last block of one
+    width after whole ones; with and without bias, on 1 and 2 threads."""
     torch.manual_seed(0)
     lib, before = rows._load() if form == "native" else rows.library(rows.AVX2), torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         for out_f in (1, 5, 12, 13, 37):
-            for in_f in (16, 17, 100, 256):
+            for in_f in (17, 256, 600):
                 w, b = torch.randn(out_f, in_f), torch.randn(out_f)
-                for n in (1, 7, 8, 9, 17):
+                for n in (1, 7, 8, 9, 16, 17, 24, 32, 33, 40, 48, 49):
                     x = torch.randn(n, in_f)
                     for bias in (b, None):
                         torch.testing.assert_close(rows.many_rows(x, w, bias, lib), F.linear(x, w, bias),

@@ -5,8 +5,9 @@ f16, q8_0, q4_0 through llama-cpp-python, converted by llama.cpp's own convert_h
 save_pretrained output: the interop is part of the test).
 
 Every engine gets the same weights (a random-init gpt2, seeded), runs in its own worker process with the same thread
-count, and is timed in interleaved rounds (one engine busy at a time, the order rotated each round), so load from
-other processes hits all alike; medians are reported. Each row's greedy tokens are compared with transformers' fp32.
+count, and is timed in interleaved rounds (one engine busy at a time, the order rotated each round, PAUSE seconds
+between calls so that no engine's idle-spinning threads overlap the next one's call), so load from other processes
+hits all alike; medians are reported. Each row's greedy tokens are compared with transformers' fp32.
 After the warm-up call every worker runs one full garbage collection (`gc.collect()`): a fresh process's first one
 sweeps every object its imports left (about 0.1 s in a process with torch and transformers) and fell, uncollected, in
 the 4th 64-token call of ours: one round in five, 20% of a w4a8 call. What the rounds time is the steady state, where
@@ -486,11 +487,20 @@ class Worker:
 
 # ---- the driver ---------------------------------------------------------------------------------------------------
 
+# Seconds between two engines' calls. An engine's worker threads keep spinning on the cores for a while after its call
+# returns (ONNX Runtime's pool, OpenMP's teams) and took them from the next engine's first milliseconds: a 16-token
+# prompt of ours timed 71 ms (median of 21 rounds) right after ONNX Runtime's calls against 50 beside another process
+# of ours, and ORT's 36 against 29 beside llama.cpp; with 0.2 s between calls, 49 and 31 (Zen 4, 2026-12-01). A user
+# runs one engine: each is timed as it runs alone.
+PAUSE = 0.2
+
 def interleaved(workers: dict[str, Worker], task: dict, rounds: int) -> tuple[dict, dict]:
-    """Each round asks every engine once, in an order rotated per round -> (seconds lists, last tokens)."""
+    """Each round asks every engine once, in an order rotated per round -> (seconds lists, last tokens). Each call
+    waits PAUSE first (see PAUSE)."""
     names, times, tokens = list(workers), {n: [] for n in workers}, {}
     for r in range(rounds):
         for name in names[r % len(names):] + names[: r % len(names)]:
+            time.sleep(PAUSE)
             answer = workers[name].ask(task)
             times[name].append(answer["seconds"])
             tokens[name] = answer["tokens"]

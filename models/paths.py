@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 
 from models import decode_threads, fast_step
-from modules import adamw, dropout, gelu, hugepages, packed, quant, rmsnorm
+from modules import adamw, dropout, gelu, hugepages, packed, prompt_attention, quant, rmsnorm
 from modules import rows as row_kernel
 
 
@@ -206,6 +206,12 @@ PATHS: tuple[Path, ...] = (
          _kernel(gelu, gelu.ENV, "the rows kernel (GELU)"),
          lambda: (True, "float32 CPU training steps outside torch.compile (evaluation and generation: torch's)"),
          ("tests/test_gelu.py", "tests/test_paths.py")),
+    Path("prompt-attention", "causal attention of a prompt's pass (no cached tokens before it) in fp32 without "
+         "gradients: one rows-kernel call (modules/prompt_attention.py) instead of torch's SDPA", prompt_attention.ENV,
+         "", "0", _kernel(prompt_attention, prompt_attention.ENV, "the rows kernel (prompt attention)"),
+         lambda: (True, "fp32 CPU prompts and evaluations without gradients, full heads, head size a multiple of "
+                        "the vector width"),
+         ("tests/test_prompt_attention.py", "tests/test_paths.py")),
     Path("explicit-attention", "attention as scores/softmax/sum instead of torch's SDPA (modules/attention.py)", "",
          "config attn_implementation='eager'", "config attn_implementation='sdpa'", lambda: None,
          lambda: (True, "CPU training with attention dropout or bf16 (explicit_is_faster); SDPA otherwise"),

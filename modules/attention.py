@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from modules import dropout as hashed
-from modules import packed, quant
+from modules import packed, prompt_attention, quant
 from modules.linear import Linear as DecodeLinear
 from modules.manual_backward import ManualAttention, ManualLinear
 from modules.norms import RMSNorm
@@ -214,6 +214,9 @@ class CausalSelfAttention(nn.Module):
         if not self.use_sdpa or explicit_is_faster(query, self.dropout):
             return self.attention(key, query, value, attention_mask)
         is_causal = attention_mask is None and T > 1
+        # a prompt's pass on the CPU (no cached tokens: is_causal; full heads: the shapes match) in the rows kernel
+        if is_causal and not (self.training and self.dropout.p > 0) and prompt_attention.applies(query, key, value):
+            return prompt_attention.attend(query, key, value, self.scale)
         out = F.scaled_dot_product_attention(
             query, key, value, attn_mask=attention_mask, is_causal=is_causal,
             dropout_p=self.dropout.p if self.training else 0.0, scale=self.scale, enable_gqa=self.kv_groups > 1,

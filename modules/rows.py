@@ -110,6 +110,9 @@ def library(target_flags: tuple[str, ...] = NATIVE):
     lib.rows_gelu_tanh_backward.restype = None
     lib.rows_gelu_tanh_backward.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
                                             ctypes.c_int]
+    lib.rows_attend_prompt.restype = ctypes.c_int
+    lib.rows_attend_prompt.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 4 + [ctypes.c_float, ctypes.c_void_p,
+                                                                                      ctypes.c_int]
     lib.rows_quantize.restype = ctypes.c_int
     lib.rows_quantize.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
     lib.rows_minmax.restype = ctypes.c_int

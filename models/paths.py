@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 
 from models import decode_threads, fast_step
-from modules import adamw, dropout, gelu, hugepages, packed, prompt_attention, quant, rmsnorm
+from modules import adamw, dropout, gelu, hugepages, onednn, packed, prompt_attention, quant, rmsnorm
 from modules import rows as row_kernel
 
 
@@ -159,6 +159,21 @@ def _prompt_kernel_default() -> tuple[bool, str]:
     return True, f"9 to {limit} rows ({'timed by the plan' if not os.environ.get(row_kernel.PROMPT_ENV) else 'set'})"
 
 
+def _onednn_runs() -> str | None:
+    if os.environ.get(onednn.ENV) == "0":
+        return f"{onednn.ENV}=0"
+    return None if onednn.available() else "torch has no oneDNN inner product here"
+
+
+def _onednn_default() -> tuple[bool, str]:
+    if os.environ.get(onednn.ENV) == "1":
+        return True, f"{onednn.ENV}=1"
+    chosen = onednn.choice()
+    return chosen["takes"], ("timed faster than F.linear here" if chosen["takes"] else
+                             f"F.linear ({chosen['source']})" if "busy" in chosen["source"] else
+                             "F.linear timed as fast here")
+
+
 PATHS: tuple[Path, ...] = (
     Path("packed-bf16", "bf16 Linear of 64+ rows without gradients (evaluation, prompts): oneDNN-packed weights kept "
          "per layer (modules/packed.py)", packed.ENV, "force", "0", _packed_runs, _packed_default,
@@ -206,6 +221,10 @@ PATHS: tuple[Path, ...] = (
          _kernel(gelu, gelu.ENV, "the rows kernel (GELU)"),
          lambda: (True, "float32 CPU training steps outside torch.compile (evaluation and generation: torch's)"),
          ("tests/test_gelu.py", "tests/test_paths.py")),
+    Path("onednn-linear", "fp32 Linear of 9+ rows without gradients past the prompt kernel's rows (prompts, "
+         "evaluations) by weights of 2^18+ values: oneDNN's inner product instead of F.linear (MKL's sgemm), where "
+         "it timed faster here (modules/onednn.py)", onednn.ENV, "1", "0", _onednn_runs, _onednn_default,
+         ("tests/test_onednn.py", "tests/test_paths.py")),
     Path("prompt-attention", "causal attention of a prompt's pass (no cached tokens before it) in fp32 without "
          "gradients: one rows-kernel call (modules/prompt_attention.py) instead of torch's SDPA", prompt_attention.ENV,
          "", "0", _kernel(prompt_attention, prompt_attention.ENV, "the rows kernel (prompt attention)"),

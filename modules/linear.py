@@ -20,7 +20,8 @@ than the smaller weights save).
 fp32 products of 9 to `rows.prompt_rows()` rows without gradients (a short prompt, in any mode) by weights of at least
 `rows.PROMPT_MIN_WEIGHT` values take the rows kernel's product of many rows (rows.many_rows), where the
 decode plan timed it faster than F.linear (up to 128 rows on a Zen 4; none where there is no plan);
-GPT2_PROMPT_KERNEL=0 keeps F.linear.
+GPT2_PROMPT_KERNEL=0 keeps F.linear. Longer fp32 products without gradients (a prompt past those rows, an
+evaluation) take oneDNN's inner product where it timed faster than F.linear on this machine (modules/onednn.py).
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from modules import packed, quant
+from modules import onednn, packed, quant
 from modules import rows as row_kernel
 from modules.quant import Int4Weight, Int8Weight, prepared_quantized, quantized_linear
 
@@ -125,6 +126,8 @@ class Linear(nn.Linear):
                 return blocked_product(x[:, 0], views)[:, None]  # (1, 1, out)
         if x.is_cpu and takes_prompt_kernel(x.shape[:-1].numel(), x.dtype, self.weight):
             return row_kernel.chunked_linear(x, self.weight, self.bias)  # a short prompt: the kernel
+        if onednn.applies(x, self.weight):  # a longer prompt, an evaluation: oneDNN where it timed faster here
+            return onednn.linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
     def decode_blocks(self) -> Blocks | None:

@@ -1,0 +1,121 @@
+"""fp32 products of many rows without gradients through oneDNN's inner product, where it timed faster than F.linear
+on this machine.
+
+torch's F.linear runs fp32 products on the CPU through MKL's sgemm. torch also ships oneDNN, whose fp32 inner product
+(`torch.ops.mkldnn._linear_pointwise`, the op its inductor's CPU fusions call) took gpt2's 48 block weights
+1.4-1.5x less time on a 2-core Zen 4 from 16 rows up (2026-12-01, interleaved medians, ms: 35 against 54 at 16 rows,
+77 / 109 at 64, 143 / 224 at 128, 254 / 371 at 256, 503 / 741 at 512, 907 / 1354 at 1024; the rows kernel 26, 79,
+163, 315, 648, 1330), the same values to float rounding. Which library is faster depends on the CPU (MKL's kernels
+are tuned for Intel's cores), so it is not assumed: the first call that could take it here times both on products of
+PROMPT_ROWS rows over two gpt2-shaped weights (3072 x 768 and 768 x 3072: bound by the arithmetic), twice (about a
+second), and takes oneDNN only where it was MARGIN faster both times; the answer is kept beside the rows kernel's
+builds (keyed by the CPU's flags and torch's version), so later processes read it. A busy machine
+(rows.machine_busy) is not timed: F.linear for that process.
+
+Taken by modules.linear.Linear for fp32 inputs of more than 8 rows (the rows kernel's own products below; 9 to
+rows.prompt_rows() rows its product of many rows where that was timed faster) on the CPU with no gradient to take,
+by weights of at least rows.PROMPT_MIN_WEIGHT values (a small model's products take microseconds: the calls' own costs
+decide). So a prompt's pass and an evaluation's forward; never training, whose backward needs autograd (the op has
+none). GPT2_ONEDNN_LINEAR=0 keeps F.linear, =1 takes oneDNN without timing; `python -m modules.onednn` shows the
+choice and its timings.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import statistics
+
+import torch
+import torch.nn.functional as F
+
+from modules import rows
+
+ENV = "GPT2_ONEDNN_LINEAR"
+PROMPT_ROWS = 256  # the rows of the products timed
+_choice: dict | None = None  # {"takes": bool, "speeds": ..., "source": ...}, once per process
+
+
+def available() -> bool:
+    """Whether torch has oneDNN's fp32 inner product here (x86 builds do) and GPT2_ONEDNN_LINEAR is not 0."""
+    return (os.environ.get(ENV) != "0" and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) through oneDNN's inner product (fp32, no autograd)."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [None], "")
+
+
+def time_products(megabytes: int = 16, rounds: int = 5, n: int = PROMPT_ROWS) -> dict[str, float]:
+    """{"onednn": GB/s, "torch": GB/s} of fp32 products of n rows over a chain of 3072 x 768 and 768 x 3072 weights
+    (`megabytes` in all), in interleaved rounds (medians; rows.interleaved)."""
+    shapes = [(3072, 768), (768, 3072)]
+    count = max(2, megabytes * 2**20 // (3072 * 768 * 4))
+    weights = [torch.randn(*shapes[i % 2]) for i in range(count)]
+    biases = [torch.randn(w.shape[0]) for w in weights]
+    xs = {768: torch.randn(n, 768), 3072: torch.randn(n, 3072)}
+    total = sum(w.numel() * 4 for w in weights)
+    with torch.no_grad():
+        times = rows.interleaved({"onednn": lambda: [linear(xs[w.shape[1]], w, b) for w, b in zip(weights, biases)],
+                                  "torch": lambda: [F.linear(xs[w.shape[1]], w, b) for w, b in zip(weights, biases)]},
+                                 rounds)
+    return {name: total / statistics.median(t) / 1e9 for name, t in times.items()}
+
+
+def decide(first: dict[str, float], second: dict[str, float]) -> bool:
+    """oneDNN where both timings read it at least rows.MARGIN times torch's speed."""
+    return all(t["onednn"] >= rows.MARGIN * t["torch"] for t in (first, second))
+
+
+def _path():
+    key = hashlib.sha256((rows.cpu_flags() + torch.__version__ + str(PROMPT_ROWS)).encode()).hexdigest()[:16]
+    return rows._cache_dir() / f"onednn-linear-{key}.json"
+
+
+def choice() -> dict:
+    """{"takes": bool, "source": why, "speeds": the timings}: GPT2_ONEDNN_LINEAR, else the cached timing, else a
+    timing now (cached), else (a busy machine, oneDNN missing) F.linear."""
+    global _choice
+    setting = os.environ.get(ENV, "").strip()
+    if setting not in ("", "0", "1"):
+        raise ValueError(f"{ENV} must be 0 (F.linear), 1 (oneDNN) or unset (timed), got {setting!r}")
+    if not available():
+        return {"takes": False, "source": f"{ENV}=0" if setting == "0" else "torch has no oneDNN inner product here"}
+    if setting == "1":
+        return {"takes": True, "source": f"{ENV}=1"}
+    if _choice is not None:
+        return _choice
+    path = _path()
+    try:
+        _choice = json.loads(path.read_text())
+        return _choice
+    except (OSError, ValueError):
+        pass
+    if busy := rows.machine_busy():  # timings now would be noise: F.linear for this process, timed by a later one
+        _choice = {"takes": False, "source": f"not timed: the machine is busy ({busy})"}
+        return _choice
+    first = time_products()
+    second = time_products()
+    _choice = {"takes": decide(first, second), "speeds": [first, second], "source": f"timed, cached in {path}"}
+    try:  # atomically: another process timing at once ends with one whole file
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(_choice, indent=1))
+        os.replace(tmp, path)
+    except OSError as err:  # a read-only cache: the choice holds for this process
+        _choice["source"] = f"timed, not cached ({err})"
+    return _choice
+
+
+def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether modules.linear.Linear takes linear() for x times weight (the module's docstring)."""
+    return (x.dtype == torch.float32 and weight.dtype == torch.float32 and x.device.type == "cpu"
+            and weight.device.type == "cpu" and x.dim() >= 2 and x.shape[:-1].numel() > rows.MAX_ROWS
+            and weight.numel() >= rows.PROMPT_MIN_WEIGHT
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+            and not torch.compiler.is_compiling() and choice()["takes"])
+
+
+if __name__ == "__main__":
+    print(json.dumps(choice(), indent=1))

@@ -1,0 +1,121 @@
+"""modules/onednn.py: fp32 products of many rows without gradients through oneDNN's inner product: its values against
+F.linear's, where modules.linear.Linear takes it and where not, and the per-machine choice (timed twice, cached, not
+timed on a busy machine, forced by GPT2_ONEDNN_LINEAR)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from config import GPT2Config
+from models.gpt2 import GPT2LMHeadModel
+from modules import onednn, rows
+from modules.linear import Linear
+
+needs_onednn = pytest.mark.skipif(not (torch.backends.mkldnn.is_available()
+                                       and hasattr(torch.ops.mkldnn, "_linear_pointwise")),
+                                  reason="torch has no oneDNN inner product here")
+
+
+@needs_onednn
+def test_its_products_are_f_linears_to_float_rounding():
+    torch.manual_seed(0)
+    w, b = torch.randn(1030, 256), torch.randn(1030)
+    for x in (torch.randn(300, 256), torch.randn(2, 150, 256), torch.randn(256, 40).t()):  # 2-D, 3-D, strided
+        for bias in (b, None):
+            torch.testing.assert_close(onednn.linear(x, w, bias), F.linear(x, w, bias), atol=1e-4, rtol=1e-5)
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    """The row counts onednn.linear was called with."""
+    calls, real = [], onednn.linear
+    monkeypatch.setattr(onednn, "linear", lambda x, w, b=None: calls.append(x.shape[:-1].numel()) or real(x, w, b))
+    return calls
+
+
+@needs_onednn
+def test_a_linear_takes_it_for_many_fp32_rows_without_gradients_only(monkeypatch, spy):
+    monkeypatch.setenv(onednn.ENV, "1")
+    monkeypatch.setenv(rows.PROMPT_ENV, "0")  # the rows kernel's product of many rows out of the way
+    torch.manual_seed(0)
+    layer = Linear(512, 512)  # 2^18 values: the smallest weight it takes
+    x = torch.randn(1, 40, 512)
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), atol=1e-4, rtol=1e-5)
+        layer(torch.randn(1, 8, 512))  # 8 rows: the rows kernel's (or a decode path's)
+        Linear(511, 512)(torch.randn(40, 511))  # a smaller weight: F.linear
+        layer.to(torch.bfloat16)(torch.randn(1, 40, 512, dtype=torch.bfloat16))
+        layer.float()
+    layer(x)  # gradients to take: F.linear (oneDNN's op has no backward)
+    assert spy == [40]
+    monkeypatch.setenv(onednn.ENV, "0")
+    with torch.no_grad():
+        layer(x)
+    assert spy == [40]
+
+
+@needs_onednn
+def test_a_models_evaluation_with_it_gives_f_linears_logits(monkeypatch, spy):
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=4, n_embd=256, vocab_size=97, n_positions=64)).eval()
+    ids = torch.randint(0, 97, (2, 30), generator=torch.Generator().manual_seed(1))
+    monkeypatch.setenv(rows.PROMPT_ENV, "0")
+    monkeypatch.setenv(onednn.ENV, "1")
+    with torch.no_grad():
+        taken = model(ids)["logits"]
+    assert spy == [60] * 2 * 2  # the MLP's two products a layer (1024 x 256: 2^18 values; attention's are smaller)
+    monkeypatch.setenv(onednn.ENV, "0")
+    with torch.no_grad():
+        plain = model(ids)["logits"]
+    torch.testing.assert_close(taken, plain, atol=1e-5, rtol=1e-5)
+
+
+def test_oneDNN_is_chosen_only_where_both_timings_read_it_margin_faster():
+    fast, tie = {"onednn": 1.4, "torch": 1.0}, {"onednn": 1.04, "torch": 1.0}
+    assert onednn.decide(fast, fast) and not onednn.decide(fast, tie) and not onednn.decide(tie, fast)
+
+
+@pytest.fixture
+def fresh(monkeypatch, tmp_path):
+    """No setting, an empty kernel cache, and no choice made yet in this process."""
+    monkeypatch.delenv(onednn.ENV, raising=False)
+    monkeypatch.setenv("GPT2_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setattr(onednn, "_choice", None)
+    monkeypatch.setattr(onednn, "available", lambda: True)
+    return tmp_path
+
+
+def test_the_choice_is_timed_once_cached_and_read_by_later_processes(monkeypatch, fresh):
+    timings = iter([{"onednn": 1.4, "torch": 1.0}, {"onednn": 1.3, "torch": 1.0}])
+    monkeypatch.setattr(onednn, "time_products", lambda: next(timings))
+    monkeypatch.setattr(rows, "machine_busy", lambda: None)
+    chosen = onednn.choice()
+    assert chosen["takes"] and chosen["source"].startswith("timed, cached in ")
+    (cached,) = fresh.glob("onednn-linear-*.json")
+    assert json.loads(cached.read_text()) == chosen
+    monkeypatch.setattr(onednn, "_choice", None)  # a later process: reads the file, times nothing
+    monkeypatch.setattr(onednn, "time_products", lambda: pytest.fail("timed again"))
+    assert onednn.choice() == chosen
+
+
+def test_a_busy_machine_is_not_timed_and_keeps_f_linear_for_the_process(monkeypatch, fresh):
+    monkeypatch.setattr(rows, "machine_busy", lambda: "load average 3.0 on 2 cores")
+    monkeypatch.setattr(onednn, "time_products", lambda: pytest.fail("timed on a busy machine"))
+    chosen = onednn.choice()
+    assert not chosen["takes"] and chosen["source"] == "not timed: the machine is busy (load average 3.0 on 2 cores)"
+    assert list(fresh.iterdir()) == []
+
+
+def test_the_setting_forces_either_side_and_anything_else_is_an_error(monkeypatch, fresh):
+    monkeypatch.setattr(onednn, "time_products", lambda: pytest.fail("timed with a setting"))
+    monkeypatch.setenv(onednn.ENV, "1")
+    assert onednn.choice() == {"takes": True, "source": f"{onednn.ENV}=1"}
+    monkeypatch.setenv(onednn.ENV, "yes")
+    with pytest.raises(ValueError, match=f"^{onednn.ENV} must be 0 \\(F.linear\\), 1 \\(oneDNN\\) or unset"):
+        onednn.choice()
+    monkeypatch.undo()
+    monkeypatch.setenv(onednn.ENV, "0")
+    assert not onednn.available() and onednn.choice()["takes"] is False

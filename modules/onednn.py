@@ -98,13 +98,7 @@ def choice() -> dict:
     first = time_products()
     second = time_products()
     _choice = {"takes": decide(first, second), "speeds": [first, second], "source": f"timed, cached in {path}"}
-    try:  # atomically: another process timing at once ends with one whole file
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(_choice, indent=1))
-        os.replace(tmp, path)
-    except OSError as err:  # a read-only cache: the choice holds for this process
-        _choice["source"] = f"timed, not cached ({err})"
+    rows.write_timing(path, _choice)
     return _choice
 
 

@@ -433,14 +433,21 @@ def plan() -> dict:
                      "prompt_rows": prompt_limit, "prompt_speeds": prompt,
                      "confirmed_by": {"speeds": again, "prefetch_speeds": ahead_again, "prompt_speeds": prompt_again},
                      "source": f"timed, cached in {path}"}
-            try:  # atomically: another process timing at once ends with one whole file
-                path.parent.mkdir(parents=True, exist_ok=True)
-                tmp = path.with_suffix(f".{os.getpid()}.tmp")
-                tmp.write_text(json.dumps(_plan, indent=1))
-                os.replace(tmp, path)
-            except OSError as err:  # a read-only cache: the plan holds for this process
-                _plan["source"] = f"timed, not cached ({err})"
+            write_timing(path, _plan)
     return _plan
+
+
+def write_timing(path: Path, record: dict) -> None:
+    """A timing's record (the plan, modules/onednn.py's choice) as JSON at `path`, atomically: another process timing
+    at once ends with one whole file. Where the cache cannot be written its "source" says so, and the record holds for
+    this process."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(record, indent=1))
+        os.replace(tmp, path)
+    except OSError as err:
+        record["source"] = f"timed, not cached ({err})"
 
 
 def _form(form: str):

@@ -119,3 +119,14 @@ def test_the_setting_forces_either_side_and_anything_else_is_an_error(monkeypatc
     monkeypatch.undo()
     monkeypatch.setenv(onednn.ENV, "0")
     assert not onednn.available() and onednn.choice()["takes"] is False
+
+
+def test_a_cache_that_cannot_be_written_keeps_the_choice_for_the_process(monkeypatch, fresh):
+    blocked = fresh / "a file where the cache folder would be"
+    blocked.write_text("")
+    monkeypatch.setenv("GPT2_KERNEL_CACHE", str(blocked))
+    monkeypatch.setattr(onednn, "time_products", lambda: {"onednn": 1.4, "torch": 1.0})
+    monkeypatch.setattr(rows, "machine_busy", lambda: None)
+    chosen = onednn.choice()
+    assert chosen["takes"] and chosen["source"].startswith("timed, not cached (")
+    assert onednn.choice() is chosen  # asked again in this process: not timed again

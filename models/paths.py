@@ -185,7 +185,8 @@ PATHS: tuple[Path, ...] = (
          ("tests/test_rows_kernel.py", "tests/test_decode_plan.py", "tests/test_paths.py")),
     Path("prompt-kernel", "fp32 products of 9-128 rows without gradients (a short prompt; a batched decode step "
          "of 9+ rows and its LM head) by weights of 2^18+ values: the rows kernel's product of many rows (input "
-         "rows packed in blocks, weight elements broadcast), instead of F.linear, up to the row count the decode plan timed faster (modules/rows.py)",
+         "rows packed in blocks, weight elements broadcast), instead of F.linear, up to the row count the decode "
+         "plan timed faster (modules/rows.py)",
          row_kernel.PROMPT_ENV, "128", "0", _rows_runs, _prompt_kernel_default,
          ("tests/test_prompt_kernel.py", "tests/test_paths.py")),
     Path("decode-step", "decoding batches of plain GPT-2 (generate, beam search; 1-8 rows, fp32 up to the rows "

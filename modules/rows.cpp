@@ -522,10 +522,11 @@ static int dispatch(int64_t rows, const float* x, int64_t in, W w, const float* 
 // sits in the core's cache (12 rows of 3072 floats, 144 KB), so the weight streams through once. The sums run over k
 // in chunks of kChunk, each chunk's sum added to the running total in memory (as a blocked GEMM's passes over C do):
 // fp32 rounding like torch's product (rel. error ~3e-7 where one chain over 768 gave 1e-6). gpt2's 48 block weights,
-// Zen 4, 2 threads (2026-12-01): 16 rows 19-21 ms against 29 in rows_at's tiles (8 input rows a pass) and ONNX
-// Runtime's MatMul 21 ms; 64 rows 63 against 90; 128 rows 122-128 against torch's F.linear 157 (170-178 GFLOP/s of
-// the ~200 its FMA units give). Blocks of 2 x kWidth rows (12 weight rows: 24 accumulators of the 32 registers; AVX2:
-// 6 of 16) and, for a last block of at most kWidth rows or a call of 9-16 rows, kWidth rows (12 weight rows).
+// Zen 4, 2 threads (2026-12-01, medians of 9): 16 rows 21 ms against 29 in rows_at's tiles (8 input rows a pass) and
+// ONNX Runtime's MatMul 21 ms; 32 rows 36 against 47; 64 rows 71 against 90; 128 rows 128 against 171 (about 160
+// GFLOP/s of the ~200 its FMA units give). Blocks of 2 x kWidth rows (12 weight rows: 24 accumulators of the 32
+// registers; AVX2: 6 weight rows, 12 of 16) and, for a last block of at most kWidth rows or a call of 9-16 rows,
+// kWidth rows (12 weight rows).
 constexpr int64_t kChunk = 256;
 constexpr int kBigR = kWidth == 16 ? 12 : 6;  // weight rows a step for blocks of 2 x kWidth input rows
 constexpr int kSmallR = 12;  // and for blocks of kWidth
@@ -1170,8 +1171,9 @@ extern "C" void rows_gelu_tanh_backward(const float* x, const float* dy, float* 
 // only the keys up to the block's last query are read (the causal half of the work; torch's SDPA for the CPU timed
 // 70-80 ms for gpt2's 12 layers at 512 tokens, this 34, Zen 4, 2 threads, 2026-12-01). The softmax runs down the
 // keys a lane per query (max, exp by vexp, sum), and the weighted sum of values puts kCols value columns' sums of
-// all the block's queries in kCols vectors, each score vector loaded once for kCols broadcast value elements. Rows of the
-// inputs are (b, h, t) strided with d contiguous (torch's views of the fused q/k/v output or of the KV cache).
+// all the block's queries in kCols vectors, each score vector loaded once for kCols broadcast value elements. Rows
+// of the inputs are (b, h, t) strided with d contiguous (torch's views of the fused q/k/v output or of the KV
+// cache).
 // Returns 0; -1 where hs is not a multiple of kWidth or over kMaxHead (nothing written).
 constexpr int64_t kMaxHead = 256;
 constexpr int kKeysAtOnce = 12;

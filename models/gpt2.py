@@ -19,7 +19,7 @@ from config import GPT2Config
 from models.beam_search import beam_search
 from models.generation import generate
 from modules import cross_entropy as chunked
-from modules import manual_backward, packed
+from modules import manual_backward, onednn, packed
 from modules.attention import KVCache
 from modules.dropout import Dropout
 from modules.gpt2_layer import GPT2Layer
@@ -202,6 +202,8 @@ class GPT2Model(nn.Module):
         weight = self.lm_head_weight
         if packed.applies(hidden_state, weight):  # bf16 inference of many rows on an AMX CPU (modules/packed.py)
             return self.logit_softcap(packed.product(self, "_packed_head", hidden_state, (weight,), (None,)))
+        if onednn.applies(hidden_state, weight):  # fp32 inference of many rows, where oneDNN timed faster here
+            return self.logit_softcap(onednn.linear(hidden_state, weight))
         return self.logit_softcap(self.lm_linear(hidden_state, weight))
 
     @property

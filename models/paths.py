@@ -222,9 +222,9 @@ PATHS: tuple[Path, ...] = (
          _kernel(gelu, gelu.ENV, "the rows kernel (GELU)"),
          lambda: (True, "float32 CPU training steps outside torch.compile (evaluation and generation: torch's)"),
          ("tests/test_gelu.py", "tests/test_paths.py")),
-    Path("onednn-linear", "fp32 Linear of 9+ rows without gradients past the prompt kernel's rows (prompts, "
-         "evaluations) by weights of 2^18+ values: oneDNN's inner product instead of F.linear (MKL's sgemm), where "
-         "it timed faster here (modules/onednn.py)", onednn.ENV, "1", "0", _onednn_runs, _onednn_default,
+    Path("onednn-linear", "fp32 Linear (and the LM head) of 9+ rows without gradients past the prompt kernel's rows "
+         "(prompts, evaluations) by weights of 2^18+ values: oneDNN's inner product instead of F.linear (MKL's "
+         "sgemm), where it timed faster here (modules/onednn.py)", onednn.ENV, "1", "0", _onednn_runs, _onednn_default,
          ("tests/test_onednn.py", "tests/test_paths.py")),
     Path("prompt-attention", "causal attention of a prompt's pass (no cached tokens before it) in fp32 without "
          "gradients: one rows-kernel call (modules/prompt_attention.py) instead of torch's SDPA", prompt_attention.ENV,

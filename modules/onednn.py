@@ -12,12 +12,13 @@ second), and takes oneDNN only where it was MARGIN faster both times; the answer
 builds (keyed by the CPU's flags and torch's version), so later processes read it. A busy machine
 (rows.machine_busy) is not timed: F.linear for that process.
 
-Taken by modules.linear.Linear for fp32 inputs of more than 8 rows (the rows kernel's own products below; 9 to
-rows.prompt_rows() rows its product of many rows where that was timed faster) on the CPU with no gradient to take,
-by weights of at least rows.PROMPT_MIN_WEIGHT values (a small model's products take microseconds: the calls' own costs
-decide). So a prompt's pass and an evaluation's forward; never training, whose backward needs autograd (the op has
-none). GPT2_ONEDNN_LINEAR=0 keeps F.linear, =1 takes oneDNN without timing; `python -m modules.onednn` shows the
-choice and its timings.
+Taken by modules.linear.Linear and the LM head (GPT2Model.hidden_state_to_token: an evaluation's logits of gpt2's
+50257 x 768 head at 8 x 128 rows 514 against 766 ms) for fp32 inputs of more than 8 rows (the rows kernel's own
+products below; 9 to rows.prompt_rows() rows its product of many rows where that was timed faster) on the CPU with
+no gradient to take, by weights of at least rows.PROMPT_MIN_WEIGHT values (a small model's products take
+microseconds: the calls' own costs decide). So a prompt's pass and an evaluation's forward; never training, whose
+backward needs autograd (the op has none). GPT2_ONEDNN_LINEAR=0 keeps F.linear, =1 takes oneDNN without timing;
+`python -m modules.onednn` shows the choice and its timings.
 """
 from __future__ import annotations
 

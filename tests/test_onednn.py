@@ -60,13 +60,14 @@ def test_a_linear_takes_it_for_many_fp32_rows_without_gradients_only(monkeypatch
 @needs_onednn
 def test_a_models_evaluation_with_it_gives_f_linears_logits(monkeypatch, spy):
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=4, n_embd=256, vocab_size=97, n_positions=64)).eval()
-    ids = torch.randint(0, 97, (2, 30), generator=torch.Generator().manual_seed(1))
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=4, n_embd=256, vocab_size=1024, n_positions=64)).eval()
+    ids = torch.randint(0, 1024, (2, 30), generator=torch.Generator().manual_seed(1))
     monkeypatch.setenv(rows.PROMPT_ENV, "0")
     monkeypatch.setenv(onednn.ENV, "1")
     with torch.no_grad():
         taken = model(ids)["logits"]
-    assert spy == [60] * 2 * 2  # the MLP's two products a layer (1024 x 256: 2^18 values; attention's are smaller)
+    # the MLP's two products a layer (1024 x 256: 2^18 values; attention's are smaller), then the tied LM head
+    assert spy == [60] * 2 * 2 + [60]
     monkeypatch.setenv(onednn.ENV, "0")
     with torch.no_grad():
         plain = model(ids)["logits"]

@@ -25,7 +25,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import statistics
 
 import torch
 import torch.nn.functional as F
@@ -49,19 +48,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def time_products(megabytes: int = 16, rounds: int = 5, n: int = PROMPT_ROWS) -> dict[str, float]:
-    """{"onednn": GB/s, "torch": GB/s} of fp32 products of n rows over a chain of 3072 x 768 and 768 x 3072 weights
-    (`megabytes` in all), in interleaved rounds (medians; rows.interleaved)."""
-    shapes = [(3072, 768), (768, 3072)]
-    count = max(2, megabytes * 2**20 // (3072 * 768 * 4))
-    weights = [torch.randn(*shapes[i % 2]) for i in range(count)]
-    biases = [torch.randn(w.shape[0]) for w in weights]
-    xs = {768: torch.randn(n, 768), 3072: torch.randn(n, 3072)}
-    total = sum(w.numel() * 4 for w in weights)
-    with torch.no_grad():
-        times = rows.interleaved({"onednn": lambda: [linear(xs[w.shape[1]], w, b) for w, b in zip(weights, biases)],
-                                  "torch": lambda: [F.linear(xs[w.shape[1]], w, b) for w, b in zip(weights, biases)]},
-                                 rounds)
-    return {name: total / statistics.median(t) / 1e9 for name, t in times.items()}
+    """{"onednn": GB/s, "torch": GB/s} of fp32 products of n rows over gpt2-shaped weights (`megabytes` in all;
+    rows.time_products)."""
+    return rows.time_products({"onednn": linear, "torch": F.linear}, [n], megabytes, rounds)[str(n)]
 
 
 def decide(first: dict[str, float], second: dict[str, float]) -> bool:

@@ -238,12 +238,19 @@ def time_forms(libs: dict[str, object], megabytes: int = 64, rounds: int = 7,
 
 def time_prompt_rows(lib, counts: tuple[int, ...] | list[int] = PROMPT_ROWS_TIMED, megabytes: int = 64,
                      rounds: int = 5) -> dict[str, dict[str, float]]:
-    """{row count (a string: the plan's JSON keys): {"kernel": GB/s, "torch": GB/s}}: fp32 products of that many
-    rows over a chain of 3072 x 768 and 768 x 3072 weights (`megabytes` in all), the kernel `lib`'s product of many
-    rows (many_rows) against torch's F.linear, in interleaved rounds (medians)."""
-    import statistics
-
+    """{row count (a string: the plan's JSON keys): {"kernel": GB/s, "torch": GB/s}}: the kernel `lib`'s product of
+    many rows (many_rows) against torch's F.linear (time_products)."""
     import torch.nn.functional as F
+
+    return time_products({"kernel": lambda x, w, b: many_rows(x, w, b, lib), "torch": F.linear}, counts, megabytes,
+                         rounds)
+
+
+def time_products(products: dict, counts, megabytes: int, rounds: int) -> dict[str, dict[str, float]]:
+    """{row count (a string): {name: GB/s}}: each of `products` (name -> fn(x, weight, bias), an fp32 product of
+    F.linear's form) over a chain of 3072 x 768 and 768 x 3072 weights (`megabytes` in all, at least one of each) at
+    each row count, in interleaved rounds (medians). The plan's prompt timing and modules/onednn.py's choice."""
+    import statistics
 
     shapes = [(3072, 768), (768, 3072)]
     count = max(2, megabytes * 2**20 // (3072 * 768 * 4))
@@ -251,12 +258,13 @@ def time_prompt_rows(lib, counts: tuple[int, ...] | list[int] = PROMPT_ROWS_TIME
     biases = [torch.randn(w.shape[0]) for w in weights]
     total = sum(w.numel() * 4 for w in weights)
     results = {}
-    for n in counts:
-        xs = {768: torch.randn(n, 768), 3072: torch.randn(n, 3072)}
-        contenders = {"kernel": lambda: [many_rows(xs[w.shape[1]], w, b, lib) for w, b in zip(weights, biases)],
-                      "torch": lambda: [F.linear(xs[w.shape[1]], w, b) for w, b in zip(weights, biases)]}
-        times = interleaved(contenders, rounds)
-        results[str(n)] = {name: total / statistics.median(t) / 1e9 for name, t in times.items()}
+    with torch.no_grad():
+        for n in counts:
+            xs = {768: torch.randn(n, 768), 3072: torch.randn(n, 3072)}
+            contenders = {name: (lambda f=f: [f(xs[w.shape[1]], w, b) for w, b in zip(weights, biases)])
+                          for name, f in products.items()}
+            times = interleaved(contenders, rounds)
+            results[str(n)] = {name: total / statistics.median(t) / 1e9 for name, t in times.items()}
     return results
 
 

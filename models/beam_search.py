@@ -33,6 +33,7 @@ from models.generation import (
     check_request,
     closing_threads,
     decode_lm_head,
+    evaluating,
     mark_seen,
     prefill,
 )
@@ -69,11 +70,9 @@ def beam_search(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | N
         prompt = torch.arange(B, device=device)[:, None]  # (B, 1) for indexing (B, K) tables
         rows = torch.arange(B, device=device).repeat_interleave(N)  # beam row -> its prompt
 
-        was_training = model.training
-        model.eval()
-        prepared = contextlib.ExitStack()  # the decode steps' kernel products, prepared once for this call
-        prepared.enter_context(prepared_rows(model, B * N))
+        prepared = contextlib.ExitStack()  # eval mode; the decode steps' kernel products, prepared once for this call
         try:
+            prepared.enter_context(evaluating(model))
             # The prompt runs once per prompt; its cache rows, positions, masks and seen tokens are then copied per beam.
             hidden, cache, positions, key_mask, seen, pad = prefill(model, input_ids, attention_mask, max_new_tokens,
                                                                     repetition_penalty, eos_token_id, pad_token_id)
@@ -85,6 +84,8 @@ def beam_search(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | N
             # the beam rows on the CPU (1-8; fp32: more), plain GPT-2: each step in one C++ call (models/fast_step.py)
             fast = None if fast_step.why_not(model, B * N, key_mask, cache) else \
                 fast_step.FastStep(model, cache, key_mask)
+            if fast is None:  # the steps go through the layers
+                prepared.enter_context(prepared_rows(model, B * N))
 
             seqs = torch.full((B, N, T + max_new_tokens), pad, dtype=torch.long, device=device)
             seqs[:, :, :T] = input_ids[:, None]
@@ -145,4 +146,3 @@ def beam_search(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | N
             return fin_seqs[:, 0, : T + int(fin_len[:, 0].max())]
         finally:
             prepared.close()
-            model.train(was_training)

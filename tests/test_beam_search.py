@@ -193,7 +193,9 @@ def test_generate_with_num_beams_runs_beam_search():
 def test_the_beams_products_are_prepared_once_per_call_for_all_beam_rows(monkeypatch):
     """The decode steps run B*N rows (one per beam): every Linear and the LM head multiply them through a product
     prepared once per call for that row count (modules/linear.prepared_rows, decode_lm_head), not again at each
-    step, and the tokens are those of the plain products."""
+    step, and the tokens are those of the plain products. Where the C++ step runs the layers (models/fast_step.py),
+    only the LM head's product is prepared: the layers' would go unused."""
+    from models import fast_step
     from modules import rows as row_kernel
     from modules.linear import Linear
 
@@ -207,8 +209,15 @@ def test_the_beams_products_are_prepared_once_per_call_for_all_beam_rows(monkeyp
     monkeypatch.setattr(row_kernel, "pays", lambda dtype, rows: rows == 6)
     real, made = row_kernel.prepared, []
     monkeypatch.setattr(row_kernel, "prepared", lambda w, *a, **k: made.append(tuple(w.shape)) or real(w, *a, **k))
-    once = sorted([tuple(m.weight.shape) for m in lm.modules() if type(m) is Linear]
-                  + [tuple(lm.gpt.lm_head_weight.shape)])
+    head = [tuple(lm.gpt.lm_head_weight.shape)]
+    once = sorted([tuple(m.weight.shape) for m in lm.modules() if type(m) is Linear] + head)
+    real_step, fast = fast_step.FastStep, []
+    monkeypatch.setattr(fast_step, "FastStep", lambda *a, **k: fast.append(a) or real_step(*a, **k))
+    for steps in (4, 8):
+        made.clear()
+        assert torch.equal(beam_search(lm, ids, mask, max_new_tokens=steps, **kw), plain[steps])
+        assert made == head and fast, steps  # the C++ step took these beams
+    monkeypatch.setattr(fast_step, "why_not", lambda *a, **k: "a test: the steps through the layers")
     for steps in (4, 8):
         made.clear()
         assert torch.equal(beam_search(lm, ids, mask, max_new_tokens=steps, **kw), plain[steps])

@@ -238,11 +238,31 @@ def test_zero_new_tokens_returns_the_prompt_without_running_the_model(monkeypatc
         ours.generate(*padded_batch([4, 2], 4, 100, "right"), max_new_tokens=0)
 
 
-def test_generate_keeps_the_training_mode():
+def test_generate_keeps_the_training_mode(monkeypatch):
+    """A model in training mode decodes in eval mode and comes back in training mode, every module, also where the
+    quantized copies could not be made; a model in eval mode is not walked over twice (eval(), train())."""
+    import models.generation as generation
+
     _, ours = load_pair(tiny_config("h5"))
     ours.train()
+    seen = []
+    real_forward = ours.gpt.forward
+    monkeypatch.setattr(ours.gpt, "forward", lambda *a, **k: seen.append(ours.training) or real_forward(*a, **k))
     ours.generate(torch.zeros(1, 2, dtype=torch.long), max_new_tokens=2)
-    assert ours.training
+    assert seen == [False] and all(m.training for m in ours.modules())
+
+    def refused(model, mode):
+        raise ValueError("no copies")
+
+    monkeypatch.setattr(generation, "quantized_weights", refused)
+    with pytest.raises(ValueError, match="no copies"):
+        ours.generate(torch.zeros(1, 2, dtype=torch.long), max_new_tokens=2, quantize="int8")
+    assert all(m.training for m in ours.modules())
+    monkeypatch.undo()
+    ours.eval()
+    monkeypatch.setattr(type(ours), "train", lambda *a, **k: pytest.fail("train() called on a model in eval mode"))
+    ours.generate(torch.zeros(1, 2, dtype=torch.long), max_new_tokens=2)
+    assert not any(m.training for m in ours.modules())
 
 
 # ---- logit filters against hand-made distributions and transformers' warpers ----------------------------------------

@@ -153,10 +153,11 @@ def _huge_pages_runs() -> str | None:
 
 
 def _prompt_kernel_default() -> tuple[bool, str]:
-    limit = row_kernel.prompt_rows()
+    limit, prompt = row_kernel.prompt_rows(), onednn.kernel_rows()
     if limit <= row_kernel.MAX_ROWS:
         return False, "F.linear beyond 8 rows (the plan did not time the kernel faster, or there is no plan here)"
-    return True, f"9 to {limit} rows ({'timed by the plan' if not os.environ.get(row_kernel.PROMPT_ENV) else 'set'})"
+    return True, (f"9 to {limit} rows, a prompt's to {prompt} "
+                  f"({'timed by the plan and the oneDNN choice' if not os.environ.get(row_kernel.PROMPT_ENV) else 'set'})")
 
 
 def _onednn_runs() -> str | None:

@@ -17,11 +17,13 @@ take int8 or int4 copies of the weights (modules/quant.py); with w8a8 / w4a8 the
 oneDNN's int8 GEMM on those weights with its activations quantized per tensor (quant.prompt_product); batches of 2-8
 rows, and the prompt of the weight-only modes, keep the layer's own weights (dequantizing per call would cost more
 than the smaller weights save).
-fp32 products of 9 to `rows.prompt_rows()` rows without gradients (a short prompt, in any mode) by weights of at least
-`rows.PROMPT_MIN_WEIGHT` values take the rows kernel's product of many rows (rows.many_rows), where the
-decode plan timed it faster than F.linear (up to 128 rows on a Zen 4; none where there is no plan);
-GPT2_PROMPT_KERNEL=0 keeps F.linear. Longer fp32 products without gradients (a prompt past those rows, an
-evaluation) take oneDNN's inner product where it timed faster than F.linear on this machine (modules/onednn.py).
+fp32 products of 9 to `onednn.kernel_rows()` rows without gradients (a short prompt, in any mode) by weights of at
+least `rows.PROMPT_MIN_WEIGHT` values take the rows kernel's product of many rows (rows.many_rows), where the
+decode plan timed it faster than F.linear and, where oneDNN is taken, faster than oneDNN (16-32 rows on a Zen 4; none
+where there is no plan; a batched decode step's rows, to `rows.prompt_rows()`, keep the kernel: with the C++ step
+around it, 24 rows ran 1.47x faster than through oneDNN); GPT2_PROMPT_KERNEL=0 keeps the library's product. Longer fp32 products without gradients (a
+prompt past those rows, an evaluation) take oneDNN's inner product where it timed faster than F.linear on this
+machine (modules/onednn.py).
 """
 from __future__ import annotations
 
@@ -47,7 +49,8 @@ def takes_prompt_kernel(rows: int, dtype: torch.dtype, weight: torch.Tensor) -> 
     """Whether `rows` rows of `dtype` times `weight` take the rows kernel's product of many rows (rows.chunked_linear):
     fp32 on the CPU without gradients, a contiguous weight of at least rows.PROMPT_MIN_WEIGHT values, where the kernel
     pays at 8 rows (its passes are its 8-row product) and the rows are within rows.prompt_rows() (a short prompt; a
-    decode step of 9+ rows, and its LM head: models/generation.py)."""
+    decode step of 9+ rows, and its LM head: models/generation.py). A prompt's pass keeps the kernel only within
+    onednn.kernel_rows() (Linear.forward)."""
     return (dtype == torch.float32 and weight.dtype == torch.float32 and weight.is_cpu and not torch.is_grad_enabled()
             and weight.is_contiguous() and weight.numel() >= row_kernel.PROMPT_MIN_WEIGHT
             and row_kernel.pays(torch.float32, row_kernel.MAX_ROWS) and row_kernel.takes_chunks(rows))
@@ -124,7 +127,8 @@ class Linear(nn.Linear):
             views = self.decode_blocks()
             if views is not None:
                 return blocked_product(x[:, 0], views)[:, None]  # (1, 1, out)
-        if x.is_cpu and takes_prompt_kernel(x.shape[:-1].numel(), x.dtype, self.weight):
+        n = x.shape[:-1].numel()
+        if x.is_cpu and takes_prompt_kernel(n, x.dtype, self.weight) and n <= onednn.kernel_rows():
             return row_kernel.chunked_linear(x, self.weight, self.bias)  # a short prompt: the kernel
         if onednn.applies(x, self.weight):  # a longer prompt, an evaluation: oneDNN where it timed faster here
             return onednn.linear(x, self.weight, self.bias)

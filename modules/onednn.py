@@ -9,8 +9,14 @@ torch's F.linear runs fp32 products on the CPU through MKL's sgemm. torch also s
 are tuned for Intel's cores), so it is not assumed: the first call that could take it here times both on products of
 PROMPT_ROWS rows over two gpt2-shaped weights (3072 x 768 and 768 x 3072: bound by the arithmetic), twice (about a
 second), and takes oneDNN only where it was MARGIN faster both times; the answer is kept beside the rows kernel's
-builds (keyed by the CPU's flags and torch's version), so later processes read it. A busy machine
-(rows.machine_busy) is not timed: F.linear for that process.
+builds (keyed by the CPU's flags, torch's version and the rows kernel's source), so later processes read it. A busy
+machine (rows.machine_busy) is not timed: F.linear for that process.
+Where oneDNN is taken, the rows kernel's product of many rows keeps only the short prompts it was timed faster for
+than oneDNN (the decode plan raced it against F.linear): the same timing races the two at the plan's row counts, twice,
+and keeps the largest count up to which the kernel won both (kernel_rows). On a Zen 4 (2026-12-02, GB/s of the
+chain, two runs) the kernel read 15.3 / 10.5 oneDNN's at 16 rows, 8.7 / 7.8 at 32, 4.3-4.6 / 4.5-4.9 at 64, 2.2-2.5 /
+2.7-2.9 at 128; gpt2 generate calls of a 40 to 128-token prompt and one new token were 1.07-1.29x faster with oneDNN
+past 16 rows than with the kernel up to 128 (48 tokens 0.92x).
 
 Taken by modules.linear.Linear and the LM head (GPT2Model.hidden_state_to_token: an evaluation's logits of gpt2's
 50257 x 768 head at 8 x 128 rows 514 against 766 ms) for fp32 inputs of more than 8 rows (the rows kernel's own
@@ -58,8 +64,24 @@ def decide(first: dict[str, float], second: dict[str, float]) -> bool:
     return all(t["onednn"] >= rows.MARGIN * t["torch"] for t in (first, second))
 
 
+def time_kernel_rows(counts: list[int], megabytes: int = 64, rounds: int = 5) -> dict[str, dict[str, float]]:
+    """{row count (a string): {"kernel": GB/s, "onednn": GB/s}}: the rows kernel's product of many rows (the
+    plan's prompt library) against linear() over gpt2-shaped weights (rows.time_products)."""
+    lib = rows.prompt_library()
+    return rows.time_products({"kernel": lambda x, w, b: rows.many_rows(x, w, b, lib), "onednn": linear}, counts,
+                              megabytes, rounds)
+
+
+def kernel_limit(first: dict[str, dict[str, float]], second: dict[str, dict[str, float]]) -> int:
+    """The largest timed row count up to which the kernel read at least rows.MARGIN times oneDNN's speed in both
+    timings; rows.MAX_ROWS where it did not at the smallest."""
+    return rows.choose_prompt_rows({n: "kernel" if all(t[n]["kernel"] >= rows.MARGIN * t[n]["onednn"]
+                                                       for t in (first, second)) else "onednn" for n in first})
+
+
 def _path():
-    key = hashlib.sha256((rows.cpu_flags() + torch.__version__ + str(PROMPT_ROWS)).encode()).hexdigest()[:16]
+    key = hashlib.sha256((rows.cpu_flags() + torch.__version__ + str(PROMPT_ROWS)).encode()
+                         + rows.SOURCE.read_bytes()).hexdigest()[:16]
     return rows._cache_dir() / f"onednn-linear-{key}.json"
 
 
@@ -88,8 +110,25 @@ def choice() -> dict:
     first = time_products()
     second = time_products()
     _choice = {"takes": decide(first, second), "speeds": [first, second], "source": f"timed, cached in {path}"}
+    planned = rows.plan().get("prompt_rows", rows.MAX_ROWS) if rows.available() else rows.MAX_ROWS
+    if _choice["takes"] and planned > rows.MAX_ROWS:  # the plan gave the kernel short prompts: where it beats oneDNN
+        counts = [n for n in rows.PROMPT_ROWS_TIMED if n <= planned]
+        kernel = [time_kernel_rows(counts), time_kernel_rows(counts)]
+        _choice.update(kernel_rows=kernel_limit(*kernel), kernel_speeds=kernel)
     rows.write_timing(path, _choice)
     return _choice
+
+
+def kernel_rows() -> int:
+    """Up to how many rows a prompt's fp32 products without gradients take the rows kernel's product of many rows:
+    rows.prompt_rows() (the plan, or GPT2_PROMPT_KERNEL), lowered where oneDNN is taken past the kernel to the rows
+    the kernel timed faster than oneDNN (choice()'s kernel_rows; GPT2_PROMPT_KERNEL set: its count stands). Batched
+    decode steps keep rows.prompt_rows(): the C++ step around the kernel's products (models/fast_step.py) ran gpt2's
+    24-row greedy decode 1.47x faster than decode_step through oneDNN (3.11 against 4.57 s, Zen 4, 2026-12-02)."""
+    limit = rows.prompt_rows()
+    if limit <= rows.MAX_ROWS or os.environ.get(rows.PROMPT_ENV, "").strip() or not choice()["takes"]:
+        return limit
+    return min(limit, choice().get("kernel_rows", limit))
 
 
 def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -131,3 +131,67 @@ def test_a_cache_that_cannot_be_written_keeps_the_choice_for_the_process(monkeyp
     chosen = onednn.choice()
     assert chosen["takes"] and chosen["source"].startswith("timed, not cached (")
     assert onednn.choice() is chosen  # asked again in this process: not timed again
+
+
+def test_the_kernel_keeps_only_the_rows_it_timed_faster_than_oneDNN_in_both_timings():
+    first = {"16": {"kernel": 15.0, "onednn": 10.0}, "32": {"kernel": 8.7, "onednn": 7.8},
+             "64": {"kernel": 4.3, "onednn": 4.5}, "128": {"kernel": 2.2, "onednn": 2.7}}
+    again = {**first, "32": {"kernel": 8.0, "onednn": 7.8}}  # within MARGIN the second time
+    assert onednn.kernel_limit(first, first) == 32 and onednn.kernel_limit(first, again) == 16
+    lost = {**first, "16": {"kernel": 10.0, "onednn": 10.0}}
+    assert onednn.kernel_limit(lost, first) == rows.MAX_ROWS  # not past a loss, whatever follows
+
+
+def test_the_timing_races_the_kernel_against_oneDNN_at_the_plans_rows_and_caches_the_limit(monkeypatch, fresh):
+    monkeypatch.setattr(onednn, "time_products", lambda: {"onednn": 1.4, "torch": 1.0})
+    monkeypatch.setattr(rows, "machine_busy", lambda: None)
+    monkeypatch.setattr(rows, "available", lambda: True)
+    monkeypatch.setattr(rows, "plan", lambda: {"prompt_rows": 64})
+    asked = []
+    speeds = {"16": {"kernel": 15.0, "onednn": 10.0}, "32": {"kernel": 8.7, "onednn": 7.8},
+              "64": {"kernel": 4.3, "onednn": 4.5}}
+    monkeypatch.setattr(onednn, "time_kernel_rows", lambda counts: asked.append(counts) or speeds)
+    chosen = onednn.choice()
+    assert asked == [[16, 32, 64]] * 2 and chosen["kernel_rows"] == 32 and chosen["kernel_speeds"] == [speeds] * 2
+    (cached,) = fresh.glob("onednn-linear-*.json")
+    assert json.loads(cached.read_text()) == chosen
+    monkeypatch.setattr(onednn, "_choice", None)  # F.linear chosen: the plan's limit stands, nothing raced
+    monkeypatch.setattr(onednn, "time_products", lambda: {"onednn": 1.0, "torch": 1.0})
+    monkeypatch.setenv("GPT2_KERNEL_CACHE", str(fresh / "other"))
+    assert "kernel_rows" not in onednn.choice() and len(asked) == 2
+
+
+def test_the_kernels_rows_are_the_plans_lowered_to_oneDNNs_limit_unless_set(monkeypatch):
+    monkeypatch.delenv(rows.PROMPT_ENV, raising=False)
+    monkeypatch.setattr(rows, "prompt_rows", lambda: 128)
+    monkeypatch.setattr(onednn, "choice", lambda: {"takes": True, "kernel_rows": 16})
+    assert onednn.kernel_rows() == 16
+    monkeypatch.setattr(onednn, "choice", lambda: {"takes": False})  # F.linear past the kernel: the plan's limit
+    assert onednn.kernel_rows() == 128
+    monkeypatch.setattr(onednn, "choice", lambda: {"takes": True})  # forced (GPT2_ONEDNN_LINEAR=1): not raced
+    assert onednn.kernel_rows() == 128
+    monkeypatch.setattr(onednn, "choice", lambda: {"takes": True, "kernel_rows": 16})
+    monkeypatch.setenv(rows.PROMPT_ENV, "128")  # the setting stands
+    assert onednn.kernel_rows() == 128
+
+
+@needs_onednn
+def test_a_prompts_linear_past_the_kernels_rows_takes_oneDNN_a_decode_steps_rows_keep_the_kernel(monkeypatch, spy):
+    if not rows.available():
+        pytest.skip("the rows kernel does not build here")
+    monkeypatch.delenv(rows.PROMPT_ENV, raising=False)
+    monkeypatch.setattr(rows, "prompt_rows", lambda: 128)
+    monkeypatch.setattr(onednn, "choice", lambda: {"takes": True, "kernel_rows": 16})
+    chunked, real = [], rows.chunked_linear
+    monkeypatch.setattr(rows, "chunked_linear", lambda x, w, b=None: chunked.append(x.shape[:-1].numel())
+                        or real(x, w, b))
+    torch.manual_seed(0)
+    layer = Linear(512, 512)
+    with torch.no_grad():
+        for n in (16, 17, 40):
+            x = torch.randn(n, 512)
+            torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), atol=1e-4, rtol=1e-5)
+        assert chunked == [16] and spy == [17, 40]
+        step = torch.randn(40, 1, 512)  # 40 rows of one token each: a batched decode step's
+        torch.testing.assert_close(layer(step), F.linear(step, layer.weight, layer.bias), atol=1e-4, rtol=1e-5)
+    assert chunked == [16, 40] and spy == [17, 40]

@@ -668,8 +668,8 @@ if __name__ == "__main__":  # python -m modules.rows [--retime]: the plan of thi
     for kind in PLAN_KINDS:
         print(f"  {kind:<5} prefetch {prefetch_of(chosen, kind)} bytes ahead" + (": native form, " if timed else "")
               + shown(timed.get(kind, {}), again.get("prefetch_speeds", {}).get(kind)))
-    print(f"  fp32 products of {MAX_ROWS + 1} to {prompt_rows()} rows without gradients: the kernel, {MAX_ROWS} rows a "
-          f"pass over each tile of the weight" if prompt_rows() > MAX_ROWS
-          else f"  fp32 products of more than {MAX_ROWS} rows: torch's F.linear")
+    print(f"  fp32 products of {MAX_ROWS + 1} to {prompt_rows()} rows without gradients: the kernel's product of many "
+          "rows, timed against F.linear (a prompt's rows: `python -m modules.onednn`)" if prompt_rows() > MAX_ROWS
+          else f"  fp32 products of more than {MAX_ROWS} rows: torch's (F.linear, or oneDNN: `python -m modules.onednn`)")
     for n, by in chosen.get("prompt_speeds", {}).items():
         print(f"    {n} rows: " + shown(by, again.get("prompt_speeds", {}).get(n)))

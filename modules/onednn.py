@@ -126,9 +126,10 @@ def kernel_rows() -> int:
     decode steps keep rows.prompt_rows(): the C++ step around the kernel's products (models/fast_step.py) ran gpt2's
     24-row greedy decode 1.47x faster than decode_step through oneDNN (3.11 against 4.57 s, Zen 4, 2026-12-02)."""
     limit = rows.prompt_rows()
-    if limit <= rows.MAX_ROWS or os.environ.get(rows.PROMPT_ENV, "").strip() or not choice()["takes"]:
+    if limit <= rows.MAX_ROWS or os.environ.get(rows.PROMPT_ENV, "").strip():
         return limit
-    return min(limit, choice().get("kernel_rows", limit))
+    chosen = choice()
+    return min(limit, chosen.get("kernel_rows", limit)) if chosen["takes"] else limit
 
 
 def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -51,6 +51,8 @@ MODULE_TESTS = {
     "modules/rmsnorm.py": ["tests/test_rmsnorm.py", "tests/test_variants.py", "tests/test_paths.py"],
     "modules/gelu.py": ["tests/test_gelu.py", "tests/test_paths.py"],
     "modules/hugepages.py": ["tests/test_hugepages.py", "tests/test_paths.py"],
+    "modules/onednn.py": ["tests/test_onednn.py", "tests/test_paths.py"],
+    "modules/prompt_attention.py": ["tests/test_prompt_attention.py", "tests/test_paths.py"],
     "models/fast_step.py": ["tests/test_fast_step.py", "tests/test_paths.py"],
     "models/decode_threads.py": ["tests/test_decode_threads.py"],
     "models/paths.py": ["tests/test_paths.py"],

@@ -166,13 +166,17 @@ def test_the_kernels_rows_are_the_plans_lowered_to_oneDNNs_limit_unless_set(monk
     monkeypatch.setattr(rows, "prompt_rows", lambda: 128)
     monkeypatch.setattr(onednn, "choice", lambda: {"takes": True, "kernel_rows": 16})
     assert onednn.kernel_rows() == 16
-    monkeypatch.setattr(onednn, "choice", lambda: {"takes": False})  # F.linear past the kernel: the plan's limit
-    assert onednn.kernel_rows() == 128
+    monkeypatch.setattr(onednn, "choice", lambda: {"takes": False, "kernel_rows": 16})  # F.linear past the kernel
+    assert onednn.kernel_rows() == 128  # the plan's limit
     monkeypatch.setattr(onednn, "choice", lambda: {"takes": True})  # forced (GPT2_ONEDNN_LINEAR=1): not raced
     assert onednn.kernel_rows() == 128
     monkeypatch.setattr(onednn, "choice", lambda: {"takes": True, "kernel_rows": 16})
     monkeypatch.setenv(rows.PROMPT_ENV, "128")  # the setting stands
     assert onednn.kernel_rows() == 128
+    monkeypatch.delenv(rows.PROMPT_ENV)
+    monkeypatch.setattr(rows, "prompt_rows", lambda: rows.MAX_ROWS)  # no kernel past 8 rows: the choice not asked
+    monkeypatch.setattr(onednn, "choice", lambda: pytest.fail("asked"))
+    assert onednn.kernel_rows() == rows.MAX_ROWS
 
 
 @needs_onednn
@@ -195,3 +199,68 @@ def test_a_prompts_linear_past_the_kernels_rows_takes_oneDNN_a_decode_steps_rows
         step = torch.randn(40, 1, 512)  # 40 rows of one token each: a batched decode step's
         torch.testing.assert_close(layer(step), F.linear(step, layer.weight, layer.bias), atol=1e-4, rtol=1e-5)
     assert chunked == [16, 40] and spy == [17, 40]
+
+
+@needs_onednn
+def test_the_timings_report_both_contenders_at_their_row_counts():
+    speeds = onednn.time_products(megabytes=1, rounds=1, n=12)
+    assert set(speeds) == {"onednn", "torch"} and min(speeds.values()) > 0
+    if rows.available():
+        raced = onednn.time_kernel_rows([9, 16], megabytes=1, rounds=1)
+        assert sorted(raced) == ["16", "9"] and all(set(s) == {"kernel", "onednn"} and min(s.values()) > 0
+                                                    for s in raced.values())
+
+
+def test_the_cache_file_is_named_by_the_cpu_torch_the_rows_timed_and_the_kernels_source(monkeypatch, tmp_path):
+    monkeypatch.setenv("GPT2_KERNEL_CACHE", str(tmp_path))
+    path = onednn._path()
+    assert path.parent == tmp_path and len(path.name) == len("onednn-linear-.json") + 16
+    monkeypatch.setattr(onednn, "PROMPT_ROWS", 128)
+    assert onednn._path() != path
+    monkeypatch.undo()
+    monkeypatch.setenv("GPT2_KERNEL_CACHE", str(tmp_path))
+    source = tmp_path / "rows.cpp"
+    source.write_bytes(rows.SOURCE.read_bytes() + b"// changed\n")
+    monkeypatch.setattr(rows, "SOURCE", source)
+    assert onednn._path() != path
+
+
+def test_margins_are_met_at_equality_and_scale_with_the_contenders_speeds():
+    at = {"onednn": 2.0 * rows.MARGIN, "torch": 2.0}
+    assert onednn.decide(at, at) and not onednn.decide({"onednn": 1.5, "torch": 2.0}, at)
+    first = {"16": {"kernel": 2.0 * rows.MARGIN, "onednn": 2.0}, "32": {"kernel": 1.5, "onednn": 2.0}}
+    assert onednn.kernel_limit(first, first) == 16
+
+
+def test_without_oneDNN_the_choice_says_why(monkeypatch, fresh):
+    monkeypatch.setattr(onednn, "available", lambda: False)
+    assert onednn.choice() == {"takes": False, "source": "torch has no oneDNN inner product here"}
+    monkeypatch.setenv(onednn.ENV, "0")
+    assert onednn.choice() == {"takes": False, "source": f"{onednn.ENV}=0"}
+
+
+def test_no_kernel_race_without_the_kernel_or_the_plans_prompt_rows(monkeypatch, fresh):
+    monkeypatch.setattr(rows, "machine_busy", lambda: None)
+    timings = [{"onednn": 1.4, "torch": 1.0}, {"onednn": 1.3, "torch": 1.0}]
+    monkeypatch.setattr(onednn, "time_kernel_rows", lambda counts: pytest.fail("raced"))
+    for available, plan in ((False, lambda: pytest.fail("asked the plan")), (True, lambda: {})):
+        monkeypatch.setattr(onednn, "_choice", None)
+        monkeypatch.setenv("GPT2_KERNEL_CACHE", str(fresh / str(available)))
+        monkeypatch.setattr(onednn, "time_products", iter(timings).__next__)
+        monkeypatch.setattr(rows, "available", lambda: available)
+        monkeypatch.setattr(rows, "plan", plan)
+        assert onednn.choice() == {"takes": True, "speeds": timings, "source": onednn.choice()["source"]}
+    monkeypatch.setattr(onednn, "_choice", None)
+    monkeypatch.setenv("GPT2_KERNEL_CACHE", str(fresh / "eight"))
+    monkeypatch.setattr(onednn, "time_products", iter(timings).__next__)
+    monkeypatch.setattr(rows, "plan", lambda: {"prompt_rows": rows.MAX_ROWS})
+    assert "kernel_rows" not in onednn.choice()
+
+
+def test_the_kernels_side_of_the_race_is_the_prompts_product_with_its_bias(monkeypatch):
+    if not rows.available():
+        pytest.skip("the rows kernel does not build here")
+    calls, real = [], rows.many_rows
+    monkeypatch.setattr(rows, "many_rows", lambda x, w, b, lib: calls.append((x.shape[0], b, lib)) or real(x, w, b, lib))
+    onednn.time_kernel_rows([9], megabytes=1, rounds=1)
+    assert calls and all(n == 9 and b is not None and lib is rows.prompt_library() for n, b, lib in calls)

@@ -120,3 +120,17 @@ def test_gradients_bf16_grouped_keys_cached_tokens_dropout_and_odd_heads_keep_sd
         training(ids)  # dropout on the attention weights, in training mode
         training.eval()(ids)  # the same model in evaluation: taken
     assert spy == [(1, 4, 12, 16)] * 2
+
+
+def test_the_rule_at_its_edges():
+    """Two tokens or more (one new token is a decode step's), head sizes up to MAX_HEAD, and grad mode on where
+    nothing requires a gradient."""
+    width = rows._load().rows_vector_width()
+    assert prompt_attention.applies(*qkv_views(1, 2, 2, width))
+    assert not prompt_attention.applies(*qkv_views(1, 2, 1, 64))
+    assert prompt_attention.applies(*qkv_views(1, 1, 3, prompt_attention.MAX_HEAD))
+    assert not prompt_attention.applies(*qkv_views(1, 1, 3, prompt_attention.MAX_HEAD + width))
+    with torch.enable_grad():
+        q, k, v = qkv_views(1, 2, 4, 64)
+        assert prompt_attention.applies(q, k, v)
+        assert not prompt_attention.applies(q.requires_grad_(), k, v)

@@ -21,9 +21,9 @@ fp32 products of 9 to `onednn.kernel_rows()` rows without gradients (a short pro
 least `rows.PROMPT_MIN_WEIGHT` values take the rows kernel's product of many rows (rows.many_rows), where the
 decode plan timed it faster than F.linear and, where oneDNN is taken, faster than oneDNN (16-32 rows on a Zen 4; none
 where there is no plan; a batched decode step's rows, to `rows.prompt_rows()`, keep the kernel: with the C++ step
-around it, 24 rows ran 1.47x faster than through oneDNN); GPT2_PROMPT_KERNEL=0 keeps the library's product. Longer fp32 products without gradients (a
-prompt past those rows, an evaluation) take oneDNN's inner product where it timed faster than F.linear on this
-machine (modules/onednn.py).
+around it, 24 rows ran 1.47x faster than through oneDNN); GPT2_PROMPT_KERNEL=0 keeps the library's product. Longer
+fp32 products without gradients (a prompt past those rows, an evaluation) take oneDNN's inner product where it timed
+faster than F.linear on this machine (modules/onednn.py).
 """
 from __future__ import annotations
 

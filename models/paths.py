@@ -156,8 +156,8 @@ def _prompt_kernel_default() -> tuple[bool, str]:
     limit, prompt = row_kernel.prompt_rows(), onednn.kernel_rows()
     if limit <= row_kernel.MAX_ROWS:
         return False, "F.linear beyond 8 rows (the plan did not time the kernel faster, or there is no plan here)"
-    return True, (f"9 to {limit} rows, a prompt's to {prompt} "
-                  f"({'timed by the plan and the oneDNN choice' if not os.environ.get(row_kernel.PROMPT_ENV) else 'set'})")
+    how = "set" if os.environ.get(row_kernel.PROMPT_ENV) else "timed by the plan and the oneDNN choice"
+    return True, f"9 to {limit} rows, a prompt's to {prompt} ({how})"
 
 
 def _onednn_runs() -> str | None:

@@ -261,6 +261,7 @@ def test_the_kernels_side_of_the_race_is_the_prompts_product_with_its_bias(monke
     if not rows.available():
         pytest.skip("the rows kernel does not build here")
     calls, real = [], rows.many_rows
-    monkeypatch.setattr(rows, "many_rows", lambda x, w, b, lib: calls.append((x.shape[0], b, lib)) or real(x, w, b, lib))
+    monkeypatch.setattr(rows, "many_rows",
+                        lambda x, w, b, lib: calls.append((x.shape[0], b, lib)) or real(x, w, b, lib))
     onednn.time_kernel_rows([9], megabytes=1, rounds=1)
     assert calls and all(n == 9 and b is not None and lib is rows.prompt_library() for n, b, lib in calls)

@@ -65,7 +65,7 @@ MODULE_TESTS = {
     "models/beam_search.py": ["tests/test_beam_search.py", "tests/test_cuda.py"],
     "models/generation.py": ["tests/test_generation.py", "tests/test_beam_search.py", "tests/test_survivors.py",
                              "tests/test_quant.py", "tests/test_fast_step.py", "tests/test_decode_threads.py",
-                             "tests/test_cuda.py"],
+                             "tests/test_cuda.py", "tests/test_prompt_kernel.py"],
     "training/steps.py": ["tests/test_engine_parts.py"],
     "training/batches.py": ["tests/test_engine_parts.py", "tests/test_task_data.py"],
     "training/runfolder.py": ["tests/test_engine_parts.py", "tests/test_checkpoint.py", "tests/test_runfolder.py"],

@@ -625,3 +625,28 @@ def test_a_batchs_rows_are_sorted_on_torchs_threads_to_the_same_values(monkeypat
             assert len(started) == min(threads, rows) - 1, (shape, started)
     finally:
         torch.set_num_threads(before)
+
+
+def test_the_c_step_and_the_layers_prepared_products_are_made_only_where_steps_use_them(monkeypatch):
+    """A call with one new token makes neither the C++ step nor the layers' prepared row products; a longer one makes
+    the step where it runs (and no prepared products: the step runs the layers), else the products, once."""
+    import models.generation as generation
+    from models import fast_step
+
+    _, ours = load_pair(tiny_config("h5"))
+    ours.eval()
+    steps, prepared = [], []
+    real_step, real_prepared = fast_step.FastStep, generation.prepared_rows
+    monkeypatch.setattr(fast_step, "FastStep", lambda *a, **k: steps.append(1) or real_step(*a, **k))
+    monkeypatch.setattr(generation, "prepared_rows", lambda *a, **k: prepared.append(1) or real_prepared(*a, **k))
+    ids = torch.zeros(1, 3, dtype=torch.long)
+    runs = fast_step.why_not(ours, 1, None, ours.gpt.new_cache(1, 8)) is None
+    for new, made in ((1, ([], [])), (2, ([1], []) if runs else ([], [1]))):
+        steps.clear()
+        prepared.clear()
+        ours.generate(ids, max_new_tokens=new)
+        assert (steps, prepared) == made, new
+    monkeypatch.setattr(fast_step, "why_not", lambda *a, **k: "a test: the steps through the layers")
+    prepared.clear()
+    ours.generate(ids, max_new_tokens=2)
+    assert prepared == [1]

@@ -61,22 +61,21 @@ def time_products(megabytes: int = 16, rounds: int = 5, n: int = PROMPT_ROWS) ->
 
 def decide(first: dict[str, float], second: dict[str, float]) -> bool:
     """oneDNN where both timings read it at least rows.MARGIN times torch's speed."""
-    return all(t["onednn"] >= rows.MARGIN * t["torch"] for t in (first, second))
+    return all(rows._faster(t, "torch") == "onednn" for t in (first, second))
 
 
 def time_kernel_rows(counts: list[int], megabytes: int = 64, rounds: int = 5) -> dict[str, dict[str, float]]:
     """{row count (a string): {"kernel": GB/s, "onednn": GB/s}}: the rows kernel's product of many rows (the
-    plan's prompt library) against linear() over gpt2-shaped weights (rows.time_products)."""
-    lib = rows.prompt_library()
-    return rows.time_products({"kernel": lambda x, w, b: rows.many_rows(x, w, b, lib), "onednn": linear}, counts,
-                              megabytes, rounds)
+    plan's prompt library) against linear() over gpt2-shaped weights (rows.time_prompt_rows)."""
+    return rows.time_prompt_rows(rows.prompt_library(), counts, megabytes, rounds, against=("onednn", linear))
 
 
 def kernel_limit(first: dict[str, dict[str, float]], second: dict[str, dict[str, float]]) -> int:
     """The largest timed row count up to which the kernel read at least rows.MARGIN times oneDNN's speed in both
     timings; rows.MAX_ROWS where it did not at the smallest."""
-    return rows.choose_prompt_rows({n: "kernel" if all(t[n]["kernel"] >= rows.MARGIN * t[n]["onednn"]
-                                                       for t in (first, second)) else "onednn" for n in first})
+    timings = (first, second)
+    return rows.choose_prompt_rows({n: "kernel" if all(rows._faster(t[n], "onednn") == "kernel" for t in timings)
+                                    else "onednn" for n in first})
 
 
 def _path():

@@ -237,12 +237,14 @@ def time_forms(libs: dict[str, object], megabytes: int = 64, rounds: int = 7,
 
 
 def time_prompt_rows(lib, counts: tuple[int, ...] | list[int] = PROMPT_ROWS_TIMED, megabytes: int = 64,
-                     rounds: int = 5) -> dict[str, dict[str, float]]:
-    """{row count (a string: the plan's JSON keys): {"kernel": GB/s, "torch": GB/s}}: the kernel `lib`'s product of
-    many rows (many_rows) against torch's F.linear (time_products)."""
+                     rounds: int = 5, against: tuple[str, object] | None = None) -> dict[str, dict[str, float]]:
+    """{row count (a string: the plan's JSON keys): {"kernel": GB/s, name: GB/s}}: the kernel `lib`'s product of
+    many rows (many_rows) against `against` ((name, fn(x, weight, bias)); default torch's F.linear as "torch")
+    (time_products). modules/onednn.py races it against oneDNN's."""
     import torch.nn.functional as F
 
-    return time_products({"kernel": lambda x, w, b: many_rows(x, w, b, lib), "torch": F.linear}, counts, megabytes,
+    name, product = against or ("torch", F.linear)
+    return time_products({"kernel": lambda x, w, b: many_rows(x, w, b, lib), name: product}, counts, megabytes,
                          rounds)
 
 
@@ -670,6 +672,7 @@ if __name__ == "__main__":  # python -m modules.rows [--retime]: the plan of thi
               + shown(timed.get(kind, {}), again.get("prefetch_speeds", {}).get(kind)))
     print(f"  fp32 products of {MAX_ROWS + 1} to {prompt_rows()} rows without gradients: the kernel's product of many "
           "rows, timed against F.linear (a prompt's rows: `python -m modules.onednn`)" if prompt_rows() > MAX_ROWS
-          else f"  fp32 products of more than {MAX_ROWS} rows: torch's (F.linear, or oneDNN: `python -m modules.onednn`)")
+          else f"  fp32 products of more than {MAX_ROWS} rows: torch's (F.linear, or oneDNN: "
+               "`python -m modules.onednn`)")
     for n, by in chosen.get("prompt_speeds", {}).items():
         print(f"    {n} rows: " + shown(by, again.get("prompt_speeds", {}).get(n)))

@@ -82,9 +82,10 @@ def beam_search(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | N
             seen = seen[rows] if seen is not None else None
             lm_head = decode_lm_head(body, hidden.shape[0])
             # the beam rows on the CPU (1-8; fp32: more), plain GPT-2: each step in one C++ call (models/fast_step.py)
-            fast = None if fast_step.why_not(model, B * N, key_mask, cache) else \
-                fast_step.FastStep(model, cache, key_mask)
-            if fast is None:  # the steps go through the layers
+            fast = None
+            if fast_step.why_not(model, B * N, key_mask, cache) is None:
+                fast = fast_step.FastStep(model, cache, key_mask)
+            else:  # the steps go through the layers
                 prepared.enter_context(prepared_rows(model, B * N))
 
             seqs = torch.full((B, N, T + max_new_tokens), pad, dtype=torch.long, device=device)

@@ -313,12 +313,14 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
                                                                     quantize)
             out = torch.full((B, T + max_new_tokens), pad, dtype=torch.long, device=input_ids.device)
             out[:, :T] = input_ids
-            # a batch on the CPU (1-8 rows; fp32: more), plain GPT-2: each step in one C++ call (models/fast_step.py);
-            # made only where a step follows the first token (a 16-token prompt's call: 2.7 ms of 50 went to it)
-            fast = None if max_new_tokens == 1 or fast_step.why_not(model, B, key_mask, cache) else \
-                fast_step.FastStep(model, cache, key_mask)
-            if fast is None and max_new_tokens > 1:  # the steps go through the layers: their products prepared once
-                quantized.enter_context(prepared_rows(model, B))
+            fast = None
+            if max_new_tokens > 1:  # decode steps follow the first token (a 16-token prompt's call: 2.7 ms of 50 went
+                # to making a step it never took). A batch on the CPU (1-8 rows; fp32: more), plain GPT-2: each step
+                # in one C++ call (models/fast_step.py); else the steps go through the layers, products prepared once
+                if fast_step.why_not(model, B, key_mask, cache) is None:
+                    fast = fast_step.FastStep(model, cache, key_mask)
+                else:
+                    quantized.enter_context(prepared_rows(model, B))
             # the steps' thread count, chosen by timing them (models/decode_threads.py)
             threads = quantized.enter_context(closing_threads(model, B, quantize))
             for step in range(max_new_tokens):

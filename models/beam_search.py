@@ -74,8 +74,8 @@ def beam_search(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | N
         try:
             prepared.enter_context(evaluating(model))
             # The prompt runs once per prompt; its cache rows, positions, masks and seen tokens are then copied per beam.
-            hidden, cache, positions, key_mask, seen, pad = prefill(model, input_ids, attention_mask, max_new_tokens,
-                                                                    repetition_penalty, eos_token_id, pad_token_id)
+            hidden, cache, positions, key_mask, seen, pad, _ = prefill(model, input_ids, attention_mask, max_new_tokens,
+                                                                       repetition_penalty, eos_token_id, pad_token_id)
             cache.reorder(rows)
             hidden, beam_positions = hidden[rows], positions[rows]  # (B*N, C), (B*N, T + new)
             key_mask = key_mask[rows] if key_mask is not None else None  # (B*N, 1, 1, T + new)

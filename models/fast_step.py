@@ -20,6 +20,15 @@ GEMM in decode_step; 12 rows sampled: 1.05x decode_step, 2026-11-30, Zen 4); for
 learned positions, GELU tanh, full heads; biases, norm scales, an untied head and a logit soft-cap may vary);
 anything else keeps decode_step, as do calls under torch.autocast (bf16 products) and models with forward hooks
 (the step calls no module). GPT2_DECODE_STEP=0 turns it off.
+
+The prompt's pass before the steps can run in one C++ call too (rows.cpp, `gpt2_prompt_pass`; FastPrompt, taken by
+models.generation.prefill): one fp32 sequence without padding into an empty cache, every block as the step runs it for
+that many rows (causal attention over the prompt by rows_attend_prompt), the last token's final LayerNorm out. Its
+products: 1-8 tokens the kernel's few-row product, 9 to onednn.kernel_rows() its product of many rows (as the layers
+take them; a longer prompt goes through the layers, whose products take oneDNN); not where quantized copies serve the
+prompt (one token under quantize, 9+ tokens with int8 activations). gpt2 on a Zen 4 (2026-12-02, generate with one
+new token, alternating calls): 2-8 tokens 21-27 ms against 63-72 through the layers (whose few-row products took
+oneDNN or F.linear), 12-16 tokens 1.15-1.33x (docs/cpu-decoding.md). GPT2_PROMPT_PASS=0 turns it off.
 """
 from __future__ import annotations
 
@@ -30,12 +39,14 @@ import torch
 import torch.nn.modules.module as module_hooks
 from torch import nn
 
+from modules import onednn, prompt_attention
 from modules import rows as row_kernel
 from modules.attention import KVCache
 from modules.linear import Linear
 from modules.quant import Int4Weight, Int8Weight
 
 ENV = "GPT2_DECODE_STEP"
+PROMPT_ENV = "GPT2_PROMPT_PASS"  # 0: prompts go through the layers (the decode step keeps its own switch)
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16"}  # the models' dtypes the step runs: gpt2_step, _bf16
 ALLOWED_VARIANTS = {"bias", "norm_scale", "tie_word_embeddings", "logit_softcap"}  # handled here or by the LM head
 ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")
@@ -110,27 +121,16 @@ def why_not(model, batch_size: int, key_mask: torch.Tensor | None, cache: KVCach
     return None
 
 
-class FastStep:
-    """The C++ step for one generate or beam search call: made after the prompt's pass (inside quantized_weights
-    where quantize is set, so the layers' int8/int4 copies are in place) and called once per new token."""
+class _Stack:
+    """The model's blocks as rows.cpp reads them: `layers`, a StepLayer array (each product in the weight kind
+    `_linear` picks), `final`, the final norm's pointers, and `keep`, every tensor a pointer points into."""
 
-    def __init__(self, model, cache: KVCache, key_mask: torch.Tensor | None = None, lib=None):
-        """key_mask: generate's (rows, 1, 1, prompt + new tokens) bool, True for the keys a row attends (left
-        padding: False on the padding), or None; read at each step up to the new token. lib: a rows.library(...) to
-        run instead of this machine's build (tests of the AVX2 form)."""
+    quantized = False  # the layers' int8 / int4 copies (one-row steps within quantized_weights) read, not the weights
+    bf16 = False  # a bf16 model: its norms and biases as fp32 copies
+
+    def _stack(self, model) -> None:
         body, config = model.gpt, model.config
-        rows = self.rows = cache.keys.shape[1]
-        first = body.gpt_layers[0].self_attention.query.quantized  # the same kind for every layer
-        # quantized copies serve one row, as in decode_step (modules/linear.py); more rows take the layers' weights
-        quantized = first if rows == 1 and isinstance(first, (Int8Weight, Int4Weight)) else None
-        self.quantized = quantized is not None
-        self.bf16 = cache.keys.dtype == torch.bfloat16  # a bf16 model: gpt2_step_bf16 (why_not checked the rest)
-        kind = ("bf16" if self.bf16 else "fp32") if quantized is None else \
-            row_kernel.plan_kind(quantized.q.dtype, quantized.int8_activations)  # w8a8 / w4a8: planned apart
-        self.lib = lib or row_kernel.library_step(kind, rows)  # the kernel's form for it (modules/rows.py)
-        self.step = self.lib.gpt2_step_bf16 if self.bf16 else self.lib.gpt2_step
-        self.body, self.cache = body, cache
-        self.keep: list[torch.Tensor] = []  # every tensor a pointer below points into
+        self.keep: list[torch.Tensor] = []
         layers = (StepLayer * config.n_layer)()
         for i, layer in enumerate(body.gpt_layers):
             attn = layer.self_attention
@@ -142,13 +142,6 @@ class FastStep:
         self.final = self._norm(body.final_layer_norm)
         self.eps, self.n_layer, self.n_head, self.width = config.layer_norm_epsilon, config.n_layer, config.n_head, \
             config.n_embd
-        self.capacity = cache.capacity  # the scratch's size
-        self.mask = None if key_mask is None else key_mask.reshape(rows, -1).contiguous()  # bool: one byte a key
-        self.x = torch.empty(rows, config.n_embd)
-        self.out = torch.empty(rows, config.n_embd)
-        self.hidden = torch.empty(rows, config.n_embd, dtype=cache.keys.dtype) if self.bf16 else self.out  # returned
-        self.scratch = torch.empty(self.lib.gpt2_step_scratch(config.n_head, config.n_embd, config.inner_dim,
-                                                              cache.capacity, rows))
 
     def _fp32(self, t: torch.Tensor | None) -> torch.Tensor | None:
         """A norm's or a bias's values as the step reads them: fp32 and contiguous (a bf16 model's: an fp32 copy,
@@ -175,6 +168,36 @@ class FastStep:
         return StepLinear(kind, w.data_ptr(), _pointer(scale), _pointer(bias), group, layer.in_features,
                           layer.out_features)
 
+
+class FastStep(_Stack):
+    """The C++ step for one generate or beam search call: made after the prompt's pass (inside quantized_weights
+    where quantize is set, so the layers' int8/int4 copies are in place) and called once per new token."""
+
+    def __init__(self, model, cache: KVCache, key_mask: torch.Tensor | None = None, lib=None):
+        """key_mask: generate's (rows, 1, 1, prompt + new tokens) bool, True for the keys a row attends (left
+        padding: False on the padding), or None; read at each step up to the new token. lib: a rows.library(...) to
+        run instead of this machine's build (tests of the AVX2 form)."""
+        body, config = model.gpt, model.config
+        rows = self.rows = cache.keys.shape[1]
+        first = body.gpt_layers[0].self_attention.query.quantized  # the same kind for every layer
+        # quantized copies serve one row, as in decode_step (modules/linear.py); more rows take the layers' weights
+        quantized = first if rows == 1 and isinstance(first, (Int8Weight, Int4Weight)) else None
+        self.quantized = quantized is not None
+        self.bf16 = cache.keys.dtype == torch.bfloat16  # a bf16 model: gpt2_step_bf16 (why_not checked the rest)
+        kind = ("bf16" if self.bf16 else "fp32") if quantized is None else \
+            row_kernel.plan_kind(quantized.q.dtype, quantized.int8_activations)  # w8a8 / w4a8: planned apart
+        self.lib = lib or row_kernel.library_step(kind, rows)  # the kernel's form for it (modules/rows.py)
+        self.step = self.lib.gpt2_step_bf16 if self.bf16 else self.lib.gpt2_step
+        self.body, self.cache = body, cache
+        self._stack(model)
+        self.capacity = cache.capacity  # the scratch's size
+        self.mask = None if key_mask is None else key_mask.reshape(rows, -1).contiguous()  # bool: one byte a key
+        self.x = torch.empty(rows, config.n_embd)
+        self.out = torch.empty(rows, config.n_embd)
+        self.hidden = torch.empty(rows, config.n_embd, dtype=cache.keys.dtype) if self.bf16 else self.out  # returned
+        self.scratch = torch.empty(self.lib.gpt2_step_scratch(config.n_head, config.n_embd, config.inner_dim,
+                                                              cache.capacity, rows))
+
     def __call__(self, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         """token, position: a row's id each ((rows,) or (rows, 1)) -> the final hidden states (rows, C), in the
         model's dtype, after writing the tokens' keys and values into the cache and advancing it."""
@@ -199,3 +222,56 @@ class FastStep:
         if self.bf16:
             self.hidden.copy_(self.out)  # the final norm's output rounded to bf16, as decode_step's is
         return self.hidden
+
+
+def prompt_why_not(model, input_ids: torch.Tensor, key_mask: torch.Tensor | None, cache: KVCache,
+                   step: str | None) -> str | None:
+    """Why this prompt cannot take the C++ prompt pass (None: it can). step: why_not's answer for the prompt's rows
+    (the caller's, asked once a call). The pass needs what the step needs, and one fp32 sequence without padding
+    into an empty cache, of at most as many tokens as a prompt's products take the rows kernel (1-8 rows its
+    few-row product, 9 to onednn.kernel_rows() its product of many rows: where Linear.forward takes the kernel too),
+    not a one-token prompt with quantized copies, nor 9+ tokens with int8 activations (those take the copies:
+    decode_step and oneDNN's int8 GEMM)."""
+    B, T = input_ids.shape
+    if os.environ.get(PROMPT_ENV, "1") == "0":
+        return f"{PROMPT_ENV}=0"
+    if B != 1 or key_mask is not None:
+        return f"{B} rows{' with padding' if key_mask is not None else ''} (the pass runs one sequence)"
+    if cache.length != 0 or cache.keys.dtype != torch.float32:
+        return "a cache that is not empty or not fp32"
+    if step is not None:
+        return step
+    if T > row_kernel.MAX_ROWS and not (row_kernel.takes_chunks(T) and T <= onednn.kernel_rows()):
+        return f"{T} tokens (past the rows the kernel takes for a prompt's products: {onednn.kernel_rows()})"
+    quantized = model.gpt.gpt_layers[0].self_attention.query.quantized
+    if quantized is not None and (T == 1 or T > row_kernel.MAX_ROWS and quantized.int8_activations):
+        return "a prompt whose products take the quantized copies"
+    head = model.config.n_embd // model.config.n_head
+    if head % row_kernel._load().rows_vector_width() or head > prompt_attention.MAX_HEAD:
+        return f"a head size of {head} (prompt attention takes multiples of the vector width)"
+    return None
+
+
+class FastPrompt(_Stack):
+    """The C++ prompt pass (rows.cpp, `gpt2_prompt_pass`): one sequence's blocks, fp32 weights, in one call."""
+
+    def __init__(self, model, tokens: int, lib=None):
+        self.lib = lib or row_kernel.library_step("fp32", tokens)  # 2+ rows: the prompt's library
+        self.body, self.tokens, self.inner = model.gpt, tokens, model.config.inner_dim
+        self._stack(model)
+
+    def __call__(self, input_ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """input_ids (1, T) -> the last token's final hidden state (1, C), after writing the prompt's keys and values
+        into the (empty) cache and advancing it."""
+        body, T = self.body, self.tokens
+        x = (body.word_embedding.weight[input_ids[0]] + body.pos_embedding.weight[:T]).contiguous()
+        out = torch.empty(1, self.width)
+        scratch = torch.empty(self.lib.gpt2_prompt_scratch(self.width, self.inner, T))
+        err = self.lib.gpt2_prompt_pass(self.layers, self.n_layer, self.n_head, self.width, self.eps, T, x.data_ptr(),
+                                        self.final[0], self.final[1], cache.keys.data_ptr(), cache.values.data_ptr(),
+                                        cache.capacity, scratch.data_ptr(), out.data_ptr(), torch.get_num_threads())
+        if err != 0:
+            raise RuntimeError(f"the C++ prompt pass failed (code {err})")
+        row_kernel.wrote(cache.keys, cache.values)
+        cache.advance(T)
+        return out

@@ -154,6 +154,7 @@ class Prefill(NamedTuple):
     key_mask: torch.Tensor | None  # (B, 1, 1, T + new): keys a step may attend; None without padding (SDPA skips it)
     seen: torch.Tensor | None  # (B, V) bool: tokens in each prompt, for a repetition penalty (None without one)
     pad: int  # what follows a finished row: pad_token_id, else eos_token_id, else 0
+    step: str | None  # why these rows cannot take the C++ decode step (fast_step.why_not; None: they can)
 
 
 def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, max_new_tokens: int,
@@ -178,11 +179,18 @@ def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
             seen = torch.zeros(B, model.config.vocab_size, dtype=torch.bool, device=input_ids.device)
             seen.scatter_(1, prompt_tokens, True)
         cache = body.new_cache(B, T + max_new_tokens, reuse=True)  # the last call's buffers where it had this shape
-        # The prompt goes through the checked forward; each step then takes the lean path (inputs made here).
-        with prompt_threads(model, B * T, quantize):
-            hidden = body(input_ids, mask[:, :T], positions[:, :T], cache, use_cache=True)["last_hidden_state"][:, -1]
+        # The prompt goes through the checked forward (a short one, of a plain GPT-2 on the CPU: the checks, then
+        # one C++ call, models/fast_step.py); each step then takes the lean path (inputs made here).
+        step = fast_step.why_not(model, B, key_mask, cache)
+        if fast_step.prompt_why_not(model, input_ids, key_mask, cache, step) is None:
+            body._check_inputs(input_ids, None, None)
+            hidden = fast_step.FastPrompt(model, T)(input_ids, cache)
+        else:
+            with prompt_threads(model, B * T, quantize):
+                hidden = body(input_ids, mask[:, :T], positions[:, :T], cache,
+                              use_cache=True)["last_hidden_state"][:, -1]
         pad = pad_token_id if pad_token_id is not None else (eos_token_id if eos_token_id is not None else 0)
-        return Prefill(hidden, cache, positions, key_mask, seen, pad)
+        return Prefill(hidden, cache, positions, key_mask, seen, pad, step)
 
 
 def mark_seen(seen: torch.Tensor, next_ids: torch.Tensor) -> None:
@@ -308,16 +316,16 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
             quantized.enter_context(evaluating(model))
             if quantize is not None:
                 quantized.enter_context(quantized_weights(model, quantize))
-            hidden, cache, positions, key_mask, seen, pad = prefill(model, input_ids, attention_mask, max_new_tokens,
-                                                                    repetition_penalty, eos_token_id, pad_token_id,
-                                                                    quantize)
+            hidden, cache, positions, key_mask, seen, pad, step_why_not = prefill(
+                model, input_ids, attention_mask, max_new_tokens, repetition_penalty, eos_token_id, pad_token_id,
+                quantize)
             out = torch.full((B, T + max_new_tokens), pad, dtype=torch.long, device=input_ids.device)
             out[:, :T] = input_ids
             fast = None
             if max_new_tokens > 1:  # decode steps follow the first token (a 16-token prompt's call: 2.7 ms of 50 went
                 # to making a step it never took). A batch on the CPU (1-8 rows; fp32: more), plain GPT-2: each step
                 # in one C++ call (models/fast_step.py); else the steps go through the layers, products prepared once
-                if fast_step.why_not(model, B, key_mask, cache) is None:
+                if step_why_not is None:
                     fast = fast_step.FastStep(model, cache, key_mask)
                 else:
                     quantized.enter_context(prepared_rows(model, B))

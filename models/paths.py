@@ -98,6 +98,12 @@ def _step_runs() -> str | None:
     return _rows_runs()
 
 
+def _prompt_pass_runs() -> str | None:
+    if os.environ.get(fast_step.PROMPT_ENV) == "0":
+        return f"{fast_step.PROMPT_ENV}=0"
+    return _step_runs()
+
+
 def _timed_threads(env: str, what: str) -> Callable[[], tuple[bool, str]]:
     """The default of a thread choice (models/decode_threads.py) that `env` can fix or turn off."""
     def default() -> tuple[bool, str]:
@@ -194,6 +200,11 @@ PATHS: tuple[Path, ...] = (
          "prompt-kernel takes): each step in one C++ call (models/fast_step.py)", fast_step.ENV, "", "0", _step_runs,
          lambda: (True, "1-8 rows (fp32: more), fp32 or bf16, plain GPT-2 blocks"),
          ("tests/test_fast_step.py", "tests/test_paths.py")),
+    Path("prompt-pass", "a short prompt's pass (generate, beam search: one fp32 sequence of plain GPT-2, no padding, "
+         "up to the rows a prompt's products take the rows kernel) in one C++ call (models/fast_step.py)",
+         fast_step.PROMPT_ENV, "", "0", _prompt_pass_runs,
+         lambda: (True, f"one fp32 sequence of 1 to {onednn.kernel_rows()} tokens, plain GPT-2 blocks"),
+         ("tests/test_prompt_pass.py", "tests/test_paths.py")),
     Path("huge-pages", "a loaded model's CPU parameters in one mapping of 2 MiB pages (madvise MADV_HUGEPAGE) "
          "instead of torch's 4 KiB ones: from_pretrained (modules/hugepages.py)", hugepages.ENV, "", "0",
          _huge_pages_runs, lambda: (True, f"from_pretrained's CPU weights (THP mode {hugepages.mode()})"),

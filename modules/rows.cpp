@@ -1269,6 +1269,10 @@ static inline void round_bf16(float* x, int64_t n) {
 }
 static inline void store(float* p, float v) { *p = v; }
 static inline void store(uint16_t* p, float v) { *p = bf16_bits(v); }
+template <typename K>
+static inline void round_as(float* a, int64_t n) {  // rounded to bf16 where K is a bf16 cache's type
+  if constexpr (std::is_same_v<K, uint16_t>) round_bf16(a, n);
+}
 
 // One head's attention of one query over `length` cached keys and values (rows of `dim`, `cap` rows a head; K: the
 // cache's type), the keys where `mask` (null: none) holds 0 left out (a left-padded row's padding): each score a
@@ -1323,6 +1327,56 @@ static void attend(const float* q, const K* keys, const K* values, int64_t lengt
 // rounded to bf16 there (a norm's, a product's, attention's and GELU's output, the residual sums; the final norm's
 // `out` as the caller converts it). Returns 0, or the first product's error (-1: more than 8 rows of weights that
 // are not fp32).
+// A block's first half for R rows of x (R, C): h = LayerNorm(x), then q, k, v (R, C) = its products (rounded to
+// bf16 where K is a bf16 cache's type, as decode_step's bf16 operations round them). Returns 0 or a product's error.
+template <typename K>
+static int block_qkv(const StepLayer& L, int64_t R, int64_t C, float eps, const float* x, float* h, float* q,
+                     float* k, float* v, int threads) {
+  for (int64_t r = 0; r < R; ++r) layer_norm(x + r * C, L.ln1_w, L.ln1_b, eps, C, h + r * C);
+  round_as<K>(h, R * C);
+  int err = linear(L.q, R, h, q, threads);
+  if (!err) err = linear(L.k, R, h, k, threads);
+  if (!err) err = linear(L.v, R, h, v, threads);
+  round_as<K>(q, R * C);
+  round_as<K>(k, R * C);
+  round_as<K>(v, R * C);
+  return err;
+}
+
+// The rest of a block, after attention's output y (R, C): x += proj(y); x += out(GELU(fc(LayerNorm(x)))); h (R, C)
+// and f (R, inner) are scratch (y is overwritten). Returns 0 or a product's error.
+template <typename K>
+static int block_rest(const StepLayer& L, int64_t R, int64_t C, float eps, float* x, float* y, float* h, float* f,
+                      int threads) {
+  const int64_t inner = L.fc.out;
+  round_as<K>(y, R * C);
+  int err = linear(L.proj, R, y, h, threads);
+  if (err) return err;
+  round_as<K>(h, R * C);
+  for (int64_t i = 0; i < R * C; ++i) x[i] += h[i];
+  round_as<K>(x, R * C);
+  for (int64_t r = 0; r < R; ++r) layer_norm(x + r * C, L.ln2_w, L.ln2_b, eps, C, h + r * C);
+  round_as<K>(h, R * C);
+  if ((err = linear(L.fc, R, h, f, threads))) return err;
+  round_as<K>(f, R * inner);
+  gelu_tanh(f, f, R * inner, threads);
+  round_as<K>(f, R * inner);
+  if ((err = linear(L.out, R, f, y, threads))) return err;
+  round_as<K>(y, R * C);
+  for (int64_t i = 0; i < R * C; ++i) x[i] += y[i];
+  round_as<K>(x, R * C);
+  return 0;
+}
+
+// x (rows, C): each row's token embedding (token + position), replaced by the last block's output; out (rows, C):
+// the final LayerNorm of it. keys, values: the model's cache (n_layer, rows, n_head, cap, C / n_head) of K (float, or
+// uint16_t for bf16), `length` tokens filled; each row's new key and value go to position `length` of each layer.
+// mask: null (every cached key seen), or (rows, mask_stride) bytes, row b's key t attended where mask[b, t] is
+// nonzero (generate's left padding; the new token's, at `length`, must be). scratch: gpt2_step_scratch floats. Bf16
+// (a bf16 model: bf16 weights, fp32 copies of its norms and biases): every value torch would hand on in bf16 is
+// rounded to bf16 there (a norm's, a product's, attention's and GELU's output, the residual sums; the final norm's
+// `out` as the caller converts it). Returns 0, or the first product's error (-1: more than 8 rows of weights that
+// are not fp32).
 template <typename K>
 static int step(const StepLayer* layers, int n_layer, int n_head, int64_t C, float eps, int64_t rows, float* x,
                 const float* lnf_w, const float* lnf_b, K* keys, K* values, int64_t cap, int64_t length,
@@ -1337,22 +1391,10 @@ static int step(const StepLayer* layers, int n_layer, int n_head, int64_t C, flo
   float* f = y + R * C;        // R x inner: the MLP's hidden
   float* scores = f + R * inner;  // R x n_head x (length + 1)
   const int64_t seen = length + 1, heads = R * n_head;
-  auto rounded = [](float* a, int64_t n) {
-    if constexpr (std::is_same_v<K, uint16_t>) round_bf16(a, n);  // a bf16 model's cache: its rounding points
-  };
-  auto norm = [&](const float* a, const float* w, const float* b, float* to) {
-    for (int64_t r = 0; r < R; ++r) layer_norm(a + r * C, w, b, eps, C, to + r * C);
-  };
   for (int l = 0; l < n_layer; ++l) {
     const StepLayer& L = layers[l];
-    norm(x, L.ln1_w, L.ln1_b, h);
-    rounded(h, R * C);
-    int err = linear(L.q, R, h, q, threads);
-    if (!err) err = linear(L.k, R, h, k, threads);
-    if (!err) err = linear(L.v, R, h, v, threads);
+    int err = block_qkv<K>(L, R, C, eps, x, h, q, k, v, threads);
     if (err) return err;
-    rounded(q, R * C);
-    rounded(k, 2 * R * C);
     K* lk = keys + static_cast<int64_t>(l) * R * n_head * cap * dim;  // row r's head hd: (r n_head + hd) cap dim on
     K* lv = values + static_cast<int64_t>(l) * R * n_head * cap * dim;
     for (int64_t rh = 0; rh < heads; ++rh)  // the new key and value of row rh / n_head, head rh % n_head
@@ -1364,23 +1406,46 @@ static int step(const StepLayer* layers, int n_layer, int n_head, int64_t C, flo
     for (int64_t rh = 0; rh < heads; ++rh)
       attend(q + rh * dim, lk + rh * cap * dim, lv + rh * cap * dim, seen, dim, L.attn_scale,
              mask ? mask + rh / n_head * mask_stride : nullptr, scores + rh * seen, y + rh * dim);
-    rounded(y, R * C);
-    if ((err = linear(L.proj, R, y, h, threads))) return err;
-    rounded(h, R * C);
-    for (int64_t i = 0; i < R * C; ++i) x[i] += h[i];
-    rounded(x, R * C);
-    norm(x, L.ln2_w, L.ln2_b, h);
-    rounded(h, R * C);
-    if ((err = linear(L.fc, R, h, f, threads))) return err;
-    rounded(f, R * inner);
-    gelu_tanh(f, f, R * inner, threads);
-    rounded(f, R * inner);
-    if ((err = linear(L.out, R, f, y, threads))) return err;
-    rounded(y, R * C);
-    for (int64_t i = 0; i < R * C; ++i) x[i] += y[i];
-    rounded(x, R * C);
+    if ((err = block_rest<K>(L, R, C, eps, x, y, h, f, threads))) return err;
   }
-  norm(x, lnf_w, lnf_b, out);  // bf16: rounded by the caller, as it converts `out` to the model's dtype
+  for (int64_t r = 0; r < R; ++r) layer_norm(x + r * C, lnf_w, lnf_b, eps, C, out + r * C);  // bf16: the caller rounds
+  return 0;
+}
+
+// A prompt's pass of an fp32 model in one call: one sequence of T tokens (no padding) into an empty cache. x (T, C):
+// the tokens' embeddings (token + position), replaced by the last block's output; keys, values: the cache (n_layer,
+// 1, n_head, cap, C / n_head), positions 0 .. T - 1 of each layer written; out (C): the final LayerNorm of the last
+// token's row (all a decoder reads). Each block as a step's (block_qkv, block_rest: T rows through `linear`, so 1-8
+// rows in rows_product, more in product_many), with causal attention over the prompt by rows_attend_prompt. scratch:
+// gpt2_prompt_scratch floats. Returns 0, the first product's error, or -3 for a head size attention does not take.
+extern "C" int gpt2_prompt_pass(const StepLayer* layers, int n_layer, int n_head, int64_t C, float eps, int64_t T,
+                                float* x, const float* lnf_w, const float* lnf_b, float* keys, float* values,
+                                int64_t cap, float* scratch, float* out, int threads) {
+  if (threads < 1) threads = 1;
+  const int64_t dim = C / n_head;
+  if (dim % kWidth != 0 || dim > kMaxHead || T < 1 || T > cap) return -3;
+  float* h = scratch;    // T x C
+  float* q = h + T * C;  // T x C
+  float* k = q + T * C;  // T x C
+  float* v = k + T * C;  // T x C
+  float* y = v + T * C;  // T x C
+  float* f = y + T * C;  // T x inner
+  const int64_t strides[3] = {T * C, dim, C};  // q, k, v (T, C) read as (1, n_head, T, dim)
+  for (int l = 0; l < n_layer; ++l) {
+    const StepLayer& L = layers[l];
+    int err = block_qkv<float>(L, T, C, eps, x, h, q, k, v, threads);
+    if (err) return err;
+    float* lk = keys + static_cast<int64_t>(l) * n_head * cap * dim;
+    float* lv = values + static_cast<int64_t>(l) * n_head * cap * dim;
+    for (int64_t hd = 0; hd < n_head; ++hd)
+      for (int64_t t = 0; t < T; ++t) {
+        std::memcpy(lk + (hd * cap + t) * dim, k + t * C + hd * dim, dim * sizeof(float));
+        std::memcpy(lv + (hd * cap + t) * dim, v + t * C + hd * dim, dim * sizeof(float));
+      }
+    rows_attend_prompt(q, k, v, strides, strides, strides, 1, n_head, T, dim, L.attn_scale, y, threads);
+    if ((err = block_rest<float>(L, T, C, eps, x, y, h, f, threads))) return err;
+  }
+  layer_norm(x + (T - 1) * C, lnf_w, lnf_b, eps, C, out);
   return 0;
 }
 
@@ -1407,6 +1472,9 @@ int gpt2_step_bf16(const StepLayer* layers, int n_layer, int n_head, int64_t C, 
 int64_t gpt2_step_scratch(int n_head, int64_t C, int64_t inner, int64_t cap, int64_t rows) {
   return rows * (5 * C + inner + n_head * cap);
 }
+
+// The floats of scratch gpt2_prompt_pass needs for T tokens.
+int64_t gpt2_prompt_scratch(int64_t C, int64_t inner, int64_t T) { return T * (5 * C + inner); }
 
 }  // extern "C"
 

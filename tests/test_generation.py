@@ -5,7 +5,7 @@ import torch
 from conftest import make_hf_model, padded_batch, tiny_config
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor, TopKLogitsWarper, TopPLogitsWarper
 
-from models import generation
+from models import fast_step, generation, paths
 from models.generation import apply_repetition_penalty, generate, prefill, top_k_filter, top_p_filter
 from models.gpt2 import GPT2LMHeadModel
 from models.loading import hf_to_ours
@@ -158,21 +158,34 @@ def test_the_thread_plans_are_keyed_by_rows_the_weights_form_and_the_models_size
     _, ours = load_pair(tiny_config("h4-wide"))
     size = ours.num_parameters()
     ids = torch.randint(0, 100, (3, 5), generator=torch.Generator().manual_seed(0))
+    monkeypatch.setenv(fast_step.PROMPT_ENV, "0")  # a one-row prompt through the layers, as a longer one goes
     ours.generate(ids[:1], max_new_tokens=3, quantize="int8")
     ours.generate(ids, max_new_tokens=3)
     assert keys == [("prompt", 8, "int8", size), (1, "int8", size), ("prompt", 16, None, size), (3, None, size)]
+    if paths.BY_NAME["prompt-pass"].runs_here() is None:  # the C++ prompt pass: one call, no thread count to time
+        monkeypatch.delenv(fast_step.PROMPT_ENV)
+        keys.clear()
+        ours.generate(ids[:1], max_new_tokens=3, quantize="int8")
+        assert keys == [(1, "int8", size)]
 
 
-def test_an_error_in_the_prompts_pass_reaches_the_caller_and_leaves_the_model_as_it_was(monkeypatch):
+@pytest.mark.parametrize("where", ["layers", "c++ pass"])
+def test_an_error_in_the_prompts_pass_reaches_the_caller_and_leaves_the_model_as_it_was(monkeypatch, where):
     """A prompt pass that fails (Ctrl-C in a long prompt, out of memory) raises its own error, not one of the
-    clean-up's, and the model is back in training mode."""
+    clean-up's, and the model is back in training mode: through the layers, or in the C++ prompt pass."""
     _, ours = load_pair(tiny_config("h4-wide"))
     ours.train()
 
     def broken(*args, **kwargs):
         raise KeyboardInterrupt("the prompt's pass stopped")
 
-    monkeypatch.setattr(ours.gpt, "forward", broken)
+    if where == "layers":
+        monkeypatch.setenv(fast_step.PROMPT_ENV, "0")
+        monkeypatch.setattr(ours.gpt, "forward", broken)
+    elif paths.BY_NAME["prompt-pass"].runs_here() is None:
+        monkeypatch.setattr(fast_step.FastPrompt, "__call__", broken)
+    else:
+        pytest.skip("the C++ prompt pass does not run here")
     with pytest.raises(KeyboardInterrupt, match="the prompt's pass stopped"):
         ours.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=4)
     assert ours.training

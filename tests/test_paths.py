@@ -326,6 +326,12 @@ def test_the_rows_kernel_and_the_c_step_run_with_simd_and_a_build(clean_env):
     clean_env.delenv("GPT2_ROWS_KERNEL")
     clean_env.setenv(fast_step.ENV, "0")
     assert step_runs() == f"{fast_step.ENV}=0" and rows_runs() is None
+    pass_runs = paths.BY_NAME["prompt-pass"].runs_here  # the prompt pass: the step's needs, and its own switch
+    assert pass_runs() == f"{fast_step.ENV}=0"
+    clean_env.delenv(fast_step.ENV)
+    assert pass_runs() is None
+    clean_env.setenv(fast_step.PROMPT_ENV, "0")
+    assert pass_runs() == f"{fast_step.PROMPT_ENV}=0" and step_runs() is None
 
 
 def test_the_rows_kernel_is_taken_for_the_kinds_where_it_pays_and_says_which(clean_env):

@@ -14,7 +14,7 @@ the 4th 64-token call of ours: one round in five, 20% of a w4a8 call. What the r
 none came in 150 calls (docs/cpu-decoding.md, "Stable speed").
 
     CMAKE_ARGS="-DGGML_NATIVE=ON" pip install -r bench/requirements.txt   # ORT, onnx, gguf, llama-cpp-python (builds)
-    python bench/compare_engines.py                 # quiet machine: decode b1, prefill 512
+    python bench/compare_engines.py                 # quiet machine: decode b1, its prompt's first token, prefill 512
     python bench/compare_engines.py --busy 1        # with one competing process spinning on a core
     python bench/compare_engines.py --engines ours-fp32 ort-fp32 llama-f32   # a subset
 
@@ -605,6 +605,8 @@ def main() -> None:
         times, tokens = interleaved(workers, decode, args.rounds)
         prefill = {"task": "prefill", "prompt": long_prompt}
         pre_times = interleaved(workers, prefill, args.rounds)[0] if args.prefill else {}
+        # the decode rows' own prompt to its first token: a short prompt's pass, the LM head's one row
+        first_times = interleaved(workers, {"task": "prefill", "prompt": prompt}, args.rounds)[0]
         fixed = {"GPT2_DECODE_THREADS": str(args.threads), "GPT2_PROMPT_THREADS": str(args.threads)}
         ab = {"decode": alternating(workers["ours-fp32"], decode, fixed, args.rounds)} if "ours-fp32" in workers \
             else {}
@@ -650,6 +652,12 @@ def main() -> None:
                 f"fixed{busy}", met=ratio >= goal, kind="threads", busy=args.busy, threads=args.threads,
                 seconds=ab["decode"], notes=f"one process, {args.rounds} calls each, alternating; pairs "
                 f"{lo:.3f}-{hi:.3f}; the sides' medians {own / env:.3f}x{across}")
+    print(f"\nfirst token of the decode rows' {args.prompt_tokens}-token prompt{busy} (ms, median; range over rounds)")
+    first = {e: statistics.median(first_times[e]) for e in engines}
+    for e in engines:
+        print(f"{e:<12} {1e3 * first[e]:>7.1f}  {1e3 * min(first_times[e]):.1f}-{1e3 * max(first_times[e]):.1f}")
+        rec.add(f"first token {args.prompt_tokens} {e}{busy}", {e: first[e]}, "seconds", engine=e, kind="first-token",
+                build=workers[e].build, busy=args.busy, tokens_in=args.prompt_tokens, seconds=first_times[e])
     if pre_times:
         print(f"\nprefill of {args.prefill} tokens{busy} (seconds, median)")
         seconds = {e: statistics.median(pre_times[e]) for e in engines}

@@ -531,7 +531,8 @@ ENGINE_FORMATS = {"ours": "ours", "hf": "transformers", "ort": "ONNX Runtime", "
 def engines(records: list[dict], cls: str | None = None, **_) -> str:
     """bench/compare_engines.py on one CPU class: per engine, greedy batch-1 decoding on a quiet machine (its share of
     its own bandwidth limit, against ours fp32, its tokens against transformers fp32), the same with busy processes
-    beside it, and the prefill time; then the runs it comes from."""
+    beside it, the time to the first token of the decode rows' 16-token prompt and the prefill time; then the runs
+    it comes from."""
     chosen = [r for r in matching(records, bench="compare_engines", cls=cls) if "engine" in r]
     order = {e: i for i, e in enumerate(ENGINES)}  # the bench's own order; an engine it no longer has, last
     names = sorted(dict.fromkeys(r["engine"] for r in chosen), key=lambda e: order.get(e, len(order)))
@@ -542,9 +543,9 @@ def engines(records: list[dict], cls: str | None = None, **_) -> str:
     base = last.get(("ours-fp32", "decode", False))
     rows, used = [], []
     for e in names:
-        calm, busy, pre = (last.get((e, "decode", False)), last.get((e, "decode", True)),
-                           last.get((e, "prefill", False)))
-        used += [r for r in (calm, busy, pre) if r]
+        calm, busy, pre, first = (last.get((e, "decode", False)), last.get((e, "decode", True)),
+                                  last.get((e, "prefill", False)), last.get((e, "first-token", False)))
+        used += [r for r in (calm, busy, pre, first) if r]
         rate = calm["values"][e] if calm else None
         spread = ""
         if calm and calm.get("seconds"):  # the rounds' rates: the median's tokens over each round's time
@@ -559,13 +560,14 @@ def engines(records: list[dict], cls: str | None = None, **_) -> str:
             fmt = f"fp32, {(calm or busy or {}).get('threads', 'all')} threads every step"
         rows.append([ENGINE_FORMATS.get(family, family), fmt, num(rate), spread,
                      f"{100 * calm['share']:.0f}%" if calm else "", vs, calm["tokens"] if calm else "", busy_text,
-                     num(pre["values"][e]) if pre else ""])
+                     num(1e3 * first["values"][e]) if first else "", num(pre["values"][e]) if pre else ""])
     if not rows:
         return f"(no compare_engines records{' for ' + cls if cls else ''} yet)\n"
     runs = sorted({f"{machine_name(r['machine'])}; {when(r)}" + (f"; {r['busy']} busy" if r.get("busy") else "")
                    for r in used})
     return table(["engine", "format", "tokens/s", "range over rounds", "of its bandwidth limit", "vs ours fp32",
-                  "greedy tokens vs transformers fp32", "tokens/s, one core busy", "prefill 512 (s)"], rows) + "\n" + \
+                  "greedy tokens vs transformers fp32", "tokens/s, one core busy", "first token, 16-token prompt (ms)",
+                  "prefill 512 (s)"], rows) + "\n" + \
         "".join(f"- {run}\n" for run in runs)
 
 

@@ -138,12 +138,13 @@ def _record(engine, kind, value, busy=0, load=1.0, **extra):
 def test_the_engines_table_puts_quiet_busy_and_prefill_side_by_side():
     records = [_record("ours-fp32", "decode", 40.0), _record("ort-fp32", "decode", 50.0),
                _record("ours-fp32", "decode", 20.0, busy=1, load=3.5), _record("ort-fp32", "prefill", 1.2),
+               _record("ours-fp32", "first-token", 0.025), _record("ort-fp32", "first-token", 0.0316),
                _record("ours-fp32", "decode", 10.0, load=6.0)]  # an older busy-load run of the quiet row
     text = report.render("engines class=AVX2", records)
     lines = text.splitlines()
     assert lines[0].startswith("| engine | format | tokens/s |")
-    assert lines[2].startswith("| ours | fp32 | 40.0 |  | 50% | 1.00x | 64/64 identical | 20.0 (50% of quiet) |")
-    assert lines[3].startswith("| ONNX Runtime | fp32 | 50.0 |  | 50% | 1.25x |") and lines[3].endswith("| 1.20 |")
+    assert lines[2].startswith("| ours | fp32 | 40.0 |  | 50% | 1.00x | 64/64 identical | 20.0 (50% of quiet) | 25.0 |")
+    assert lines[3].startswith("| ONNX Runtime | fp32 | 50.0 |  | 50% | 1.25x |") and lines[3].endswith("| 31.6 | 1.20 |")
     assert "; 1 busy" in text and "(no compare_engines records for AMX yet)" in report.render("engines class=AMX",
                                                                                                    records)
 

@@ -17,13 +17,16 @@ take int8 or int4 copies of the weights (modules/quant.py); with w8a8 / w4a8 the
 oneDNN's int8 GEMM on those weights with its activations quantized per tensor (quant.prompt_product); batches of 2-8
 rows, and the prompt of the weight-only modes, keep the layer's own weights (dequantizing per call would cost more
 than the smaller weights save).
-fp32 products of 9 to `onednn.kernel_rows()` rows without gradients (a short prompt, in any mode) by weights of at
-least `rows.PROMPT_MIN_WEIGHT` values take the rows kernel's product of many rows (rows.many_rows), where the
-decode plan timed it faster than F.linear and, where oneDNN is taken, faster than oneDNN (16-32 rows on a Zen 4; none
-where there is no plan; a batched decode step's rows, to `rows.prompt_rows()`, keep the kernel: with the C++ step
-around it, 24 rows ran 1.47x faster than through oneDNN); GPT2_PROMPT_KERNEL=0 keeps the library's product. Longer
-fp32 products without gradients (a prompt past those rows, an evaluation) take oneDNN's inner product where it timed
-faster than F.linear on this machine (modules/onednn.py).
+Inputs of 2 to 8 rows in any other shape without gradients (a prompt of 2-8 tokens through the layers: where the C++
+prompt pass of models/fast_step.py does not run) take the kernel's few-row product too, fp32 and bf16, outside autocast:
+torch's few-row sgemm made gpt2's such prompts 1.9-2.2x slower in fp32, 1.25-1.5x in bf16 (Zen 4, 2026-12-02). fp32
+products of 9 to `onednn.kernel_rows()` rows without gradients (a short prompt, in any mode) by weights of at least
+`rows.PROMPT_MIN_WEIGHT` values take the rows kernel's product of many rows (rows.many_rows), where the decode plan
+timed it faster than F.linear and, where oneDNN is taken, faster than oneDNN (16-32 rows on a Zen 4; none where there is
+no plan; a batched decode step's rows, to `rows.prompt_rows()`, keep the kernel: with the C++ step around it, 24 rows
+ran 1.47x faster than through oneDNN); GPT2_PROMPT_KERNEL=0 keeps the library's product. Longer fp32 products without
+gradients (a prompt past those rows, an evaluation) take oneDNN's inner product where it timed faster than F.linear on
+this machine (modules/onednn.py).
 """
 from __future__ import annotations
 
@@ -128,6 +131,9 @@ class Linear(nn.Linear):
             if views is not None:
                 return blocked_product(x[:, 0], views)[:, None]  # (1, 1, out)
         n = x.shape[:-1].numel()
+        if 1 < n <= row_kernel.MAX_ROWS and row_kernel.pays(self.weight.dtype, n) and \
+                row_kernel.applies(x, self.weight) and not torch.is_autocast_enabled("cpu"):
+            return row_kernel.run(row_kernel.prepared(self.weight, self.bias, rows=n), x)  # 2-8 rows: a short prompt
         if x.is_cpu and takes_prompt_kernel(n, x.dtype, self.weight) and n <= onednn.kernel_rows():
             return row_kernel.chunked_linear(x, self.weight, self.bias)  # a short prompt: the kernel
         if onednn.applies(x, self.weight):  # a longer prompt, an evaluation: oneDNN where it timed faster here

@@ -235,8 +235,11 @@ def test_decode_linear_kernel_equals_f_linear(bias, batch, out_features):
     assert got.shape == (batch, 1, out_features) and got.is_contiguous()
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert torch.equal(layer(x), want)  # with autograd on (training), F.linear itself
-    with torch.no_grad():  # other shapes (a prompt): F.linear itself
-        assert torch.equal(layer(torch.ones(1, 2, 48)), F.linear(torch.ones(1, 2, 48), layer.weight, layer.bias))
+    with torch.no_grad():  # a prompt of 2 rows: the kernel's few-row product (tests/test_prompt_kernel.py), F.linear's
+        # values to rounding; of 9 rows by a weight this small: F.linear itself
+        two, nine = torch.ones(1, 2, 48), torch.ones(1, 9, 48)
+        torch.testing.assert_close(layer(two), F.linear(two, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
+        assert torch.equal(layer(nine), F.linear(nine, layer.weight, layer.bias))
 
 
 def test_decode_linear_views_follow_the_weights():

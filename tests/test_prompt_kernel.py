@@ -43,6 +43,35 @@ def test_a_short_prompts_products_take_the_kernel_in_chunks_with_f_linears_value
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [2, 5, 8])
+def test_2_to_8_rows_take_the_kernels_few_row_product(monkeypatch, dtype, n):
+    """A prompt of 2-8 tokens through the layers (where the C++ prompt pass does not run: hooks, LoRA, a bf16 model):
+    the kernel's product of a few rows, as a decode step's, prepared for that many rows; F.linear's values to float
+    rounding. Its few-row sgemm made gpt2's 2-8-token prompts 1.9-2.2x slower in fp32 and 1.25-1.5x in bf16 (Zen 4,
+    2026-12-02). One row (a 2-D input), 9 rows, gradients and autocast keep the other paths."""
+    asked, real = [], rows.prepared
+    monkeypatch.setattr(rows, "prepared", lambda *a, **k: asked.append(k.get("rows")) or real(*a, **k))
+    torch.manual_seed(n)
+    layer = Linear(64, 96).to(dtype)
+    x = torch.randn(1, n, 64, dtype=dtype)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    with torch.no_grad():
+        y, flat = layer(x), layer(x[0])
+    assert asked == [n, n] and y.dtype == dtype and y.shape == (1, n, 96) and flat.shape == (n, 96)
+    torch.testing.assert_close(y, F.linear(x, layer.weight, layer.bias), **tol)
+    torch.testing.assert_close(flat, y[0], atol=0, rtol=0)
+    asked.clear()
+    layer(x)  # gradients on
+    with torch.no_grad():
+        layer(x[0, :1])  # one row, 2-D
+        layer(torch.randn(1, 9, 64, dtype=dtype))  # 9 rows
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            auto = layer.float()(x.float())
+    assert asked == [] and auto.dtype == torch.bfloat16
+
+
+@needs_kernel
 def test_gradients_bf16_more_rows_small_weights_and_the_switch_keep_f_linear(monkeypatch, spy):
     monkeypatch.setenv("GPT2_PROMPT_KERNEL", "32")
     layer = Linear(512, 512)

@@ -264,7 +264,8 @@ class FastPrompt(_Stack):
         """input_ids (1, T) -> the last token's final hidden state (1, C), after writing the prompt's keys and values
         into the (empty) cache and advancing it."""
         body, T = self.body, self.tokens
-        x = (body.word_embedding.weight[input_ids[0]] + body.pos_embedding.weight[:T]).contiguous()
+        tokens = input_ids[0].long()  # forward's rule: uint8 ids are ids here, not a mask (int8 / int16: no index)
+        x = body.word_embedding.weight.index_select(0, tokens) + body.pos_embedding.weight[:T]
         out = torch.empty(1, self.width)
         scratch = torch.empty(self.lib.gpt2_prompt_scratch(self.width, self.inner, T))
         err = self.lib.gpt2_prompt_pass(self.layers, self.n_layer, self.n_head, self.width, self.eps, T, x.data_ptr(),

@@ -185,7 +185,8 @@ PATHS: tuple[Path, ...] = (
     Path("packed-bf16", "bf16 Linear of 64+ rows without gradients (evaluation, prompts): oneDNN-packed weights kept "
          "per layer (modules/packed.py)", packed.ENV, "force", "0", _packed_runs, _packed_default,
          ("tests/test_packed.py", "tests/test_paths.py")),
-    Path("rows-kernel", "decoding's products of 1-8 rows (modules/rows.cpp)", "GPT2_ROWS_KERNEL", "", "0",
+    Path("rows-kernel", "decoding's products of 1-8 rows, and a prompt's of 2-8 rows through the layers "
+         "(modules/rows.cpp)", "GPT2_ROWS_KERNEL", "", "0",
          _rows_runs, _rows_default, ("tests/test_rows_kernel.py", "tests/test_fast_paths.py", "tests/test_paths.py")),
     Path("rows-avx2-form", "the rows kernel's AVX2 build instead of the native one (the decode plan's choice)",
          row_kernel.PLAN_ENV, "avx2", "native", _rows_runs, _form_default,

@@ -15,7 +15,7 @@ import torch
 from models import fast_step
 from models.beam_search import beam_search
 from models.generation import generate, prefill
-from modules import onednn, rows
+from modules import onednn, prompt_attention, rows
 from modules.linear import quantized_weights
 from tests.test_fast_step import TOL, avx2_or_skip, tiny
 
@@ -30,7 +30,7 @@ def passes_agree(model, T: int, lib=None) -> None:
     cache, ref = model.gpt.new_cache(1, T + 3), model.gpt.new_cache(1, T + 3)
     with torch.no_grad():
         assert fast_step.prompt_why_not(model, ids, None, cache, fast_step.why_not(model, 1, None, cache)) is None
-        before = cache.keys._version
+        before, before_values = cache.keys._version, cache.values._version
         got = fast_step.FastPrompt(model, T, lib=lib)(ids, cache)
         want = model.gpt(ids, past_key_values=ref, use_cache=True)["last_hidden_state"][:, -1]
     assert got.shape == want.shape == (1, model.config.n_embd)
@@ -38,7 +38,8 @@ def passes_agree(model, T: int, lib=None) -> None:
     assert cache.length == ref.length == T
     torch.testing.assert_close(cache.keys[:, :, :, :T], ref.keys[:, :, :, :T], **TOL)
     torch.testing.assert_close(cache.values[:, :, :, :T], ref.values[:, :, :, :T], **TOL)
-    assert cache.keys._version > before  # written through data_ptr(), counted as torch counts an in-place write
+    # written through data_ptr(), counted as torch counts an in-place write
+    assert cache.keys._version > before and cache.values._version > before_values
 
 
 @pytest.mark.parametrize("form", ["native", "avx2"])
@@ -148,6 +149,26 @@ def test_each_prompt_it_leaves_to_the_layers_is_named(monkeypatch):
     assert why() == f"{fast_step.PROMPT_ENV}=0"
 
 
+def test_one_token_takes_the_plans_one_row_form_and_more_the_prompts_library(monkeypatch):
+    """As a decode step's products: one row the form the decode plan chose for fp32, 2+ rows the prompt's library."""
+    asked, real = [], rows.library_step
+    monkeypatch.setattr(rows, "library_step", lambda kind, n: asked.append((kind, n)) or real(kind, n))
+    model = tiny()
+    fast_step.FastPrompt(model, 1)
+    fast_step.FastPrompt(model, 5)
+    assert asked == [("fp32", 1), ("fp32", 5)]
+
+
+def test_head_sizes_up_to_prompt_attentions_largest(monkeypatch):
+    width = rows._load().rows_vector_width()
+    for head, taken in ((prompt_attention.MAX_HEAD, True), (prompt_attention.MAX_HEAD + width, False)):
+        model = tiny(n_embd=head, n_head=1, n_layer=1)
+        ids = torch.tensor([PROMPT[:3]])
+        cache = model.gpt.new_cache(1, 5)
+        assert (fast_step.prompt_why_not(model, ids, None, cache, None) is None) is taken, head
+    passes_agree(tiny(n_embd=prompt_attention.MAX_HEAD, n_head=1, n_layer=1), 3)
+
+
 def test_the_pass_keeps_to_the_prompt_kernels_rows(monkeypatch):
     """Past onednn.kernel_rows() a prompt's products take oneDNN in the layers, so the pass leaves it to them."""
     monkeypatch.delenv(rows.PROMPT_ENV, raising=False)
@@ -158,6 +179,15 @@ def test_the_pass_keeps_to_the_prompt_kernels_rows(monkeypatch):
         ids = torch.tensor([(PROMPT * 2 + [1])[:T]])
         cache = model.gpt.new_cache(1, T + 2)
         assert (fast_step.prompt_why_not(model, ids, None, cache, None) is None) is taken, T
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int16, torch.int8, torch.uint8])
+def test_token_ids_of_every_integer_dtype_forward_takes(dtype):
+    """forward takes ids in any integer dtype (models/gpt2.py INTEGER_DTYPES); the pass reads them as ids too (a uint8
+    tensor indexing a weight would be a mask)."""
+    model, ids = tiny(), torch.tensor([PROMPT[:6]])
+    want = generate(model, ids, max_new_tokens=4)[:, 6:]
+    assert torch.equal(generate(model, ids.to(dtype), max_new_tokens=4)[:, 6:], want)
 
 
 def test_bad_token_ids_are_the_forwards_error():

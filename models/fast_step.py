@@ -246,6 +246,8 @@ def prompt_why_not(model, input_ids: torch.Tensor, key_mask: torch.Tensor | None
     quantized = model.gpt.gpt_layers[0].self_attention.query.quantized
     if quantized is not None and (T == 1 or T > row_kernel.MAX_ROWS and quantized.int8_activations):
         return "a prompt whose products take the quantized copies"
+    if not prompt_attention.available():  # GPT2_PROMPT_ATTENTION=0: a prompt's attention is SDPA's, so the layers'
+        return f"prompt attention is off ({prompt_attention.ENV}=0)"
     head = model.config.n_embd // model.config.n_head
     if head % row_kernel._load().rows_vector_width() or head > prompt_attention.MAX_HEAD:
         return f"a head size of {head} (prompt attention takes multiples of the vector width)"

@@ -101,6 +101,8 @@ def _step_runs() -> str | None:
 def _prompt_pass_runs() -> str | None:
     if os.environ.get(fast_step.PROMPT_ENV) == "0":
         return f"{fast_step.PROMPT_ENV}=0"
+    if os.environ.get(prompt_attention.ENV) == "0":
+        return f"{prompt_attention.ENV}=0 (the pass's attention is that kernel's)"
     return _step_runs()
 
 

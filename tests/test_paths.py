@@ -332,6 +332,9 @@ def test_the_rows_kernel_and_the_c_step_run_with_simd_and_a_build(clean_env):
     assert pass_runs() is None
     clean_env.setenv(fast_step.PROMPT_ENV, "0")
     assert pass_runs() == f"{fast_step.PROMPT_ENV}=0" and step_runs() is None
+    clean_env.delenv(fast_step.PROMPT_ENV)
+    clean_env.setenv("GPT2_PROMPT_ATTENTION", "0")
+    assert pass_runs() == "GPT2_PROMPT_ATTENTION=0 (the pass's attention is that kernel's)" and step_runs() is None
 
 
 def test_the_rows_kernel_is_taken_for_the_kinds_where_it_pays_and_says_which(clean_env):

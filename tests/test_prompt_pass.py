@@ -20,8 +20,10 @@ from modules.linear import quantized_weights
 from tests.test_fast_step import TOL, avx2_or_skip, tiny
 
 pytestmark = [pytest.mark.skipif(not rows.available(), reason="the rows kernel cannot be built here"),
-              pytest.mark.skipif(os.environ.get(fast_step.ENV) == "0" or os.environ.get(fast_step.PROMPT_ENV) == "0",
-                                 reason="the decode step or the prompt pass is switched off (these tests run it)")]
+              pytest.mark.skipif(any(os.environ.get(env) == "0" for env in (fast_step.ENV, fast_step.PROMPT_ENV,
+                                                                               prompt_attention.ENV)),
+                                 reason="the decode step, the prompt pass or prompt attention is switched off (these "
+                                        "tests run the pass)")]
 PROMPT = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43, 38, 32, 79]  # 16 tokens of tiny()'s 97
 
 
@@ -142,6 +144,9 @@ def test_each_prompt_it_leaves_to_the_layers_is_named(monkeypatch):
     width = rows._load().rows_vector_width()
     odd = tiny(n_embd=width * 3, n_head=6)  # head size width / 2
     assert why(model_=odd) == f"a head size of {width // 2} (prompt attention takes multiples of the vector width)"
+    monkeypatch.setenv(prompt_attention.ENV, "0")
+    assert why() == f"prompt attention is off ({prompt_attention.ENV}=0)"  # its attention is that kernel's
+    monkeypatch.delenv(prompt_attention.ENV)
     monkeypatch.setenv(fast_step.ENV, "0")
     assert why() == f"{fast_step.ENV}=0"  # what the step needs, the pass needs
     monkeypatch.delenv(fast_step.ENV)

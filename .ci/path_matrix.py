@@ -1,9 +1,10 @@
-"""CI's path matrix (issue 52): the path-sensitive tests (tests/test_paths.py) run with every CPU-dependent path of
-models/paths.py forced off at once, then once per path that can be forced on here; the suite itself runs each path
-as this machine takes it by default. Prints path x setting x result and exits non-zero when any run failed.
+"""CI's path matrix (issue 52): the path-sensitive tests run with every CPU-dependent path of models/paths.py forced
+off at once (every path's own test files, `Path.tests`: each must hold against the plain torch path), then
+tests/test_paths.py once per path that can be forced on here; the suite itself runs each path as this machine takes
+it by default. Prints path x setting x result and exits non-zero when any run failed.
 
-    python .ci/path_matrix.py                   # tests/test_paths.py
-    python .ci/path_matrix.py tests/test_x.py   # other test files
+    python .ci/path_matrix.py                   # the paths' test files all off; tests/test_paths.py each on
+    python .ci/path_matrix.py tests/test_x.py   # other test files, both
 """
 from __future__ import annotations
 
@@ -30,12 +31,13 @@ def run(env: dict[str, str], tests: list[str]) -> tuple[bool, str]:
     return proc.returncode == 0, summary
 
 
-def main(tests: list[str]) -> int:
+def main(tests: list[str], off_tests: list[str] | None = None) -> int:
+    """tests: run once per path forced on; off_tests (default: tests): run once with every path forced off."""
     print(paths.table(), flush=True)
     states = {s["path"]: s for s in paths.matrix()}
     results: list[tuple[str, str, str]] = []
     all_off = {p.env: p.force_off for p in paths.ENV_FORCED}
-    ok, summary = run(all_off, tests)
+    ok, summary = run(all_off, off_tests or tests)
     failed = not ok
     for p in paths.PATHS:
         off = f"{p.env}={p.force_off}" if p.env else p.force_off
@@ -50,7 +52,7 @@ def main(tests: list[str]) -> int:
             results.append((p.name, f"on ({p.env}={p.force_on})", ("pass: " if ok_on else "FAIL: ") + summary_on))
         else:
             results.append((p.name, "on (this machine's default)", "the suite's run (python -m pytest)"))
-    print(f"\npath matrix ({', '.join(tests)}):")
+    print(f"\npath matrix (off: {', '.join(off_tests or tests)}; on: {', '.join(tests)}):")
     for name, setting, result in results:
         print(f"  {name:<19} {setting:<44} {result}")
     return 1 if failed else 0
@@ -61,5 +63,7 @@ if __name__ == "__main__":
 
     parser = argparse.ArgumentParser(description="The path-sensitive tests with every CPU-dependent path forced off, "
                                                  "then each one forced on (docs/paths.md).")
-    parser.add_argument("tests", nargs="*", default=["tests/test_paths.py"], help="test files (default: %(default)s)")
-    sys.exit(main(parser.parse_args().tests))
+    parser.add_argument("tests", nargs="*", help="test files (default: every path's own test files with all off, "
+                                                 "tests/test_paths.py with each on)")
+    given = parser.parse_args().tests
+    sys.exit(main(given or ["tests/test_paths.py"], given or sorted({t for p in paths.PATHS for t in p.tests})))

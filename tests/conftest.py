@@ -146,6 +146,8 @@ def check_kernel_loader(monkeypatch, module, env: str, warning: str) -> bool:
     """A C++ kernel module's own loader (modules/adamw.py, modules/dropout.py), its cached library reset so that its
     first load runs here: with `env`=0 it is False; a failed build warns (`warning`, a regex: the kernel and what runs
     instead) and is False; then the real build is loaded once and kept. Returns whether the kernel builds here."""
+    monkeypatch.delenv(env, raising=False)  # whether it builds, whatever the run's setting (a CI matrix run: 0)
+    monkeypatch.setattr(module, "_library", None)
     built = module.available()
     monkeypatch.setattr(module, "_library", None)
     monkeypatch.setenv(env, "0")

@@ -334,7 +334,8 @@ def _deep_tiny():
 def test_a_long_prompts_blocks_move_to_the_faster_thread_count_and_the_next_prompt_remembers(monkeypatch, threads4):
     from models import generation
 
-    monkeypatch.delenv("GPT2_PROMPT_THREADS", raising=False)
+    for env in ("GPT2_PROMPT_THREADS", "GPT2_DECODE_THREADS"):  # both choices on (a CI matrix run turns them off)
+        monkeypatch.delenv(env, raising=False)
     monkeypatch.setattr(generation, "PROMPT_MIN_FLOPS", 0)  # the tiny model's prompt counts as long
     model, ids = _deep_tiny(), torch.randint(0, 97, (1, 20), generator=torch.Generator().manual_seed(1))
     counts = _blocks_on_a_clock(monkeypatch, model, {4: 1.0, 2: 0.6, 1: 0.5}.get)  # a core busy: fewer are faster

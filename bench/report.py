@@ -576,7 +576,8 @@ def mutation(records: list[dict], **_) -> str:
     chosen = matching(records, bench="mutation")
     rows = []
     for name in dict.fromkeys(r["row"] for r in chosen):
-        r = max((x for x in chosen if x["row"] == name), key=lambda x: x["date"])
+        # the latest; of runs in the same minute, the last appended
+        r = max(reversed([x for x in chosen if x["row"] == name]), key=lambda x: x["date"])
         v = r["values"]
         count = lambda k: str(round(v.get(k, 0)))  # noqa: E731
         untested = round(v.get("not checked", 0))

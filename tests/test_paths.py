@@ -482,3 +482,64 @@ def test_a_long_prompts_blocks_are_timed_unless_a_count_is_fixed(clean_env):
     clean_env.setenv("GPT2_DECODE_THREADS", "1")  # the decode steps' setting is not the prompt's
     clean_env.setenv("GPT2_PROMPT_THREADS", "auto")
     assert default()[0] is True
+
+
+def test_each_paths_reasons_and_defaults_name_what_decided_them(clean_env):
+    """The matrix's words for huge pages, oneDNN, the prompt kernel, the thread choices and int8 activations: each
+    switch and each measured choice gives its own reason (a CI log reads these to tell which side ran)."""
+    from modules import hugepages, onednn
+    from modules import rows as row_kernel
+
+    runs, default = paths.BY_NAME["huge-pages"].runs_here, paths.BY_NAME["onednn-linear"].default_here
+    clean_env.setattr(hugepages, "available", lambda: True)
+    assert runs() is None
+    clean_env.setattr(hugepages, "available", lambda: False)
+    clean_env.setattr(hugepages, "mode", lambda: "never")
+    assert runs() == "no transparent huge pages to ask for here (THP mode never)"
+    clean_env.setattr(hugepages, "mode", lambda: "")
+    assert runs() == "no transparent huge pages to ask for here (THP mode unknown)"
+    clean_env.setenv(hugepages.ENV, "0")
+    assert runs() == f"{hugepages.ENV}=0"
+
+    onednn_runs = paths.BY_NAME["onednn-linear"].runs_here
+    clean_env.setattr(onednn, "available", lambda: True)
+    assert onednn_runs() is None
+    clean_env.setattr(onednn, "available", lambda: False)
+    assert onednn_runs() == "torch has no oneDNN inner product here"
+    clean_env.setenv(onednn.ENV, "0")
+    assert onednn_runs() == f"{onednn.ENV}=0"
+    clean_env.setenv(onednn.ENV, "1")
+    assert default() == (True, f"{onednn.ENV}=1")
+    clean_env.delenv(onednn.ENV)
+    for chosen, want in (({"takes": True, "source": "timed"}, (True, "timed faster than F.linear here")),
+                         ({"takes": False, "source": "timed, busy"}, (False, "F.linear (timed, busy)")),
+                         ({"takes": False, "source": "timed"}, (False, "F.linear timed as fast here"))):
+        clean_env.setattr(onednn, "choice", lambda c=chosen: c)
+        assert default() == want
+
+    kernel = paths.BY_NAME["prompt-kernel"].default_here
+    clean_env.setattr(onednn, "kernel_rows", lambda: 32)
+    for limit in (row_kernel.MAX_ROWS - 1, row_kernel.MAX_ROWS):
+        clean_env.setattr(row_kernel, "prompt_rows", lambda n=limit: n)
+        assert kernel() == (False, "F.linear beyond 8 rows (the plan did not time the kernel faster, or there is "
+                                   "no plan here)")
+    clean_env.setattr(row_kernel, "prompt_rows", lambda: row_kernel.MAX_ROWS + 1)
+    assert kernel() == (True, "9 to 9 rows, a prompt's to 32 (timed by the plan and the oneDNN choice)")
+    clean_env.setenv(row_kernel.PROMPT_ENV, "128")
+    clean_env.setattr(row_kernel, "prompt_rows", lambda: 128)
+    assert kernel() == (True, "9 to 128 rows, a prompt's to 32 (set)")
+
+    # the matrix's closures, and fresh ones (made at import, the matrix's would not see a change to their maker)
+    for threads in (paths.BY_NAME["decode-threads"].default_here,
+                    paths._timed_threads("GPT2_DECODE_THREADS", "decode steps")):
+        clean_env.delenv("GPT2_DECODE_THREADS", raising=False)
+        assert threads() == (True, "decode steps timed per thread count (torch's count, its halves, 1)")
+        clean_env.setenv("GPT2_DECODE_THREADS", "2")
+        assert threads() == (False, "GPT2_DECODE_THREADS=2")
+    clean_env.setenv("GPT2_PROMPT_THREADS", "off")
+    assert paths.BY_NAME["prompt-threads"].default_here() == (False, "GPT2_PROMPT_THREADS=off")
+
+    clean_env.setattr(paths, "_rows_take_int8", lambda: False)
+    clean_env.setattr(paths, "_capability", lambda: "AVX2")
+    assert paths.BY_NAME["int8-activations"].default_here() == (
+        True, "generate(quantize='w8a8' or 'w4a8'): the rows kernel's integer products (AVX2)")

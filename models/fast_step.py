@@ -249,7 +249,7 @@ def prompt_why_not(model, input_ids: torch.Tensor, key_mask: torch.Tensor | None
     if not prompt_attention.available():  # GPT2_PROMPT_ATTENTION=0: a prompt's attention is SDPA's, so the layers'
         return f"prompt attention is off ({prompt_attention.ENV}=0)"
     head = model.config.n_embd // model.config.n_head
-    if head % row_kernel._load().rows_vector_width() or head > prompt_attention.MAX_HEAD:
+    if not prompt_attention.takes_head(head):
         return f"a head size of {head} (prompt attention takes multiples of the vector width)"
     return None
 
@@ -269,7 +269,7 @@ class FastPrompt(_Stack):
         tokens = input_ids[0].long()  # forward's rule: uint8 ids are ids here, not a mask (int8 / int16: no index)
         x = body.word_embedding.weight.index_select(0, tokens) + body.pos_embedding.weight[:T]
         out = torch.empty(1, self.width)
-        scratch = torch.empty(self.lib.gpt2_prompt_scratch(self.width, self.inner, T))
+        scratch = torch.empty(self.lib.gpt2_step_scratch(self.n_head, self.width, self.inner, 0, T))  # no scores
         err = self.lib.gpt2_prompt_pass(self.layers, self.n_layer, self.n_head, self.width, self.eps, T, x.data_ptr(),
                                         self.final[0], self.final[1], cache.keys.data_ptr(), cache.values.data_ptr(),
                                         cache.capacity, scratch.data_ptr(), out.data_ptr(), torch.get_num_threads())

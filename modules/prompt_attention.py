@@ -39,8 +39,13 @@ def applies(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool
                 for t in tensors)
             and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
             and query.shape == key.shape == value.shape and query.shape[2] > 1
-            and not torch.compiler.is_compiling() and available()
-            and query.shape[3] % rows._load().rows_vector_width() == 0 and query.shape[3] <= MAX_HEAD)
+            and not torch.compiler.is_compiling() and available() and takes_head(query.shape[3]))
+
+
+def takes_head(size: int) -> bool:
+    """Whether the kernel takes heads of `size` values: a multiple of its vector width, at most MAX_HEAD (the
+    kernel built here)."""
+    return size % rows._load().rows_vector_width() == 0 and size <= MAX_HEAD
 
 
 def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, lib=None) -> torch.Tensor:

@@ -1318,21 +1318,17 @@ static void attend(const float* q, const K* keys, const K* values, int64_t lengt
     for (int64_t d = 0; d < dim; ++d) y[d] /= total;
 }
 
-// x (rows, C): each row's token embedding (token + position), replaced by the last block's output; out (rows, C):
-// the final LayerNorm of it. keys, values: the model's cache (n_layer, rows, n_head, cap, C / n_head) of K (float, or
-// uint16_t for bf16), `length` tokens filled; each row's new key and value go to position `length` of each layer.
-// mask: null (every cached key seen), or (rows, mask_stride) bytes, row b's key t attended where mask[b, t] is
-// nonzero (generate's left padding; the new token's, at `length`, must be). scratch: gpt2_step_scratch floats. Bf16
-// (a bf16 model: bf16 weights, fp32 copies of its norms and biases): every value torch would hand on in bf16 is
-// rounded to bf16 there (a norm's, a product's, attention's and GELU's output, the residual sums; the final norm's
-// `out` as the caller converts it). Returns 0, or the first product's error (-1: more than 8 rows of weights that
-// are not fp32).
+// LayerNorm of each of R rows of x (R, C) into y.
+static void norm_rows(const float* x, const float* w, const float* b, float eps, int64_t R, int64_t C, float* y) {
+  for (int64_t r = 0; r < R; ++r) layer_norm(x + r * C, w, b, eps, C, y + r * C);
+}
+
 // A block's first half for R rows of x (R, C): h = LayerNorm(x), then q, k, v (R, C) = its products (rounded to
 // bf16 where K is a bf16 cache's type, as decode_step's bf16 operations round them). Returns 0 or a product's error.
 template <typename K>
 static int block_qkv(const StepLayer& L, int64_t R, int64_t C, float eps, const float* x, float* h, float* q,
                      float* k, float* v, int threads) {
-  for (int64_t r = 0; r < R; ++r) layer_norm(x + r * C, L.ln1_w, L.ln1_b, eps, C, h + r * C);
+  norm_rows(x, L.ln1_w, L.ln1_b, eps, R, C, h);
   round_as<K>(h, R * C);
   int err = linear(L.q, R, h, q, threads);
   if (!err) err = linear(L.k, R, h, k, threads);
@@ -1355,7 +1351,7 @@ static int block_rest(const StepLayer& L, int64_t R, int64_t C, float eps, float
   round_as<K>(h, R * C);
   for (int64_t i = 0; i < R * C; ++i) x[i] += h[i];
   round_as<K>(x, R * C);
-  for (int64_t r = 0; r < R; ++r) layer_norm(x + r * C, L.ln2_w, L.ln2_b, eps, C, h + r * C);
+  norm_rows(x, L.ln2_w, L.ln2_b, eps, R, C, h);
   round_as<K>(h, R * C);
   if ((err = linear(L.fc, R, h, f, threads))) return err;
   round_as<K>(f, R * inner);
@@ -1408,7 +1404,7 @@ static int step(const StepLayer* layers, int n_layer, int n_head, int64_t C, flo
              mask ? mask + rh / n_head * mask_stride : nullptr, scores + rh * seen, y + rh * dim);
     if ((err = block_rest<K>(L, R, C, eps, x, y, h, f, threads))) return err;
   }
-  for (int64_t r = 0; r < R; ++r) layer_norm(x + r * C, lnf_w, lnf_b, eps, C, out + r * C);  // bf16: the caller rounds
+  norm_rows(x, lnf_w, lnf_b, eps, R, C, out);  // bf16: rounded by the caller, converting `out` to its dtype
   return 0;
 }
 
@@ -1417,7 +1413,8 @@ static int step(const StepLayer* layers, int n_layer, int n_head, int64_t C, flo
 // 1, n_head, cap, C / n_head), positions 0 .. T - 1 of each layer written; out (C): the final LayerNorm of the last
 // token's row (all a decoder reads). Each block as a step's (block_qkv, block_rest: T rows through `linear`, so 1-8
 // rows in rows_product, more in product_many), with causal attention over the prompt by rows_attend_prompt. scratch:
-// gpt2_prompt_scratch floats. Returns 0, the first product's error, or -3 for a head size attention does not take.
+// the step's for T rows and no cached keys (gpt2_step_scratch(n_head, C, inner, 0, T) floats: no scores). Returns
+// 0, the first product's error, or -3 for a head size attention does not take.
 extern "C" int gpt2_prompt_pass(const StepLayer* layers, int n_layer, int n_head, int64_t C, float eps, int64_t T,
                                 float* x, const float* lnf_w, const float* lnf_b, float* keys, float* values,
                                 int64_t cap, float* scratch, float* out, int threads) {
@@ -1472,9 +1469,6 @@ int gpt2_step_bf16(const StepLayer* layers, int n_layer, int n_head, int64_t C, 
 int64_t gpt2_step_scratch(int n_head, int64_t C, int64_t inner, int64_t cap, int64_t rows) {
   return rows * (5 * C + inner + n_head * cap);
 }
-
-// The floats of scratch gpt2_prompt_pass needs for T tokens.
-int64_t gpt2_prompt_scratch(int64_t C, int64_t inner, int64_t T) { return T * (5 * C + inner); }
 
 }  // extern "C"
 

@@ -129,13 +129,11 @@ def library(target_flags: tuple[str, ...] = NATIVE):
                          ctypes.c_void_p, ctypes.c_int]
     lib.gpt2_step_scratch.restype = ctypes.c_int64
     lib.gpt2_step_scratch.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
-    # and its prompt's pass (one fp32 sequence into an empty cache)
+    # and its prompt's pass (one fp32 sequence into an empty cache; its scratch: the step's for no cached keys)
     lib.gpt2_prompt_pass.restype = ctypes.c_int
     lib.gpt2_prompt_pass.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_float,
                                      ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                                      ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
-    lib.gpt2_prompt_scratch.restype = ctypes.c_int64
-    lib.gpt2_prompt_scratch.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
     return lib
 
 

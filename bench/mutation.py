@@ -48,6 +48,7 @@ MODULE_TESTS = {
     "modules/quant.py": ["tests/test_quant.py", "tests/test_int8_activations.py"],
     "modules/adamw.py": ["tests/test_optimizer.py", "tests/test_master_weights.py", "tests/test_paths.py"],
     "modules/dropout.py": ["tests/test_dropout.py", "tests/test_paths.py"],
+    "modules/draw.py": ["tests/test_draw.py", "tests/test_paths.py"],
     "modules/rmsnorm.py": ["tests/test_rmsnorm.py", "tests/test_variants.py", "tests/test_paths.py"],
     "modules/gelu.py": ["tests/test_gelu.py", "tests/test_paths.py"],
     "modules/hugepages.py": ["tests/test_hugepages.py", "tests/test_paths.py"],

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.generation import process_logits
+from modules import draw
 
 MODEL_TYPE = "bigram"
 
@@ -82,7 +83,7 @@ class BigramLM(nn.Module):
             logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # half precision up, float64 kept
             if do_sample:
                 probs = F.softmax(process_logits(logits, None, temperature, top_k, top_p), dim=-1)
-                nxt = torch.multinomial(probs, 1, generator=generator)
+                nxt = draw.multinomial(probs, generator)[:, None]  # torch.multinomial's token
             else:
                 nxt = logits.argmax(-1, keepdim=True)
             ids = torch.cat([ids, nxt], dim=1)

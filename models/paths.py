@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 
 from models import decode_threads, fast_step
-from modules import adamw, dropout, gelu, hugepages, onednn, packed, prompt_attention, quant, rmsnorm
+from modules import adamw, draw, dropout, gelu, hugepages, onednn, packed, prompt_attention, quant, rmsnorm
 from modules import rows as row_kernel
 
 
@@ -251,6 +251,11 @@ PATHS: tuple[Path, ...] = (
          "config attn_implementation='eager'", "config attn_implementation='sdpa'", lambda: None,
          lambda: (True, "CPU training with attention dropout or bf16 (explicit_is_faster); SDPA otherwise"),
          ("tests/test_attention.py", "tests/test_fast_paths.py", "tests/test_paths.py")),
+    Path("fast-draw", "sampling's draw of a token (generate, pretraining's samples): torch.multinomial's token and "
+         "generator state without its logarithm per vocabulary entry (modules/draw.cpp)", draw.ENV, "", "0",
+         _kernel(draw, draw.ENV, "the sampling draw kernel"),
+         lambda: (True, "float32 CPU probabilities, a CPU generator (checked once against torch.multinomial)"),
+         ("tests/test_draw.py", "tests/test_generation.py", "tests/test_paths.py")),
     Path("int8-copies", "generate(quantize='int8'): per-row int8 copies of every Linear, kept until a weight changes "
          "(modules/quant.py)", "", "generate(..., quantize='int8')", "quantize=None", _int8_runs, _int8_default,
          ("tests/test_quant.py", "tests/test_paths.py")),

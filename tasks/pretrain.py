@@ -38,6 +38,7 @@ from models.bigram import BigramConfig, BigramLM, load_lm
 from models.generation import process_logits
 from models.gpt2 import GPT2LMHeadModel
 from models.hub import data_dir, expand, load_tokenizer, not_found
+from modules import draw
 from modules.cross_entropy import cross_entropy
 from tasks.char_tokenizer import VOCAB_FILE, CharTokenizer
 from training import distributed as dist
@@ -612,7 +613,7 @@ def sample_text(model, tokenizer, prompt: str | None, max_new_tokens: int, tempe
     for _ in range(max_new_tokens - max(first, 0)):
         logits = model(ids[:, -n_ctx:])["logits"][:, -1].float()
         probs = F.softmax(process_logits(logits, None, temperature, top_k, top_p), dim=-1)
-        ids = torch.cat([ids, torch.multinomial(probs, 1, generator=generator)], dim=1)
+        ids = torch.cat([ids, draw.multinomial(probs, generator)[:, None]], dim=1)  # torch.multinomial's token
     model.train(was_training)
     return [tokenizer.decode(row.tolist()) for row in ids]
 

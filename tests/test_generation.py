@@ -1,5 +1,4 @@
 """Decoding: token-for-token equal to transformers' generate under greedy search; cache, EOS, filters, sampling."""
-import numpy as np
 import pytest
 import torch
 from conftest import make_hf_model, padded_batch, tiny_config
@@ -366,6 +365,69 @@ def test_top_p_answers_without_torch_sort_unless_ties_straddle_the_cut(monkeypat
     assert torch.equal(top_p_filter(tied, 0.5), top_p_filter(tied, 0.5, fast_sort=False)) and sorts
 
 
+def _top_p_sorts(monkeypatch) -> list:
+    """What each CPU top-p call sorted: a row's candidates (their count), "row" for a whole row, "torch.sort"."""
+    sorts = []
+    real_sort, real_values = torch.sort, generation.sorted_best_first
+
+    def values(x):
+        sorts.append("row" if len(x) == V else len(x))
+        return real_values(x)
+
+    V = None
+    monkeypatch.setattr(torch, "sort", lambda *a, **k: sorts.append("torch.sort") or real_sort(*a, **k))
+    monkeypatch.setattr(generation, "sorted_best_first", values)
+
+    def set_vocab(n):
+        nonlocal V
+        V = n
+    return sorts, set_vocab
+
+
+@pytest.mark.parametrize("spread", [1.0, 3.0, 8.0])
+def test_top_p_sorts_only_the_binades_that_reach_p(monkeypatch, spread):
+    """gpt2's vocabulary: from a nucleus of a few tokens to thousands, each row sorts only the probabilities of the
+    binades whose mass first passes p, never the whole row nor through torch.sort, and removes what the torch.sort
+    path removes."""
+    sorts, set_vocab = _top_p_sorts(monkeypatch)
+    set_vocab(50257)
+    logits = torch.randn(3, 50257, generator=torch.Generator().manual_seed(int(spread))) * spread
+    for p in (0.05, 0.5, 0.9, 0.99):
+        got = top_p_filter(logits, p)
+        assert len(sorts) == 3 and all(isinstance(n, int) and n < 50257 for n in sorts), (p, sorts)
+        kept = got.isfinite().sum(-1)
+        assert all(n >= k for n, k in zip(sorts, kept.tolist()))  # the nucleus is among the candidates sorted
+        sorts.clear()
+        assert torch.equal(got, top_p_filter(logits, p, fast_sort=False))
+        sorts.clear()
+
+
+@pytest.mark.parametrize("slack", [True, False])
+@pytest.mark.parametrize("past", [2e-5, 5e-6, 2e-6, 0.5e-6])
+def test_top_p_takes_the_candidates_only_where_their_mass_passes_p_by_the_margin(monkeypatch, past, slack):
+    """Probabilities in three binades: 0.8 over 40 tokens in [2^-6, 2^-5), 0.1 over 8 in [2^-7, 2^-6), the rest far
+    below; a nucleus of the first 48 whose mass passes p by `past`. The binades are taken up to the one whose mass
+    passes p by SLACK (1e-5): 2e-5 past p takes two (48 candidates), 5e-6 all three (the whole row). The candidates'
+    own cumulative mass must pass p by MARGIN (1e-6) for the later tokens to be removed for sure: with SLACK 0, 2e-6
+    answers from the 48, 0.5e-6 sorts the whole row too."""
+    if not slack:
+        monkeypatch.setattr(generation, "SLACK", 0.0)
+    probs = torch.cat([torch.full((40,), 0.8 / 40), torch.full((8,), 0.1 / 8), torch.full((952,), 0.1 / 952)])
+    logits = probs.log()[None] + torch.linspace(0, 1e-4, 1000)[None].flip(-1)  # no ties, the same order
+    mass = logits.softmax(-1)[0].sort(descending=True).values.cumsum(0)
+    p = float(mass[47]) - past
+    sorts, set_vocab = _top_p_sorts(monkeypatch)
+    set_vocab(1000)
+    got = top_p_filter(logits, p)
+    if slack:
+        assert sorts == ([48] if past > generation.SLACK else ["row"]), sorts
+    else:
+        assert sorts == ([48] if past > generation.MARGIN else [48, "row"]), sorts
+    sorts.clear()
+    assert torch.equal(got, top_p_filter(logits, p, fast_sort=False))
+    assert int(got.isfinite().sum()) == 48
+
+
 def test_processing_defaults_change_nothing_and_a_penalty_of_2_applies():
     from models.generation import mark_seen, process_logits
 
@@ -611,33 +673,6 @@ def test_a_call_reusing_the_last_calls_cache_buffers_poisoned_equals_a_fresh_mod
         assert ours.gpt not in gpt2._KEPT_CACHES
     finally:
         gpt2.KEPT_CACHE_BYTES = gpt2_bytes
-
-
-@pytest.mark.parametrize("threads", [1, 2, 3])
-def test_a_batchs_rows_are_sorted_on_torchs_threads_to_the_same_values(monkeypatch, threads):
-    """generation.sorted_best_first (the top-p filter's sort): -np.sort(-x) for 1 to 12 rows, any leading shape, the
-    rows split over torch's thread count (one helper thread fewer than that, at most one per row)."""
-    started = []
-    real = generation.threading.Thread
-
-    def counting(*args, **kwargs):
-        started.append(kwargs.get("args"))
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(generation.threading, "Thread", counting)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        rng = np.random.default_rng(0)
-        for shape in [(1, 500), (2, 500), (3, 500), (12, 50257), (2, 3, 40)]:
-            started.clear()
-            x = rng.standard_normal(shape).astype(np.float32)
-            x[..., :7] = x[..., 7:8]  # ties
-            assert np.array_equal(generation.sorted_best_first(x), -np.sort(-x, axis=-1))
-            rows = int(np.prod(shape[:-1]))
-            assert len(started) == min(threads, rows) - 1, (shape, started)
-    finally:
-        torch.set_num_threads(before)
 
 
 def test_the_c_step_and_the_layers_prepared_products_are_made_only_where_steps_use_them(monkeypatch):

@@ -212,7 +212,8 @@ def make_forward(model, ids: torch.Tensor):
 
 
 def make_generate(model, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int, mode: str = "greedy", seed: int = 0):
-    """mode 'greedy', 'sample' (SAMPLING settings; ours from a generator seeded per call), 'beam4' (4 beams,
+    """mode 'greedy', 'sample' (SAMPLING settings; torch's default generator seeded before each call: ours draws
+    transformers' tokens from the same seed), 'beam4' (4 beams,
     transformers' defaults for length_penalty and early_stopping, which ours shares) or 'int8' (ours' greedy with
     quantize="int8")."""
     model.eval()
@@ -221,9 +222,9 @@ def make_generate(model, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int,
               "beam4": dict(do_sample=False, num_beams=4, length_penalty=1.0, early_stopping=False)}[mode]
 
     def generate():
+        if mode == "sample":
+            torch.manual_seed(seed)
         if _is_ours(model):
-            if mode == "sample":
-                kwargs["generator"] = torch.Generator(ids.device).manual_seed(seed)
             return model.generate(ids, mask, max_new_tokens=new_tokens, **kwargs)
         extra = dict(top_k=0) if mode == "sample" else {}  # transformers' generation config adds top_k=50
         return model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, **kwargs, **extra)
@@ -404,9 +405,11 @@ def _generate_fp32_extras(args, models: dict, report: Report, rows: list[str]) -
     n, (ids, mask) = args.new_tokens, prompts(1, args.seed)
     if "sample" in rows:
         fns = {k: make_generate(m, ids, mask, n, "sample", args.seed) for k, m in models.items()}
+        outs = {k: fn() for k, fn in fns.items()}
         fns["ours-greedy"] = make_generate(models["ours"], ids, mask, n)  # in the same rounds: the ratio below
         sec = time_contenders(fns, args.repeats)
         report.add("sample b1", "fp32", {k: n / v for k, v in sec.items()}, "new tokens/s")
+        _print_match(outs, "sampled")
         vs_greedy = sec["ours-greedy"] / sec["ours"]
         print(f"{'':<12} {'':<5} ours sampling / ours greedy speed {vs_greedy:.2f} (target >= {SAMPLING_VS_GREEDY}: "
               f"{'met' if vs_greedy >= SAMPLING_VS_GREEDY else 'NOT met'}); top-p {SAMPLING['top_p']}, temperature "

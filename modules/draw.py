@@ -36,13 +36,12 @@ def library(target_flags: tuple[str, ...] = rows.NATIVE):
 
 
 def agrees(lib) -> bool:
-    """Whether the kernel draws torch.multinomial's tokens and leaves the generator in torch's state, on rows with
-    zeros and without, from a fresh seed (its first twist pending) and mid-stream (three twists inside one row)."""
-    shapes = torch.Generator().manual_seed(0)
-    probs = torch.rand(3, 700, generator=shapes)
-    probs[0, torch.rand(700, generator=shapes) < 0.9] = 0.0
-    probs[1, 1:] = 0.0  # one token left
-    probs /= probs.sum(-1, keepdim=True)
+    """Whether the kernel draws torch.multinomial's tokens and leaves the generator in torch's state, on three rows
+    (all 700 probabilities positive; the first 50 only, as top-p leaves a row; a single one), from a fresh seed (its
+    first twist pending) and from an odd position (a token's two words split by a twist inside the first row)."""
+    probs = torch.arange(3 * 700, dtype=torch.float32).view(3, 700).remainder(97) + 1  # 1 to 97, no zeros
+    probs[1, 50:] = 0.0
+    probs[2, 1:] = 0.0
     for seed, skip in ((1, 0), (2, 1001)):
         theirs, ours = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)
         for g in (theirs, ours):
@@ -88,7 +87,7 @@ def _draw(lib, probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor 
 def applies(probs: torch.Tensor, generator: torch.Generator | None) -> bool:
     # contiguous: torch draws in the order of memory (empty_like keeps a permuted tensor's strides)
     return (probs.device.type == "cpu" and probs.dtype == torch.float32 and probs.dim() in (1, 2)
-            and probs.is_contiguous() and probs.shape[-1] > 0 and probs.numel() > 0 and not probs.requires_grad
+            and probs.is_contiguous() and probs.numel() > 0 and not probs.requires_grad
             and (generator is None or generator.device.type == "cpu") and available())
 
 

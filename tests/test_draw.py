@@ -136,13 +136,15 @@ def test_a_position_torch_never_leaves_is_handed_to_torch_untouched():
     assert torch.equal(draw.multinomial(probs, g), torch.multinomial(probs, 1, generator=theirs).squeeze(1))
 
 
-@pytest.mark.parametrize("case", ["1-d", "float64", "bfloat16", "strided", "default-generator"])
+@pytest.mark.parametrize("case", ["1-d", "1-d float64", "float64", "bfloat16", "strided", "default-generator"])
 def test_the_public_draw_equals_torch_multinomial_in_every_form(case):
     """Shapes and dtypes the kernel does not take go to torch; the ones it takes (a strided view, 1-D rows, torch's
     default generator when none is given) give torch's token either way."""
     probs = probabilities(4, 300, "sparse", seed=2)
     if case == "1-d":
         probs = probs[1]
+    elif case == "1-d float64":  # torch's draw, one token without its sample dimension
+        probs = probs[1].double()
     elif case in ("float64", "bfloat16"):
         probs = probs.to(getattr(torch, case))
     elif case == "strided":
@@ -170,9 +172,9 @@ def test_the_kernel_is_used_only_where_it_reproduces_torch(monkeypatch):
     rows = torch.full((2, 5), 0.2)
     assert draw.applies(rows, None) is (LIB is not None)
     monkeypatch.setattr(draw, "_library", object())  # a loaded kernel, whatever it is
-    assert draw.applies(rows, torch.Generator()) and draw.applies(rows[0], None)
-    for refused in (rows.double(), rows.bfloat16(), rows[None], torch.empty(2, 0), rows.clone().requires_grad_(),
-                    rows.t()):
+    assert draw.applies(rows, torch.Generator()) and draw.applies(rows[0], None) and draw.applies(torch.ones(1), None)
+    for refused in (rows.double(), rows.bfloat16(), rows[None], torch.empty(2, 0), torch.empty(0, 5),
+                    rows.clone().requires_grad_(), rows.t()):
         assert not draw.applies(refused, None)
     if torch.cuda.is_available():
         assert not draw.applies(rows.cuda(), None)
@@ -225,3 +227,80 @@ def test_sampled_generation_is_the_same_with_the_kernel_and_with_torchs_draw(mon
         assert len(calls) == (10 if kernel else 0)
         monkeypatch.undo()
     assert torch.equal(runs[True], runs[False])
+
+
+def test_the_kernel_builds_where_there_is_a_compiler():
+    """On x86-64 Linux with g++ the kernel must build (else every test above skips and sampling falls back)."""
+    import platform
+    import shutil
+    import sys
+
+    if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64") or not shutil.which("g++"):
+        pytest.skip("not x86-64 Linux with g++")
+    assert LIB is not None and draw.library().draw_tokens is not None
+
+
+class Faulty:
+    """The real kernel, made wrong in one case only: the self-check must see each case."""
+
+    def __init__(self, case):
+        self.case = case
+
+    def draw_tokens(self, probs, rows, V, stride, state, out):
+        import numpy as np
+
+        at = np.ctypeslib.as_array(ctypes.cast(state, ctypes.POINTER(ctypes.c_uint8)), shape=(5056,))
+        left, nxt = int(at[8:12].view(np.int32)[0]), int(at[16:24].view(np.int64)[0])
+        code = LIB.draw_tokens(probs, rows, V, stride, state, out)
+        p = np.ctypeslib.as_array(ctypes.cast(probs, ctypes.POINTER(ctypes.c_float)), shape=(rows, V))
+        tokens = np.ctypeslib.as_array(ctypes.cast(out, ctypes.POINTER(ctypes.c_int64)), shape=(rows,))
+        for r in range(rows):
+            positive = int((p[r] > 0).sum())
+            if {"fresh": left == 1, "odd": left != 1 and nxt % 2 == 1, "sparse": 1 < positive < V,
+                    "single": positive == 1}.get(self.case, False):
+                tokens[r] = (tokens[r] + 1) % V
+        if self.case == "state":
+            at[24] ^= 1  # a bit of the first state word: the tokens right, the generator not torch's
+        return code
+
+
+@needs_kernel
+@pytest.mark.parametrize("case", ["fresh", "odd", "sparse", "single", "state"])
+def test_the_self_check_finds_a_kernel_wrong_in_any_one_of_its_cases(case):
+    """agrees() draws from a fresh generator and from an odd position, on a row of positive probabilities, a row
+    with most of them 0 and a row with one: a kernel wrong in any one of those, or leaving another state, fails."""
+    assert draw.agrees(LIB)
+    assert not draw.agrees(Faulty(case))
+
+
+def test_a_kernel_that_disagrees_is_refused_once_and_for_all(monkeypatch):
+    """The loader names the kernel and what runs instead; a kernel that disagrees with torch is dropped with one
+    warning, and later calls neither load nor warn again."""
+    loads = []
+
+    class Wrong:
+        def draw_tokens(self, *args):
+            return 2
+
+    def loader(env, build, what, otherwise, **kwargs):
+        loads.append((env, what, otherwise))
+        return Wrong()
+
+    monkeypatch.setattr(draw, "_library", None)
+    monkeypatch.setattr(draw.rows, "load_kernel", loader)
+    with pytest.warns(UserWarning, match=r"modules/draw.cpp does not reproduce torch .*'s multinomial here; sampling "
+                                         r"draws with torch.multinomial"):
+        assert not draw.available()
+    assert loads == [(draw.ENV, "the sampling draw kernel modules/draw.cpp", "sampling draws with torch.multinomial")]
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not draw.available() and not draw.applies(torch.ones(3), None)
+    assert len(loads) == 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_cuda_generator_goes_to_torch():
+    with pytest.raises(RuntimeError):  # torch's own refusal of a CUDA generator for CPU probabilities
+        draw.multinomial(torch.full((2, 5), 0.2), torch.Generator(device="cuda"))

@@ -494,12 +494,36 @@ class Worker:
 # runs one engine: each is timed as it runs alone.
 PAUSE = 0.2
 
-def interleaved(workers: dict[str, Worker], task: dict, rounds: int) -> tuple[dict, dict]:
+PROBE = None  # the host probe's buffer (64 MB), made at its first use
+
+
+def host_read_speed() -> float:
+    """The host's memory read speed now, GB/s: the best of 3 numpy sums of 64 MB on one core (numpy keeps no thread
+    pool spinning after it, unlike torch's). Taken before each timed call of the engines bench, it tells the host's
+    own rounds from an engine's: a 2-core cloud VM's memory speed changes within seconds with its neighbours."""
+    import numpy as np
+
+    global PROBE
+    if PROBE is None:
+        PROBE = np.ones(16 * 2**20, dtype=np.float32)
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        PROBE.sum()
+        best = min(best, time.perf_counter() - start)
+    return PROBE.nbytes / best / 1e9
+
+
+def interleaved(workers: dict[str, Worker], task: dict, rounds: int,
+                host: dict[str, list[float]] | None = None) -> tuple[dict, dict]:
     """Each round asks every engine once, in an order rotated per round -> (seconds lists, last tokens). Each call
-    waits PAUSE first (see PAUSE)."""
+    waits PAUSE first (see PAUSE); with `host`, the host's read speed (host_read_speed) is taken at the start of that
+    pause and appended to host[engine]."""
     names, times, tokens = list(workers), {n: [] for n in workers}, {}
     for r in range(rounds):
         for name in names[r % len(names):] + names[: r % len(names)]:
+            if host is not None:
+                host.setdefault(name, []).append(host_read_speed())
             time.sleep(PAUSE)
             answer = workers[name].ask(task)
             times[name].append(answer["seconds"])
@@ -515,6 +539,18 @@ def alternating(worker: Worker, task: dict, env: dict, rounds: int) -> dict:
         for which in (("own", "env") if r % 2 == 0 else ("env", "own")):
             times[which].append(worker.ask({**task, "env": env} if which == "env" else task)["seconds"])
     return times
+
+
+def host_note(seconds: list[float], host: list[float]) -> str:
+    """An engine's rounds against the host's read speed before each: 'speed max/min 1.31; host 9.8-14.2 GB/s before
+    its calls, r = 0.85' (r: the correlation of the call's speed, 1 / seconds, with the host's; near 1, the rounds
+    follow the host's memory; near 0, something else moves them)."""
+    try:
+        r = f"{statistics.correlation([1 / t for t in seconds], host):.2f}"
+    except statistics.StatisticsError:  # fewer than 2 rounds, or a constant side
+        r = "-"
+    return (f"speed max/min {max(seconds) / min(seconds):.2f}; host {min(host):.1f}-{max(host):.1f} GB/s before its "
+            f"calls, r = {r}")
 
 
 def paired(times: dict) -> tuple[float, float, float]:
@@ -602,7 +638,8 @@ def main() -> None:
         print("a full garbage collection after the warm-up: "
               + ", ".join(f"{name} {seconds * 1e3:.0f} ms" for name, seconds in swept.items()), flush=True)
         spinners = spin(args.busy)
-        times, tokens = interleaved(workers, decode, args.rounds)
+        host = {}  # the host's read speed before each decode call
+        times, tokens = interleaved(workers, decode, args.rounds, host)
         prefill = {"task": "prefill", "prompt": long_prompt}
         pre_times = interleaved(workers, prefill, args.rounds)[0] if args.prefill else {}
         # the decode rows' own prompt to its first token: a short prompt's pass, the LM head's one row
@@ -634,9 +671,14 @@ def main() -> None:
                          target=f">= 1.0x the fastest of {', '.join(TARGETS[e])}", met=rate[e] >= best)
         rec.add(f"decode b1 {e}{busy}", {e: rate[e], **({"ours-fp32": base} if base and e != "ours-fp32" else {})},
                 "new tokens/s", notes=f"{100 * rate[e] / limits[e]:.0f}% of its read-bandwidth limit "
-                f"({limits[e]:.1f} tok/s at {bandwidth:.1f} GB/s); tokens vs {REFERENCE}: {match}",
+                f"({limits[e]:.1f} tok/s at {bandwidth:.1f} GB/s); tokens vs {REFERENCE}: {match}; "
+                + host_note(times[e], host[e]),
                 engine=e, kind="decode", busy=args.busy, threads=args.threads, build=workers[e].build,
-                share=rate[e] / limits[e], tokens=match, seconds=times[e], **extra)
+                share=rate[e] / limits[e], tokens=match, seconds=times[e], host_gbs=host[e], **extra)
+    print(f"the host's memory read speed before each decode call (one core, GB/s): {min(sum(host.values(), [])):.1f}-"
+          f"{max(sum(host.values(), [])):.1f}; per engine, its rounds' speed max/min and their correlation with it:")
+    for e in engines:
+        print(f"  {e:<12} {host_note(times[e], host[e])}")
     goal = THREADS_TARGET[bool(args.busy)]
     if "decode" in ab:
         own, env = (args.new_tokens / statistics.median(ab["decode"][k]) for k in ("own", "env"))

@@ -211,3 +211,31 @@ def test_the_thread_choices_ab_is_the_median_of_each_rounds_pair():
     assert (round(ratio, 3), round(lo, 3), round(hi, 3)) == (0.982, 0.798, 1.01)
     assert round(statistics.median(times["env"]) / statistics.median(times["own"]), 3) == 0.801
     assert ce.paired({"own": [2.0], "env": [1.0]}) == (0.5, 0.5, 0.5)  # env's time over own's: own twice as slow
+
+
+def test_the_hosts_read_speed_is_taken_before_each_call_and_set_beside_each_engines_rounds(monkeypatch):
+    """interleaved(..., host) takes the host's read speed at the start of each call's pause, per engine and in call
+    order; host_note gives an engine's spread and its speed's correlation with the host's (1 where the rounds follow
+    the host, '-' where there is nothing to correlate)."""
+    class Echo:
+        def __init__(self, name):
+            self.name = name
+
+        def ask(self, task):
+            calls.append(self.name)
+            return {"seconds": 1.0 + len(calls), "tokens": [len(calls)]}
+
+    calls, speeds = [], iter(range(100))
+    monkeypatch.setattr(ce, "PAUSE", 0.0)
+    monkeypatch.setattr(ce, "host_read_speed", lambda: float(next(speeds)))
+    host = {}
+    times, _ = ce.interleaved({"a": Echo("a"), "b": Echo("b")}, {"task": "decode"}, 3, host)
+    assert calls == ["a", "b", "b", "a", "a", "b"]  # the order rotates each round
+    assert host == {"a": [0.0, 3.0, 4.0], "b": [1.0, 2.0, 5.0]}
+    assert times == {"a": [2.0, 5.0, 6.0], "b": [3.0, 4.0, 7.0]}
+    assert ce.interleaved({"a": Echo("a")}, {"task": "decode"}, 2)[0] == {"a": [8.0, 9.0]}  # no host: no probe
+    assert ce.host_note([1.0, 1.25, 2.0], [20.0, 16.0, 10.0]) == \
+        "speed max/min 2.00; host 10.0-20.0 GB/s before its calls, r = 1.00"
+    assert ce.host_note([1.0, 1.25, 2.0], [10.0, 16.0, 20.0]).endswith("r = -0.97")
+    assert ce.host_note([1.0, 1.0], [10.0, 12.0]).endswith("r = -") and ce.host_note([1.0], [3.0]).endswith("r = -")
+    assert 0.5 < ce.host_read_speed() < 1000  # a real probe: GB/s of one core's sums

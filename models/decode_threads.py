@@ -42,8 +42,9 @@ and about one in 65 after (the decode steps ramp 8, 16, 32, 64); a block of the 
 median (a core turned busy) re-tries the others at once, and idle cores re-try the larger counts, as for the steps (w8a8
 512-token prompts on the Zen 4, 2026-11-29: the three prompts after each of five busy spells ran 3, 1 and 1 of their 12
 blocks on one thread, 0.26, 0.23 and 0.23 s; without the idle reads up to 12, 12 and 6, 0.40, 0.40 and 0.27 s). Only
-prompts whose blocks are long enough to time (PROMPT_MIN_FLOPS: about a millisecond of products) are timed; shorter ones
-keep torch's count. GPT2_PROMPT_THREADS=off / N / auto, as for the steps.
+prompts whose blocks are long enough to time (PROMPT_MIN_FLOPS: about a millisecond of products) are timed. A shorter
+one (the short prompt's C++ pass) takes what the decode steps of its batch learnt while the machine stays busy, torch's
+count otherwise (short_prompt_threads). GPT2_PROMPT_THREADS=off / N / auto, as for the steps.
 """
 from __future__ import annotations
 
@@ -228,6 +229,7 @@ class DecodeThreads:
     def close(self) -> None:
         if len(self.options) > 1:  # (a fixed count has nothing to remember, and leaves the choice's memory as it was)
             _remembered[self.key] = {"options": list(self.options), "best": self.best,
+                                     "closed": (time.perf_counter(), idle_cpu_seconds()),
                                      "times": {n: list(t) for n, t in self.times.items()},
                                      "period": dict(self.period),
                                      "due_in": {n: max(0, due - self.steps) for n, due in self.due.items()},
@@ -235,3 +237,23 @@ class DecodeThreads:
                                      "quiet_due_in": max(0, self.quiet_due - self.steps)}
         if self.options and torch.get_num_threads() != self.original:
             torch.set_num_threads(self.original)
+
+
+def short_prompt_threads(key: tuple) -> int | None:
+    """The thread count for a prompt too short to time (the short prompt's C++ pass: 16 tokens of gpt2 take 24 ms on
+    2 threads of a quiet Zen 4), or None for torch's: what the decode steps of `key` learnt, where their last call
+    ended on fewer threads than the most and the CPUs have not sat idle since (QUIET_SHARE of the cores the larger
+    counts would add; no idle read to go by: the steps' count). Beside a busy core, a 16-token prompt's first token
+    took 156 ms (60-294) on 2 threads against 63 on 1; quiet, 38 against 61 (gpt2, Zen 4, 2026-12-02): each of the
+    pass's parallel regions waits for the thread that shares the busy core. GPT2_PROMPT_THREADS set (off or a count):
+    None."""
+    memory = _remembered.get(key)
+    if fixed_threads(PROMPT_ENV) is not None or memory is None or memory["best"] == memory["options"][0]:
+        return None
+    since, idle_then = memory["closed"]
+    idle_now = idle_cpu_seconds()
+    elapsed = time.perf_counter() - since
+    if idle_then is not None and idle_now is not None and elapsed >= QUIET_WINDOW:
+        if (idle_now - idle_then) / elapsed >= QUIET_SHARE * (memory["options"][0] - memory["best"]):
+            return None  # the cores sat idle since: the machine is quiet again
+    return memory["best"]

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from models import fast_step
+from models import decode_threads, fast_step
 from models.decode_threads import LONGEST_PERIOD, PROMPT_ENV, PROMPT_MIN_FLOPS, DecodeThreads
 from modules import draw
 from modules import rows as row_kernel
@@ -193,7 +193,8 @@ def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
         step = fast_step.why_not(model, B, key_mask, cache)
         if fast_step.prompt_why_not(model, input_ids, key_mask, cache, step) is None:
             body._check_inputs(input_ids, None, None)
-            hidden = fast_step.FastPrompt(model, T)(input_ids, cache)
+            with short_prompt_threads(model, B, quantize):
+                hidden = fast_step.FastPrompt(model, T)(input_ids, cache)
         else:
             with prompt_threads(model, B * T, quantize):
                 hidden = body(input_ids, mask[:, :T], positions[:, :T], cache,
@@ -262,6 +263,21 @@ def closing_threads(model, rows: int, quantize: str | None = None):
         yield threads
     finally:
         threads.close()
+
+
+@contextlib.contextmanager
+def short_prompt_threads(model, rows: int, quantize: str | None = None):
+    """A short prompt's pass (too short to time) on the count the decode steps of `rows` rows learnt where the
+    machine is still busy (models/decode_threads.py's short_prompt_threads); torch's count restored after."""
+    n = decode_threads.short_prompt_threads((rows, quantize, sum(p.numel() for p in model.parameters())))
+    original = torch.get_num_threads()
+    if n is not None and n != original:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        if torch.get_num_threads() != original:
+            torch.set_num_threads(original)
 
 
 @contextlib.contextmanager

@@ -72,8 +72,8 @@ def available() -> bool:
 
 
 def _draw(lib, probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor | None:
-    """The kernel's tokens for contiguous 2-D float32 rows (the generator advanced), or None where torch must draw (nothing
-    changed then)."""
+    """The kernel's tokens for contiguous 2-D float32 rows (the generator advanced), or None where torch must draw
+    (nothing changed then)."""
     state = generator.get_state()
     out = torch.empty(probs.shape[0], dtype=torch.long)
     code = lib.draw_tokens(probs.data_ptr(), probs.shape[0], probs.shape[1], probs.shape[1], state.data_ptr(),

@@ -528,3 +528,70 @@ def test_idle_cpu_seconds_reads_proc_stat_or_says_none(monkeypatch):
     assert decode_threads.idle_cpu_seconds() == 0.0  # no CPU of this process in the file: nothing idle
     monkeypatch.setattr("builtins.open", lambda *a, **k: (_ for _ in ()).throw(OSError("no /proc")))
     assert decode_threads.idle_cpu_seconds() is None
+
+
+def _remember(key, best, closed_at, idle_then, options=(4, 2, 1)):
+    decode_threads._remembered[key] = {"options": list(options), "best": best, "closed": (closed_at, idle_then)}
+
+
+@pytest.mark.parametrize("case, expected", [
+    ("none remembered", None), ("all threads", None), ("busy since", 1), ("idle since", None),
+    ("idle since, threshold", None), ("just under the threshold", 1), ("too soon to read", 1), ("no idle read", 1),
+    ("no idle read then", 1), ("prompt threads off", None), ("prompt threads fixed", None)])
+def test_a_short_prompt_takes_the_steps_count_while_the_machine_stays_busy(monkeypatch, threads4, case, expected):
+    """short_prompt_threads: the decode steps' learnt count where their last call ended below the most threads and the
+    CPUs have not sat idle since (QUIET_SHARE, 0.5, of the 3 cores 1 -> 4 threads would add: 1.5 CPUs idle over the
+    time since); None otherwise (torch's count), and always with GPT2_PROMPT_THREADS set."""
+    clock = Clock(monkeypatch, cpus=4)
+    clock.now, clock.idle_seconds = 10.0, 100.0
+    key = (1, None, 1234)
+    best, since, idle_then = {"none remembered": (None, 0, 0), "all threads": (4, 9.0, 100.0)}.get(case,
+                                                                                                 (1, 9.0, 100.0))
+    if case != "none remembered":
+        _remember(key, best, since, None if case == "no idle read then" else idle_then)
+    clock.idle_seconds += {"idle since": 3.0, "idle since, threshold": 1.5, "just under the threshold": 1.49}.get(
+        case, 0.2)
+    if case == "too soon to read":
+        _remember(key, 1, 10.0 - decode_threads.QUIET_WINDOW / 2, 0.0)  # all idle, but within one window
+    if case == "no idle read":
+        monkeypatch.setattr(decode_threads, "idle_cpu_seconds", lambda: None)
+    if case.startswith("prompt threads"):
+        monkeypatch.setenv("GPT2_PROMPT_THREADS", "off" if case.endswith("off") else "2")
+    else:
+        monkeypatch.delenv("GPT2_PROMPT_THREADS", raising=False)
+    assert decode_threads.short_prompt_threads(key) == expected
+
+
+def test_a_closing_loop_remembers_when_it_closed_and_the_idle_time_then(monkeypatch, threads4):
+    clock = Clock(monkeypatch, cpus=4)
+    picker = DecodeThreads(("k",))
+    clock.run(picker, 5, {4: 1.0, 2: 0.6, 1: 0.5}.get)
+    clock.idle_seconds = 42.0
+    picker.close()
+    assert decode_threads._remembered[("k",)]["closed"] == (clock.now, 42.0)
+
+
+def test_the_short_prompts_pass_runs_on_the_learnt_count_and_restores_torchs(monkeypatch, threads4):
+    """generate's short prompt (the C++ pass) on what short_prompt_threads gives for the decode steps' key (rows,
+    quantize, parameters), torch's count again after it; None keeps torch's."""
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=64, vocab_size=97, n_positions=64)).eval()
+    ids = torch.randint(0, 97, (1, 6), generator=torch.Generator().manual_seed(0))
+    if fast_step.prompt_why_not(model, ids, None, model.gpt.new_cache(1, 8), None) is not None:
+        pytest.skip("the short prompt's C++ pass does not run here")
+    asked, during = [], []
+    real_pass = fast_step.FastPrompt.__call__
+    monkeypatch.setattr(fast_step.FastPrompt, "__call__",
+                        lambda self, *a: during.append(torch.get_num_threads()) or real_pass(self, *a))
+    expected = model.generate(ids, max_new_tokens=3)
+    for learnt in (1, 2, None):
+        monkeypatch.setattr(decode_threads, "short_prompt_threads", lambda key, n=learnt: asked.append(key) or n)
+        during.clear()
+        assert torch.equal(model.generate(ids, max_new_tokens=3), expected)
+        assert during == [learnt or 4] and torch.get_num_threads() == 4
+    assert asked[-1] == (1, None, sum(p.numel() for p in model.parameters()))
+    monkeypatch.setattr(decode_threads, "short_prompt_threads", lambda key: 1)
+    monkeypatch.setattr(fast_step.FastPrompt, "__call__", lambda self, *a: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        model.generate(ids, max_new_tokens=3)
+    assert torch.get_num_threads() == 4  # restored when the pass fails

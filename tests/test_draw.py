@@ -166,8 +166,8 @@ def test_the_public_draw_equals_torch_multinomial_in_every_form(case):
 
 
 def test_the_kernel_is_used_only_where_it_reproduces_torch(monkeypatch):
-    """applies() takes contiguous CPU float32 rows, 1 or 2 dims, without gradients, a CPU generator or none; a kernel that
-    draws other tokens than torch.multinomial (a torch whose draws changed) is refused with a warning."""
+    """applies() takes contiguous CPU float32 rows, 1 or 2 dims, without gradients, a CPU generator or none; a
+    kernel that draws other tokens than torch.multinomial (a torch whose draws changed) is refused with a warning."""
     monkeypatch.setattr(draw, "_library", LIB or False)
     rows = torch.full((2, 5), 0.2)
     assert draw.applies(rows, None) is (LIB is not None)

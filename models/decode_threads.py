@@ -229,7 +229,6 @@ class DecodeThreads:
     def close(self) -> None:
         if len(self.options) > 1:  # (a fixed count has nothing to remember, and leaves the choice's memory as it was)
             _remembered[self.key] = {"options": list(self.options), "best": self.best,
-                                     "closed": (time.perf_counter(), idle_cpu_seconds()),
                                      "times": {n: list(t) for n, t in self.times.items()},
                                      "period": dict(self.period),
                                      "due_in": {n: max(0, due - self.steps) for n, due in self.due.items()},
@@ -239,21 +238,32 @@ class DecodeThreads:
             torch.set_num_threads(self.original)
 
 
+def running_tasks() -> int | None:
+    """The tasks runnable on the machine at this instant (/proc/stat's procs_running, this one included); None where
+    it cannot be read."""
+    try:
+        with open("/proc/stat") as stat:
+            for line in stat:
+                if line.startswith("procs_running"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def short_prompt_threads(key: tuple) -> int | None:
     """The thread count for a prompt too short to time (the short prompt's C++ pass: 16 tokens of gpt2 take 24 ms on
     2 threads of a quiet Zen 4), or None for torch's: what the decode steps of `key` learnt, where their last call
-    ended on fewer threads than the most and the CPUs have not sat idle since (QUIET_SHARE of the cores the larger
-    counts would add; no idle read to go by: the steps' count). Beside a busy core, a 16-token prompt's first token
-    took 156 ms (60-294) on 2 threads against 63 on 1; quiet, 38 against 61 (gpt2, Zen 4, 2026-12-02): each of the
-    pass's parallel regions waits for the thread that shares the busy core. GPT2_PROMPT_THREADS set (off or a count):
-    None."""
+    ended on fewer threads than the most and another task is running now (/proc/stat's procs_running: fewer CPUs of
+    this process's free than the most threads; not readable: the steps' count). An idle reading over the time since
+    that call would not do: between calls the other core may idle while a busy one stays busy. Beside a busy core, a
+    16-token prompt's first token took 156 ms (60-294) on 2 threads against 63 on 1; quiet, 38 against 61 (gpt2,
+    Zen 4, 2026-12-02): each of the pass's parallel regions waits for the thread that shares the busy core.
+    GPT2_PROMPT_THREADS set (off or a count): None."""
     memory = _remembered.get(key)
     if fixed_threads(PROMPT_ENV) is not None or memory is None or memory["best"] == memory["options"][0]:
         return None
-    since, idle_then = memory["closed"]
-    idle_now = idle_cpu_seconds()
-    elapsed = time.perf_counter() - since
-    if idle_then is not None and idle_now is not None and elapsed >= QUIET_WINDOW:
-        if (idle_now - idle_then) / elapsed >= QUIET_SHARE * (memory["options"][0] - memory["best"]):
-            return None  # the cores sat idle since: the machine is quiet again
+    running = running_tasks()
+    if running is not None and len(os.sched_getaffinity(0)) - (running - 1) >= memory["options"][0]:
+        return None  # nothing else runs now: every thread has a core
     return memory["best"]

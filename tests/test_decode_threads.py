@@ -530,31 +530,21 @@ def test_idle_cpu_seconds_reads_proc_stat_or_says_none(monkeypatch):
     assert decode_threads.idle_cpu_seconds() is None
 
 
-def _remember(key, best, closed_at, idle_then, options=(4, 2, 1)):
-    decode_threads._remembered[key] = {"options": list(options), "best": best, "closed": (closed_at, idle_then)}
-
-
 @pytest.mark.parametrize("case, expected", [
-    ("none remembered", None), ("all threads", None), ("busy since", 1), ("idle since", None),
-    ("idle since, threshold", None), ("just under the threshold", 1), ("too soon to read", 1), ("no idle read", 1),
-    ("no idle read then", 1), ("prompt threads off", None), ("prompt threads fixed", None)])
-def test_a_short_prompt_takes_the_steps_count_while_the_machine_stays_busy(monkeypatch, threads4, case, expected):
-    """short_prompt_threads: the decode steps' learnt count where their last call ended below the most threads and the
-    CPUs have not sat idle since (QUIET_SHARE, 0.5, of the 3 cores 1 -> 4 threads would add: 1.5 CPUs idle over the
-    time since); None otherwise (torch's count), and always with GPT2_PROMPT_THREADS set."""
-    clock = Clock(monkeypatch, cpus=4)
-    clock.now, clock.idle_seconds = 10.0, 100.0
+    ("none remembered", None), ("all threads", None), ("others running", 1), ("one other, 4 cpus", 1),
+    ("nothing else running", None), ("free cpus enough", None), ("not readable", 1), ("prompt threads off", None),
+    ("prompt threads fixed", None)])
+def test_a_short_prompt_takes_the_steps_count_while_another_task_runs(monkeypatch, threads4, case, expected):
+    """short_prompt_threads: the decode steps' learnt count where their last call ended below the most threads (4) and
+    fewer of this process's CPUs than that are free now (procs_running counts this task too); None otherwise
+    (torch's count), and always with GPT2_PROMPT_THREADS set; /proc/stat not readable: the steps' count."""
     key = (1, None, 1234)
-    best, since, idle_then = {"none remembered": (None, 0, 0), "all threads": (4, 9.0, 100.0)}.get(case,
-                                                                                                 (1, 9.0, 100.0))
     if case != "none remembered":
-        _remember(key, best, since, None if case == "no idle read then" else idle_then)
-    clock.idle_seconds += {"idle since": 3.0, "idle since, threshold": 1.5, "just under the threshold": 1.49}.get(
-        case, 0.2)
-    if case == "too soon to read":
-        _remember(key, 1, 10.0 - decode_threads.QUIET_WINDOW / 2, 0.0)  # all idle, but within one window
-    if case == "no idle read":
-        monkeypatch.setattr(decode_threads, "idle_cpu_seconds", lambda: None)
+        decode_threads._remembered[key] = {"options": [4, 2, 1], "best": 4 if case == "all threads" else 1}
+    cpus, running = {"one other, 4 cpus": (4, 2), "nothing else running": (4, 1), "free cpus enough": (6, 3),
+                     "not readable": (4, None)}.get(case, (2, 2))
+    monkeypatch.setattr(decode_threads.os, "sched_getaffinity", lambda pid: set(range(cpus)))
+    monkeypatch.setattr(decode_threads, "running_tasks", lambda: running)
     if case.startswith("prompt threads"):
         monkeypatch.setenv("GPT2_PROMPT_THREADS", "off" if case.endswith("off") else "2")
     else:
@@ -562,13 +552,21 @@ def test_a_short_prompt_takes_the_steps_count_while_the_machine_stays_busy(monke
     assert decode_threads.short_prompt_threads(key) == expected
 
 
-def test_a_closing_loop_remembers_when_it_closed_and_the_idle_time_then(monkeypatch, threads4):
-    clock = Clock(monkeypatch, cpus=4)
-    picker = DecodeThreads(("k",))
-    clock.run(picker, 5, {4: 1.0, 2: 0.6, 1: 0.5}.get)
-    clock.idle_seconds = 42.0
-    picker.close()
-    assert decode_threads._remembered[("k",)]["closed"] == (clock.now, 42.0)
+def test_the_running_tasks_are_read_from_proc_stat(monkeypatch):
+    import builtins
+    import io
+
+    real_open = builtins.open
+    for text, expected in (("cpu  1 2 3\nprocs_running 3\nprocs_blocked 0\n", 3), ("cpu  1 2 3\n", None),
+                           ("procs_running x\n", None)):
+        monkeypatch.setattr(builtins, "open", lambda path, *a, t=text, **k: io.StringIO(t) if path == "/proc/stat"
+                            else real_open(path, *a, **k))
+        assert decode_threads.running_tasks() == expected
+    monkeypatch.setattr(builtins, "open", lambda path, *a, **k: (_ for _ in ()).throw(OSError("no /proc")))
+    assert decode_threads.running_tasks() is None
+    monkeypatch.undo()
+    if os.path.exists("/proc/stat"):
+        assert decode_threads.running_tasks() >= 1  # this test's own process runs
 
 
 def test_the_short_prompts_pass_runs_on_the_learnt_count_and_restores_torchs(monkeypatch, threads4):

@@ -195,8 +195,9 @@ def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
             body._check_inputs(input_ids, None, None)
             with short_prompt_threads(model, B, quantize):
                 hidden = fast_step.FastPrompt(model, T)(input_ids, cache)
-        else:
-            with prompt_threads(model, B * T, quantize):
+        else:  # a prompt too short to time its blocks takes the decode steps' count while the machine stays busy
+            timed = prompt_is_timed(model, B * T)
+            with prompt_threads(model, B * T, quantize) if timed else short_prompt_threads(model, B, quantize):
                 hidden = body(input_ids, mask[:, :T], positions[:, :T], cache,
                               use_cache=True)["last_hidden_state"][:, -1]
         pad = pad_token_id if pad_token_id is not None else (eos_token_id if eos_token_id is not None else 0)
@@ -265,10 +266,17 @@ def closing_threads(model, rows: int, quantize: str | None = None):
         threads.close()
 
 
+def prompt_is_timed(model, rows: int) -> bool:
+    """Whether a prompt of `rows` tokens in all has blocks long enough to time (PROMPT_MIN_FLOPS), on the CPU."""
+    width = model.config.n_embd
+    return next(model.parameters()).is_cpu and 24 * rows * width * width >= PROMPT_MIN_FLOPS
+
+
 @contextlib.contextmanager
 def short_prompt_threads(model, rows: int, quantize: str | None = None):
-    """A short prompt's pass (too short to time) on the count the decode steps of `rows` rows learnt where the
-    machine is still busy (models/decode_threads.py's short_prompt_threads); torch's count restored after."""
+    """A short prompt's pass (too short to time: the C++ pass, or the layers' for a bf16 model, w8a8, padding) on the
+    count the decode steps of `rows` rows learnt where the machine is still busy (models/decode_threads.py's
+    short_prompt_threads); torch's count restored after."""
     n = decode_threads.short_prompt_threads((rows, quantize, sum(p.numel() for p in model.parameters())))
     original = torch.get_num_threads()
     if n is not None and n != original:
@@ -285,8 +293,7 @@ def prompt_threads(model, rows: int, quantize: str | None = None):
     """Each block of a long prompt's pass (`rows` tokens in all) on the thread count that timed fastest so far: a
     DecodeThreads stepped by hooks at each block's start and end (models/decode_threads.py); torch's count restored
     at the end. Prompts whose blocks are too short to time (PROMPT_MIN_FLOPS) and models off the CPU: nothing."""
-    width = model.config.n_embd
-    active = next(model.parameters()).is_cpu and 24 * rows * width * width >= PROMPT_MIN_FLOPS
+    active = prompt_is_timed(model, rows)
     size = 1 << (rows - 1).bit_length()  # rows rounded up to a power of two: one remembered state per size class
     key = ("prompt", size, quantize, sum(p.numel() for p in model.parameters()))
     threads = DecodeThreads(key, active=active, env=PROMPT_ENV, work=rows, first_period=LONGEST_PERIOD)

@@ -593,3 +593,24 @@ def test_the_short_prompts_pass_runs_on_the_learnt_count_and_restores_torchs(mon
     with pytest.raises(ZeroDivisionError):
         model.generate(ids, max_new_tokens=3)
     assert torch.get_num_threads() == 4  # restored when the pass fails
+
+
+def test_a_short_prompt_through_the_layers_takes_the_learnt_count_too(monkeypatch, threads4):
+    """A prompt the C++ pass does not take (padding here) and too short to time its blocks: its layers run on what
+    short_prompt_threads gives; a prompt long enough to time keeps the blocks' own choice and never asks it."""
+    model, asked, counts = _deep_tiny(), [], []
+    ids = torch.randint(0, 97, (2, 20), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # left padding: the layers' pass
+    for layer in model.gpt.gpt_layers:
+        layer.register_forward_pre_hook(lambda *_: counts.append(torch.get_num_threads()))
+    monkeypatch.setattr(decode_threads, "short_prompt_threads", lambda key: asked.append(key) or 1)
+    model.generate(ids, mask, max_new_tokens=1)
+    assert asked == [(2, None, sum(p.numel() for p in model.parameters()))]
+    assert counts[:len(model.gpt.gpt_layers)] == [1] * len(model.gpt.gpt_layers) and torch.get_num_threads() == 4
+    from models import generation
+
+    monkeypatch.setattr(generation, "PROMPT_MIN_FLOPS", 0)  # now timed: the blocks' choice, not the short rule
+    asked.clear()
+    model.generate(ids, mask, max_new_tokens=1)
+    assert asked == []

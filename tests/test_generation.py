@@ -150,22 +150,37 @@ def test_one_left_padded_prompt_equals_transformers_and_the_prompt_without_its_p
 def test_the_thread_plans_are_keyed_by_rows_the_weights_form_and_the_models_size(monkeypatch):
     """Each prompt pass and each decode loop keeps the thread count it timed under its own key (models/
     decode_threads.py): the prompt's rows rounded up to a power of two, or the loop's rows; the weights' form
-    (quantize, whose copies stream at other speeds); the model's size."""
-    keys = []
+    (quantize, whose copies stream at other speeds); the model's size. A prompt too short to time asks the decode
+    steps' key instead (short_prompt_threads)."""
+    from models import decode_threads
+
+    keys, short = [], []
     real = generation.DecodeThreads
     monkeypatch.setattr(generation, "DecodeThreads", lambda key, **kw: keys.append(key) or real(key, **kw))
+    monkeypatch.setattr(decode_threads, "short_prompt_threads", lambda key: short.append(key) or None)
     _, ours = load_pair(tiny_config("h4-wide"))
     size = ours.num_parameters()
     ids = torch.randint(0, 100, (3, 5), generator=torch.Generator().manual_seed(0))
     monkeypatch.setenv(fast_step.PROMPT_ENV, "0")  # a one-row prompt through the layers, as a longer one goes
+    monkeypatch.setattr(generation, "PROMPT_MIN_FLOPS", 0)  # these prompts timed, as long ones are
     ours.generate(ids[:1], max_new_tokens=3, quantize="int8")
     ours.generate(ids, max_new_tokens=3)
     assert keys == [("prompt", 8, "int8", size), (1, "int8", size), ("prompt", 16, None, size), (3, None, size)]
+    assert short == []
+    monkeypatch.undo()
+    monkeypatch.setattr(generation, "DecodeThreads", lambda key, **kw: keys.append(key) or real(key, **kw))
+    monkeypatch.setattr(decode_threads, "short_prompt_threads", lambda key: short.append(key) or None)
+    monkeypatch.setenv(fast_step.PROMPT_ENV, "0")
+    keys.clear()
+    ours.generate(ids[:1], max_new_tokens=3, quantize="int8")  # too short to time: the steps' key is asked
+    ours.generate(ids, max_new_tokens=3)
+    assert keys == [(1, "int8", size), (3, None, size)] and short == [(1, "int8", size), (3, None, size)]
     if paths.BY_NAME["prompt-pass"].runs_here() is None:  # the C++ prompt pass: one call, no thread count to time
         monkeypatch.delenv(fast_step.PROMPT_ENV)
         keys.clear()
+        short.clear()
         ours.generate(ids[:1], max_new_tokens=3, quantize="int8")
-        assert keys == [(1, "int8", size)]
+        assert keys == [(1, "int8", size)] and short == [(1, "int8", size)]
 
 
 @pytest.mark.parametrize("where", ["layers", "c++ pass"])

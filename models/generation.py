@@ -98,7 +98,7 @@ def _nucleus_from_binades(row: np.ndarray, p: float) -> float | None:
     n_keep = len(top) - int(remove_sorted.sum())
     if not torch.equal(remove_sorted, torch.arange(len(top)) >= n_keep):
         return None
-    if n_keep < len(top) and top[n_keep] == top[n_keep - 1]:  # later candidates are smaller than every candidate
+    if n_keep < len(top) and top[n_keep] == top[n_keep - 1]:  # (all kept: the tokens after them are smaller)
         return None
     return float(top[n_keep - 1])
 
@@ -106,8 +106,9 @@ def _nucleus_from_binades(row: np.ndarray, p: float) -> float | None:
 def _top_p_from_the_top(logits: torch.Tensor, p: float) -> torch.Tensor:
     """top_p_filter on the CPU without sorting every row: each row's cut from its largest probabilities
     (_nucleus_from_binades), the kept tokens those at or above the smallest kept probability; where a row needs
-    torch.sort's order, the torch.sort path. gpt2's 50,257 logits: ~0.3 ms a row whatever the nucleus, against
-    ~1.1 ms for numpy's sort of the row's values and ~4 ms for torch.sort."""
+    torch.sort's order, the torch.sort path. gpt2's 50,257 logits on a Zen 4: 0.3-0.6 ms a row for nuclei of 1 to
+    5,545 tokens, 1.6 ms for a flat row's 30,680, against ~2 ms sorting the row's values and ~4 ms through
+    torch.sort."""
     probs = logits.softmax(dim=-1)
     rows = probs.detach().reshape(-1, logits.shape[-1]).numpy()
     smallest = [_nucleus_from_binades(row, p) for row in rows]

@@ -614,3 +614,22 @@ def test_a_short_prompt_through_the_layers_takes_the_learnt_count_too(monkeypatc
     asked.clear()
     model.generate(ids, mask, max_new_tokens=1)
     assert asked == []
+
+
+REAL_IDLE_CPU_SECONDS = decode_threads.idle_cpu_seconds  # (the autouse fixture replaces it in every test)
+
+
+def test_the_idle_seconds_are_this_processs_cpus_idle_and_iowait_ticks(monkeypatch):
+    """idle_cpu_seconds: the idle + iowait columns of the cpuN lines of the CPUs in this process's affinity (not the
+    'cpu' total, not other CPUs), over the clock tick."""
+    import builtins
+    import io
+
+    stat = ("cpu  9 9 9 900 90 9 9\ncpu0 1 2 3 100 10 7 8\ncpu1 1 2 3 200 20 7 8\ncpu2 1 2 3 400 40 7 8\n"
+            "procs_running 2\n")
+    real_open = builtins.open
+    monkeypatch.setattr(builtins, "open", lambda path, *a, **k: io.StringIO(stat) if path == "/proc/stat"
+                        else real_open(path, *a, **k))
+    monkeypatch.setattr(decode_threads.os, "sched_getaffinity", lambda pid: {0, 2} if pid == 0 else {1})
+    monkeypatch.setattr(decode_threads.os, "sysconf", lambda name: 100 if name == "SC_CLK_TCK" else 0)
+    assert REAL_IDLE_CPU_SECONDS() == pytest.approx((100 + 10 + 400 + 40) / 100)

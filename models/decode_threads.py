@@ -251,6 +251,12 @@ def running_tasks() -> int | None:
     return None
 
 
+def remembers_fewer_threads() -> bool:
+    """Whether some loop's last call ended on fewer threads than the most (else short_prompt_threads is None for
+    every key, and a caller need not build one: a key's parameter count is ~0.3 ms of gpt2's 148 tensors)."""
+    return any(memory["best"] != memory["options"][0] for memory in _remembered.values())
+
+
 def short_prompt_threads(key: tuple) -> int | None:
     """The thread count for a prompt too short to time (the short prompt's C++ pass: 16 tokens of gpt2 take 24 ms on
     2 threads of a quiet Zen 4), or None for torch's: what the decode steps of `key` learnt, where their last call

@@ -278,7 +278,8 @@ def short_prompt_threads(model, rows: int, quantize: str | None = None):
     """A short prompt's pass (too short to time: the C++ pass, or the layers' for a bf16 model, w8a8, padding) on the
     count the decode steps of `rows` rows learnt where the machine is still busy (models/decode_threads.py's
     short_prompt_threads); torch's count restored after."""
-    n = decode_threads.short_prompt_threads((rows, quantize, sum(p.numel() for p in model.parameters())))
+    n = decode_threads.short_prompt_threads((rows, quantize, sum(p.numel() for p in model.parameters()))) \
+        if decode_threads.remembers_fewer_threads() else None  # (quiet: no key to count)
     original = torch.get_num_threads()
     if n is not None and n != original:
         torch.set_num_threads(n)

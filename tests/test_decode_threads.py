@@ -583,6 +583,7 @@ def test_the_short_prompts_pass_runs_on_the_learnt_count_and_restores_torchs(mon
                         lambda self, *a: during.append(torch.get_num_threads()) or real_pass(self, *a))
     expected = model.generate(ids, max_new_tokens=3)
     for learnt in (1, 2, None):
+        monkeypatch.setattr(decode_threads, "remembers_fewer_threads", lambda: True)  # (a busy spell remembered)
         monkeypatch.setattr(decode_threads, "short_prompt_threads", lambda key, n=learnt: asked.append(key) or n)
         during.clear()
         assert torch.equal(model.generate(ids, max_new_tokens=3), expected)
@@ -604,6 +605,7 @@ def test_a_short_prompt_through_the_layers_takes_the_learnt_count_too(monkeypatc
     mask[1, :3] = 0  # left padding: the layers' pass
     for layer in model.gpt.gpt_layers:
         layer.register_forward_pre_hook(lambda *_: counts.append(torch.get_num_threads()))
+    monkeypatch.setattr(decode_threads, "remembers_fewer_threads", lambda: True)  # (a busy spell remembered)
     monkeypatch.setattr(decode_threads, "short_prompt_threads", lambda key: asked.append(key) or 1)
     model.generate(ids, mask, max_new_tokens=1)
     assert asked == [(2, None, sum(p.numel() for p in model.parameters()))]
@@ -633,3 +635,24 @@ def test_the_idle_seconds_are_this_processs_cpus_idle_and_iowait_ticks(monkeypat
     monkeypatch.setattr(decode_threads.os, "sched_getaffinity", lambda pid: {0, 2} if pid == 0 else {1})
     monkeypatch.setattr(decode_threads.os, "sysconf", lambda name: 100 if name == "SC_CLK_TCK" else 0)
     assert REAL_IDLE_CPU_SECONDS() == pytest.approx((100 + 10 + 400 + 40) / 100)
+
+
+def test_a_quiet_process_asks_no_short_prompt_count_and_counts_no_parameters(monkeypatch, threads4):
+    """remembers_fewer_threads: some loop's last call ended below its most threads. Until then a short prompt asks
+    short_prompt_threads nothing (its key's parameter count is not built); after a busy loop, it asks."""
+    assert not decode_threads.remembers_fewer_threads()
+    decode_threads._remembered[("a",)] = {"options": [4, 2, 1], "best": 4}
+    assert not decode_threads.remembers_fewer_threads()
+    decode_threads._remembered[("b",)] = {"options": [4, 2, 1], "best": 2}
+    assert decode_threads.remembers_fewer_threads()
+    decode_threads._remembered.clear()
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=64, vocab_size=97, n_positions=64)).eval()
+    ids = torch.randint(0, 97, (1, 6), generator=torch.Generator().manual_seed(0))
+    asked = []
+    monkeypatch.setattr(decode_threads, "short_prompt_threads", lambda key: asked.append(key) or None)
+    monkeypatch.setenv("GPT2_DECODE_THREADS", "auto")
+    model.generate(ids, max_new_tokens=1)
+    assert asked == []
+    decode_threads._remembered[("b",)] = {"options": [4, 2, 1], "best": 2}
+    model.generate(ids, max_new_tokens=1)
+    assert asked == [(1, None, sum(p.numel() for p in model.parameters()))]

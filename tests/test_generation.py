@@ -157,6 +157,7 @@ def test_the_thread_plans_are_keyed_by_rows_the_weights_form_and_the_models_size
     keys, short = [], []
     real = generation.DecodeThreads
     monkeypatch.setattr(generation, "DecodeThreads", lambda key, **kw: keys.append(key) or real(key, **kw))
+    monkeypatch.setattr(decode_threads, "remembers_fewer_threads", lambda: True)  # (the key is asked only then)
     monkeypatch.setattr(decode_threads, "short_prompt_threads", lambda key: short.append(key) or None)
     _, ours = load_pair(tiny_config("h4-wide"))
     size = ours.num_parameters()
@@ -169,6 +170,7 @@ def test_the_thread_plans_are_keyed_by_rows_the_weights_form_and_the_models_size
     assert short == []
     monkeypatch.undo()
     monkeypatch.setattr(generation, "DecodeThreads", lambda key, **kw: keys.append(key) or real(key, **kw))
+    monkeypatch.setattr(decode_threads, "remembers_fewer_threads", lambda: True)  # (the key is asked only then)
     monkeypatch.setattr(decode_threads, "short_prompt_threads", lambda key: short.append(key) or None)
     monkeypatch.setenv(fast_step.PROMPT_ENV, "0")
     keys.clear()

@@ -25,10 +25,12 @@ The prompt's pass before the steps can run in one C++ call too (rows.cpp, `gpt2_
 models.generation.prefill): one fp32 sequence without padding into an empty cache, every block as the step runs it for
 that many rows (causal attention over the prompt by rows_attend_prompt), the last token's final LayerNorm out. Its
 products: 1-8 tokens the kernel's few-row product, 9 to onednn.kernel_rows() its product of many rows (as the layers
-take them; a longer prompt goes through the layers, whose products take oneDNN); not where quantized copies serve the
-prompt (one token under quantize, 9+ tokens with int8 activations). gpt2 on a Zen 4 (2026-12-02, generate with one
-new token, alternating calls): 2-8 tokens 21-27 ms against 63-72 through the layers (whose few-row products took
-oneDNN or F.linear), 12-16 tokens 1.15-1.33x (docs/cpu-decoding.md). GPT2_PROMPT_PASS=0 turns it off.
+take them; a longer prompt goes through the layers, whose products take oneDNN); w8a8 / w4a8 prompts of 9 to
+INT8_PROMPT_TOKENS tokens the pass's own int8 GEMM (rows.cpp `rows_qgemm`: the integers and activation scale of
+oneDNN's int8 GEMM in the layers, on a packed copy of each layer's int8 weight); not a one-token prompt under quantize
+(decode_step's copies). gpt2 on a Zen 4 (2026-12-02, generate with one new token, alternating calls): 2-8 tokens
+21-27 ms against 63-72 through the layers (whose few-row products took oneDNN or F.linear), 12-16 tokens 1.15-1.33x;
+w8a8, 16 tokens 18 against 24 ms (docs/cpu-decoding.md). GPT2_PROMPT_PASS=0 turns it off.
 """
 from __future__ import annotations
 
@@ -39,7 +41,7 @@ import torch
 import torch.nn.modules.module as module_hooks
 from torch import nn
 
-from modules import onednn, prompt_attention
+from modules import onednn, prompt_attention, quant
 from modules import rows as row_kernel
 from modules.attention import KVCache
 from modules.linear import Linear
@@ -229,9 +231,9 @@ def prompt_why_not(model, input_ids: torch.Tensor, key_mask: torch.Tensor | None
     """Why this prompt cannot take the C++ prompt pass (None: it can). step: why_not's answer for the prompt's rows
     (the caller's, asked once a call). The pass needs what the step needs, and one fp32 sequence without padding
     into an empty cache, of at most as many tokens as a prompt's products take the rows kernel (1-8 rows its
-    few-row product, 9 to onednn.kernel_rows() its product of many rows: where Linear.forward takes the kernel too),
-    not a one-token prompt with quantized copies, nor 9+ tokens with int8 activations (those take the copies:
-    decode_step and oneDNN's int8 GEMM)."""
+    few-row product, 9 to onednn.kernel_rows() its product of many rows: where Linear.forward takes the kernel too;
+    w8a8 / w4a8: 9 to INT8_PROMPT_TOKENS its int8 GEMM), not a one-token prompt with quantized copies (decode_step
+    reads those), nor 9+ tokens with int8 activations whose int8 products are off (the layers' float weights)."""
     B, T = input_ids.shape
     if os.environ.get(PROMPT_ENV, "1") == "0":
         return f"{PROMPT_ENV}=0"
@@ -241,10 +243,11 @@ def prompt_why_not(model, input_ids: torch.Tensor, key_mask: torch.Tensor | None
         return "a cache that is not empty or not fp32"
     if step is not None:
         return step
-    if T > row_kernel.MAX_ROWS and not (row_kernel.takes_chunks(T) and T <= onednn.kernel_rows()):
-        return f"{T} tokens (past the rows the kernel takes for a prompt's products: {onednn.kernel_rows()})"
     quantized = model.gpt.gpt_layers[0].self_attention.query.quantized
-    if quantized is not None and (T == 1 or T > row_kernel.MAX_ROWS and quantized.int8_activations):
+    int8 = takes_int8_prompt(quantized, T)
+    if T > row_kernel.MAX_ROWS and not int8 and not (row_kernel.takes_chunks(T) and T <= onednn.kernel_rows()):
+        return f"{T} tokens (past the rows the kernel takes for a prompt's products: {onednn.kernel_rows()})"
+    if quantized is not None and (T == 1 or T > row_kernel.MAX_ROWS and quantized.int8_activations and not int8):
         return "a prompt whose products take the quantized copies"
     if not prompt_attention.available():  # GPT2_PROMPT_ATTENTION=0: a prompt's attention is SDPA's, so the layers'
         return f"prompt attention is off ({prompt_attention.ENV}=0)"
@@ -254,17 +257,44 @@ def prompt_why_not(model, input_ids: torch.Tensor, key_mask: torch.Tensor | None
     return None
 
 
+# The most tokens a w8a8 / w4a8 prompt runs through the pass's int8 products; longer ones go through the layers
+# (oneDNN's int8 GEMM, each block on the thread count prompt_threads times). gpt2, Zen 4, generate with one new token
+# (2026-12-02): 16 tokens 18 against 24 ms, 32: 25 / 41, 64: 36 / 38, 128: 62 / 81, 256: 103 / 103, 512: 204 / 201.
+INT8_PROMPT_TOKENS = 128
+
+
+def takes_int8_prompt(quantized, tokens: int) -> bool:
+    """Whether a prompt of `tokens` tokens whose layers hold `quantized` copies (the first layer's; None: none) runs
+    the pass's int8 products: 9 to INT8_PROMPT_TOKENS tokens of w8a8 / w4a8, where the layers' prompt would take
+    int8 products too (quant.prompt_products_why_not: GPT2_PROMPT_INT8=0 keeps both on the float weights)."""
+    return (quantized is not None and quantized.int8_activations
+            and row_kernel.MAX_ROWS < tokens <= INT8_PROMPT_TOKENS and quant.prompt_products_why_not() is None)
+
+
 class FastPrompt(_Stack):
-    """The C++ prompt pass (rows.cpp, `gpt2_prompt_pass`): one sequence's blocks, fp32 weights, in one call."""
+    """The C++ prompt pass (rows.cpp, `gpt2_prompt_pass`): one sequence's blocks in one call, fp32 weights or, for
+    9+ tokens of w8a8 / w4a8 (takes_int8_prompt), each layer's int8 weight packed for the prompt's integer products
+    (quant.prompt_packed), the activations quantized per tensor as oneDNN's path in the layers quantizes them."""
 
     def __init__(self, model, tokens: int, lib=None):
         self.lib = lib or row_kernel.library_step("fp32", tokens)  # 2+ rows: the prompt's library
         self.body, self.tokens, self.inner = model.gpt, tokens, model.config.inner_dim
+        self.int8 = takes_int8_prompt(model.gpt.gpt_layers[0].self_attention.query.quantized, tokens)
         self._stack(model)
 
-    def __call__(self, input_ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    def _linear(self, layer: Linear) -> StepLinear:
+        made = quant.prompt_packed(layer, self.lib) if self.int8 else None
+        if made is None:
+            return super()._linear(layer)
+        bias = self._fp32(layer.bias)
+        self.keep += made
+        return StepLinear(6, made[0].data_ptr(), made[1].data_ptr(), _pointer(bias), 0, layer.in_features,
+                          layer.out_features)
+
+    def __call__(self, input_ids: torch.Tensor, cache: KVCache) -> torch.Tensor | None:
         """input_ids (1, T) -> the last token's final hidden state (1, C), after writing the prompt's keys and values
-        into the (empty) cache and advancing it."""
+        into the (empty) cache and advancing it; None (the cache left empty) where an int8 product met activations
+        it cannot quantize (a NaN or an infinity: the layers' path multiplies those in fp32)."""
         body, T = self.body, self.tokens
         tokens = input_ids[0].long()  # forward's rule: uint8 ids are ids here, not a mask (int8 / int16: no index)
         x = body.word_embedding.weight.index_select(0, tokens) + body.pos_embedding.weight[:T]
@@ -273,8 +303,10 @@ class FastPrompt(_Stack):
         err = self.lib.gpt2_prompt_pass(self.layers, self.n_layer, self.n_head, self.width, self.eps, T, x.data_ptr(),
                                         self.final[0], self.final[1], cache.keys.data_ptr(), cache.values.data_ptr(),
                                         cache.capacity, scratch.data_ptr(), out.data_ptr(), torch.get_num_threads())
+        row_kernel.wrote(cache.keys, cache.values)  # (written up to the failing block where it failed)
+        if err == -4 and self.int8:
+            return None
         if err != 0:
             raise RuntimeError(f"the C++ prompt pass failed (code {err})")
-        row_kernel.wrote(cache.keys, cache.values)
         cache.advance(T)
         return out

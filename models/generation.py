@@ -191,12 +191,12 @@ def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
         cache = body.new_cache(B, T + max_new_tokens, reuse=True)  # the last call's buffers where it had this shape
         # The prompt goes through the checked forward (a short one, of a plain GPT-2 on the CPU: the checks, then
         # one C++ call, models/fast_step.py); each step then takes the lean path (inputs made here).
-        step = fast_step.why_not(model, B, key_mask, cache)
+        step, hidden = fast_step.why_not(model, B, key_mask, cache), None
         if fast_step.prompt_why_not(model, input_ids, key_mask, cache, step) is None:
             body._check_inputs(input_ids, None, None)
             with short_prompt_threads(model, B, quantize):
-                hidden = fast_step.FastPrompt(model, T)(input_ids, cache)
-        else:  # a prompt too short to time its blocks takes the decode steps' count while the machine stays busy
+                hidden = fast_step.FastPrompt(model, T)(input_ids, cache)  # None: activations int8 cannot take
+        if hidden is None:  # a prompt too short to time its blocks takes the decode steps' count while busy
             timed = prompt_is_timed(model, B * T)
             with prompt_threads(model, B * T, quantize) if timed else short_prompt_threads(model, B, quantize):
                 hidden = body(input_ids, mask[:, :T], positions[:, :T], cache,
@@ -328,7 +328,8 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     about a sixth, read by modules/rows.cpp on x86 CPUs with AVX2 (elsewhere dequantized at each product, with a
     warning: correct, slow). "w8a8" and "w4a8": the same copies, and each product quantizes its input row to int8
     in blocks of 32 columns and multiplies in integers (faster on AVX2, int4 most; inputs multiples of 32), and
-    their prompt (9 tokens or more) takes oneDNN's int8 GEMM; int8 / int4's prompt and batches keep the model's
+    their prompt (9 tokens or more) multiplies integers too, its activations quantized per tensor (up to 128 tokens
+    in the C++ prompt pass's int8 GEMM, longer ones in oneDNN's); int8 / int4's prompt and batches keep the model's
     weights. Outputs are close to the model's own, not identical; int4's further than int8's (the quality of each:
     docs/cpu-decoding.md). The KV cache's buffers are kept on the model for the next call of the same shape
     (GPT2Model.keep_cache).

@@ -13,8 +13,9 @@ shapes stream slowly (the measurements: docs/performance.md, "Figures behind the
 Same values up to float rounding (other summation kernels); training and every other shape take F.linear.
 bf16 inputs of 64+ rows without gradients on AMX CPUs take oneDNN-packed copies of the weights (modules/packed.py).
 Within `quantized_weights(model, mode)` (a modules.quant.QUANTIZE_MODES name) one-row products (batch-1 decoding)
-take int8 or int4 copies of the weights (modules/quant.py); with w8a8 / w4a8 the prompt (more than 8 rows) takes
-oneDNN's int8 GEMM on those weights with its activations quantized per tensor (quant.prompt_product); batches of 2-8
+take int8 or int4 copies of the weights (modules/quant.py); with w8a8 / w4a8 the prompt (more than 8 rows, where
+the C++ prompt pass does not take it) takes oneDNN's int8 GEMM on those weights with its activations quantized per
+tensor (quant.prompt_product); batches of 2-8
 rows, and the prompt of the weight-only modes, keep the layer's own weights (dequantizing per call would cost more
 than the smaller weights save).
 Inputs of 2 to 8 rows in any other shape without gradients (a prompt of 2-8 tokens through the layers: where the C++
@@ -98,16 +99,23 @@ def blocked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return F.linear(x, weight, bias) if views is None else blocked_product(x, views)
 
 
+UNPREPARED = object()  # a quantized layer's one-row product not prepared yet (Linear.quantized_call)
+
+
 class Linear(nn.Linear):
     _blocks: tuple | None = None  # (key, Blocks | None): the decode views, rebuilt when the weights or threads change
     quantized: Int8Weight | Int4Weight | None = None  # set within quantized_weights(): one-row products take it
-    quantized_call = None  # within quantized_weights(), where the rows kernel pays: its product prepared (rows.prepared)
+    # within quantized_weights(), where the rows kernel pays: its product prepared (rows.prepared) at the first one-row
+    # product (UNPREPARED until then: a call whose steps all run in C++, or with one new token, never prepares it)
+    quantized_call = None
     rows_call = None  # within prepared_rows(): (rows, this weight's product prepared in the rows kernel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quantized is not None and not torch.is_grad_enabled():
             rows = x.shape[:-1].numel()
             if rows == 1:
+                if self.quantized_call is UNPREPARED:
+                    self.quantized_call = prepared_quantized(self.quantized, self.bias)
                 if self.quantized_call is not None and x.dtype == torch.float32 and x.is_contiguous() and x.is_cpu:
                     return self.quantized_call(x)
                 return quantized_linear(x, self.quantized, self.bias)
@@ -181,11 +189,11 @@ def quantized_weights(model: nn.Module, mode: str = "int8"):
     the layer.
     Yields the layers."""
     named = [(name, m) for name, m in model.named_modules() if type(m) is Linear]
-    try:  # the copies placed first (huge pages, where new), then the products prepared on them
+    try:  # the copies placed first (huge pages, where new); each one-row product prepared at its first use
         copies = quant.cached_copies([(f"layer {name}", layer, layer.weight) for name, layer in named], mode)
         for (_, layer), copy in zip(named, copies):
             layer.quantized = copy
-            layer.quantized_call = prepared_quantized(copy, layer.bias)
+            layer.quantized_call = UNPREPARED  # prepared at its first one-row product (Linear.forward)
         yield [layer for _, layer in named]
     finally:
         for _, layer in named:

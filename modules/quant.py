@@ -310,8 +310,9 @@ def prepared_quantized(weight: Int8Weight | Int4Weight, bias: torch.Tensor | Non
     return None
 
 
-# where the copies are kept: cached_quantized's (layers; the LM head), prompt_product's (oneDNN's packed int8)
-CACHE_NAMES = ("_quantized_cache", "_quantized_head", "_prompt_cache")
+# where the copies are kept: cached_quantized's (layers; the LM head), prompt_product's (oneDNN's packed int8),
+# prompt_packed's (the C++ prompt pass's packed int8)
+CACHE_NAMES = ("_quantized_cache", "_quantized_head", "_prompt_cache", "_prompt_packed")
 
 
 def cached_quantized(owner: nn.Module, weight: torch.Tensor, mode: str,
@@ -377,8 +378,11 @@ def clear(model: nn.Module) -> int:
 # same numbers on every CPU. The result is F.linear((q - zp) * s, the int8 weight dequantized, bias) to float
 # rounding (integer sums are exact). On a Zen 3 (AVX2, 2 threads) gpt2's shapes ran 1.3-2.2x faster than fp32
 # F.linear at 16-512 rows. Each weight keeps oneDNN's packed int8 copy beside its rows-kernel copy (one more byte a
-# weight). A prompt with a NaN or infinite activation is multiplied in fp32 instead (its NaN reaches the output as
-# fp32's would). GPT2_PROMPT_INT8=0 keeps the prompt on the float weights, as weight-only int8 and int4 always do.
+# weight). A prompt of 9 to fast_step.INT8_PROMPT_TOKENS tokens that the C++ prompt pass takes multiplies the same
+# integers in the pass's own int8 GEMM (modules/rows.cpp rows_qgemm, on prompt_packed's copy, one more byte a weight:
+# a model whose prompts are both shorter and longer holds both packed copies). A prompt with a NaN or infinite
+# activation is multiplied in fp32 instead (its NaN reaches the output as fp32's would). GPT2_PROMPT_INT8=0 keeps the
+# prompt on the float weights, as weight-only int8 and int4 always do.
 PROMPT_ENV = "GPT2_PROMPT_INT8"
 PROMPT_LEVELS = 127  # the activations' greatest quantized value (7 bits)
 
@@ -511,3 +515,30 @@ def prompt_product(owner: nn.Module, layers: Sequence[nn.Module], x: torch.Tenso
     bias = None if all(layer.bias is None for layer in layers) else torch.cat(
         [torch.zeros(layer.out_features) if layer.bias is None else layer.bias.detach().float() for layer in layers])
     return prompt_linear(x, cached[1], bias)
+
+
+def prompt_packed(layer: nn.Module, lib=None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A w8a8 / w4a8 layer's weight as the C++ prompt pass's int8 products read it (modules/rows.cpp,
+    rows_qgemm_pack: tiles of 16 rows, each row's sum after them) -> (packed bytes, per-row scales fp32): the int8
+    weight oneDNN's path reads (prompt_weight's: w4a8 dequantized and quantized again to int8 per row), so both
+    multiply the same integers. Kept on the layer and made again when its quantized copy is (the copy's key, as
+    prompt_product keeps oneDNN's); None for a layer without an int8-activation copy. lib: a loaded rows kernel
+    (default: the prompt's); every build packs alike."""
+    copy = getattr(layer, "quantized", None)
+    if copy is None or not copy.int8_activations:
+        return None
+    kept = layer.__dict__.get("_quantized_cache")
+    key = kept[0] if kept is not None and kept[1] is copy else None  # None: a copy made outside cached_quantized
+    cached = layer.__dict__.get("_prompt_packed")
+    if cached is not None and key is not None and cached[0] == key:
+        return cached[1]
+    lib = lib or row_kernel.prompt_library()
+    w8 = copy if isinstance(copy, Int8Weight) else quantize_int8(copy.dequantize())
+    out, width = w8.q.shape
+    packed = torch.empty(lib.rows_qgemm_bytes(out, width), dtype=torch.int8)
+    if lib.rows_qgemm_pack(w8.q.contiguous().data_ptr(), out, width, packed.data_ptr()) != 0:
+        raise ValueError(f"the prompt's int8 products take inputs in multiples of 4, this weight has {width}")
+    made = (packed, w8.scale.float().reshape(-1).contiguous())
+    if key is not None:
+        layer.__dict__["_prompt_packed"] = (key, made)
+    return made

@@ -120,6 +120,14 @@ def library(target_flags: tuple[str, ...] = NATIVE):
     lib.rows_quantize_u7.restype = None
     lib.rows_quantize_u7.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_void_p,
                                      ctypes.c_int]
+    # the prompt's int8 products (w8a8 / w4a8 prompts of 9+ tokens): the packed weight's bytes, its packing, a product
+    lib.rows_qgemm_bytes.restype = ctypes.c_int64
+    lib.rows_qgemm_bytes.argtypes = [ctypes.c_int64, ctypes.c_int64]
+    lib.rows_qgemm_pack.restype = ctypes.c_int
+    lib.rows_qgemm_pack.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    lib.rows_qgemm.restype = ctypes.c_int
+    lib.rows_qgemm.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                               ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
     # models/fast_step.py's whole decoding step (its layers argument: an array of its StepLayer structures)
     for step in (lib.gpt2_step, lib.gpt2_step_bf16):  # an fp32 model's and a bf16 model's (bf16 cache)
         step.restype = ctypes.c_int

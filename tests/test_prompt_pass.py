@@ -15,7 +15,7 @@ import torch
 from models import fast_step
 from models.beam_search import beam_search
 from models.generation import generate, prefill
-from modules import onednn, prompt_attention, rows
+from modules import onednn, prompt_attention, quant, rows
 from modules.linear import quantized_weights
 from tests.test_fast_step import TOL, avx2_or_skip, tiny
 
@@ -140,7 +140,14 @@ def test_each_prompt_it_leaves_to_the_layers_is_named(monkeypatch):
         assert why(torch.tensor([PROMPT[:9]])) is None  # weight-only: a prompt's products read the layers' weights
     with quantized_weights(model, "w8a8"):
         assert why(torch.tensor([PROMPT[:8]])) is None
+        assert why(torch.tensor([PROMPT[:9]])) is None  # 9+: the pass's int8 products
+        longest = fast_step.INT8_PROMPT_TOKENS
+        assert why(torch.tensor([[1] * longest])) is None
+        assert why(torch.tensor([[1] * (longest + 1)])) == f"{longest + 1} tokens (past the rows the kernel takes " \
+                                                           "for a prompt's products: 16)"
+        monkeypatch.setenv(quant.PROMPT_ENV, "0")  # the prompt's int8 products off: the layers' float weights
         assert why(torch.tensor([PROMPT[:9]])) == "a prompt whose products take the quantized copies"
+        monkeypatch.delenv(quant.PROMPT_ENV)
     width = rows._load().rows_vector_width()
     odd = tiny(n_embd=width * 3, n_head=6)  # head size width / 2
     assert why(model_=odd) == f"a head size of {width // 2} (prompt attention takes multiples of the vector width)"
@@ -211,3 +218,99 @@ def test_a_failing_pass_names_its_code():
     with pytest.raises(RuntimeError, match=r"the C\+\+ prompt pass failed \(code -3\)"):
         pass_(torch.tensor([PROMPT[:7]]), cache)
     assert cache.length == 0
+
+
+# ---- the pass's int8 products (w8a8 / w4a8 prompts of 9+ tokens) ---------------------------------------------------
+
+def int8_reference(x: torch.Tensor, w8: quant.Int8Weight, bias: torch.Tensor | None) -> torch.Tensor:
+    """The prompt's int8 product in exact integers (float64 for the last line): x quantized per tensor by torch's ops
+    (quantize_prompt_activations without the kernel), (q - zp) w^T, times both scales, plus bias."""
+    q, scale, zp = quant.quantize_prompt_activations(x, lib=False)
+    sums = (q.long() - zp) @ w8.q.long().t()
+    y = sums.double() * scale * w8.scale.double().reshape(1, -1)
+    return y if bias is None else y + bias.double()
+
+
+@pytest.mark.parametrize("form", ["native", "avx2"])
+def test_the_int8_prompt_product_is_the_exact_integer_product(form):
+    """rows_qgemm against int8_reference for row counts around each form's passes (8 rows VNNI, 4 AVX2) and output
+    counts around the 16-row tiles, with and without a bias, to fp32 rounding of the last line (2e-6 of the output's
+    scale); against the layers' path (oneDNN's int8 GEMM) likewise; a NaN or an infinity gives -4, nothing written; an
+    input width not a multiple of 4 is refused at packing."""
+    lib = avx2_or_skip() if form == "avx2" else rows._load()
+    g = torch.Generator().manual_seed(0)
+    for out, width in ((40, 64), (16, 96), (7, 32), (33, 128)):
+        w8 = quant.quantize(torch.randn(out, width, generator=g), "w8a8")
+        packed = torch.empty(lib.rows_qgemm_bytes(out, width), dtype=torch.int8)
+        assert lib.rows_qgemm_pack(w8.q.data_ptr(), out, width, packed.data_ptr()) == 0
+        scale = w8.scale.float().reshape(-1).contiguous()
+        for n in (1, 3, 4, 8, 9, 13, 17):
+            x = torch.randn(n, width, generator=g) * 3 + 0.5  # lo < 0 < hi: a zero point inside
+            for bias in (None, torch.randn(out, generator=g)):
+                y = torch.full((n, out), 7.0)
+                assert lib.rows_qgemm(n, x.data_ptr(), width, packed.data_ptr(), scale.data_ptr(),
+                                      None if bias is None else bias.data_ptr(), y.data_ptr(), out, 2) == 0
+                want = int8_reference(x, w8, bias)
+                torch.testing.assert_close(y.double(), want, rtol=2e-6, atol=2e-6 * want.abs().max().item())
+                if quant.prompt_products_why_not() is None:
+                    layers = quant.prompt_linear(x, quant.prompt_weight(w8), bias)
+                    torch.testing.assert_close(y, layers, rtol=2e-6, atol=2e-6 * want.abs().max().item())
+        for bad in (float("nan"), float("inf")):
+            x = torch.randn(9, width, generator=g)
+            x[4, 5] = bad
+            y = torch.full((9, out), 7.0)
+            assert lib.rows_qgemm(9, x.data_ptr(), width, packed.data_ptr(), scale.data_ptr(), None, y.data_ptr(),
+                                  out, 2) == -4
+            assert bool((y == 7.0).all())
+    odd = torch.zeros(4, 30, dtype=torch.int8)
+    assert lib.rows_qgemm_pack(odd.data_ptr(), 4, 30, torch.empty(1000, dtype=torch.int8).data_ptr()) == -2
+
+
+@pytest.mark.parametrize("mode,T,form", [("w8a8", 9, "native"), ("w8a8", 16, "native"), ("w4a8", 12, "native"),
+                                         ("w8a8", 13, "avx2"), ("w4a8", 16, "avx2")])
+def test_a_w8a8_prompt_of_9_tokens_or_more_takes_the_passs_int8_products(mode, T, form):
+    """The pass's int8 products (kind 6) against the layers' pass in the same quantized mode (oneDNN's int8 GEMM,
+    the same integers and activation scale): hidden states, keys and values within A8-style room for an activation
+    that rounds the other way (LayerNorm in double against torch's), far below fp32 weights' distance; the pass read
+    the packed copies (made on the layers, kept for the next call)."""
+    model = tiny(n_embd=64)
+    ids = torch.tensor([PROMPT[:T]])
+    with torch.no_grad(), quantized_weights(model, mode):
+        assert fast_step.takes_int8_prompt(model.gpt.gpt_layers[0].self_attention.query.quantized, T)
+        cache, ref = model.gpt.new_cache(1, T + 2), model.gpt.new_cache(1, T + 2)
+        got = fast_step.FastPrompt(model, T, lib=avx2_or_skip() if form == "avx2" else None)(ids, cache)
+        want = model.gpt(ids, past_key_values=ref, use_cache=True)["last_hidden_state"][:, -1]
+        layer = model.gpt.gpt_layers[0].interm_dense
+        kept = layer.__dict__["_prompt_packed"]
+        assert kept[0] == layer.__dict__["_quantized_cache"][0]
+        fast_step.FastPrompt(model, T)  # a second pass: the same packed copy
+        assert layer.__dict__["_prompt_packed"] is kept
+    fp32_ref = model.gpt.new_cache(1, T + 2)
+    with torch.no_grad():
+        fp32 = model.gpt(ids, past_key_values=fp32_ref, use_cache=True)["last_hidden_state"][:, -1]
+    room = dict(rtol=5e-3, atol=5e-3)
+    torch.testing.assert_close(got, want, **room)
+    torch.testing.assert_close(cache.keys[:, :, :, :T], ref.keys[:, :, :, :T], **room)
+    torch.testing.assert_close(cache.values[:, :, :, :T], ref.values[:, :, :, :T], **room)
+    assert (got - want).abs().max() < (fp32 - want).abs().max() / 4  # the int8 products, not the float weights
+    quant.clear(model)  # the packed copies are dropped with the rest
+    assert not any("_prompt_packed" in m.__dict__ for m in model.modules())
+
+
+def test_activations_the_int8_products_cannot_quantize_go_through_the_layers(monkeypatch):
+    """An infinite embedding makes the first LayerNorm's output NaN: the pass's int8 product returns -4, the pass
+    gives None with the cache still empty, and generate's prompt goes through the layers (whose products take the
+    float weights for it): the same tokens as with the pass off."""
+    model = tiny(n_embd=64)
+    with torch.no_grad():
+        model.gpt.word_embedding.weight[PROMPT[3]] = float("inf")
+    ids = torch.tensor([PROMPT[:12]])
+    with torch.no_grad(), quantized_weights(model, "w8a8"):
+        cache = model.gpt.new_cache(1, 14)
+        assert fast_step.FastPrompt(model, 12)(ids, cache) is None
+        assert cache.length == 0
+    outs = []
+    for setting in ("1", "0"):
+        monkeypatch.setenv(fast_step.PROMPT_ENV, setting)
+        outs.append(generate(model, ids, max_new_tokens=3, quantize="w8a8"))
+    assert torch.equal(outs[0], outs[1])

@@ -410,6 +410,9 @@ def test_generate_with_the_rows_kernel_equals_the_eager_quantized_decode(mode, m
     assert torch.equal(model.generate(ids, max_new_tokens=12, quantize=mode), eager)
     assert len(made) == 2 * 6 + 1 and len(calls) == 12 + 11 * 2 * 6  # the head every step, the layers after the first
     assert all(m.quantized is None and m.quantized_call is None for m in model.modules() if type(m) is Linear)
+    made.clear()
+    model.generate(ids, max_new_tokens=1, quantize=mode)  # no decode step: the layers' products are never prepared
+    assert len(made) == 1
 
 
 # ---- the generation CLIs' --quantize ------------------------------------------------------------------------------

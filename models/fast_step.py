@@ -25,7 +25,7 @@ The prompt's pass before the steps can run in one C++ call too (rows.cpp, `gpt2_
 models.generation.prefill): one fp32 sequence without padding into an empty cache, every block as the step runs it for
 that many rows (causal attention over the prompt by rows_attend_prompt), the last token's final LayerNorm out. Its
 products: 1-8 tokens the kernel's few-row product, 9 to onednn.kernel_rows() its product of many rows (as the layers
-take them; a longer prompt goes through the layers, whose products take oneDNN); w8a8 / w4a8 prompts of 9 to
+take them; a longer prompt goes through the layers, whose products take oneDNN); w8a8 / w4a8 prompts of 2 to
 INT8_PROMPT_TOKENS tokens the pass's own int8 GEMM (rows.cpp `rows_qgemm`: the integers and activation scale of
 oneDNN's int8 GEMM in the layers, on a packed copy of each layer's int8 weight); not a one-token prompt under quantize
 (decode_step's copies). gpt2 on a Zen 4 (2026-12-02, generate with one new token, alternating calls): 2-8 tokens
@@ -232,7 +232,7 @@ def prompt_why_not(model, input_ids: torch.Tensor, key_mask: torch.Tensor | None
     (the caller's, asked once a call). The pass needs what the step needs, and one fp32 sequence without padding
     into an empty cache, of at most as many tokens as a prompt's products take the rows kernel (1-8 rows its
     few-row product, 9 to onednn.kernel_rows() its product of many rows: where Linear.forward takes the kernel too;
-    w8a8 / w4a8: 9 to INT8_PROMPT_TOKENS its int8 GEMM), not a one-token prompt with quantized copies (decode_step
+    w8a8 / w4a8: 2 to INT8_PROMPT_TOKENS its int8 GEMM), not a one-token prompt with quantized copies (decode_step
     reads those), nor 9+ tokens with int8 activations whose int8 products are off (the layers' float weights)."""
     B, T = input_ids.shape
     if os.environ.get(PROMPT_ENV, "1") == "0":
@@ -265,15 +265,15 @@ INT8_PROMPT_TOKENS = 128
 
 def takes_int8_prompt(quantized, tokens: int) -> bool:
     """Whether a prompt of `tokens` tokens whose layers hold `quantized` copies (the first layer's; None: none) runs
-    the pass's int8 products: 9 to INT8_PROMPT_TOKENS tokens of w8a8 / w4a8, where the layers' prompt would take
+    the pass's int8 products: 2 to INT8_PROMPT_TOKENS tokens of w8a8 / w4a8, where the layers' prompt would take
     int8 products too (quant.prompt_products_why_not: GPT2_PROMPT_INT8=0 keeps both on the float weights)."""
     return (quantized is not None and quantized.int8_activations
-            and row_kernel.MAX_ROWS < tokens <= INT8_PROMPT_TOKENS and quant.prompt_products_why_not() is None)
+            and 1 < tokens <= INT8_PROMPT_TOKENS and quant.prompt_products_why_not() is None)
 
 
 class FastPrompt(_Stack):
     """The C++ prompt pass (rows.cpp, `gpt2_prompt_pass`): one sequence's blocks in one call, fp32 weights or, for
-    9+ tokens of w8a8 / w4a8 (takes_int8_prompt), each layer's int8 weight packed for the prompt's integer products
+    2+ tokens of w8a8 / w4a8 (takes_int8_prompt), each layer's int8 weight packed for the prompt's integer products
     (quant.prompt_packed), the activations quantized per tensor as oneDNN's path in the layers quantizes them."""
 
     def __init__(self, model, tokens: int, lib=None):

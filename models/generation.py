@@ -328,7 +328,7 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     about a sixth, read by modules/rows.cpp on x86 CPUs with AVX2 (elsewhere dequantized at each product, with a
     warning: correct, slow). "w8a8" and "w4a8": the same copies, and each product quantizes its input row to int8
     in blocks of 32 columns and multiplies in integers (faster on AVX2, int4 most; inputs multiples of 32), and
-    their prompt (9 tokens or more) multiplies integers too, its activations quantized per tensor (up to 128 tokens
+    their prompt (2 tokens or more) multiplies integers too, its activations quantized per tensor (up to 128 tokens
     in the C++ prompt pass's int8 GEMM, longer ones in oneDNN's); int8 / int4's prompt and batches keep the model's
     weights. Outputs are close to the model's own, not identical; int4's further than int8's (the quality of each:
     docs/cpu-decoding.md). The KV cache's buffers are kept on the model for the next call of the same shape

@@ -267,12 +267,12 @@ PATHS: tuple[Path, ...] = (
          "AVX512-VNNI CPU, vpmaddubsw otherwise: GPT2_DECODE_PLAN=avx2 takes that one there)", "",
          "generate(..., quantize='w8a8')", "quantize='int8' (weight-only)", _a8_runs, _a8_default,
          ("tests/test_int8_activations.py", "tests/test_quant.py", "tests/test_fast_step.py", "tests/test_paths.py")),
-    Path("int8-prompt", f"the prompt of generate(quantize='w8a8' / 'w4a8'): 9 to {fast_step.INT8_PROMPT_TOKENS} "
+    Path("int8-prompt", f"the prompt of generate(quantize='w8a8' / 'w4a8'): 2 to {fast_step.INT8_PROMPT_TOKENS} "
          "tokens in the prompt pass's "
          "int8 GEMM (rows.cpp rows_qgemm, where prompt-pass runs), longer ones oneDNN's int8 GEMM in the layers (q / k "
          "/ v as one GEMM, GELU in the rows kernel); the activations quantized per tensor to 7 bits (modules/quant.py)",
          quant.PROMPT_ENV, "", "0",
-         quant.prompt_products_why_not, lambda: (True, "w8a8 / w4a8 prompts of 9+ rows: oneDNN's int8 linear runs "
+         quant.prompt_products_why_not, lambda: (True, "w8a8 / w4a8 prompts of 2+ tokens: oneDNN's int8 linear runs "
                                                        "here (measured 1.3-2.2x fp32 F.linear on a Zen 3)"),
          ("tests/test_int8_activations.py", "tests/test_paths.py")),
 )

@@ -13,7 +13,7 @@ shapes stream slowly (the measurements: docs/performance.md, "Figures behind the
 Same values up to float rounding (other summation kernels); training and every other shape take F.linear.
 bf16 inputs of 64+ rows without gradients on AMX CPUs take oneDNN-packed copies of the weights (modules/packed.py).
 Within `quantized_weights(model, mode)` (a modules.quant.QUANTIZE_MODES name) one-row products (batch-1 decoding)
-take int8 or int4 copies of the weights (modules/quant.py); with w8a8 / w4a8 the prompt (more than 8 rows, where
+take int8 or int4 copies of the weights (modules/quant.py); with w8a8 / w4a8 the prompt (2+ tokens, where
 the C++ prompt pass does not take it) takes oneDNN's int8 GEMM on those weights with its activations quantized per
 tensor (quant.prompt_product); batches of 2-8
 rows, and the prompt of the weight-only modes, keep the layer's own weights (dequantizing per call would cost more
@@ -119,7 +119,7 @@ class Linear(nn.Linear):
                 if self.quantized_call is not None and x.dtype == torch.float32 and x.is_contiguous() and x.is_cpu:
                     return self.quantized_call(x)
                 return quantized_linear(x, self.quantized, self.bias)
-            if rows > row_kernel.MAX_ROWS:  # the prompt: w8a8 / w4a8 in oneDNN's int8 GEMM where it runs
+            if rows > 1:  # the prompt (or 9+ rows): w8a8 / w4a8 in oneDNN's int8 GEMM where it runs
                 y = quant.prompt_product(self, (self,), x)
                 if y is not None:
                     return y
@@ -181,10 +181,10 @@ def prepared_rows(model: nn.Module, rows: int):
 def quantized_weights(model: nn.Module, mode: str = "int8"):
     """Within the block, every Linear of `model` (LoRA layers excepted) computes one-row inputs with a `mode` copy
     of its weight (modules/quant.py: "int8" per-row scales, "int4" groups of 32; "w8a8" / "w4a8" those with the
-    inputs quantized to int8 too) whenever no gradient is taken; with w8a8 / w4a8 inputs of more than 8 rows (the
-    prompt) take oneDNN's int8 GEMM (quant.prompt_product, GPT2_PROMPT_INT8=0: off); other inputs keep the layer's
-    own weight. The copies stay on the layers for the next block (int8: a quarter of
-    the fp32 weights' memory, int4: about a sixth) and are made again only for weights that changed or another mode.
+    inputs quantized to int8 too) whenever no gradient is taken; with w8a8 / w4a8 the prompt (2+ tokens; 9+ rows of
+    a batched step) takes oneDNN's int8 GEMM (quant.prompt_product, GPT2_PROMPT_INT8=0: off); other inputs keep the
+    layer's own weight. The copies stay on the layers for the next block (int8: a quarter of the fp32 weights'
+    memory, int4: about a sixth) and are made again only for weights that changed or another mode.
     A weight the mode cannot take (int4, w8a8, w4a8: in_features not a multiple of 32) raises ValueError naming
     the layer.
     Yields the layers."""

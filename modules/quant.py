@@ -378,7 +378,7 @@ def clear(model: nn.Module) -> int:
 # same numbers on every CPU. The result is F.linear((q - zp) * s, the int8 weight dequantized, bias) to float
 # rounding (integer sums are exact). On a Zen 3 (AVX2, 2 threads) gpt2's shapes ran 1.3-2.2x faster than fp32
 # F.linear at 16-512 rows. Each weight keeps oneDNN's packed int8 copy beside its rows-kernel copy (one more byte a
-# weight). A prompt of 9 to fast_step.INT8_PROMPT_TOKENS tokens that the C++ prompt pass takes multiplies the same
+# weight). A prompt of 2 to fast_step.INT8_PROMPT_TOKENS tokens that the C++ prompt pass takes multiplies the same
 # integers in the pass's own int8 GEMM (modules/rows.cpp rows_qgemm, on prompt_packed's copy, one more byte a weight:
 # a model whose prompts are both shorter and longer holds both packed copies). A prompt with a NaN or infinite
 # activation is multiplied in fp32 instead (its NaN reaches the output as fp32's would). GPT2_PROMPT_INT8=0 keeps the
@@ -484,10 +484,12 @@ def prompt_linear(x: torch.Tensor, weight: PromptWeight, bias: torch.Tensor | No
 
 def prompt_takes(layers: Sequence[nn.Module], x: torch.Tensor) -> bool:
     """Whether the prompt's int8 GEMM takes x for `layers` (Linears within quantized_weights; any other module,
-    a LoRA layer, is never taken): w8a8 / w4a8 copies, no gradient, x fp32 on the CPU with more rows than the rows
-    kernel takes, and the GEMM runs here."""
+    a LoRA layer, is never taken): w8a8 / w4a8 copies, no gradient, x fp32 on the CPU, a prompt (2+ positions a
+    sequence: (..., T, in) with T > 1) or more rows than the rows kernel takes (a batched step of 9+ rows), and the
+    GEMM runs here. A decode step of 1-8 rows ((B, 1, in)) keeps the rows kernel's one-row copies (batch 1) or the
+    float weights."""
     return (x.dtype == torch.float32 and x.is_cpu and not torch.is_grad_enabled()
-            and x.shape[:-1].numel() > row_kernel.MAX_ROWS
+            and (x.shape[:-1].numel() > row_kernel.MAX_ROWS or (x.dim() >= 2 and x.shape[-2] > 1))
             and all(getattr(layer, "quantized", None) is not None and layer.quantized.int8_activations
                     for layer in layers)  # getattr: a LoRA layer (modules/lora.py) has no quantized copy
             and prompt_products_why_not() is None)

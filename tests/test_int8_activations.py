@@ -537,9 +537,9 @@ def test_the_prompt_products_say_why_they_do_not_run(monkeypatch):
 @needs_prompt
 @torch.no_grad()
 def test_the_prompt_product_is_not_taken_off_the_cpu_or_float32_and_caches_only_its_layers_copies():
-    """None for weight-only copies, a layer without a copy, bf16 and non-CPU (meta) inputs, 8 rows or fewer, under
-    autograd; a layer whose quantized copy is not the one kept on it (or none is kept) gets the product without a
-    cache entry on the owner, so a later call cannot read a stale packed copy."""
+    """None for weight-only copies, a layer without a copy, bf16 and non-CPU (meta) inputs, a decode step's 8 rows or
+    fewer (one position each), under autograd; a layer whose quantized copy is not the one kept on it (or none is
+    kept) gets the product without a cache entry on the owner, so a later call cannot read a stale packed copy."""
     owner = torch.nn.Module()
     layer = Linear(64, 24, bias=False)
     w8 = quantize(layer.weight, "w8a8")
@@ -551,7 +551,8 @@ def test_the_prompt_product_is_not_taken_off_the_cpu_or_float32_and_caches_only_
     layer.quantized = w8
     assert quant.prompt_product(owner, (layer,), x.bfloat16()) is None
     assert quant.prompt_product(owner, (layer,), x.to("meta")) is None
-    assert quant.prompt_product(owner, (layer,), x[:8]) is None
+    assert quant.prompt_product(owner, (layer,), x[:8, None]) is None  # a decode step of 8 rows (B, 1, in)
+    assert quant.prompt_product(owner, (layer,), x[None, :2]) is not None  # a prompt of 2 tokens (1, T, in)
     with torch.enable_grad():
         assert quant.prompt_product(owner, (layer,), x) is None
     want = quant.prompt_linear(x, quant.prompt_weight(w8))

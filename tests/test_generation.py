@@ -639,6 +639,7 @@ def test_a_quantized_decode_head_reads_its_copy_at_batch_1_only(monkeypatch, mod
     import re
 
     import models.generation as generation
+    import modules.quant as quant_module
     from models.generation import decode_lm_head
     from modules.quant import quantize, quantized_linear
 
@@ -650,6 +651,9 @@ def test_a_quantized_decode_head_reads_its_copy_at_batch_1_only(monkeypatch, mod
         return None if call is None else lambda hidden: prepared_calls.append(1) or call(hidden)
 
     monkeypatch.setattr(generation, "prepared_quantized", prepared)
+    # strided and bf16 rows take quantized_linear eagerly here: inductor's one-row loop (compiled in 8-10 s at its
+    # first use) has its own tests in tests/test_quant.py
+    monkeypatch.setattr(quant_module, "_compiled_gemv", False)
     torch.manual_seed(0)
     body = GPT2LMHeadModel(tiny_config("h4-wide", logit_softcap=4.0)).eval().gpt  # n_embd 64: int4's groups fit
     head = decode_lm_head(body, 1, mode)

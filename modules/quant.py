@@ -459,10 +459,22 @@ def quantize_prompt_activations(x: torch.Tensor, lib=None) -> tuple[torch.Tensor
     return q, scale, zp
 
 
+def _as_int8(weight: Int8Weight | Int4Weight) -> Int8Weight:
+    """The int8 weight the prompt's products read: int8 as is, int4 dequantized and quantized to int8 per row."""
+    return weight if isinstance(weight, Int8Weight) else quantize_int8(weight.dequantize())
+
+
+def _kept_key(layer: nn.Module):
+    """The key of the quantized copy cached_quantized keeps on `layer`, or None where the layer's copy is not that
+    one (made outside cached_quantized): a copy derived from it is then made without a cache entry."""
+    kept = layer.__dict__.get("_quantized_cache")
+    return kept[0] if kept is not None and kept[1] is layer.quantized else None
+
+
 def prompt_weight(*weights: Int8Weight | Int4Weight) -> PromptWeight:
     """`weights` as the prompt's int8 GEMM reads them, their rows stacked (several layers that take the same input:
     one product): int8 per-row as is, int4 dequantized and quantized to int8."""
-    w8 = [w if isinstance(w, Int8Weight) else quantize_int8(w.dequantize()) for w in weights]
+    w8 = [_as_int8(w) for w in weights]
     q, scale = torch.cat([w.q for w in w8]), torch.cat([w.scale.float() for w in w8])
     return PromptWeight(torch.ops.onednn.qlinear_prepack(q, None), scale)
 
@@ -504,10 +516,7 @@ def prompt_product(owner: nn.Module, layers: Sequence[nn.Module], x: torch.Tenso
     Stacking changes no number: each output is its own row's integer sum and scales."""
     if not prompt_takes(layers, x):
         return None
-    keys = []
-    for layer in layers:
-        copy = layer.__dict__.get("_quantized_cache")
-        keys.append(copy[0] if copy is not None and copy[1] is layer.quantized else None)
+    keys = [_kept_key(layer) for layer in layers]
     key = None if None in keys else tuple(keys)
     cached = owner.__dict__.get("_prompt_cache")
     if cached is None or key is None or cached[0] != key:
@@ -529,13 +538,12 @@ def prompt_packed(layer: nn.Module, lib=None) -> tuple[torch.Tensor, torch.Tenso
     copy = getattr(layer, "quantized", None)
     if copy is None or not copy.int8_activations:
         return None
-    kept = layer.__dict__.get("_quantized_cache")
-    key = kept[0] if kept is not None and kept[1] is copy else None  # None: a copy made outside cached_quantized
+    key = _kept_key(layer)
     cached = layer.__dict__.get("_prompt_packed")
     if cached is not None and key is not None and cached[0] == key:
         return cached[1]
     lib = lib or row_kernel.prompt_library()
-    w8 = copy if isinstance(copy, Int8Weight) else quantize_int8(copy.dequantize())
+    w8 = _as_int8(copy)
     out, width = w8.q.shape
     packed = torch.empty(lib.rows_qgemm_bytes(out, width), dtype=torch.int8)
     if lib.rows_qgemm_pack(w8.q.contiguous().data_ptr(), out, width, packed.data_ptr()) != 0:

@@ -22,6 +22,7 @@
 #include <cstring>
 #include <iterator>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 // The sum of 8 floats (the AVX2 form's vsum; the integer products and the step's attention use it in either form).
@@ -949,7 +950,7 @@ extern "C" void rows_quantize_u7(const float* x, int64_t n, float inv, int zp, u
 }
 
 // ---- the prompt's integer products: many rows of per-tensor quantized activations (quantize="w8a8" / "w4a8") -----
-// A prompt of 9 or more tokens multiplies its rows quantized per tensor (modules/quant.py, "the prompt's int8
+// A prompt of 2 or more tokens multiplies its rows quantized per tensor (modules/quant.py, "the prompt's int8
 // products": q = clamp(round(x / scale) + zp, 0, 127)) by an int8 weight with per-row scales:
 // y[b, o] = (sum_i q[b, i] w[o, i] - zp colsum[o]) * scale * wscale[o] + bias[o], the integer sum exact, so the
 // numbers are oneDNN's int8 linear's (the layers' path) to the rounding of that last line. The weight is packed once
@@ -1033,13 +1034,6 @@ static void qgemm_tiles(const uint8_t* x, int64_t in, const int8_t* wt, int64_t,
 }
 #endif
 
-template <int R>
-static void qgemm_pass(const uint8_t* x, int64_t in, const int8_t* wt, int64_t nb, const int32_t* colsum,
-                       const float* wscale, float xscale, int zp, const float* bias, float* y, int64_t o0,
-                       int64_t out) {
-  qgemm_tiles<R>(x, in, wt, nb, colsum, wscale, xscale, zp, bias, y, o0, out);
-}
-
 static void qgemm(int64_t rows, const uint8_t* x, int64_t in, const int8_t* packed, const float* wscale, float xscale,
                   int zp, const float* bias, float* y, int64_t out, int threads) {
   const int32_t* colsum = reinterpret_cast<const int32_t*>(packed + qgemm_weight_bytes(out, in));
@@ -1052,16 +1046,16 @@ static void qgemm(int64_t rows, const uint8_t* x, int64_t in, const int8_t* pack
       const uint8_t* xr = x + r0 * in;
       float* yr = y + r0 * out;
       switch (std::min<int64_t>(kQRows, rows - r0)) {
-        case 1: qgemm_pass<1>(xr, in, wt, nb, colsum, wscale, xscale, zp, bias, yr, o0, out); break;
-        case 2: qgemm_pass<2>(xr, in, wt, nb, colsum, wscale, xscale, zp, bias, yr, o0, out); break;
-        case 3: qgemm_pass<3>(xr, in, wt, nb, colsum, wscale, xscale, zp, bias, yr, o0, out); break;
+        case 1: qgemm_tiles<1>(xr, in, wt, nb, colsum, wscale, xscale, zp, bias, yr, o0, out); break;
+        case 2: qgemm_tiles<2>(xr, in, wt, nb, colsum, wscale, xscale, zp, bias, yr, o0, out); break;
+        case 3: qgemm_tiles<3>(xr, in, wt, nb, colsum, wscale, xscale, zp, bias, yr, o0, out); break;
 #ifdef ROWS_VNNI
-        case 4: qgemm_pass<4>(xr, in, wt, nb, colsum, wscale, xscale, zp, bias, yr, o0, out); break;
-        case 5: qgemm_pass<5>(xr, in, wt, nb, colsum, wscale, xscale, zp, bias, yr, o0, out); break;
-        case 6: qgemm_pass<6>(xr, in, wt, nb, colsum, wscale, xscale, zp, bias, yr, o0, out); break;
-        case 7: qgemm_pass<7>(xr, in, wt, nb, colsum, wscale, xscale, zp, bias, yr, o0, out); break;
+        case 4: qgemm_tiles<4>(xr, in, wt, nb, colsum, wscale, xscale, zp, bias, yr, o0, out); break;
+        case 5: qgemm_tiles<5>(xr, in, wt, nb, colsum, wscale, xscale, zp, bias, yr, o0, out); break;
+        case 6: qgemm_tiles<6>(xr, in, wt, nb, colsum, wscale, xscale, zp, bias, yr, o0, out); break;
+        case 7: qgemm_tiles<7>(xr, in, wt, nb, colsum, wscale, xscale, zp, bias, yr, o0, out); break;
 #endif
-        default: qgemm_pass<kQRows>(xr, in, wt, nb, colsum, wscale, xscale, zp, bias, yr, o0, out); break;
+        default: qgemm_tiles<kQRows>(xr, in, wt, nb, colsum, wscale, xscale, zp, bias, yr, o0, out); break;
       }
     }
   }
@@ -1082,21 +1076,34 @@ static void prompt_scale(double lo, double hi, double* scale, int* zp) {
   *scale = std::max(*zp < 127 ? hi / (levels - *zp) : 0.0, *zp > 0 ? -lo / *zp : 0.0);
 }
 
-// x (rows, in) fp32 quantized per tensor as modules/quant.py's quantize_prompt_activations does (the same bits) and
-// multiplied by a packed weight (rows_qgemm_pack's) -> y (rows, out). Returns 0, or -4 where x holds a NaN or an
-// infinity or its range is too small for an fp32 scale (nothing written: the caller multiplies in fp32).
+struct PromptRows {  // rows of activations quantized per tensor: q = clamp(round(x / scale) + zp, 0, 127)
+  std::vector<uint8_t> q;
+  float scale;
+  int zp;
+};
+
+// x (rows, in) fp32 quantized per tensor as modules/quant.py's quantize_prompt_activations does (the same bits);
+// false where x holds a NaN or an infinity or its range is too small for an fp32 scale.
+static bool quantize_prompt(int64_t rows, const float* x, int64_t in, int threads, PromptRows& out) {
+  float lo_hi[2];
+  if (rows_minmax(x, rows * in, lo_hi, threads)) return false;
+  double scale;
+  prompt_scale(lo_hi[0], lo_hi[1], &scale, &out.zp);
+  const float inv = static_cast<float>(1.0 / scale);
+  if (!std::isfinite(inv)) return false;
+  out.scale = static_cast<float>(scale);
+  out.q.resize(rows * in);
+  rows_quantize_u7(x, rows * in, inv, out.zp, out.q.data(), threads);
+  return true;
+}
+
+// x (rows, in) quantized (quantize_prompt) and multiplied by a packed weight (rows_qgemm_pack's) -> y (rows, out).
+// Returns 0, or -4 where x cannot be quantized (nothing written: the caller multiplies in fp32).
 static int prompt_qproduct(int64_t rows, const float* x, int64_t in, const int8_t* packed, const float* wscale,
                            const float* bias, float* y, int64_t out, int threads) {
-  float lo_hi[2];
-  if (rows_minmax(x, rows * in, lo_hi, threads)) return -4;
-  double scale;
-  int zp;
-  prompt_scale(lo_hi[0], lo_hi[1], &scale, &zp);
-  const float inv = static_cast<float>(1.0 / scale);
-  if (!std::isfinite(inv)) return -4;
-  std::vector<uint8_t> q(rows * in);
-  rows_quantize_u7(x, rows * in, inv, zp, q.data(), threads);
-  qgemm(rows, q.data(), in, packed, wscale, static_cast<float>(scale), zp, bias, y, out, threads);
+  PromptRows p;
+  if (!quantize_prompt(rows, x, in, threads, p)) return -4;
+  qgemm(rows, p.q.data(), in, packed, wscale, p.scale, p.zp, bias, y, out, threads);
   return 0;
 }
 
@@ -1525,9 +1532,17 @@ static int block_qkv(const StepLayer& L, int64_t R, int64_t C, float eps, const 
                      float* k, float* v, int threads) {
   norm_rows(x, L.ln1_w, L.ln1_b, eps, R, C, h);
   round_as<K>(h, R * C);
-  int err = linear(L.q, R, h, q, threads);
-  if (!err) err = linear(L.k, R, h, k, threads);
-  if (!err) err = linear(L.v, R, h, v, threads);
+  int err = 0;
+  if (L.q.kind == 6 && L.k.kind == 6 && L.v.kind == 6) {  // the prompt's int8 products: h quantized once for the
+    PromptRows p;                                          // three (as the layers' stacked q / k / v GEMM does)
+    if (!quantize_prompt(R, h, C, threads, p)) return -4;
+    for (const auto& [l, y] : {std::pair{&L.q, q}, std::pair{&L.k, k}, std::pair{&L.v, v}})
+      qgemm(R, p.q.data(), C, static_cast<const int8_t*>(l->w), l->scale, p.scale, p.zp, l->bias, y, l->out, threads);
+  } else {
+    err = linear(L.q, R, h, q, threads);
+    if (!err) err = linear(L.k, R, h, k, threads);
+    if (!err) err = linear(L.v, R, h, v, threads);
+  }
   round_as<K>(q, R * C);
   round_as<K>(k, R * C);
   round_as<K>(v, R * C);
@@ -1609,7 +1624,7 @@ static int step(const StepLayer* layers, int n_layer, int n_head, int64_t C, flo
 // token's row (all a decoder reads). Each block as a step's (block_qkv, block_rest: T rows through `linear`, so 1-8
 // rows in rows_product, more in product_many), with causal attention over the prompt by rows_attend_prompt. scratch:
 // the step's for T rows and no cached keys (gpt2_step_scratch(n_head, C, inner, 0, T) floats: no scores). Weights:
-// fp32, or (w8a8 / w4a8 prompts of 9+ tokens) kind 6's packed int8. Returns 0, the first product's error (-4:
+// fp32, or (w8a8 / w4a8 prompts of 2+ tokens) kind 6's packed int8. Returns 0, the first product's error (-4:
 // activations kind 6 cannot quantize; the caller runs the layers instead), or -3 for a head size attention does not
 // take.
 extern "C" int gpt2_prompt_pass(const StepLayer* layers, int n_layer, int n_head, int64_t C, float eps, int64_t T,

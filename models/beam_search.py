@@ -71,11 +71,13 @@ def beam_search(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | N
         rows = torch.arange(B, device=device).repeat_interleave(N)  # beam row -> its prompt
 
         prepared = contextlib.ExitStack()  # eval mode; the decode steps' kernel products, prepared once for this call
+        found = fast_step.walk(model)  # what the checks below read of the model, in one walk
         try:
-            prepared.enter_context(evaluating(model))
+            prepared.enter_context(evaluating(model, found))
             # The prompt runs once per prompt; its cache rows, positions, masks and seen tokens are then copied per beam.
             hidden, cache, positions, key_mask, seen, pad, _ = prefill(model, input_ids, attention_mask, max_new_tokens,
-                                                                       repetition_penalty, eos_token_id, pad_token_id)
+                                                                       repetition_penalty, eos_token_id, pad_token_id,
+                                                                       found=found)
             cache.reorder(rows)
             hidden, beam_positions = hidden[rows], positions[rows]  # (B*N, C), (B*N, T + new)
             key_mask = key_mask[rows] if key_mask is not None else None  # (B*N, 1, 1, T + new)
@@ -83,7 +85,7 @@ def beam_search(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | N
             lm_head = decode_lm_head(body, hidden.shape[0])
             # the beam rows on the CPU (1-8; fp32: more), plain GPT-2: each step in one C++ call (models/fast_step.py)
             fast = None
-            if fast_step.why_not(model, B * N, key_mask, cache) is None:
+            if fast_step.why_not(model, B * N, key_mask, cache, found) is None:
                 fast = fast_step.FastStep(model, cache, key_mask)
             else:  # the steps go through the layers
                 prepared.enter_context(prepared_rows(model, B * N))
@@ -95,7 +97,7 @@ def beam_search(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | N
             fin_seqs, fin_scores = seqs.clone(), torch.full((B, N), float("-inf"), device=device)  # sorted, best first
             fin_len = torch.zeros(B, N, dtype=torch.long, device=device)
             done = torch.zeros(B, dtype=torch.bool, device=device)
-            threads = prepared.enter_context(closing_threads(model, hidden.shape[0]))
+            threads = prepared.enter_context(closing_threads(model, hidden.shape[0], found=found))
             for step in range(max_new_tokens):
                 threads.step()
                 new_len, last = step + 1, step == max_new_tokens - 1

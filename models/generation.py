@@ -169,10 +169,12 @@ class Prefill(NamedTuple):
 
 def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, max_new_tokens: int,
             repetition_penalty: float = 1.0, eos_token_id: int | None = None,
-            pad_token_id: int | None = None, quantize: str | None = None) -> Prefill:
+            pad_token_id: int | None = None, quantize: str | None = None,
+            found: fast_step.Walk | None = None) -> Prefill:
     """Run a checked, left-padded request's prompts through `model` (in eval mode) into a new KV cache, and set up
     the masks, positions and repetition-penalty bookkeeping of the decoding steps. A long prompt's blocks run on the
-    thread count that timed fastest (prompt_threads; quantize names the weights' form for its memory)."""
+    thread count that timed fastest (prompt_threads; quantize names the weights' form for its memory). found: the
+    caller's fast_step.walk(model) (else one is made here)."""
     with torch.no_grad():  # in the body: mutmut 3 does not mutate decorated functions
         body = model.gpt
         B, T = input_ids.shape
@@ -189,16 +191,18 @@ def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
             seen = torch.zeros(B, model.config.vocab_size, dtype=torch.bool, device=input_ids.device)
             seen.scatter_(1, prompt_tokens, True)
         cache = body.new_cache(B, T + max_new_tokens, reuse=True)  # the last call's buffers where it had this shape
+        found = found if found is not None else fast_step.walk(model)
         # The prompt goes through the checked forward (a short one, of a plain GPT-2 on the CPU: the checks, then
         # one C++ call, models/fast_step.py); each step then takes the lean path (inputs made here).
-        step, hidden = fast_step.why_not(model, B, key_mask, cache), None
+        step, hidden = fast_step.why_not(model, B, key_mask, cache, found), None
         if fast_step.prompt_why_not(model, input_ids, key_mask, cache, step) is None:
             body._check_inputs(input_ids, None, None)
-            with short_prompt_threads(model, B, quantize):
+            with short_prompt_threads(model, B, quantize, found):
                 hidden = fast_step.FastPrompt(model, T)(input_ids, cache)  # None: activations int8 cannot take
         if hidden is None:  # a prompt too short to time its blocks takes the decode steps' count while busy
-            timed = prompt_is_timed(model, B * T)
-            with prompt_threads(model, B * T, quantize) if timed else short_prompt_threads(model, B, quantize):
+            timed = prompt_is_timed(model, B * T, found)
+            with prompt_threads(model, B * T, quantize, found) if timed else \
+                    short_prompt_threads(model, B, quantize, found):
                 hidden = body(input_ids, mask[:, :T], positions[:, :T], cache,
                               use_cache=True)["last_hidden_state"][:, -1]
         pad = pad_token_id if pad_token_id is not None else (eos_token_id if eos_token_id is not None else 0)
@@ -240,11 +244,22 @@ def decode_lm_head(body, batch_size: int, quantize: str | None = None):
     return body.hidden_state_to_token if views is None else lambda hidden: softcap(blocked_product(hidden, views))
 
 
+def _size(model, found: fast_step.Walk | None) -> int:
+    """The model's parameter count (the threads' memory's key): from the caller's walk where it has one."""
+    return found.size if found is not None else sum(p.numel() for p in model.parameters())
+
+
+def _on_cpu(model, found: fast_step.Walk | None) -> bool:
+    """Whether the model's (first) parameter is on the CPU, where torch's thread count is the decode's."""
+    return found.first_cpu if found is not None else next(model.parameters()).is_cpu
+
+
 @contextlib.contextmanager
-def evaluating(model):
+def evaluating(model, found: fast_step.Walk | None = None):
     """model.eval() within the block, model.train(its mode before) after it, as a decode call needs; where no module
-    is in training mode, nothing to do (each of the two walks over gpt2's 189 modules took about 1 ms a call)."""
-    training = any(module.training for module in model.modules())
+    is in training mode, nothing to do (each of the two walks over gpt2's 189 modules took about 1 ms a call).
+    found: fast_step.walk(model) from before the block, where the caller has it."""
+    training = found.training if found is not None else any(module.training for module in model.modules())
     was_training = model.training
     if training:
         model.eval()
@@ -256,29 +271,28 @@ def evaluating(model):
 
 
 @contextlib.contextmanager
-def closing_threads(model, rows: int, quantize: str | None = None):
+def closing_threads(model, rows: int, quantize: str | None = None, found: fast_step.Walk | None = None):
     """A DecodeThreads for one decode loop of `rows` rows, restoring torch's thread count when the loop ends; one that
-    changes nothing for a model off the CPU (torch's threads are the CPU's)."""
-    on_cpu = next(model.parameters()).is_cpu
-    threads = DecodeThreads((rows, quantize, sum(p.numel() for p in model.parameters())), active=on_cpu)
+    changes nothing for a model off the CPU (torch's threads are the CPU's). found: the caller's walk(model)."""
+    threads = DecodeThreads((rows, quantize, _size(model, found)), active=_on_cpu(model, found))
     try:
         yield threads
     finally:
         threads.close()
 
 
-def prompt_is_timed(model, rows: int) -> bool:
+def prompt_is_timed(model, rows: int, found: fast_step.Walk | None = None) -> bool:
     """Whether a prompt of `rows` tokens in all has blocks long enough to time (PROMPT_MIN_FLOPS), on the CPU."""
     width = model.config.n_embd
-    return next(model.parameters()).is_cpu and 24 * rows * width * width >= PROMPT_MIN_FLOPS
+    return _on_cpu(model, found) and 24 * rows * width * width >= PROMPT_MIN_FLOPS
 
 
 @contextlib.contextmanager
-def short_prompt_threads(model, rows: int, quantize: str | None = None):
+def short_prompt_threads(model, rows: int, quantize: str | None = None, found: fast_step.Walk | None = None):
     """A short prompt's pass (too short to time: the C++ pass, or the layers' for a bf16 model, w8a8, padding) on the
     count the decode steps of `rows` rows learnt where the machine is still busy (models/decode_threads.py's
     short_prompt_threads); torch's count restored after."""
-    n = decode_threads.short_prompt_threads((rows, quantize, sum(p.numel() for p in model.parameters()))) \
+    n = decode_threads.short_prompt_threads((rows, quantize, _size(model, found))) \
         if decode_threads.remembers_fewer_threads() else None  # (quiet: no key to count)
     original = torch.get_num_threads()
     if n is not None and n != original:
@@ -291,13 +305,13 @@ def short_prompt_threads(model, rows: int, quantize: str | None = None):
 
 
 @contextlib.contextmanager
-def prompt_threads(model, rows: int, quantize: str | None = None):
+def prompt_threads(model, rows: int, quantize: str | None = None, found: fast_step.Walk | None = None):
     """Each block of a long prompt's pass (`rows` tokens in all) on the thread count that timed fastest so far: a
     DecodeThreads stepped by hooks at each block's start and end (models/decode_threads.py); torch's count restored
     at the end. Prompts whose blocks are too short to time (PROMPT_MIN_FLOPS) and models off the CPU: nothing."""
-    active = prompt_is_timed(model, rows)
+    active = prompt_is_timed(model, rows, found)
     size = 1 << (rows - 1).bit_length()  # rows rounded up to a power of two: one remembered state per size class
-    key = ("prompt", size, quantize, sum(p.numel() for p in model.parameters()))
+    key = ("prompt", size, quantize, _size(model, found))
     threads = DecodeThreads(key, active=active, env=PROMPT_ENV, work=rows, first_period=LONGEST_PERIOD)
     hooks = []
     try:
@@ -347,13 +361,14 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
         lm_head = decode_lm_head(body, B, quantize)
         quantized = contextlib.ExitStack()  # eval mode, quantized layers, prepared kernel products: this call only
         cache = None
+        found = fast_step.walk(model)  # what the checks below read of the model, in one walk
         try:
-            quantized.enter_context(evaluating(model))
+            quantized.enter_context(evaluating(model, found))
             if quantize is not None:
-                quantized.enter_context(quantized_weights(model, quantize))
+                quantized.enter_context(quantized_weights(model, quantize, found.linears))
             hidden, cache, positions, key_mask, seen, pad, step_why_not = prefill(
                 model, input_ids, attention_mask, max_new_tokens, repetition_penalty, eos_token_id, pad_token_id,
-                quantize)
+                quantize, found)
             out = torch.full((B, T + max_new_tokens), pad, dtype=torch.long, device=input_ids.device)
             out[:, :T] = input_ids
             fast = None
@@ -365,7 +380,7 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
                 else:
                     quantized.enter_context(prepared_rows(model, B))
             # the steps' thread count, chosen by timing them (models/decode_threads.py)
-            threads = quantized.enter_context(closing_threads(model, B, quantize))
+            threads = quantized.enter_context(closing_threads(model, B, quantize, found))
             for step in range(max_new_tokens):
                 threads.step()
                 # bf16 models give bf16 logits: filters and sampling work in fp32.

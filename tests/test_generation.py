@@ -280,7 +280,7 @@ def test_generate_keeps_the_training_mode(monkeypatch):
     ours.generate(torch.zeros(1, 2, dtype=torch.long), max_new_tokens=2)
     assert seen == [False] and all(m.training for m in ours.modules())
 
-    def refused(model, mode):
+    def refused(model, mode, layers):
         raise ValueError("no copies")
 
     monkeypatch.setattr(generation, "quantized_weights", refused)

@@ -304,6 +304,24 @@ def test_a_w8a8_prompt_of_2_tokens_or_more_takes_the_passs_int8_products(mode, T
     assert not any("_prompt_packed" in m.__dict__ for m in model.modules())
 
 
+def test_with_the_int8_products_off_a_w8a8_prompt_in_the_pass_reads_the_float_weights(monkeypatch):
+    """GPT2_PROMPT_INT8=0: a w8a8 / w4a8 prompt of 2-8 tokens still takes the pass, with the layers' float weights
+    (as the layers' pass then takes them): the fp32 pass's numbers, no packed copy made."""
+    monkeypatch.setenv(quant.PROMPT_ENV, "0")
+    model = tiny(n_embd=64)
+    ids = torch.tensor([PROMPT[:5]])
+    with torch.no_grad():
+        plain = fast_step.FastPrompt(model, 5)(ids, model.gpt.new_cache(1, 7))
+        for mode in ("w8a8", "w4a8"):
+            with quantized_weights(model, mode):
+                cache = model.gpt.new_cache(1, 7)
+                assert fast_step.prompt_why_not(model, ids, None, cache, None) is None
+                prompt = fast_step.FastPrompt(model, 5)
+                assert not prompt.int8
+                torch.testing.assert_close(prompt(ids, cache), plain, rtol=0, atol=0)
+            assert not any("_prompt_packed" in m.__dict__ for m in model.modules())
+
+
 @needs_int8_prompt
 def test_activations_the_int8_products_cannot_quantize_go_through_the_layers(monkeypatch):
     """An infinite embedding makes the first LayerNorm's output NaN: the pass's int8 product returns -4, the pass

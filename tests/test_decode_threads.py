@@ -575,7 +575,8 @@ def test_the_short_prompts_pass_runs_on_the_learnt_count_and_restores_torchs(mon
 
     model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=64, vocab_size=97, n_positions=64)).eval()
     ids = torch.randint(0, 97, (1, 6), generator=torch.Generator().manual_seed(0))
-    if fast_step.prompt_why_not(model, ids, None, model.gpt.new_cache(1, 8), None) is not None:
+    cache = model.gpt.new_cache(1, 8)  # the pass needs what the step needs (GPT2_DECODE_STEP=0: neither runs)
+    if fast_step.prompt_why_not(model, ids, None, cache, fast_step.why_not(model, 1, None, cache)) is not None:
         pytest.skip("the short prompt's C++ pass does not run here")
     asked, during = [], []
     real_pass = fast_step.FastPrompt.__call__

@@ -101,12 +101,12 @@ def walk(model: nn.Module) -> Walk:
     return Walk(training, linears, hooked, frozenset(dtypes), all_cpu, bool(first_cpu), size)
 
 
-def _hooked(body: nn.Module, found: Walk | None = None) -> bool:
+def _hooked(body: nn.Module, found: Walk) -> bool:
     """Whether a forward hook or pre-hook would run in decode_step: on any module of the body, or global ones.
     found: a walk of the model holding the body (none of its modules hooked: no walk of the body's)."""
     if module_hooks._global_forward_hooks or module_hooks._global_forward_pre_hooks:
         return True
-    if found is not None and not found.hooked:
+    if not found.hooked:
         return False
     return any(m._forward_hooks or m._forward_pre_hooks for m in body.modules())
 

@@ -957,34 +957,43 @@ extern "C" void rows_quantize_u7(const float* x, int64_t n, float inv, int zp, u
 // (rows_qgemm_pack) in tiles of 16 output rows: for each 4 inputs, 64 bytes, output j's 4 bytes at 4j, so one vector
 // load holds 16 outputs' next 4 weights and one instruction adds 4 products into each output's 32-bit lane for one
 // input row (its 4 bytes broadcast): VNNI's vpdpbusd (AVX512-VNNI builds), else vpmaddubsw (pairs into 16 bits:
-// 7-bit activations keep the pair within 32512) and vpmaddwd by 1s. A thread takes a block of tiles and runs every
-// input row through each tile (8 rows a pass, 4 in the AVX2 form), so the weight is read from memory once per call.
-// Against oneDNN's int8 linear through torch on a 2-core Zen 4 (gpt2's four shapes, x12 layers): 9-512 rows 1.0-1.6x
-// faster, the AVX2 form 2.9x faster at 16 rows than oneDNN held to AVX2 (ONEDNN_MAX_CPU_ISA=AVX2), 0.8x at 512.
+// 7-bit activations keep the pair within 32512) and vpmaddwd by 1s. The tiles go in pairs (32 outputs; the last pair
+// may hold one tile), a pair's two tiles interleaved: its 4 inputs' 64 bytes of the first tile, then of the second,
+// then the next 4 inputs', so a pass over a pair reads one stream. A thread takes a block of pairs and runs every
+// input row through each pair (kQRows rows a pass), so the weight is read from memory once per call and from the
+// core's cache after. Against oneDNN's int8 linear through torch on a 2-core Zen 4 (gpt2's four shapes, x12 layers):
+// 9-512 rows 1.0-1.6x faster, the AVX2 form 2.9x faster at 16 rows than oneDNN held to AVX2
+// (ONEDNN_MAX_CPU_ISA=AVX2), 0.8x at 512. The pairs interleaved against their tiles apart (one stream a thread
+// against two; gpt2's 48 weights, 85 MB read from memory, interleaved A/B, Zen 4, 2 threads, 2026-12-02, two runs):
+// 8 rows 4.0-4.8 -> 3.2-3.5 ms, 16 rows 5.8-7.5 -> 5.1-6.9, 128 rows 30.3-31.5 -> 29.9-30.1; the AVX2 build, 4 rows
+// over a whole pair against one tile: 2 rows 5.5 -> 3.6 ms, 16 rows 11.2 -> 9.3. One tile with 16 rows a pass (one
+// stream too, but a broadcast per vpdpbusd) ran 1.2-1.4x slower, and software prefetching gained nothing.
 constexpr int64_t kQTile = 16;  // output rows of a packed tile
+constexpr int64_t kQPair = 2;  // tiles interleaved in a packed pair
 
 static inline int64_t qgemm_weight_bytes(int64_t out, int64_t in) { return (out + kQTile - 1) / kQTile * kQTile * in; }
 
 #ifdef ROWS_VNNI
-constexpr int kQTiles = 2;  // tiles a pass (32 outputs), kQRows input rows: 16 accumulators
-constexpr int kQRows = 8;
+constexpr int kQRows = 8;  // input rows a pass: 8 rows x 2 tiles, 16 accumulators
+// R input rows (x: R rows of `in` quantized bytes) times the pair at wt, whose nb (1, 2) tiles start at output o0.
 template <int R>
 static void qgemm_tiles(const uint8_t* x, int64_t in, const int8_t* wt, int64_t nb, const int32_t* colsum,
                         const float* wscale, float xscale, int zp, const float* bias, float* y, int64_t o0,
                         int64_t out) {
-  __m512i acc[R][kQTiles];
+  __m512i acc[R][kQPair];
   for (int r = 0; r < R; ++r)
-    for (int n = 0; n < kQTiles; ++n) acc[r][n] = _mm512_setzero_si512();
-  const int64_t quads = in / 4, tile = quads * 64;
+    for (int n = 0; n < kQPair; ++n) acc[r][n] = _mm512_setzero_si512();
+  const int64_t quads = in / 4;
   for (int64_t k = 0; k < quads; ++k) {
-    __m512i w[kQTiles];
-    for (int n = 0; n < kQTiles; ++n)
-      if (n < nb) w[n] = _mm512_loadu_si512(wt + n * tile + k * 64);
+    const int8_t* wk = wt + k * nb * 64;
+    __m512i w[kQPair];
+    for (int n = 0; n < kQPair; ++n)
+      if (n < nb) w[n] = _mm512_loadu_si512(wk + n * 64);
     for (int r = 0; r < R; ++r) {
       int32_t four;
       std::memcpy(&four, x + r * in + 4 * k, 4);
       const __m512i xb = _mm512_set1_epi32(four);
-      for (int n = 0; n < kQTiles; ++n)
+      for (int n = 0; n < kQPair; ++n)
         if (n < nb) acc[r][n] = _mm512_dpbusd_epi32(acc[r][n], xb, w[n]);
     }
   }
@@ -1001,27 +1010,34 @@ static void qgemm_tiles(const uint8_t* x, int64_t in, const int8_t* wt, int64_t 
   }
 }
 #else
-constexpr int kQTiles = 1;  // one tile a pass (its two halves of 8 outputs), kQRows input rows: 8 accumulators
+// input rows a pass: 4 rows x 4 halves of 8 outputs, 16 accumulators, as many as there are registers (the compiler
+// keeps some in the cache); 2 or 3 rows a pass ran 2-25% slower on gpt2's weights (Zen 4, the AVX2 build)
 constexpr int kQRows = 4;
 template <int R>
-static void qgemm_tiles(const uint8_t* x, int64_t in, const int8_t* wt, int64_t, const int32_t* colsum,
+static void qgemm_tiles(const uint8_t* x, int64_t in, const int8_t* wt, int64_t nb, const int32_t* colsum,
                         const float* wscale, float xscale, int zp, const float* bias, float* y, int64_t o0,
                         int64_t out) {
-  __m256i acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+  constexpr int H = 2 * kQPair;  // halves of 8 outputs in a pair
+  __m256i acc[R][H];
+  for (int r = 0; r < R; ++r)
+    for (int h = 0; h < H; ++h) acc[r][h] = _mm256_setzero_si256();
   const __m256i ones = _mm256_set1_epi16(1);
+  const int64_t halves = 2 * nb;
   for (int64_t k = 0; k < in / 4; ++k) {
-    const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wt + k * 64));
-    const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wt + k * 64 + 32));
+    const int8_t* wk = wt + k * nb * 64;
+    __m256i w[H];
+    for (int h = 0; h < H; ++h)
+      if (h < halves) w[h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wk + 32 * h));
     for (int r = 0; r < R; ++r) {
       int32_t four;
       std::memcpy(&four, x + r * in + 4 * k, 4);
       const __m256i xb = _mm256_set1_epi32(four);
-      acc[r][0] = _mm256_add_epi32(acc[r][0], _mm256_madd_epi16(_mm256_maddubs_epi16(xb, w0), ones));
-      acc[r][1] = _mm256_add_epi32(acc[r][1], _mm256_madd_epi16(_mm256_maddubs_epi16(xb, w1), ones));
+      for (int h = 0; h < H; ++h)
+        if (h < halves)
+          acc[r][h] = _mm256_add_epi32(acc[r][h], _mm256_madd_epi16(_mm256_maddubs_epi16(xb, w[h]), ones));
     }
   }
-  for (int h = 0; h < 2 && o0 + 8 * h < out; ++h) {
+  for (int h = 0; h < halves && o0 + 8 * h < out; ++h) {
     const int64_t o = o0 + 8 * h;
     alignas(32) int32_t sums[R][8];
     for (int r = 0; r < R; ++r) _mm256_store_si256(reinterpret_cast<__m256i*>(sums[r]), acc[r][h]);
@@ -1037,10 +1053,10 @@ static void qgemm_tiles(const uint8_t* x, int64_t in, const int8_t* wt, int64_t,
 static void qgemm(int64_t rows, const uint8_t* x, int64_t in, const int8_t* packed, const float* wscale, float xscale,
                   int zp, const float* bias, float* y, int64_t out, int threads) {
   const int32_t* colsum = reinterpret_cast<const int32_t*>(packed + qgemm_weight_bytes(out, in));
-  const int64_t tiles = (out + kQTile - 1) / kQTile, groups = (tiles + kQTiles - 1) / kQTiles;
+  const int64_t tiles = (out + kQTile - 1) / kQTile, pairs = (tiles + kQPair - 1) / kQPair;
 #pragma omp parallel for num_threads(threads) schedule(static)
-  for (int64_t g = 0; g < groups; ++g) {
-    const int64_t t0 = g * kQTiles, nb = std::min<int64_t>(kQTiles, tiles - t0), o0 = t0 * kQTile;
+  for (int64_t g = 0; g < pairs; ++g) {
+    const int64_t t0 = g * kQPair, nb = std::min<int64_t>(kQPair, tiles - t0), o0 = t0 * kQTile;
     const int8_t* wt = packed + t0 * kQTile * in;
     for (int64_t r0 = 0; r0 < rows; r0 += kQRows) {
       const uint8_t* xr = x + r0 * in;
@@ -1120,8 +1136,8 @@ int rows_qgemm_pack(const int8_t* w, int64_t out, int64_t in, int8_t* packed) {
   for (int64_t t = 0; t < tiles; ++t)
     for (int64_t k = 0; k < quads; ++k)
       for (int64_t j = 0; j < kQTile; ++j) {
-        const int64_t o = t * kQTile + j;
-        int8_t* to = packed + (t * quads + k) * 64 + 4 * j;
+        const int64_t o = t * kQTile + j, t0 = t / kQPair * kQPair, nb = std::min<int64_t>(kQPair, tiles - t0);
+        int8_t* to = packed + t0 * quads * 64 + (k * nb + t - t0) * 64 + 4 * j;  // the pair's tiles interleaved
         if (o < out)
           std::memcpy(to, w + o * in + 4 * k, 4);
         else

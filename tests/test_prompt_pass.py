@@ -267,6 +267,34 @@ def test_the_int8_prompt_product_is_the_exact_integer_product(form):
     assert lib.rows_qgemm_pack(odd.data_ptr(), 4, 30, torch.empty(1000, dtype=torch.int8).data_ptr()) == -2
 
 
+def packed_reference(w: torch.Tensor) -> torch.Tensor:
+    """rows_qgemm_pack's bytes written out in torch: tiles of 16 output rows (rows past the last zero), 64 bytes per 4
+    inputs (output j's 4 weights at 4j), the tiles in pairs interleaved per 4 inputs (the last pair may hold one
+    tile), then each row's int32 sum."""
+    out, width = w.shape
+    tiles = -(-out // 16)
+    padded = torch.zeros(tiles * 16, width, dtype=torch.int8)
+    padded[:out] = w
+    quads = padded.view(tiles, 16, width // 4, 4).permute(0, 2, 1, 3).reshape(tiles, width // 4, 64)  # (tile, k, 64)
+    parts = [quads[t:t + 2].transpose(0, 1).reshape(-1) for t in range(0, tiles, 2)]  # a pair: k-major, tiles inside
+    sums = w.long().sum(dim=1).int()
+    return torch.cat(parts + [sums.view(torch.int8)])
+
+
+@pytest.mark.parametrize("form", ["native", "avx2"])
+def test_every_build_packs_the_int8_weight_alike(form):
+    """The packed int8 weight is one layout in every build (a copy made by one build's library is read by another's:
+    prompt_packed caches it on the layer): the pairs of interleaved tiles of packed_reference, for output counts of
+    one tile, a pair, a pair and a lone tile, and partial tiles."""
+    lib = avx2_or_skip() if form == "avx2" else rows._load()
+    g = torch.Generator().manual_seed(3)
+    for out, width in ((16, 8), (32, 12), (40, 8), (7, 4), (65, 16)):
+        w = torch.randint(-127, 128, (out, width), dtype=torch.int8, generator=g)
+        packed = torch.full((lib.rows_qgemm_bytes(out, width),), 99, dtype=torch.int8)
+        assert lib.rows_qgemm_pack(w.data_ptr(), out, width, packed.data_ptr()) == 0
+        assert torch.equal(packed, packed_reference(w)), (out, width)
+
+
 needs_int8_prompt = pytest.mark.skipif(quant.prompt_products_why_not() is not None,
                                        reason=f"the prompt's int8 products are off: {quant.prompt_products_why_not()}")
 

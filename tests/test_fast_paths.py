@@ -216,24 +216,44 @@ def test_autocast_decoding_writes_bf16_projections_into_an_fp32_cache(monkeypatc
     assert (out == ref).all(1).float().mean() >= 0.5  # autocast decoding follows fp32's greedy path on most rows
 
 
-@pytest.mark.parametrize("bias", [True, False])
-@pytest.mark.parametrize("batch", [1, 3, 8])
-@pytest.mark.parametrize("out_features", [80, 81])  # 81: rows left over for every block count > 1
-def test_decode_linear_kernel_equals_f_linear(bias, batch, out_features):
-    """modules.linear.Linear: single tokens in inference take the row-blocked batched product (one row) or
-    (W @ x.T).T (several); the values are F.linear's to fp32 rounding, for every block count (torch's thread count)
-    and with rows left over."""
-    from modules.linear import Linear, blocked_linear
+def _decode_path(monkeypatch, path: str) -> list:
+    """Linear's one-token products on `path`: "kernel" (the rows kernel, where it pays here) or "torch" (the kernel
+    said not to pay, as on CPUs without AVX2: the row-blocked product for one row, (W x^T)^T for more), two threads.
+    Returns the list each product taken appends its name to (rows_linear, blocked_product, weight_first)."""
+    from modules import linear
+    from modules import rows as row_kernel
 
+    if path == "kernel" and not (row_kernel.available() and row_kernel.pays(torch.float32, 8)):
+        pytest.skip("the rows kernel does not run or pay on this machine")
+    if path == "torch":
+        monkeypatch.setattr(row_kernel, "pays", lambda dtype, rows: False)
+    torch.set_num_threads(2)  # restored by conftest's restore_threads
+    used = []
+    for owner, name in ((row_kernel, "rows_linear"), (linear, "blocked_product"), (linear, "weight_first")):
+        real = getattr(owner, name)
+        monkeypatch.setattr(owner, name, lambda *a, _real=real, _name=name: used.append(_name) or _real(*a))
+    return used
+
+
+@pytest.mark.parametrize("path", ["kernel", "torch"])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("batch", [1, 2, 3, 8])
+@pytest.mark.parametrize("out_features", [80, 81])  # 81: rows left over for every block count > 1
+def test_decode_linear_kernel_equals_f_linear(monkeypatch, path, bias, batch, out_features):
+    """modules.linear.Linear: single tokens in inference take the rows kernel where it pays, else the row-blocked
+    batched product (one row) or (W @ x.T).T (several); the values are F.linear's to fp32 rounding, with rows left
+    over and with or without a bias."""
+    from modules.linear import Linear
+
+    used = _decode_path(monkeypatch, path)
     torch.manual_seed(0)
     layer = Linear(48, out_features, bias=bias)
     x = torch.randn(batch, 1, 48)
     want = F.linear(x, layer.weight, layer.bias)
     with torch.no_grad():
         got = layer(x)
-        for blocks in (1, 2, 3, 4, 7, out_features, out_features + 1):
-            torch.testing.assert_close(blocked_linear(x[:, 0], layer.weight, layer.bias, blocks), want[:, 0],
-                                       atol=1e-5, rtol=1e-5)
+    expected = "rows_linear" if path == "kernel" else "blocked_product" if batch == 1 else "weight_first"
+    assert used == [expected]
     assert got.shape == (batch, 1, out_features) and got.is_contiguous()
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert torch.equal(layer(x), want)  # with autograd on (training), F.linear itself
@@ -244,13 +264,60 @@ def test_decode_linear_kernel_equals_f_linear(bias, batch, out_features):
         assert torch.equal(layer(nine), F.linear(nine, layer.weight, layer.bias))
 
 
-def test_decode_linear_views_follow_the_weights():
+@pytest.mark.parametrize("batch", [1, 2, 3])
+@pytest.mark.parametrize("in_features", [48, 1])
+def test_blocked_linear_cuts_the_rows_into_the_blocks_it_is_given(monkeypatch, batch, in_features):
+    """blocked_linear: F.linear's values to fp32 rounding for every block count, the product cut into exactly that many
+    blocks where each holds a row (2 to out_features), F.linear itself for one block or more blocks than rows."""
+    from modules import linear
+
+    shapes = []
+    real = linear.blocked_product
+    monkeypatch.setattr(linear, "blocked_product", lambda x, views: shapes.append(views.weight.shape) or real(x, views))
+    torch.manual_seed(0)
+    weight, bias = torch.randn(81, in_features), torch.randn(81)
+    x = torch.randn(batch, in_features)
+    want = F.linear(x, weight, bias)
+    for blocks in (1, 2, 3, 4, 7, 81, 82):
+        shapes.clear()
+        torch.testing.assert_close(linear.blocked_linear(x, weight, bias, blocks), want, atol=1e-5, rtol=1e-5)
+        assert shapes == ([] if blocks in (1, 82) else [(blocks, in_features, 81 // blocks)]), blocks
+
+
+def test_row_blocks_are_views_of_the_weight_with_the_rest_apart():
+    """row_blocks: (blocks, in, size) views of the weight's first blocks x size rows (no copy), the bias alike, the rows
+    left over as `rest` (None where none are); None for one block, fewer rows than blocks or a strided weight."""
+    from modules.linear import row_blocks
+
+    weight, bias = torch.randn(81, 48), torch.randn(81)
+    for blocks in (2, 3, 81):
+        views = row_blocks(weight, bias, blocks)
+        size = 81 // blocks
+        assert views.weight.shape == (blocks, 48, size) and views.weight.data_ptr() == weight.data_ptr()
+        assert torch.equal(views.weight.transpose(1, 2).reshape(-1, 48), weight[: blocks * size])
+        assert views.bias.shape == (blocks, 1, size) and views.bias.data_ptr() == bias.data_ptr()
+        if blocks * size == 81:
+            assert views.rest is None
+        else:
+            assert torch.equal(views.rest[0], weight[blocks * size:]) and torch.equal(views.rest[1], bias[blocks * size:])
+    assert row_blocks(weight, None, 2).bias is None and row_blocks(weight, None, 2).rest[1] is None
+    assert row_blocks(weight[:80], bias[:80], 2).rest is None
+    assert row_blocks(weight, bias, 1) is None
+    assert row_blocks(weight, bias, 82) is None
+    assert row_blocks(torch.randn(48, 81).t(), bias, 2) is None
+
+
+@pytest.mark.parametrize("path", ["kernel", "torch"])
+@pytest.mark.parametrize("bias", [True, False])
+def test_decode_linear_views_follow_the_weights(monkeypatch, path, bias):
     """The decode views are built once per layer and must never go stale: in-place steps, `.data` edits,
-    load_state_dict (copying or assigning), a replaced parameter and a changed thread count are all seen."""
+    load_state_dict (copying or assigning), a replaced parameter and a changed thread count are all seen; unchanged
+    weights keep the views they have."""
     from modules.linear import Linear
 
+    _decode_path(monkeypatch, path)
     torch.manual_seed(0)
-    layer = Linear(16, 24)
+    layer = Linear(16, 24, bias=bias)
     x = torch.randn(1, 1, 16)
 
     def check():
@@ -258,19 +325,26 @@ def test_decode_linear_views_follow_the_weights():
             torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
 
     check()
+    if path == "torch":
+        views = layer._blocks
+        assert views is not None and views[1] is not None
+        check()
+        assert layer._blocks is views  # nothing changed: the same views
     layer.weight.grad = torch.ones_like(layer.weight)
     torch.optim.SGD(layer.parameters(), lr=0.5).step()  # in place
     check()
     layer.weight.data.mul_(-2.0)  # behind autograd's back
     check()
-    layer.load_state_dict({"weight": torch.randn(24, 16), "bias": torch.randn(24)})
+    state = {"weight": torch.randn(24, 16)} | ({"bias": torch.randn(24)} if bias else {})
+    layer.load_state_dict(state)
     check()
-    layer.load_state_dict({"weight": torch.randn(24, 16), "bias": torch.randn(24)}, assign=True)
+    layer.load_state_dict({k: torch.randn_like(v) for k, v in state.items()}, assign=True)
     check()
     layer.weight = torch.nn.Parameter(torch.randn(24, 16))
     check()
-    layer.bias.data = torch.randn(24)
-    check()
+    if bias:
+        layer.bias.data = torch.randn(24)
+        check()
     threads = torch.get_num_threads()
     try:
         for n in (1, 3):
@@ -278,3 +352,40 @@ def test_decode_linear_views_follow_the_weights():
             check()
     finally:
         torch.set_num_threads(threads)
+
+
+def test_prepared_rows_serve_their_row_count_only(monkeypatch):
+    """Within prepared_rows(model, rows) a decode step of that many rows takes the product prepared on entry; another
+    row count prepares its own; the prepared products are dropped on exit."""
+    from torch import nn
+
+    from modules import rows as row_kernel
+    from modules.linear import Linear, prepared_rows
+
+    if not (row_kernel.available() and row_kernel.pays(torch.float32, 3)):
+        pytest.skip("the rows kernel does not run or pay on this machine")
+    calls = []
+    real = row_kernel.run
+    monkeypatch.setattr(row_kernel, "run", lambda call, x: calls.append(call) or real(call, x))
+    torch.manual_seed(0)
+    layer = Linear(48, 80)
+    with torch.no_grad(), prepared_rows(nn.Sequential(layer), 3) as layers:
+        assert layers == [layer] and layer.rows_call[0] == 3
+        for rows in (3, 2, 3):
+            x = torch.randn(rows, 1, 48)
+            torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
+            assert (calls[-1] is layer.rows_call[1]) == (rows == 3), rows
+    assert layer.rows_call is None
+
+
+def test_clear_derived_weights_counts_the_copies_it_drops():
+    """clear_derived_weights: every int8 / int4 copy a quantized call left on the layers and the LM head dropped and
+    counted; nothing left to count after."""
+    from models.generation import generate
+    from modules.linear import Linear, clear_derived_weights
+
+    m = model()
+    layers = sum(type(mod) is Linear for mod in m.modules())
+    generate(m, torch.tensor([[1, 2, 3]]), max_new_tokens=2, quantize="int8")
+    assert clear_derived_weights(m) == layers + 1  # each layer's copy and the LM head's
+    assert clear_derived_weights(m) == 0

@@ -319,13 +319,14 @@ def test_the_prompt_product_equals_the_dequantized_expression(mode, n_rows, in_f
 @needs_prompt
 @torch.no_grad()
 @pytest.mark.parametrize("mode", ["w8a8", "w4a8"])
-def test_a_quantized_prompt_takes_the_int8_gemm_and_the_switch_turns_it_off(monkeypatch, mode):
-    """Within quantized_weights(w8a8 / w4a8) a prompt of 12 tokens: every layer's output is the prompt rule's on its
+@pytest.mark.parametrize("tokens", [2, 12])
+def test_a_quantized_prompt_takes_the_int8_gemm_and_the_switch_turns_it_off(monkeypatch, mode, tokens):
+    """Within quantized_weights(w8a8 / w4a8) a prompt of 2 or 12 tokens: every layer's output is the prompt rule's on its
     own input (F.linear of prompt_reference(input) by the dequantized int8 weight; w4a8: the int4 weight quantized
     again to int8), and the logits move off the float weights'; one row and weight-only modes untouched;
     GPT2_PROMPT_INT8=0: the float weights' output exactly. A NaN in the input reaches the output as fp32's does."""
     model = tiny_model(random_biases=True)
-    ids = torch.randint(0, 97, (1, 12), generator=torch.Generator().manual_seed(5))
+    ids = torch.randint(0, 97, (1, tokens), generator=torch.Generator().manual_seed(5))
     plain = model(ids)["logits"]
     layers = [m for m in model.modules() if type(m) is Linear]
     seen = []

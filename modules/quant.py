@@ -530,11 +530,11 @@ def prompt_product(owner: nn.Module, layers: Sequence[nn.Module], x: torch.Tenso
 
 def prompt_packed(layer: nn.Module, lib=None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """A w8a8 / w4a8 layer's weight as the C++ prompt pass's int8 products read it (modules/rows.cpp,
-    rows_qgemm_pack: tiles of 16 rows, each row's sum after them) -> (packed bytes, per-row scales fp32): the int8
-    weight oneDNN's path reads (prompt_weight's: w4a8 dequantized and quantized again to int8 per row), so both
-    multiply the same integers. Kept on the layer and made again when its quantized copy is (the copy's key, as
-    prompt_product keeps oneDNN's); None for a layer without an int8-activation copy. lib: a loaded rows kernel
-    (default: the prompt's); every build packs alike."""
+    rows_qgemm_pack: tiles of 16 rows in interleaved pairs, each row's sum after them) -> (packed bytes, per-row
+    scales fp32): the int8 weight oneDNN's path reads (prompt_weight's: w4a8 dequantized and quantized again to int8
+    per row), so both multiply the same integers. Kept on the layer and made again when its quantized copy is (the
+    copy's key, as prompt_product keeps oneDNN's); None for a layer without an int8-activation copy. lib: a loaded
+    rows kernel (default: the prompt's); every build packs alike."""
     copy = getattr(layer, "quantized", None)
     if copy is None or not copy.int8_activations:
         return None

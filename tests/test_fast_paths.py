@@ -299,7 +299,8 @@ def test_row_blocks_are_views_of_the_weight_with_the_rest_apart():
         if blocks * size == 81:
             assert views.rest is None
         else:
-            assert torch.equal(views.rest[0], weight[blocks * size:]) and torch.equal(views.rest[1], bias[blocks * size:])
+            rest = blocks * size
+            assert torch.equal(views.rest[0], weight[rest:]) and torch.equal(views.rest[1], bias[rest:])
     assert row_blocks(weight, None, 2).bias is None and row_blocks(weight, None, 2).rest[1] is None
     assert row_blocks(weight[:80], bias[:80], 2).rest is None
     assert row_blocks(weight, bias, 1) is None

@@ -608,3 +608,43 @@ def test_the_steps_gelu_is_the_tanh_gelu_to_float_rounding(form, threads):
     err = (y.double() - want).abs()
     assert (err <= 2e-7 * want.abs() + 5e-8).all(), (x[err.argmax()], err.max())
     assert torch.equal(y[-7:-2], torch.tensor([0.0, 0.0, 5e-31, -5e-31, 1e4])) and abs(y[-2]) < 1e-30 and y[-1] == 88.0
+
+
+@pytest.mark.parametrize("case", ["pass", "layers", "timed layers"])
+def test_prefill_alone_walks_once_and_keys_the_threads_on_the_request(monkeypatch, case):
+    """prefill without the caller's walk makes one (fast_step.walk) and hands it to every check: the thread choices
+    for the prompt (the C++ pass's short-prompt count; the layers' path, padded: the short-prompt count or, blocks long
+    enough to time, prompt_threads) get the rows, the quantize mode and the walk; nothing walks the model again."""
+    from models import generation
+
+    monkeypatch.setattr(generation.decode_threads, "remembers_fewer_threads", lambda: True)  # the busy branch too
+    keys = []
+    real_short = generation.decode_threads.short_prompt_threads
+    monkeypatch.setattr(generation.decode_threads, "short_prompt_threads",
+                        lambda key: keys.append(key) or real_short(key))
+    used = []
+    for name in ("short_prompt_threads", "prompt_threads"):
+        real = getattr(generation, name)
+        monkeypatch.setattr(generation, name, lambda m, rows, q=None, f=None, _r=real, _n=name:
+                            used.append((_n, rows, q, f)) or _r(m, rows, q, f))
+    model = tiny(n_embd=512, n_head=8, n_layer=1) if case == "timed layers" else tiny()
+    walks, named_modules = [], nn.Module.named_modules
+
+    def counted(self, *args, **kwargs):
+        walks.append((self is model or self is model.gpt) and not args)
+        return named_modules(self, *args, **kwargs)
+    monkeypatch.setattr(nn.Module, "named_modules", counted)
+    made = []
+    real_walk = fast_step.walk
+    monkeypatch.setattr(fast_step, "walk", lambda m: made.append(real_walk(m)) or made[-1])
+    ids = torch.tensor([[1, 2, 3, 4, 5]]) if case == "pass" else \
+        torch.randint(1, 97, (2, 5 if case == "layers" else 48))
+    mask = None if case == "pass" else torch.ones_like(ids).index_fill_(1, torch.tensor([0]), 0)
+    with torch.no_grad():
+        prefill(model, ids, mask, 2, quantize="int8")  # (the mode only names the threads' memory here)
+    assert walks.count(True) == 1 and len(made) == 1
+    if case == "timed layers":
+        assert used == [("prompt_threads", ids.numel(), "int8", made[0])]
+    else:
+        assert used == [("short_prompt_threads", ids.shape[0], "int8", made[0])]
+        assert keys == [(ids.shape[0], "int8", made[0].size)]

@@ -401,17 +401,30 @@ def _top_p_sorts(monkeypatch) -> list:
     return sorts, set_vocab
 
 
+def _binade_candidates(row: torch.Tensor, p: float) -> int:
+    """How many probabilities of `row` lie in the binades (powers of two, largest first) up to the first whose
+    summed mass reaches p + generation.SLACK: the candidates the CPU top-p path sorts."""
+    exponent = torch.frexp(row).exponent.long()
+    below_top = exponent.max() - exponent  # 0: the largest binade
+    mass = torch.bincount(below_top, weights=row.double()).cumsum(0)
+    last = int(torch.searchsorted(mass, torch.tensor([p + generation.SLACK], dtype=mass.dtype)))
+    return int((below_top <= last).sum())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("spread", [1.0, 3.0, 8.0])
-def test_top_p_sorts_only_the_binades_that_reach_p(monkeypatch, spread):
-    """gpt2's vocabulary: from a nucleus of a few tokens to thousands, each row sorts only the probabilities of the
-    binades whose mass first passes p, never the whole row nor through torch.sort, and removes what the torch.sort
-    path removes."""
+def test_top_p_sorts_only_the_binades_that_reach_p(monkeypatch, spread, dtype):
+    """gpt2's vocabulary, fp32 or fp64 logits: from a nucleus of a few tokens to thousands, each row sorts exactly the
+    probabilities of the binades up to the first whose mass passes p, never the whole row nor through torch.sort,
+    and removes what the torch.sort path removes."""
     sorts, set_vocab = _top_p_sorts(monkeypatch)
     set_vocab(50257)
-    logits = torch.randn(3, 50257, generator=torch.Generator().manual_seed(int(spread))) * spread
+    logits = (torch.randn(3, 50257, generator=torch.Generator().manual_seed(int(spread))) * spread).to(dtype)
+    probs = logits.softmax(-1)
     for p in (0.05, 0.5, 0.9, 0.99):
         got = top_p_filter(logits, p)
-        assert len(sorts) == 3 and all(isinstance(n, int) and n < 50257 for n in sorts), (p, sorts)
+        assert sorts == [_binade_candidates(row, p) for row in probs], (p, sorts)
+        assert all(n < 50257 for n in sorts)
         kept = got.isfinite().sum(-1)
         assert all(n >= k for n, k in zip(sorts, kept.tolist()))  # the nucleus is among the candidates sorted
         sorts.clear()
@@ -611,8 +624,11 @@ def test_the_decode_head_takes_each_batch_sizes_kernel_and_equals_the_models_hea
     for name in ("weight_first", "blocked_product"):
         real = getattr(generation, name)
         monkeypatch.setattr(generation, name, lambda *a, _real=real, _name=name: used.append(_name) or _real(*a))
-    run = row_kernel.run
+    run, prepared = row_kernel.run, row_kernel.prepared
     monkeypatch.setattr(row_kernel, "run", lambda *a: used.append("rows") or run(*a))
+    rows_prepared = []  # the head's product is prepared for the batch's row count (the library that count takes)
+    monkeypatch.setattr(row_kernel, "prepared",
+                        lambda *a, **k: rows_prepared.append(k.get("rows")) or prepared(*a, **k))
     cases = [(1, True, "rows"), (3, True, "rows"), (1, False, "blocked_product"), (2, False, "weight_first"),
              (3, False, "weight_first")]
     for batch, kernel, expected in cases:
@@ -623,6 +639,8 @@ def test_the_decode_head_takes_each_batch_sizes_kernel_and_equals_the_models_hea
         used.clear()
         got = generation.decode_lm_head(body, batch)(hidden)
         assert used == [expected], (batch, kernel, used)
+        assert rows_prepared == ([batch] if expected == "rows" else []), rows_prepared
+        rows_prepared.clear()
         torch.testing.assert_close(got, body.hidden_state_to_token(hidden), atol=2e-5, rtol=2e-5)
         if softcap:
             assert got.abs().max() <= softcap
@@ -742,3 +760,25 @@ def test_the_c_step_and_the_layers_prepared_products_are_made_only_where_steps_u
     prepared.clear()
     ours.generate(ids, max_new_tokens=2)
     assert prepared == [1]
+
+
+def test_the_threads_helpers_read_the_model_alone_as_from_its_walk():
+    """The size and device the thread choice keys on: the same from a caller's walk and from the model alone (a
+    helper called by itself walks its parameters)."""
+    m = GPT2LMHeadModel(tiny_config("h5")).eval()
+    walked = fast_step.walk(m)
+    assert generation._size(m, None) == generation._size(m, walked) == m.num_parameters()
+    assert generation._on_cpu(m, None) is generation._on_cpu(m, walked) is True
+
+
+def test_a_prompt_is_timed_from_the_flops_of_its_blocks():
+    """prompt_is_timed: a prompt's blocks are timed from 24 x rows x n_embd^2 flops at PROMPT_MIN_FLOPS (5e8) on: 5087
+    rows of a 64-wide model (5.0002e8) and not 5086 (4.9992e8), with or without the caller's walk."""
+    from models.decode_threads import PROMPT_MIN_FLOPS
+
+    m = GPT2LMHeadModel(tiny_config("h4-wide")).eval()
+    assert 24 * 5086 * 64 * 64 < PROMPT_MIN_FLOPS <= 24 * 5087 * 64 * 64
+    for found in (None, fast_step.walk(m)):
+        assert generation.prompt_is_timed(m, 5087, found) and not generation.prompt_is_timed(m, 5086, found)
+        assert not generation.prompt_is_timed(m.to("meta"), 10 ** 9, None if found is None else found._replace(
+            first_cpu=False))

@@ -160,6 +160,9 @@ def test_a_generate_calls_quantized_copies_are_packed_in_huge_pages_and_decode_t
                   if "_quantized_cache" in layer.__dict__]
         head = model.gpt.__dict__["_quantized_head"][1].q
         assert len(copies) == 12 and all(thp_eligible(q.data_ptr()) for q in copies + [head])
+        scales = [layer.__dict__["_quantized_cache"][1].scale for layer in model.modules()
+                  if "_quantized_cache" in layer.__dict__]
+        assert all(thp_eligible(scale.data_ptr()) for scale in scales)  # the scales beside their weights
         with torch.no_grad():  # nothing changed: the next call reads the same copies, not a new packing of them
             model.generate(ids, max_new_tokens=2, do_sample=False, quantize=quantize)
         assert [layer.__dict__["_quantized_cache"][1].q.data_ptr() for layer in model.modules()
@@ -176,6 +179,14 @@ def test_a_generate_calls_quantized_copies_are_packed_in_huge_pages_and_decode_t
             opt = torch.optim.SGD(m.parameters(), lr=0.1)
             m(ids)["logits"].square().mean().backward()
             opt.step()
+    first = model.gpt.gpt_layers[0].self_attention.query
+    with torch.no_grad():  # one layer's weight changed, the first of the call's copies: all are packed again
+        model.generate(ids, max_new_tokens=2, do_sample=False, quantize=quantize)  # copies of the trained weights
+        old = first.__dict__["_quantized_cache"][1].q
+        first.weight.mul_(1.5)
+        model.generate(ids, max_new_tokens=2, do_sample=False, quantize=quantize)
+    new = first.__dict__["_quantized_cache"][1].q
+    assert new.data_ptr() != old.data_ptr() and thp_eligible(new.data_ptr())
 
 
 @pytest.mark.parametrize("text, mode, usable", [("always [madvise] never\n", "madvise", True),

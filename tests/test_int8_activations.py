@@ -321,8 +321,8 @@ def test_the_prompt_product_equals_the_dequantized_expression(mode, n_rows, in_f
 @pytest.mark.parametrize("mode", ["w8a8", "w4a8"])
 @pytest.mark.parametrize("tokens", [2, 12])
 def test_a_quantized_prompt_takes_the_int8_gemm_and_the_switch_turns_it_off(monkeypatch, mode, tokens):
-    """Within quantized_weights(w8a8 / w4a8) a prompt of 2 or 12 tokens: every layer's output is the prompt rule's on its
-    own input (F.linear of prompt_reference(input) by the dequantized int8 weight; w4a8: the int4 weight quantized
+    """Within quantized_weights(w8a8 / w4a8) a prompt of 2 or 12 tokens: every layer's output is the prompt rule's on
+    its own input (F.linear of prompt_reference(input) by the dequantized int8 weight; w4a8: the int4 weight quantized
     again to int8), and the logits move off the float weights'; one row and weight-only modes untouched;
     GPT2_PROMPT_INT8=0: the float weights' output exactly. A NaN in the input reaches the output as fp32's does."""
     model = tiny_model(random_biases=True)
@@ -595,3 +595,55 @@ def test_the_kernels_quantizer_gives_the_same_bits_with_a_float64_default_dtype(
     finally:
         torch.set_default_dtype(before)
     assert torch.equal(got[0], want[0]) and got[1:] == want[1:]
+
+
+@needs_prompt
+@torch.no_grad()
+def test_the_prompt_gemm_takes_a_prompt_of_any_leading_shape_and_no_decode_step():
+    """prompt_takes: rows of 2+ positions in the last leading dimension ((T, in), (B, T, in)) or more than MAX_ROWS
+    rows in all, in any number of leading dimensions ((3, 3, 1, in): 9 one-position rows); not a decode step of at
+    most MAX_ROWS one-position rows, nor one row."""
+    layer = Linear(64, 24)
+    layer.quantized = quantize(layer.weight, "w8a8")
+    leading = {(1,): False, (2,): True, (1, 2): True, (4, 3): True, (1, 1): False, (2, 1): False, (8, 1): False,
+               (9, 1): True, (3, 3, 1): True, (2, 2, 2, 1): False}  # x: (*leading, in)
+    assert {shape: quant.prompt_takes((layer,), torch.randn(*shape, 64)) for shape in leading} == leading
+
+
+@needs_prompt
+def test_the_pass_packs_only_int8_activation_copies_as_int8_bytes():
+    """prompt_packed: None for a module without a quantized copy (a LoRA layer, a plain nn.Linear) and for a
+    weight-only copy; for a w8a8 copy, int8 bytes of rows_qgemm_bytes' length (made with the prompt's library when
+    none is given) and the per-row scales; a copy whose width is not a multiple of 4 is refused by name."""
+    assert quant.prompt_packed(torch.nn.Linear(64, 8)) is None
+    layer = Linear(64, 24)
+    layer.quantized = None
+    assert quant.prompt_packed(layer) is None
+    layer.quantized = quantize(layer.weight, "int8")
+    assert quant.prompt_packed(layer) is None and "_prompt_packed" not in layer.__dict__
+    layer.quantized = quantize(layer.weight, "w8a8")
+    packed, scale = quant.prompt_packed(layer)  # the prompt's library
+    lib = rows.prompt_library()
+    assert packed.dtype == torch.int8 and packed.numel() == lib.rows_qgemm_bytes(24, 64)
+    assert torch.equal(scale, layer.quantized.scale.float().reshape(-1))
+    odd = Linear(30, 4)
+    odd.quantized = quant.Int8Weight(torch.ones(4, 30, dtype=torch.int8), torch.ones(4), int8_activations=True)
+    with pytest.raises(ValueError, match="the prompt's int8 products take inputs in multiples of 4, this weight has "
+                                         "30"):
+        quant.prompt_packed(odd)
+
+
+@needs_kernel
+@torch.no_grad()
+def test_a_prepared_w8a8_product_quantizes_its_activations():
+    """prepared_quantized on a w8a8 copy: the kernel's product with the activations quantized (the rule's output by
+    the dequantized weight), not the weight-only product of the same int8 weight."""
+    if not rows.pays(torch.int8, 1):
+        pytest.skip("the rows kernel does not take int8 here")
+    g = torch.Generator().manual_seed(2)
+    weight, bias, x = torch.randn(24, 64, generator=g), torch.randn(24, generator=g), torch.randn(1, 64, generator=g)
+    w8 = quantize(weight, "w8a8")
+    got = quant.prepared_quantized(w8, bias)(x)
+    torch.testing.assert_close(got, F.linear(quantize_activations(x), w8.dequantize(), bias), rtol=1e-5, atol=1e-4)
+    weight_only = F.linear(x, w8.dequantize(), bias)
+    assert (got - weight_only).abs().max() > 1e-3

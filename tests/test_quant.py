@@ -53,8 +53,19 @@ def test_quantize_int8_rounds_each_row_to_half_a_step():
     assert int(w8.q.abs().max()) == 127  # each row's largest entry maps to +-127
     err = (w8.dequantize() - w).abs()
     assert bool((err <= w8.scale[:, None] / 2 + 1e-7).all())
-    assert torch.equal(w8.dequantize()[3], torch.zeros(24))
+    assert torch.equal(w8.dequantize()[3], torch.zeros(24)) and w8.scale[3] == 1.0 and not w8.q[3].any()  # scale 1
     assert w8.dequantize(torch.bfloat16).dtype == torch.bfloat16
+
+
+def test_a_copy_kept_under_the_default_name_is_found_again_and_cleared_with_the_others():
+    """cached_quantized without a name keeps its copy where quant.clear looks (CACHE_NAMES): the same copy while the
+    weight is unchanged, a new one after an in-place write, none left after clear."""
+    owner, w = torch.nn.Module(), torch.randn(8, 32)
+    first = quant.cached_quantized(owner, w, "int8")
+    assert quant.cached_quantized(owner, w, "int8") is first
+    w.mul_(2.0)
+    assert quant.cached_quantized(owner, w, "int8") is not first
+    assert quant.clear(owner) == 1 and quant.clear(owner) == 0
 
 
 def test_rows_of_very_different_magnitudes_each_keep_their_own_precision():
@@ -98,7 +109,7 @@ def test_quantize_int4_rounds_each_group_to_half_a_step():
     assert bool((group_max == 7).sum() == 6 * 4 - 1) and int(group_max[2, 1]) == 0  # the zero group: scale 1, q 0
     err = (w4.dequantize() - w).view(6, 4, 32).abs()
     assert bool((err <= w4.scale[:, :, None] / 2 * (1 + 1e-6)).all()), (err.amax(-1), w4.scale / 2)
-    assert torch.equal(w4.dequantize()[2, 32:64], torch.zeros(32))
+    assert torch.equal(w4.dequantize()[2, 32:64], torch.zeros(32)) and w4.scale[2, 1] == 1.0
     assert w4.dequantize(torch.bfloat16).dtype == torch.bfloat16
     assert torch.equal(quantize_int4(w.double()).q, w4.q)  # any float weight, its scales fp32
     assert quantize_int4(w.bfloat16()).scale.dtype == torch.float32

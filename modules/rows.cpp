@@ -961,13 +961,14 @@ extern "C" void rows_quantize_u7(const float* x, int64_t n, float inv, int zp, u
 // may hold one tile), a pair's two tiles interleaved: its 4 inputs' 64 bytes of the first tile, then of the second,
 // then the next 4 inputs', so a pass over a pair reads one stream. A thread takes a block of pairs and runs every
 // input row through each pair (kQRows rows a pass), so the weight is read from memory once per call and from the
-// core's cache after. Against oneDNN's int8 linear through torch on a 2-core Zen 4 (gpt2's four shapes, x12 layers):
-// 9-512 rows 1.0-1.6x faster, the AVX2 form 2.9x faster at 16 rows than oneDNN held to AVX2
-// (ONEDNN_MAX_CPU_ISA=AVX2), 0.8x at 512. The pairs interleaved against their tiles apart (one stream a thread
-// against two; gpt2's 48 weights, 85 MB read from memory, interleaved A/B, Zen 4, 2 threads, 2026-12-02, two runs):
-// 8 rows 4.0-4.8 -> 3.2-3.5 ms, 16 rows 5.8-7.5 -> 5.1-6.9, 128 rows 30.3-31.5 -> 29.9-30.1; the AVX2 build, 4 rows
-// over a whole pair against one tile: 2 rows 5.5 -> 3.6 ms, 16 rows 11.2 -> 9.3. One tile with 16 rows a pass (one
-// stream too, but a broadcast per vpdpbusd) ran 1.2-1.4x slower, and software prefetching gained nothing.
+// core's cache after. Against oneDNN's int8 linear through torch on a 2-core Zen 4 (gpt2's four shapes, x12 layers,
+// weights from memory, 2026-12-02, docs/cpu-decoding.md): 9-512 rows 1.05-2.1x faster, the AVX2 form 2.5x faster
+// at 16 rows than oneDNN held to AVX2 (ONEDNN_MAX_CPU_ISA=AVX2), 1.09x at 512. The pairs interleaved against their
+// tiles apart (one stream a thread against two; gpt2's 48 weights, 85 MB read from memory, interleaved A/B, Zen 4, 2
+// threads, 2026-12-02, two runs): 8 rows 4.0-4.8 -> 3.2-3.5 ms, 16 rows 5.8-7.5 -> 5.1-6.9, 128 rows 30.3-31.5 ->
+// 29.9-30.1; the AVX2 build, 4 rows over a whole pair against one tile: 2 rows 5.5 -> 3.6 ms, 16 rows 11.2 -> 9.3.
+// One tile with 16 rows a pass (one stream too, but a broadcast per vpdpbusd) ran 1.2-1.4x slower, and software
+// prefetching gained nothing.
 constexpr int64_t kQTile = 16;  // output rows of a packed tile
 constexpr int64_t kQPair = 2;  // tiles interleaved in a packed pair
 
@@ -1133,16 +1134,19 @@ int64_t rows_qgemm_bytes(int64_t out, int64_t in) { return qgemm_weight_bytes(ou
 int rows_qgemm_pack(const int8_t* w, int64_t out, int64_t in, int8_t* packed) {
   if (in % 4 != 0 || in < 4 || out < 1) return -2;
   const int64_t quads = in / 4, tiles = (out + kQTile - 1) / kQTile;
-  for (int64_t t = 0; t < tiles; ++t)
+  for (int64_t t = 0; t < tiles; ++t) {
+    const int64_t t0 = t / kQPair * kQPair, nb = std::min<int64_t>(kQPair, tiles - t0);  // its pair: first, tiles
+    int8_t* tile = packed + t0 * quads * 64 + (t - t0) * 64;  // its first 64 bytes; the pair's tiles interleaved
     for (int64_t k = 0; k < quads; ++k)
       for (int64_t j = 0; j < kQTile; ++j) {
-        const int64_t o = t * kQTile + j, t0 = t / kQPair * kQPair, nb = std::min<int64_t>(kQPair, tiles - t0);
-        int8_t* to = packed + t0 * quads * 64 + (k * nb + t - t0) * 64 + 4 * j;  // the pair's tiles interleaved
+        const int64_t o = t * kQTile + j;
+        int8_t* to = tile + k * nb * 64 + 4 * j;
         if (o < out)
           std::memcpy(to, w + o * in + 4 * k, 4);
         else
           std::memset(to, 0, 4);
       }
+  }
   int32_t* colsum = reinterpret_cast<int32_t*>(packed + qgemm_weight_bytes(out, in));
   for (int64_t o = 0; o < out; ++o) {
     int32_t s = 0;

@@ -447,6 +447,19 @@ def test_one_walk_finds_what_torchs_walks_find():
     assert fast_step.walk(models[1]).size - fast_step.walk(models[0]).size == 97 * 64  # the untied head's
 
 
+def counted_walks(monkeypatch, model) -> list[bool]:
+    """A list that gets True for each walk over `model`'s modules or its body's (why_not's hooks, unless told), False
+    for any other named_modules call (torch's recursion passes a memo; other modules): modules() and parameters()
+    walk through named_modules too."""
+    walks, named_modules = [], nn.Module.named_modules
+
+    def counted(self, *args, **kwargs):
+        walks.append((self is model or self is model.gpt) and not args)
+        return named_modules(self, *args, **kwargs)
+    monkeypatch.setattr(nn.Module, "named_modules", counted)
+    return walks
+
+
 def test_a_hook_outside_the_body_keeps_the_step_and_each_call_walks_the_model_once(monkeypatch):
     """A hook on the LM-head model itself is never called by a decode step (generate calls no module's forward
     there): the step stays. A generate or beam search call walks the model's modules once (fast_step.walk), not
@@ -460,13 +473,7 @@ def test_a_hook_outside_the_body_keeps_the_step_and_each_call_walks_the_model_on
     assert fast_step.why_not(model, 1, None, cache, fast_step.walk(model)) == \
         "forward hooks on the model's modules (the step calls none of them)"
     model = tiny()
-    walks, named_modules = [], nn.Module.named_modules
-
-    def counted(self, *args, **kwargs):
-        # a walk of the model or of its body (why_not's hooks, unless told), not torch's recursion (memo passed)
-        walks.append((self is model or self is model.gpt) and not args)
-        return named_modules(self, *args, **kwargs)
-    monkeypatch.setattr(nn.Module, "named_modules", counted)  # modules() and parameters() walk through it too
+    walks = counted_walks(monkeypatch, model)
     for quantize in (None, "int8", "w8a8"):
         walks.clear()
         model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=3, quantize=quantize)
@@ -628,12 +635,7 @@ def test_prefill_alone_walks_once_and_keys_the_threads_on_the_request(monkeypatc
         monkeypatch.setattr(generation, name, lambda m, rows, q=None, f=None, _r=real, _n=name:
                             used.append((_n, rows, q, f)) or _r(m, rows, q, f))
     model = tiny(n_embd=512, n_head=8, n_layer=1) if case == "timed layers" else tiny()
-    walks, named_modules = [], nn.Module.named_modules
-
-    def counted(self, *args, **kwargs):
-        walks.append((self is model or self is model.gpt) and not args)
-        return named_modules(self, *args, **kwargs)
-    monkeypatch.setattr(nn.Module, "named_modules", counted)
+    walks = counted_walks(monkeypatch, model)
     made = []
     real_walk = fast_step.walk
     monkeypatch.setattr(fast_step, "walk", lambda m: made.append(real_walk(m)) or made[-1])

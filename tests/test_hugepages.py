@@ -156,13 +156,12 @@ def test_a_generate_calls_quantized_copies_are_packed_in_huge_pages_and_decode_t
     for step in range(2):
         with torch.no_grad():
             tokens = model.generate(ids, max_new_tokens=6, do_sample=False, quantize=quantize)
-        copies = [layer.__dict__["_quantized_cache"][1].q for layer in model.modules()
-                  if "_quantized_cache" in layer.__dict__]
+        kept = [layer.__dict__["_quantized_cache"][1] for layer in model.modules()
+                if "_quantized_cache" in layer.__dict__]
+        copies = [entry.q for entry in kept]
         head = model.gpt.__dict__["_quantized_head"][1].q
         assert len(copies) == 12 and all(thp_eligible(q.data_ptr()) for q in copies + [head])
-        scales = [layer.__dict__["_quantized_cache"][1].scale for layer in model.modules()
-                  if "_quantized_cache" in layer.__dict__]
-        assert all(thp_eligible(scale.data_ptr()) for scale in scales)  # the scales beside their weights
+        assert all(thp_eligible(entry.scale.data_ptr()) for entry in kept)  # the scales beside their weights
         with torch.no_grad():  # nothing changed: the next call reads the same copies, not a new packing of them
             model.generate(ids, max_new_tokens=2, do_sample=False, quantize=quantize)
         assert [layer.__dict__["_quantized_cache"][1].q.data_ptr() for layer in model.modules()

@@ -610,6 +610,7 @@ def test_the_prompt_gemm_takes_a_prompt_of_any_leading_shape_and_no_decode_step(
     assert {shape: quant.prompt_takes((layer,), torch.randn(*shape, 64)) for shape in leading} == leading
 
 
+@needs_kernel
 @needs_prompt
 def test_the_pass_packs_only_int8_activation_copies_as_int8_bytes():
     """prompt_packed: None for a module without a quantized copy (a LoRA layer, a plain nn.Linear) and for a

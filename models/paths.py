@@ -152,6 +152,16 @@ def _a8_default() -> tuple[bool, str]:
     return True, what + ": " + ", ".join(f"{kind} {forms[kind]} build, {codes[kind]}" for kind in forms) + ")"
 
 
+def _prompt_amx_runs() -> str | None:
+    if os.environ.get(row_kernel.AMX_ENV) == "0":
+        return f"{row_kernel.AMX_ENV}=0"
+    if not row_kernel.available():
+        return "the rows kernel does not build or load here"
+    if not row_kernel.prompt_library().rows_qgemm_amx(64):
+        return "no AMX-INT8 tiles in the prompt's build here (the CPU's flags, the compiler, or Linux's grant)"
+    return None
+
+
 def _huge_pages_runs() -> str | None:
     if os.environ.get(hugepages.ENV) == "0":
         return f"{hugepages.ENV}=0"
@@ -275,6 +285,12 @@ PATHS: tuple[Path, ...] = (
          quant.prompt_products_why_not, lambda: (True, "w8a8 / w4a8 prompts of 2+ tokens: oneDNN's int8 linear runs "
                                                        "here (measured 1.3-2.2x fp32 F.linear on a Zen 3)"),
          ("tests/test_int8_activations.py", "tests/test_paths.py")),
+    Path("prompt-amx", "int8-prompt's GEMM in the prompt pass (rows_qgemm) in AMX-INT8 tiles: tdpbusd adds 16 rows "
+         "x 64 bytes of activations times 64 bytes x 16 outputs of the packed weight a step, 32 rows over a pair of "
+         "weight tiles a pass, for inputs in multiples of 64; the VNNI form's epilogue, so its outputs to the bit",
+         row_kernel.AMX_ENV, "", "0", _prompt_amx_runs,
+         lambda: (True, "AMX-INT8 tiles: measured faster than VNNI's vpdpbusd at 8-128 rows (docs/cpu-decoding.md)"),
+         ("tests/test_prompt_pass.py", "tests/test_paths.py")),
 )
 BY_NAME = {p.name: p for p in PATHS}
 ENV_FORCED = tuple(p for p in PATHS if p.env)  # the paths a CI run can force through the environment
@@ -315,6 +331,7 @@ if __name__ == "__main__":
         print(json.dumps(matrix(), indent=1))
     else:
         from modules.rows import cpu_flags
-        flags = [f for f in ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16") if f in cpu_flags().split()]
+        flags = [f for f in ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8")
+                 if f in cpu_flags().split()]
         print(f"CPU capability {_capability()}; flags: {' '.join(flags)}")
         print(table())

@@ -1051,8 +1051,117 @@ static void qgemm_tiles(const uint8_t* x, int64_t in, const int8_t* wt, int64_t 
 }
 #endif
 
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__) && defined(ROWS_VNNI)
+#define ROWS_AMX
+// AMX-INT8 (Sapphire Rapids and later Xeons): the same integer products in tile registers. One tdpbusd adds a 16 x
+// 64-byte tile of activations times a 64-byte x 16-output tile of weights into 16 x 16 int32 sums, and the weight
+// tile is the packing above as it stands: 16 consecutive 4-input groups of one tile, 64 bytes each, a stride of
+// nb x 64 bytes apart in the interleaved pair. A pass takes 32 input rows (two activation tiles) over a pair (two
+// weight tiles, four sums); the sums go through the VNNI form's epilogue, so its outputs are the VNNI form's to the
+// bit. Taken for inputs in multiples of 64 (a tile's depth) where Linux grants the tile state
+// (arch_prctl(ARCH_REQ_XCOMP_PERM)); GPT2_PROMPT_AMX=0 keeps the VNNI form.
+// gpt2's 48 weights, 2-core Xeon (2026-12-02, interleaved medians of 9): 16 rows 4.8-4.9 ms against VNNI's 7.2 and
+// oneDNN's int8 linear's 9.1-9.3, 128 rows 13.8-15.4 / 26.0-26.4 / 18.2-18.3 (docs/cpu-decoding.md).
+#include <sys/syscall.h>
+#include <unistd.h>
+#include <cstdlib>
+
+constexpr int64_t kARows = 16;  // input rows of an activation tile
+static bool amx_granted() {
+  static const bool granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return granted;
+}
+static bool amx_on(int64_t in) {
+  const char* setting = std::getenv("GPT2_PROMPT_AMX");
+  return in % 64 == 0 && !(setting && std::strcmp(setting, "0") == 0) && amx_granted();
+}
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+// tiles 0-3: the sums (row block b, weight tile n at 2b + n), 4-5: the activations, 6-7: the weights
+static void amx_configure() {
+  TileConfig c;
+  for (int t = 0; t < 8; ++t) c.colsb[t] = 64, c.rows[t] = 16;
+  _tile_loadconfig(&c);
+}
+// Activation rows r0.. (a multiple of 16 of them in x, zero-padded past `rows`) times the pair at wt (nb tiles from
+// output o0): the sums into y's rows r0 .. rows - 1.
+static void amx_pass(const uint8_t* x, int64_t r0, int64_t rows, int64_t in, const int8_t* wt, int64_t nb,
+                     const int32_t* colsum, const float* wscale, float xscale, int zp, const float* bias, float* y,
+                     int64_t o0, int64_t out) {
+  const bool two = rows - r0 > kARows;  // a second activation tile
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  const uint8_t* xa = x + r0 * in;
+  const int64_t stride = nb * 64;
+  for (int64_t k = 0; k < in; k += 64) {
+    const int8_t* wk = wt + (k / 4) * stride;  // the weight tile's first 4-input group
+    _tile_loadd(4, xa + k, in);
+    if (two) _tile_loadd(5, xa + kARows * in + k, in);
+    _tile_loadd(6, wk, stride);
+    _tile_dpbusd(0, 4, 6);
+    if (two) _tile_dpbusd(2, 5, 6);
+    if (nb > 1) {
+      _tile_loadd(7, wk + 64, stride);
+      _tile_dpbusd(1, 4, 7);
+      if (two) _tile_dpbusd(3, 5, 7);
+    }
+  }
+  alignas(64) int32_t sums[4][kARows][16];
+  _tile_stored(0, sums[0], 64);
+  _tile_stored(1, sums[1], 64);
+  _tile_stored(2, sums[2], 64);
+  _tile_stored(3, sums[3], 64);
+  const __m512i z = _mm512_set1_epi32(zp);
+  for (int n = 0; n < nb; ++n) {
+    const int64_t o = o0 + n * kQTile, left = std::min<int64_t>(kQTile, out - o);
+    const __mmask16 m = left >= kQTile ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
+    const __m512i correction = _mm512_mullo_epi32(z, _mm512_maskz_loadu_epi32(m, colsum + o));
+    const __m512 scale = _mm512_mul_ps(_mm512_set1_ps(xscale), _mm512_maskz_loadu_ps(m, wscale + o));
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(m, bias + o) : _mm512_setzero_ps();
+    for (int64_t r = r0; r < std::min(rows, r0 + 2 * kARows); ++r) {
+      const __m512i acc = _mm512_load_si512(sums[2 * ((r - r0) / kARows) + n][(r - r0) % kARows]);
+      _mm512_mask_storeu_ps(y + r * out + o, m,
+                            _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc, correction)), scale, b));
+    }
+  }
+}
+
+static void qgemm_amx(int64_t rows, const uint8_t* x, int64_t in, const int8_t* packed, const float* wscale,
+                      float xscale, int zp, const float* bias, float* y, int64_t out, int threads) {
+  const int32_t* colsum = reinterpret_cast<const int32_t*>(packed + qgemm_weight_bytes(out, in));
+  const int64_t tiles = (out + kQTile - 1) / kQTile, pairs = (tiles + kQPair - 1) / kQPair;
+  const int64_t padded = (rows + kARows - 1) / kARows * kARows;  // whole activation tiles, zeros past `rows`
+  std::vector<uint8_t> xp;
+  if (padded != rows) {
+    xp.assign(padded * in, 0);
+    std::memcpy(xp.data(), x, rows * in);
+    x = xp.data();
+  }
+#pragma omp parallel num_threads(threads)
+  {
+    amx_configure();
+#pragma omp for schedule(static)
+    for (int64_t g = 0; g < pairs; ++g) {
+      const int64_t t0 = g * kQPair, nb = std::min<int64_t>(kQPair, tiles - t0);
+      for (int64_t r0 = 0; r0 < rows; r0 += 2 * kARows)
+        amx_pass(x, r0, rows, in, packed + t0 * kQTile * in, nb, colsum, wscale, xscale, zp, bias, y, t0 * kQTile,
+                 out);
+    }
+    _tile_release();
+  }
+}
+#endif
+
 static void qgemm(int64_t rows, const uint8_t* x, int64_t in, const int8_t* packed, const float* wscale, float xscale,
                   int zp, const float* bias, float* y, int64_t out, int threads) {
+#ifdef ROWS_AMX
+  if (amx_on(in)) return qgemm_amx(rows, x, in, packed, wscale, xscale, zp, bias, y, out, threads);
+#endif
   const int32_t* colsum = reinterpret_cast<const int32_t*>(packed + qgemm_weight_bytes(out, in));
   const int64_t tiles = (out + kQTile - 1) / kQTile, pairs = (tiles + kQPair - 1) / kQPair;
 #pragma omp parallel for num_threads(threads) schedule(static)
@@ -1216,6 +1325,17 @@ int64_t rows_prefetch_kind(int kind, int64_t bytes) {
   if (kind < 0 || kind >= static_cast<int>(std::size(kAhead))) return -1;
   if (bytes > 0) kAhead[kind] = bytes;
   return kAhead[kind];
+}
+
+// 1 where the prompt's int8 products of `in` inputs take AMX's tiles here (a build with AMX-INT8, the tile state
+// granted, GPT2_PROMPT_AMX not 0, `in` a multiple of 64), else 0
+int rows_qgemm_amx(int64_t in) {
+#ifdef ROWS_AMX
+  return amx_on(in) ? 1 : 0;
+#else
+  (void)in;
+  return 0;
+#endif
 }
 
 // 1 where this build multiplies int8 activations with VNNI's vpdpbusd (ROWS_VNNI), else 0 (vpmaddubsw)

@@ -101,6 +101,8 @@ def library(target_flags: tuple[str, ...] = NATIVE):
                                       ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
     lib.rows_vector_width.restype = ctypes.c_int
     lib.rows_vnni.restype = ctypes.c_int
+    lib.rows_qgemm_amx.restype = ctypes.c_int
+    lib.rows_qgemm_amx.argtypes = [ctypes.c_int64]
     lib.rows_prefetch.restype = ctypes.c_int64
     lib.rows_prefetch.argtypes = [ctypes.c_int64]
     lib.rows_prefetch_kind.restype = ctypes.c_int64
@@ -202,6 +204,9 @@ KIND_INDEX = {name: _KINDS[dtype] + (2 if name in _ACTIVATION_KINDS else 0) for 
 PROMPT_ROWS_TIMED = (16, 32, 64, 128)
 PROMPT_MIN_WEIGHT = 1 << 18  # values (1 MiB of fp32): 1024 x 256 and up; gpt2's smallest weight is 768 x 768
 PROMPT_ENV = "GPT2_PROMPT_KERNEL"
+# the prompt's int8 GEMM (rows_qgemm) in AMX-INT8 tiles where the native build has them; "0" keeps VNNI (read by
+# rows.cpp at each product)
+AMX_ENV = "GPT2_PROMPT_AMX"
 _plan: dict | None = None
 _forms: dict[str, object] = {}
 _prompt_lib: tuple | None = None  # prompt_library's: (the plan, the form, the library at that plan's distances)

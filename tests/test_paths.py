@@ -543,3 +543,22 @@ def test_each_paths_reasons_and_defaults_name_what_decided_them(clean_env):
     clean_env.setattr(paths, "_capability", lambda: "AVX2")
     assert paths.BY_NAME["int8-activations"].default_here() == (
         True, "generate(quantize='w8a8' or 'w4a8'): the rows kernel's integer products (AVX2)")
+
+
+def test_the_prompts_amx_tiles_say_why_they_do_not_run(clean_env):
+    """prompt-amx's reasons: switched off, no kernel, no tiles in the prompt's build; where the build has them it
+    runs (the tile form's outputs are tested in tests/test_prompt_pass.py)."""
+    from types import SimpleNamespace
+
+    from modules import rows as row_kernel
+
+    runs = paths.BY_NAME["prompt-amx"].runs_here
+    clean_env.setattr(row_kernel, "available", lambda: True)
+    for amx, want in ((1, None), (0, "no AMX-INT8 tiles in the prompt's build here (the CPU's flags, the compiler, "
+                                     "or Linux's grant)")):
+        clean_env.setattr(row_kernel, "prompt_library", lambda a=amx: SimpleNamespace(rows_qgemm_amx=lambda n: a))
+        assert runs() == want
+    clean_env.setattr(row_kernel, "available", lambda: False)
+    assert runs() == "the rows kernel does not build or load here"
+    clean_env.setenv(row_kernel.AMX_ENV, "0")
+    assert runs() == "GPT2_PROMPT_AMX=0"

@@ -234,7 +234,7 @@ def int8_reference(x: torch.Tensor, w8: quant.Int8Weight, bias: torch.Tensor | N
 
 @pytest.mark.parametrize("form", ["native", "avx2"])
 def test_the_int8_prompt_product_is_the_exact_integer_product(form):
-    """rows_qgemm against int8_reference for row counts around each form's passes (8 rows VNNI, 4 AVX2) and output
+    """rows_qgemm against int8_reference for row counts around each form's passes (8 rows VNNI, 4 AVX2, 32 AMX) and output
     counts around the 16-row tiles, with and without a bias, to fp32 rounding of the last line (2e-6 of the output's
     scale); against the layers' path (oneDNN's int8 GEMM) likewise; a NaN or an infinity gives -4, nothing written; an
     input width not a multiple of 4 is refused at packing."""
@@ -245,7 +245,7 @@ def test_the_int8_prompt_product_is_the_exact_integer_product(form):
         packed = torch.empty(lib.rows_qgemm_bytes(out, width), dtype=torch.int8)
         assert lib.rows_qgemm_pack(w8.q.data_ptr(), out, width, packed.data_ptr()) == 0
         scale = w8.scale.float().reshape(-1).contiguous()
-        for n in (1, 3, 4, 8, 9, 13, 17):
+        for n in (1, 3, 4, 8, 9, 13, 17, 33):
             x = torch.randn(n, width, generator=g) * 3 + 0.5  # lo < 0 < hi: a zero point inside
             for bias in (None, torch.randn(out, generator=g)):
                 y = torch.full((n, out), 7.0)
@@ -265,6 +265,36 @@ def test_the_int8_prompt_product_is_the_exact_integer_product(form):
             assert bool((y == 7.0).all())
     odd = torch.zeros(4, 30, dtype=torch.int8)
     assert lib.rows_qgemm_pack(odd.data_ptr(), 4, 30, torch.empty(1000, dtype=torch.int8).data_ptr()) == -2
+
+
+def test_the_amx_tiles_give_the_vnni_forms_outputs_to_the_bit(monkeypatch):
+    """Where the native build has AMX-INT8 (and Linux grants the tiles), rows_qgemm's tile form against the same
+    build's VNNI form (GPT2_PROMPT_AMX=0): equal to the bit for row counts around the activation tiles (16 rows) and
+    passes (32), output counts around the weight tiles (one, a pair, a pair and a lone tile, partial ones), bias or
+    not; inputs not a multiple of 64 (a tile's depth) keep the VNNI form, and GPT2_PROMPT_AMX=0 turns it off."""
+    lib = rows._load()
+    if not lib.rows_qgemm_amx(64):
+        pytest.skip("no AMX-INT8 tiles here (the CPU, the compiler, Linux's grant or GPT2_PROMPT_AMX=0)")
+    assert lib.rows_qgemm_amx(128) == 1 and lib.rows_qgemm_amx(96) == 0 and lib.rows_qgemm_amx(32) == 0
+    g = torch.Generator().manual_seed(5)
+    for out, width in ((16, 64), (32, 128), (48, 64), (7, 192), (50, 768)):
+        w = torch.randint(-127, 128, (out, width), dtype=torch.int8, generator=g)
+        packed = torch.empty(lib.rows_qgemm_bytes(out, width), dtype=torch.int8)
+        assert lib.rows_qgemm_pack(w.data_ptr(), out, width, packed.data_ptr()) == 0
+        scale = torch.rand(out, generator=g) + 0.01
+        for n in (1, 15, 16, 17, 32, 33, 47, 70):
+            x = torch.randn(n, width, generator=g) * 2 - 0.3
+            for bias in (None, torch.randn(out, generator=g)):
+                ys = []
+                for setting in ("1", "0"):
+                    monkeypatch.setenv("GPT2_PROMPT_AMX", setting)
+                    y = torch.full((n, out), float("nan"))
+                    assert lib.rows_qgemm(n, x.data_ptr(), width, packed.data_ptr(), scale.data_ptr(),
+                                          None if bias is None else bias.data_ptr(), y.data_ptr(), out, 2) == 0
+                    ys.append(y)
+                assert torch.equal(ys[0], ys[1]), (out, width, n, bias is None)
+    monkeypatch.setenv("GPT2_PROMPT_AMX", "0")
+    assert lib.rows_qgemm_amx(64) == 0
 
 
 def packed_reference(w: torch.Tensor) -> torch.Tensor:

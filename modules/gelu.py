@@ -7,10 +7,13 @@ GELU(v) = v / (1 + e^(-2u)) with one polynomial exp a value (rows.cpp's, which t
 prompt already use), and its derivative from the same exp.
 
 `gelu_new` takes the kernel when a gradient will be taken through it (grad mode on and the input requiring one: a
-training step), on a float32 CPU tensor, outside torch.compile, with the rows kernel built and GPT2_FAST_GELU not 0;
-everywhere else, and so in every evaluation and generation, torch's `gelu(approximate="tanh")`, the function
-transformers' GPT-2 runs. The kernel is within 2e-7 relative of the exact tanh GELU (float64), closer than torch's
-float32 (1.2e-5 on tiny values); tests/test_gelu.py holds values and gradients to it and to torch.
+training step), on a float32 or bf16 CPU tensor (bf16: a `--dtype bf16-weights` step; each value widened to fp32,
+GELU or its derivative in fp32, rounded back to bf16 once, as torch's bf16 op does), outside torch.compile, with the
+rows kernel built and GPT2_FAST_GELU not 0; everywhere else, and so in every evaluation and generation, torch's
+`gelu(approximate="tanh")`, the function transformers' GPT-2 runs. The kernel is within 2e-7 relative of the exact tanh GELU (float64), closer than torch's
+float32 (1.2e-5 on tiny values); tests/test_gelu.py holds values and gradients to it and to torch. In bf16 the
+rounding decides: 1.3% of values land one bf16 step from the exact value rounded (torch's bf16 op: 6.7%), and below
+v = -5, where torch's tanh form gives 0, the kernel gives GELU's tiny values.
 """
 from __future__ import annotations
 
@@ -36,8 +39,8 @@ def available() -> bool:
 
 def applies(x: torch.Tensor) -> bool:
     """Whether gelu_new runs x through the kernel (see the module's docstring)."""
-    return (x.requires_grad and torch.is_grad_enabled() and x.dtype == torch.float32 and x.device.type == "cpu"
-            and not torch.compiler.is_compiling() and available())
+    return (x.requires_grad and torch.is_grad_enabled() and x.dtype in (torch.float32, torch.bfloat16)
+            and x.device.type == "cpu" and not torch.compiler.is_compiling() and available())
 
 
 def _threads(n: int) -> int:
@@ -49,7 +52,10 @@ class _GELU(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()
         y = torch.empty_like(x)
-        rows._load().rows_gelu_tanh(x.data_ptr(), y.data_ptr(), x.numel(), _threads(x.numel()))
+        if x.dtype == torch.bfloat16:
+            rows._load().rows_gelu_tanh_bf16(x.data_ptr(), None, y.data_ptr(), x.numel(), _threads(x.numel()))
+        else:
+            rows._load().rows_gelu_tanh(x.data_ptr(), y.data_ptr(), x.numel(), _threads(x.numel()))
         ctx.save_for_backward(x)
         return y
 
@@ -57,10 +63,14 @@ class _GELU(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
         (x,) = ctx.saved_tensors
-        grad = grad.contiguous()
+        grad = grad.contiguous().to(x.dtype)
         dx = torch.empty_like(x)
-        rows._load().rows_gelu_tanh_backward(x.data_ptr(), grad.data_ptr(), dx.data_ptr(), x.numel(),
+        if x.dtype == torch.bfloat16:
+            rows._load().rows_gelu_tanh_bf16(x.data_ptr(), grad.data_ptr(), dx.data_ptr(), x.numel(),
                                              _threads(x.numel()))
+        else:
+            rows._load().rows_gelu_tanh_backward(x.data_ptr(), grad.data_ptr(), dx.data_ptr(), x.numel(),
+                                                 _threads(x.numel()))
         return dx
 
 

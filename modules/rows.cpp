@@ -1505,6 +1505,36 @@ extern "C" void rows_gelu_tanh_backward(const float* x, const float* dy, float* 
   gelu_tanh_pass(x, dy, dx, n, threads < 1 ? 1 : threads);
 }
 
+// The same on bf16 tensors (a `--dtype bf16-weights` training step, modules/gelu.py): blocks of 2048 values widened
+// to fp32 (exactly), GELU or its derivative as above, rounded back to bf16 to nearest even (a NaN stays a NaN), as
+// torch's bf16 gelu computes in fp32 and rounds once. dy null: y = GELU(x); else out = dy GELU'(x) (out may be dy).
+static inline float bf16_float(uint16_t b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+static inline uint16_t float_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((u >> 16) | 0x40);  // a quiet NaN
+  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+extern "C" void rows_gelu_tanh_bf16(const uint16_t* x, const uint16_t* dy, uint16_t* out, int64_t n, int threads) {
+  constexpr int64_t kBlock = 2048;  // under gelu_tanh_pass's threshold for threads: each block on its own thread
+  const int64_t blocks = (n + kBlock - 1) / kBlock;
+#pragma omp parallel for num_threads(threads < 1 ? 1 : threads) schedule(static) if (n >= 4096)
+  for (int64_t b = 0; b < blocks; ++b) {
+    alignas(64) float xf[kBlock], df[kBlock];
+    const int64_t i0 = b * kBlock, m = std::min(kBlock, n - i0);
+    for (int64_t j = 0; j < m; ++j) xf[j] = bf16_float(x[i0 + j]);
+    if (dy)
+      for (int64_t j = 0; j < m; ++j) df[j] = bf16_float(dy[i0 + j]);
+    gelu_tanh_pass(xf, dy ? df : nullptr, xf, m, 1);
+    for (int64_t j = 0; j < m; ++j) out[i0 + j] = float_bf16(xf[j]);
+  }
+}
+
 // ---- causal attention of a prompt (fp32, no cached tokens before it: modules/prompt_attention.py) ----------------
 // out[b, t, h * hs + d] = sum_{j <= t} softmax_j(scale q[b, h, t] . k[b, h, j]) v[b, h, j, d]. A task is one head's
 // block of kWidth queries (16 in the native build of an AVX512 CPU, else 8), one query a vector lane: the block's

@@ -109,6 +109,9 @@ def library(target_flags: tuple[str, ...] = NATIVE):
     lib.rows_prefetch_kind.argtypes = [ctypes.c_int, ctypes.c_int64]
     lib.rows_gelu_tanh.restype = None
     lib.rows_gelu_tanh.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+    lib.rows_gelu_tanh_bf16.restype = None
+    lib.rows_gelu_tanh_bf16.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                                        ctypes.c_int]
     lib.rows_gelu_tanh_backward.restype = None
     lib.rows_gelu_tanh_backward.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
                                             ctypes.c_int]

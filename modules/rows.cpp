@@ -128,6 +128,17 @@ static inline float to_float(uint16_t v) {
   std::memcpy(&f, &bits, sizeof f);
   return f;
 }
+// bf16 rounding of an fp32 value (to nearest, ties to even, as torch converts; NaN stays NaN): the rule on a float's
+// bits, its low 16 bits left zero (branch-free, so loops of it vectorize), and `bf16_bits` the 16 bits kept.
+static inline uint32_t bf16_rounded(uint32_t b) {
+  const uint32_t nearest = (b + 0x7FFFu + ((b >> 16) & 1u)) & 0xFFFF0000u, nan = (b & 0xFFFF0000u) | 0x00400000u;
+  return (b & 0x7FFFFFFFu) > 0x7F800000u ? nan : nearest;  // a NaN stays a (quiet) NaN
+}
+static inline uint16_t bf16_bits(float f) {
+  uint32_t b;
+  std::memcpy(&b, &f, sizeof b);
+  return static_cast<uint16_t>(bf16_rounded(b) >> 16);
+}
 
 // How far ahead each weight row is prefetched with several input rows (products alone, GB/s, docs/performance.md):
 // int8: the same place in the next group of R rows: 24-32 GB/s of int8 against 19-28 with a fixed 1024-byte distance
@@ -975,6 +986,26 @@ constexpr int64_t kQPair = 2;  // tiles interleaved in a packed pair
 static inline int64_t qgemm_weight_bytes(int64_t out, int64_t in) { return (out + kQTile - 1) / kQTile * kQTile * in; }
 
 #ifdef ROWS_VNNI
+// A tile's 16 int32 sums of one input row into its outputs from o: (sum - zp colsum) xscale wscale + bias, the
+// outputs past `out` masked off (the VNNI and the AMX forms alike, so they give the same bits).
+struct QTileOut {
+  int64_t o;
+  __mmask16 m;
+  __m512i correction;
+  __m512 scale, b;
+  QTileOut(int64_t o_, int64_t out, const int32_t* colsum, const float* wscale, float xscale, int zp,
+           const float* bias)
+      : o(o_), m(out - o_ >= kQTile ? 0xFFFF : static_cast<__mmask16>((1u << (out - o_)) - 1)) {
+    correction = _mm512_mullo_epi32(_mm512_set1_epi32(zp), _mm512_maskz_loadu_epi32(m, colsum + o));
+    scale = _mm512_mul_ps(_mm512_set1_ps(xscale), _mm512_maskz_loadu_ps(m, wscale + o));
+    b = bias ? _mm512_maskz_loadu_ps(m, bias + o) : _mm512_setzero_ps();
+  }
+  void store(__m512i sums, float* yrow) const {
+    const __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(sums, correction));
+    _mm512_mask_storeu_ps(yrow + o, m, _mm512_fmadd_ps(v, scale, b));
+  }
+};
+
 constexpr int kQRows = 8;  // input rows a pass: 8 rows x 2 tiles, 16 accumulators
 // R input rows (x: R rows of `in` quantized bytes) times the pair at wt, whose nb (1, 2) tiles start at output o0.
 template <int R>
@@ -998,16 +1029,9 @@ static void qgemm_tiles(const uint8_t* x, int64_t in, const int8_t* wt, int64_t 
         if (n < nb) acc[r][n] = _mm512_dpbusd_epi32(acc[r][n], xb, w[n]);
     }
   }
-  const __m512i z = _mm512_set1_epi32(zp);
   for (int n = 0; n < nb; ++n) {
-    const int64_t o = o0 + n * kQTile, left = std::min<int64_t>(kQTile, out - o);
-    const __mmask16 m = left >= kQTile ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
-    const __m512i correction = _mm512_mullo_epi32(z, _mm512_maskz_loadu_epi32(m, colsum + o));
-    const __m512 scale = _mm512_mul_ps(_mm512_set1_ps(xscale), _mm512_maskz_loadu_ps(m, wscale + o));
-    const __m512 b = bias ? _mm512_maskz_loadu_ps(m, bias + o) : _mm512_setzero_ps();
-    for (int r = 0; r < R; ++r)
-      _mm512_mask_storeu_ps(y + r * out + o, m,
-                            _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][n], correction)), scale, b));
+    const QTileOut t(o0 + n * kQTile, out, colsum, wscale, xscale, zp, bias);
+    for (int r = 0; r < R; ++r) t.store(acc[r][n], y + r * out);
   }
 }
 #else
@@ -1116,18 +1140,10 @@ static void amx_pass(const uint8_t* x, int64_t r0, int64_t rows, int64_t in, con
   _tile_stored(1, sums[1], 64);
   _tile_stored(2, sums[2], 64);
   _tile_stored(3, sums[3], 64);
-  const __m512i z = _mm512_set1_epi32(zp);
   for (int n = 0; n < nb; ++n) {
-    const int64_t o = o0 + n * kQTile, left = std::min<int64_t>(kQTile, out - o);
-    const __mmask16 m = left >= kQTile ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
-    const __m512i correction = _mm512_mullo_epi32(z, _mm512_maskz_loadu_epi32(m, colsum + o));
-    const __m512 scale = _mm512_mul_ps(_mm512_set1_ps(xscale), _mm512_maskz_loadu_ps(m, wscale + o));
-    const __m512 b = bias ? _mm512_maskz_loadu_ps(m, bias + o) : _mm512_setzero_ps();
-    for (int64_t r = r0; r < std::min(rows, r0 + 2 * kARows); ++r) {
-      const __m512i acc = _mm512_load_si512(sums[2 * ((r - r0) / kARows) + n][(r - r0) % kARows]);
-      _mm512_mask_storeu_ps(y + r * out + o, m,
-                            _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc, correction)), scale, b));
-    }
+    const QTileOut t(o0 + n * kQTile, out, colsum, wscale, xscale, zp, bias);
+    for (int64_t r = r0; r < std::min(rows, r0 + 2 * kARows); ++r)
+      t.store(_mm512_load_si512(sums[2 * ((r - r0) / kARows) + n][(r - r0) % kARows]), y + r * out);
   }
 }
 
@@ -1506,20 +1522,8 @@ extern "C" void rows_gelu_tanh_backward(const float* x, const float* dy, float* 
 }
 
 // The same on bf16 tensors (a `--dtype bf16-weights` training step, modules/gelu.py): blocks of 2048 values widened
-// to fp32 (exactly), GELU or its derivative as above, rounded back to bf16 to nearest even (a NaN stays a NaN), as
+// to fp32 (to_float), GELU or its derivative as above, rounded back to bf16 (bf16_bits: to nearest even), as
 // torch's bf16 gelu computes in fp32 and rounds once. dy null: y = GELU(x); else out = dy GELU'(x) (out may be dy).
-static inline float bf16_float(uint16_t b) {
-  const uint32_t u = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-static inline uint16_t float_bf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((u >> 16) | 0x40);  // a quiet NaN
-  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
 extern "C" void rows_gelu_tanh_bf16(const uint16_t* x, const uint16_t* dy, uint16_t* out, int64_t n, int threads) {
   constexpr int64_t kBlock = 2048;  // under gelu_tanh_pass's threshold for threads: each block on its own thread
   const int64_t blocks = (n + kBlock - 1) / kBlock;
@@ -1527,11 +1531,11 @@ extern "C" void rows_gelu_tanh_bf16(const uint16_t* x, const uint16_t* dy, uint1
   for (int64_t b = 0; b < blocks; ++b) {
     alignas(64) float xf[kBlock], df[kBlock];
     const int64_t i0 = b * kBlock, m = std::min(kBlock, n - i0);
-    for (int64_t j = 0; j < m; ++j) xf[j] = bf16_float(x[i0 + j]);
+    for (int64_t j = 0; j < m; ++j) xf[j] = to_float(x[i0 + j]);
     if (dy)
-      for (int64_t j = 0; j < m; ++j) df[j] = bf16_float(dy[i0 + j]);
+      for (int64_t j = 0; j < m; ++j) df[j] = to_float(dy[i0 + j]);
     gelu_tanh_pass(xf, dy ? df : nullptr, xf, m, 1);
-    for (int64_t j = 0; j < m; ++j) out[i0 + j] = float_bf16(xf[j]);
+    for (int64_t j = 0; j < m; ++j) out[i0 + j] = bf16_bits(xf[j]);
   }
 }
 
@@ -1618,19 +1622,9 @@ extern "C" int rows_attend_prompt(const float* q, const float* k, const float* v
   return 0;
 }
 
-// bf16 rounding of fp32 values (to nearest, ties to even, as torch converts; NaN stays NaN): `bf16_bits` the 16 bits
-// kept, `round_bf16` the values left in fp32 storage holding bf16 numbers. A bf16 model's step rounds at each point
-// where torch's bf16 operations hand a bf16 tensor on, so its numbers are those of decode_step in bf16.
-// The rule on a float's bits, its low 16 bits left zero; branch-free, so round_bf16's loop vectorizes.
-static inline uint32_t bf16_rounded(uint32_t b) {
-  const uint32_t nearest = (b + 0x7FFFu + ((b >> 16) & 1u)) & 0xFFFF0000u, nan = (b & 0xFFFF0000u) | 0x00400000u;
-  return (b & 0x7FFFFFFFu) > 0x7F800000u ? nan : nearest;  // a NaN stays a (quiet) NaN
-}
-static inline uint16_t bf16_bits(float f) {
-  uint32_t b;
-  std::memcpy(&b, &f, sizeof b);
-  return static_cast<uint16_t>(bf16_rounded(b) >> 16);
-}
+// bf16 rounding of fp32 values, `bf16_rounded` and `bf16_bits` above: `round_bf16` the values left in fp32 storage
+// holding bf16 numbers. A bf16 model's step rounds at each point where torch's bf16 operations hand a bf16 tensor
+// on, so its numbers are those of decode_step in bf16.
 static inline void round_bf16(float* x, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
     uint32_t b;

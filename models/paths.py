@@ -243,9 +243,10 @@ PATHS: tuple[Path, ...] = (
          lambda: (True, "float32 CPU tensors outside torch.compile (bf16 is widened to float32 first)"),
          ("tests/test_rmsnorm.py", "tests/test_paths.py")),
     Path("fused-gelu", "GPT-2's GELU (tanh form) in a float32 or bf16 CPU training step, forward and backward one "
-         "pass each (modules/gelu.py, in modules/rows.cpp) instead of torch's gelu(approximate='tanh')", gelu.ENV, "", "0",
-         _kernel(gelu, gelu.ENV, "the rows kernel (GELU)"),
-         lambda: (True, "float32 and bf16 CPU training steps outside torch.compile (evaluation and generation: torch's)"),
+         "pass each (modules/gelu.py, in modules/rows.cpp) instead of torch's gelu(approximate='tanh')",
+         gelu.ENV, "", "0", _kernel(gelu, gelu.ENV, "the rows kernel (GELU)"),
+         lambda: (True, "float32 and bf16 CPU training steps outside torch.compile (evaluation and generation: "
+                        "torch's)"),
          ("tests/test_gelu.py", "tests/test_paths.py")),
     Path("onednn-linear", "fp32 Linear (and the LM head) of 9+ rows without gradients past the prompt kernel's rows "
          "(prompts, evaluations) by weights of 2^18+ values: oneDNN's inner product instead of F.linear (MKL's "

@@ -10,10 +10,11 @@ prompt already use), and its derivative from the same exp.
 training step), on a float32 or bf16 CPU tensor (bf16: a `--dtype bf16-weights` step; each value widened to fp32,
 GELU or its derivative in fp32, rounded back to bf16 once, as torch's bf16 op does), outside torch.compile, with the
 rows kernel built and GPT2_FAST_GELU not 0; everywhere else, and so in every evaluation and generation, torch's
-`gelu(approximate="tanh")`, the function transformers' GPT-2 runs. The kernel is within 2e-7 relative of the exact tanh GELU (float64), closer than torch's
-float32 (1.2e-5 on tiny values); tests/test_gelu.py holds values and gradients to it and to torch. In bf16 the
-rounding decides: 1.3% of values land one bf16 step from the exact value rounded (torch's bf16 op: 6.7%), and below
-v = -5, where torch's tanh form gives 0, the kernel gives GELU's tiny values.
+`gelu(approximate="tanh")`, the function transformers' GPT-2 runs. The kernel is within 2e-7 relative of the exact
+tanh GELU (float64), closer than torch's float32 (1.2e-5 on tiny values); tests/test_gelu.py holds values and
+gradients to it and to torch. In bf16 the rounding decides: 1.3% of values land one bf16 step from the exact value
+rounded (torch's bf16 op: 6.7%), and below v = -5, where torch's tanh form gives 0, the kernel gives GELU's tiny
+values.
 """
 from __future__ import annotations
 
@@ -67,7 +68,7 @@ class _GELU(torch.autograd.Function):
         dx = torch.empty_like(x)
         if x.dtype == torch.bfloat16:
             rows._load().rows_gelu_tanh_bf16(x.data_ptr(), grad.data_ptr(), dx.data_ptr(), x.numel(),
-                                             _threads(x.numel()))
+                                              _threads(x.numel()))
         else:
             rows._load().rows_gelu_tanh_backward(x.data_ptr(), grad.data_ptr(), dx.data_ptr(), x.numel(),
                                                  _threads(x.numel()))

@@ -234,10 +234,10 @@ def int8_reference(x: torch.Tensor, w8: quant.Int8Weight, bias: torch.Tensor | N
 
 @pytest.mark.parametrize("form", ["native", "avx2"])
 def test_the_int8_prompt_product_is_the_exact_integer_product(form):
-    """rows_qgemm against int8_reference for row counts around each form's passes (8 rows VNNI, 4 AVX2, 32 AMX) and output
-    counts around the 16-row tiles, with and without a bias, to fp32 rounding of the last line (2e-6 of the output's
-    scale); against the layers' path (oneDNN's int8 GEMM) likewise; a NaN or an infinity gives -4, nothing written; an
-    input width not a multiple of 4 is refused at packing."""
+    """rows_qgemm against int8_reference for row counts around each form's passes (8 rows VNNI, 4 AVX2, 32 AMX) and
+    output counts around the 16-row tiles, with and without a bias, to fp32 rounding of the last line (2e-6 of the
+    output's scale); against the layers' path (oneDNN's int8 GEMM) likewise; a NaN or an infinity gives -4, nothing
+    written; an input width not a multiple of 4 is refused at packing."""
     lib = avx2_or_skip() if form == "avx2" else rows._load()
     g = torch.Generator().manual_seed(0)
     for out, width in ((40, 64), (16, 96), (7, 32), (33, 128)):

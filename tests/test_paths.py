@@ -556,7 +556,8 @@ def test_the_prompts_amx_tiles_say_why_they_do_not_run(clean_env):
     clean_env.setattr(row_kernel, "available", lambda: True)
     for amx, want in ((1, None), (0, "no AMX-INT8 tiles in the prompt's build here (the CPU's flags, the compiler, "
                                      "or Linux's grant)")):
-        clean_env.setattr(row_kernel, "prompt_library", lambda a=amx: SimpleNamespace(rows_qgemm_amx=lambda n: a))
+        clean_env.setattr(row_kernel, "prompt_library",  # the tiles take widths in multiples of 64, as rows.cpp's
+                          lambda a=amx: SimpleNamespace(rows_qgemm_amx=lambda n: a if n % 64 == 0 else 0))
         assert runs() == want
     clean_env.setattr(row_kernel, "available", lambda: False)
     assert runs() == "the rows kernel does not build or load here"

@@ -233,3 +233,49 @@ def test_sdpa_applies_attention_dropout_in_training_only(monkeypatch):
     layer.train()
     first, second = layer(x), layer(x)
     assert not torch.allclose(first, plain, atol=1e-3) and not torch.allclose(first, second, atol=1e-3)
+
+
+def test_a_caches_buffers_must_have_its_shape_and_its_dtype_each_and_the_error_names_both():
+    """KVCache(buffers=...) refuses buffers whose shape alone or dtype alone differs from the cache's, naming the
+    shape and dtype it wants and what it got; matching buffers are taken as they are."""
+    shape = (2, 1, 3, 8, 4)
+    good = (torch.zeros(shape), torch.zeros(shape))
+    cache = KVCache(2, 1, 3, 4, 8, buffers=good)
+    assert cache.keys is good[0] and cache.values is good[1] and cache.length == 0
+    for bad in ((torch.zeros(shape), torch.zeros(2, 1, 3, 9, 4)), (torch.zeros(shape, dtype=torch.bfloat16),
+                                                                    torch.zeros(shape))):
+        with pytest.raises(ValueError) as err:
+            KVCache(2, 1, 3, 4, 8, buffers=bad)
+        assert "(2, 1, 3, 8, 4) torch.float32" in str(err.value) and str(tuple(bad[1].shape)) in str(err.value)
+
+
+def test_reorder_copies_the_filled_positions_and_an_identity_index_copies_nothing():
+    """reorder with the batch size unchanged: each row continues the row its index names over the filled positions
+    (the cache's length); an identity index leaves the live buffers in place (no copy, no swap)."""
+    cache = KVCache(1, 3, 1, 2, 4)
+    cache.keys.copy_(torch.arange(24.0).view(1, 3, 1, 4, 2))
+    cache.values.copy_(-torch.arange(24.0).view(1, 3, 1, 4, 2))
+    cache.length = 3
+    keys = cache.keys
+    cache.reorder(torch.tensor([0, 1, 2]))
+    assert cache.keys is keys and cache._spare is None
+    before = keys.clone()
+    cache.reorder(torch.tensor([2, 2, 0]))
+    assert torch.equal(cache.keys[:, :, :, :3], before[:, [2, 2, 0], :, :3])
+    assert torch.equal(cache.values[:, :, :, :3], -before[:, [2, 2, 0], :, :3])
+
+
+def test_explicit_attention_is_taken_under_bf16_autocast_only():
+    """explicit_is_faster under CPU autocast: in bf16 (fp32 queries, no dropout) yes, in float16 no, outside autocast
+    no; bf16 queries always (while grads are on)."""
+    from modules.attention import explicit_is_faster
+
+    q, off = torch.randn(1, 2, 4, 8), torch.nn.Dropout(0.0)
+    assert not explicit_is_faster(q, off)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert explicit_is_faster(q, off)
+    with torch.autocast("cpu", dtype=torch.float16):
+        assert not explicit_is_faster(q, off)
+    assert explicit_is_faster(q.bfloat16(), off)
+    with torch.no_grad():
+        assert not explicit_is_faster(q.bfloat16(), off)

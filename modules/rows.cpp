@@ -982,6 +982,9 @@ extern "C" void rows_quantize_u7(const float* x, int64_t n, float inv, int zp, u
 // prefetching gained nothing.
 constexpr int64_t kQTile = 16;  // output rows of a packed tile
 constexpr int64_t kQPair = 2;  // tiles interleaved in a packed pair
+// the quantized activations are kept in whole blocks of 16 rows, zeros past the last row (quantize_prompt), which the
+// AMX form's activation tiles read whole
+constexpr int64_t kQRowBlock = 16;
 
 static inline int64_t qgemm_weight_bytes(int64_t out, int64_t in) { return (out + kQTile - 1) / kQTile * kQTile * in; }
 
@@ -1090,7 +1093,7 @@ static void qgemm_tiles(const uint8_t* x, int64_t in, const int8_t* wt, int64_t 
 #include <unistd.h>
 #include <cstdlib>
 
-constexpr int64_t kARows = 16;  // input rows of an activation tile
+constexpr int64_t kARows = kQRowBlock;  // input rows of an activation tile
 static bool amx_granted() {
   static const bool granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
   return granted;
@@ -1110,8 +1113,8 @@ static void amx_configure() {
   for (int t = 0; t < 8; ++t) c.colsb[t] = 64, c.rows[t] = 16;
   _tile_loadconfig(&c);
 }
-// Activation rows r0.. (a multiple of 16 of them in x, zero-padded past `rows`) times the pair at wt (nb tiles from
-// output o0): the sums into y's rows r0 .. rows - 1.
+// Activation rows r0.. (x in whole blocks of kARows rows, zeros past `rows`: quantize_prompt's) times the pair at wt
+// (nb tiles from output o0): the sums into y's rows r0 .. rows - 1.
 static void amx_pass(const uint8_t* x, int64_t r0, int64_t rows, int64_t in, const int8_t* wt, int64_t nb,
                      const int32_t* colsum, const float* wscale, float xscale, int zp, const float* bias, float* y,
                      int64_t o0, int64_t out) {
@@ -1147,17 +1150,9 @@ static void amx_pass(const uint8_t* x, int64_t r0, int64_t rows, int64_t in, con
   }
 }
 
-static void qgemm_amx(int64_t rows, const uint8_t* x, int64_t in, const int8_t* packed, const float* wscale,
-                      float xscale, int zp, const float* bias, float* y, int64_t out, int threads) {
-  const int32_t* colsum = reinterpret_cast<const int32_t*>(packed + qgemm_weight_bytes(out, in));
-  const int64_t tiles = (out + kQTile - 1) / kQTile, pairs = (tiles + kQPair - 1) / kQPair;
-  const int64_t padded = (rows + kARows - 1) / kARows * kARows;  // whole activation tiles, zeros past `rows`
-  std::vector<uint8_t> xp;
-  if (padded != rows) {
-    xp.assign(padded * in, 0);
-    std::memcpy(xp.data(), x, rows * in);
-    x = xp.data();
-  }
+static void qgemm_amx(int64_t rows, const uint8_t* x, int64_t in, const int8_t* packed, const int32_t* colsum,
+                      int64_t tiles, int64_t pairs, const float* wscale, float xscale, int zp, const float* bias,
+                      float* y, int64_t out, int threads) {
 #pragma omp parallel num_threads(threads)
   {
     amx_configure();
@@ -1173,13 +1168,15 @@ static void qgemm_amx(int64_t rows, const uint8_t* x, int64_t in, const int8_t* 
 }
 #endif
 
+// x: quantize_prompt's rows (whole blocks of kQRowBlock rows).
 static void qgemm(int64_t rows, const uint8_t* x, int64_t in, const int8_t* packed, const float* wscale, float xscale,
                   int zp, const float* bias, float* y, int64_t out, int threads) {
-#ifdef ROWS_AMX
-  if (amx_on(in)) return qgemm_amx(rows, x, in, packed, wscale, xscale, zp, bias, y, out, threads);
-#endif
   const int32_t* colsum = reinterpret_cast<const int32_t*>(packed + qgemm_weight_bytes(out, in));
   const int64_t tiles = (out + kQTile - 1) / kQTile, pairs = (tiles + kQPair - 1) / kQPair;
+#ifdef ROWS_AMX
+  if (amx_on(in))
+    return qgemm_amx(rows, x, in, packed, colsum, tiles, pairs, wscale, xscale, zp, bias, y, out, threads);
+#endif
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (int64_t g = 0; g < pairs; ++g) {
     const int64_t t0 = g * kQPair, nb = std::min<int64_t>(kQPair, tiles - t0), o0 = t0 * kQTile;
@@ -1219,7 +1216,7 @@ static void prompt_scale(double lo, double hi, double* scale, int* zp) {
 }
 
 struct PromptRows {  // rows of activations quantized per tensor: q = clamp(round(x / scale) + zp, 0, 127)
-  std::vector<uint8_t> q;
+  std::vector<uint8_t> q;  // in whole blocks of kQRowBlock rows, zeros past the last (qgemm's AMX form reads them)
   float scale;
   int zp;
 };
@@ -1234,7 +1231,7 @@ static bool quantize_prompt(int64_t rows, const float* x, int64_t in, int thread
   const float inv = static_cast<float>(1.0 / scale);
   if (!std::isfinite(inv)) return false;
   out.scale = static_cast<float>(scale);
-  out.q.resize(rows * in);
+  out.q.assign((rows + kQRowBlock - 1) / kQRowBlock * kQRowBlock * in, 0);
   rows_quantize_u7(x, rows * in, inv, out.zp, out.q.data(), threads);
   return true;
 }

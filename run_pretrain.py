@@ -157,7 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("system")
     g.add_argument("--seed", type=int, default=1337, help="seeds init, batches and sampling")
     add_device_args(g, default="cpu")
-    g.add_argument("--threads", type=_non_negative_int, default=0, help="CPU threads (0: torch's default, one per core)")
+    g.add_argument("--threads", type=_non_negative_int, default=0,
+                   help="CPU threads (0: torch's default, one per core; steps that do not split the batch run on that "
+                        "count or fewer, chosen by timing them; N: exactly N, and a run that repeats to the last digit)")
     g.add_argument("--compile", action="store_true", help="torch.compile the training forward and loss (the first "
                    "steps compile; on CPUs it needs a C++ compiler; turns --split_batch off)")
     g.add_argument("--split_batch", action=argparse.BooleanOptionalAction, default=True,

@@ -59,7 +59,7 @@ MODULE_TESTS = {
     "modules/onednn.py": ["tests/test_onednn.py", "tests/test_paths.py"],
     "modules/prompt_attention.py": ["tests/test_prompt_attention.py", "tests/test_paths.py"],
     "models/fast_step.py": ["tests/test_fast_step.py", "tests/test_prompt_pass.py", "tests/test_paths.py"],
-    "models/decode_threads.py": ["tests/test_decode_threads.py"],
+    "models/decode_threads.py": ["tests/test_decode_threads.py", "tests/test_train_threads.py"],
     "models/paths.py": ["tests/test_paths.py"],
     "optimizer.py": ["tests/test_optimizer.py", "tests/test_muon.py", "tests/test_master_weights.py",
                      "tests/test_survivors_40.py"],

@@ -57,6 +57,7 @@ import torch
 
 ENV = "GPT2_DECODE_THREADS"
 PROMPT_ENV = "GPT2_PROMPT_THREADS"
+TRAIN_ENV = "GPT2_TRAIN_THREADS"
 PROMPT_MIN_FLOPS = 5e8  # a prompt block's products (24 * rows * n_embd^2 flops) below this keep torch's count
 FIRST_PERIOD, LONGEST_PERIOD = 8, 64  # steps between re-tries of a candidate: after a win, and at most
 WINDOW = 3  # the recent steps per candidate whose median is compared
@@ -158,9 +159,12 @@ class DecodeThreads:
         self.steps += 1
         self.last = time.perf_counter()
 
-    def stop(self) -> None:
+    def stop(self, work: float | None = None) -> None:
         """End the running step here: its time is recorded, and the next step() records nothing before it (a
-        prompt's block hooks: the work between two blocks is not a block's)."""
+        prompt's block hooks: the work between two blocks is not a block's; a training step's evaluations and
+        checkpoints). work: this step's size, where steps differ (a fine-tuning batch's tokens), else the loop's."""
+        if work is not None:
+            self.work = max(work, 1e-9)
         self._end_step()
         self.last = None
 

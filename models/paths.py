@@ -229,6 +229,10 @@ PATHS: tuple[Path, ...] = (
          "(models/decode_threads.py, models/generation.py's prompt_threads)", decode_threads.PROMPT_ENV, "auto", "off",
          lambda: None, _timed_threads(decode_threads.PROMPT_ENV, "a long prompt's blocks"),
          ("tests/test_decode_threads.py", "tests/test_paths.py")),
+    Path("train-threads", "fit's training steps' thread count (torch's intra-op threads, no batch split) chosen by "
+         "timing them (models/decode_threads.py, training/engine.py's thread_choice)", decode_threads.TRAIN_ENV, "auto",
+         "off", lambda: None, _timed_threads(decode_threads.TRAIN_ENV, "training steps"),
+         ("tests/test_train_threads.py", "tests/test_paths.py")),
     Path("fused-adamw", "AdamW(fused=True) (fit's default on the CPU): one pass per fp32 tensor or bf16 master "
          "(modules/adamw.cpp)", "GPT2_FUSED_ADAMW", "", "0",
          _kernel(adamw, "GPT2_FUSED_ADAMW", "the fused AdamW kernel"),

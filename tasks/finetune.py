@@ -234,8 +234,10 @@ def add_training_args(parser: argparse.ArgumentParser, epochs: int, batch_size: 
     add_precision_args(g)
     g.add_argument("--seed", type=int, default=11711, help="seed of initialisation, shuffling and dropout")
     add_device_args(g, default=None)
-    g.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default; on a busy "
-                                                          "machine 1 can be much faster than oversubscribing)")
+    g.add_argument("--threads", type=int, default=0,
+                   help="torch CPU threads (0: torch's count for evaluation, and for training steps that count or "
+                        "fewer, chosen by timing the steps: a busy core makes fewer faster; N: exactly N, and a run "
+                        "that repeats to the last digit)")
     g.add_argument("--output_dir", "--out_dir", dest="output_dir", default=None,
                    help="run folder: checkpoints last/ and best/ (HF format + state), metrics.jsonl, curves.png")
     g.add_argument("--resume", action="store_true", help="continue the interrupted run in --output_dir exactly")
@@ -283,7 +285,8 @@ def train_config(args, output_dir: str, lr: float, device: torch.device) -> Trai
                        seed=args.seed, device=str(device), resume=args.resume, overwrite=args.overwrite,
                        save_every=args.save_every, max_steps=args.max_steps,
                        skip_nonfinite=getattr(args, "skip_nonfinite", False),
-                       gradient_checkpointing=args.gradient_checkpointing, compile=args.compile)
+                       gradient_checkpointing=args.gradient_checkpointing, compile=args.compile,
+                       threads=getattr(args, "threads", 0))
 
 
 @torch.no_grad()

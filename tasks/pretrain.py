@@ -427,7 +427,7 @@ def train_config(cfg: PretrainConfig) -> TrainConfig:
                        log_interval=cfg.log_interval, print_logs=True, select_metric="val_loss", select_max=False,
                        eval_prefix="", skip_nonfinite=cfg.skip_nonfinite,
                        gradient_checkpointing=cfg.gradient_checkpointing, split_batch=cfg.split_batch, compile=cfg.compile,
-                       tensorboard=cfg.tensorboard)
+                       tensorboard=cfg.tensorboard, threads=cfg.threads)
 
 
 class RandomWindows:

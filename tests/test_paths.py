@@ -381,6 +381,15 @@ def test_the_decode_threads_are_timed_unless_a_count_is_fixed(clean_env):
     assert default() == (False, f"{decode_threads.ENV}=2")
 
 
+def test_the_training_steps_threads_are_timed_unless_the_variable_fixes_them(clean_env):
+    default = paths.BY_NAME["train-threads"].default_here
+    clean_env.delenv("GPT2_TRAIN_THREADS", raising=False)
+    assert default() == (True, "training steps timed per thread count (torch's count, its halves, 1)")
+    clean_env.setenv("GPT2_TRAIN_THREADS", "off")
+    assert default() == (False, "GPT2_TRAIN_THREADS=off")
+    assert paths.BY_NAME["train-threads"].env == "GPT2_TRAIN_THREADS"
+
+
 def test_a_paths_state_reports_its_setting_and_its_one_word(clean_env):
     from modules import adamw
 

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from models.decode_threads import LONGEST_PERIOD, TRAIN_ENV, DecodeThreads
 from training import distributed as dist
 from training.allocator import keep_freed_memory
 from training.backward import Backward, LossOf, set_gradient_checkpointing, split_workers
@@ -81,6 +82,7 @@ class _Run:
     tokenizer: object
     report: Callable[[dict, bool, TrainConfig], str]
     threads: tuple[int, int]  # torch's threads while evaluating, and while training
+    choice: DecodeThreads  # the steps' thread count chosen by timing them (inactive: threads[1] throughout)
     log_meter: Meter
     eval_meter: Meter
 
@@ -94,7 +96,7 @@ class _Run:
     def evaluate(self, evaluate_fn: Callable[[nn.Module], dict], bar, initial: bool = False) -> None:
         """Evaluate, record, and checkpoint (not the evaluation before the first step: nothing has trained)."""
         cfg, state = self.cfg, self.state
-        torch.set_num_threads(self.threads[0])
+        torch.set_num_threads(self.choice.best if self.choice.options else self.threads[0])  # (a busy core: fewer)
         t0 = time.perf_counter()
         sums = self.eval_meter.merged()
         better, record = False, None
@@ -138,6 +140,27 @@ class _Run:
             bar.set_postfix(loss=f"{record['train_loss']:.4f}")
             if self.cfg.print_logs:
                 tqdm.write(log_line(record))
+
+
+def _positions(micro: list[MicroBatch]) -> int | None:
+    """The token positions a step's forward computes (padding included), or None where its batches have no
+    input_ids."""
+    return sum(mb.batch["input_ids"].numel() for mb in micro if "input_ids" in mb.batch) or None
+
+
+def thread_choice(cfg: TrainConfig, device: torch.device, workers: int, params: list) -> DecodeThreads:
+    """The steps' thread count, chosen by timing them (models/decode_threads.py, as decoding's): torch's count, its
+    halves, down to 1. With a core busy, every operation of a step on 2 threads waits at its barrier for the thread
+    that shares that core, and one thread is faster (gpt2 fine-tuning, docs/performance.md's "thread choice" table);
+    on a quiet machine the trial of a slower count costs a step every LONGEST_PERIOD steps. Inactive (torch's count
+    throughout) where cfg.threads fixes the count, off the CPU, with the batch split across threads (each thread a
+    worker of its own), under torchrun and with --compile (its kernels are built for the count they were traced
+    at). GPT2_TRAIN_THREADS=off / N / auto, as for decoding. The count changes how torch's products round their
+    sums, so a run repeats to the last digit only with a fixed count (--threads N)."""
+    active = (device.type == "cpu" and workers == 1 and not cfg.threads and not cfg.compile
+              and dist.world_size() == 1)
+    key = ("train", cfg.dtype, sum(p.numel() for p in params))
+    return DecodeThreads(key, active=active, env=TRAIN_ENV, first_period=LONGEST_PERIOD)
 
 
 def fit(model: nn.Module, batches: BatchSource, loss_fn: Callable, evaluate_fn: Callable[[nn.Module], dict],
@@ -194,8 +217,8 @@ def fit(model: nn.Module, batches: BatchSource, loss_fn: Callable, evaluate_fn: 
     # While the batch is split torch runs on one thread; Muon's Newton-Schulz products gain from every core.
     step_threads = threads if workers > 1 and cfg.optimizer == "muon" else None
     run = _Run(cfg, model, batches, optimizer, scheduler, scaler, state, log, run_info, tokenizer,
-               report or summary_line, (threads, 1 if workers > 1 else threads), Meter(state.log_sums),
-               Meter(state.eval_sums))
+               report or summary_line, (threads, 1 if workers > 1 else threads),
+               thread_choice(cfg, device, workers, params), Meter(state.log_sums), Meter(state.eval_sums))
     start_step, bad_in_a_row, session_s = state.step, 0, 0.0
     bench = Meter({"seconds": 0.0, "steps": 0, "batches": 0, "tokens": 0.0})
     steps_per_epoch = getattr(batches, "steps_per_epoch", 0)
@@ -213,9 +236,12 @@ def fit(model: nn.Module, batches: BatchSource, loss_fn: Callable, evaluate_fn: 
             step = batches.next_step()
             if step is None:
                 break
+            run.choice.step()  # the thread count of this step: the fastest so far, or a due trial of another
             # The step: backward of its micro-batches, true (unscaled, clipped) gradients, one read-back, update.
             t0 = time.perf_counter()
             step_loss, stats, tokens = backward.accumulate(step.micro, scaler.scale, device)
+            run.choice.stop(work=_positions(step.micro))  # forward and backward, per position (fine-tuning's
+            #   batches differ in length; the update's time is the same for every batch and only blurs that)
             scaler.unscale_(optimizer)  # a no-op without fp16
             norm = grad_norm(params, cfg.max_grad_norm)  # after DDP's all-reduce: the same on every rank
             bad, loss_bad = nonfinite(step_loss, norm)
@@ -271,6 +297,7 @@ def fit(model: nn.Module, batches: BatchSource, loss_fn: Callable, evaluate_fn: 
         if bar is not None:
             bar.close()
         backward.close()
+        run.choice.close()
         torch.set_num_threads(threads)
         if log.stale:
             log.plot()  # the whole run, whatever refresh() skipped (also when it stopped on an error)

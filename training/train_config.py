@@ -47,6 +47,9 @@ class TrainConfig:
     gradient_checkpointing: bool = False  # recompute each block's activations in backward: less memory, more time
     split_batch: bool = False  # on a CPU, cut each micro-batch across the threads (dropout 0; exact for a loss that
     #                            averages over equally weighted rows, as pretraining's windows)
+    threads: int = 0  # CPU threads of the steps: 0 chooses among torch's count and its halves by timing the steps
+    #                   (fit's thread choice; GPT2_TRAIN_THREADS), N keeps the N the caller set (a run then repeats
+    #                   to the last digit: another count rounds the products' sums differently)
     compile: bool = False  # torch.compile the training forward and loss (the first steps compile; evaluation is eager)
     tensorboard: bool = False  # also write TensorBoard events to OUT/tensorboard
     plot: bool = True  # OUT/curves.png: redrawn at evaluations (within 5% of the run's time) and at the end

@@ -168,22 +168,32 @@ def make_train_step(model, ids: torch.Tensor, bf16: bool, optimizer: str):
     return _train_step(model, ids, opt, autocast=bf16)
 
 
-def _train_step(model, ids: torch.Tensor, opt, autocast: bool):
-    """A closure doing one training step of `model` on `ids` with `opt`, under bf16 autocast or not."""
+def _train_step(model, ids: torch.Tensor, opt, autocast: bool, threads=None):
+    """A closure doing one training step of `model` on `ids` with `opt`, under bf16 autocast or not. threads: a
+    models.decode_threads.DecodeThreads that chooses the step's thread count as fit() does (training/engine.py's
+    thread_choice: forward and backward timed, the update on the chosen count); torch's count is restored after each
+    call, so the contenders interleaved with it keep theirs."""
     def step() -> float:
+        if threads is not None:
+            threads.step()
         opt.zero_grad(set_to_none=True)
         with torch.autocast(DEVICE.type, dtype=torch.bfloat16, enabled=autocast):
             loss = loss_of(model, ids)
         loss.backward()
+        if threads is not None:
+            threads.stop(work=ids.numel())
         opt.step()
+        if threads is not None:
+            torch.set_num_threads(threads.original)
         return loss.item()
 
     return step
 
 
 def make_run_step(model, ids: torch.Tensor, bf16: bool):
-    """One training step as each user runs it. Ours as fit() trains: optimizer.AdamW(fused=True), and for bf16
-    `--dtype bf16-weights` (the weights in bf16, fp32 masters in the optimizer, no autocast). transformers as its
+    """One training step as each user runs it. Ours as fit() trains: optimizer.AdamW(fused=True), the steps' thread
+    count chosen by timing them, and for bf16 `--dtype bf16-weights` (the weights in bf16, fp32 masters in the
+    optimizer, no autocast). transformers as its
     Trainer does by default: torch.optim.AdamW(fused=True) (Trainer's adamw_torch_fused), bf16 autocast over fp32
     weights (Trainer's --bf16)."""
     model.train()
@@ -193,10 +203,15 @@ def make_run_step(model, ids: torch.Tensor, bf16: bool):
 
         if bf16:
             model.to(torch.bfloat16)
+        from models.decode_threads import LONGEST_PERIOD, TRAIN_ENV, DecodeThreads, free_cpus
+
         opt = AdamW(model.parameters(), lr=3e-4, eps=1e-6, weight_decay=0.01, fused=True, master_weights=bf16)
-    else:
-        opt = torch.optim.AdamW(model.parameters(), lr=3e-4, eps=1e-6, weight_decay=0.01, fused=True)
-    return _train_step(model, ids, opt, autocast=bf16 and not ours)
+        # fit()'s thread choice (GPT2_TRAIN_THREADS, as fit reads it); the key is this closure's alone
+        threads = DecodeThreads(("compare_hf", id(model), tuple(ids.shape), bf16), env=TRAIN_ENV,
+                                first_period=LONGEST_PERIOD, active=DEVICE.type == "cpu", start=free_cpus())
+        return _train_step(model, ids, opt, autocast=False, threads=threads)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, eps=1e-6, weight_decay=0.01, fused=True)
+    return _train_step(model, ids, opt, autocast=bf16)
 
 
 def make_forward(model, ids: torch.Tensor):

@@ -435,6 +435,32 @@ def _threads_claim(records: list[dict]) -> tuple[str, list[dict]]:
     return "; ".join(parts), used
 
 
+def _train_threads_claim(records: list[dict]) -> tuple[str, list[dict]]:
+    """Per CPU class and dtype: fit's thread choice against each fixed count (bench/train_threads.py), quiet and
+    with a core busy."""
+    parts, used = [], []
+    for cls in CLASSES:
+        texts = []
+        for dtype in ("fp32", "bf16"):
+            runs = {busy: [r for r in matching(records, bench="train_threads", cls=cls)
+                           if r["row"].startswith(f"fine-tune sst gpt2 {dtype}") and bool(r.get("busy")) == busy]
+                    for busy in (False, True)}
+            last = {busy: latest(rs) for busy, rs in runs.items() if rs}
+            if not last:
+                continue
+            said = []
+            for busy, r in sorted(last.items()):
+                fixed = {int(k.split()[1]): v for k, v in r["values"].items() if k.startswith("fixed ")}
+                said.append(("with a core busy " if busy else "quiet ") + ", ".join(
+                    f"{times(r['values']['choice'] / v)} {n} thread{'s' if n > 1 else ''}"
+                    for n, v in sorted(fixed.items(), reverse=True)))
+            texts.append(f"{dtype} " + "; ".join(said))
+            used += list(last.values())
+        if texts:
+            parts.append(f"{cls}: " + "; ".join(texts))
+    return "; ".join(parts), used
+
+
 def _race_claim(records: list[dict]) -> tuple[str, list[dict]]:
     """bench/speedrun.py against nanoGPT: per CPU class, the fastest recipe of the latest race (its records share a
     date) and its time against nanoGPT's."""
@@ -479,6 +505,8 @@ CLAIMS = [
      _engines_claim),
     ("the same with one core busy (another process spinning on it)", _busy_claim),
     ("the thread choice against a fixed thread count, fp32 (decode batch 1; a prompt's blocks)", _threads_claim),
+    ("the training steps' thread choice against fixed thread counts, gpt2 fine-tuning ([performance](docs/performance.md"
+     "#training-beside-a-busy-core))", _train_threads_claim),
     ("time to first token, 512-token prompt", _ratio_per_class("compare_hf", "ttft p512 fp32")),
     ("bf16 GEMM against fp32 ([machines](docs/performance.md#machines))", _gemm_ratio),
     ("AdamW step over gpt2's 124M parameters ([variants](docs/variants.md#adamw))",

@@ -45,6 +45,15 @@ blocks on one thread, 0.26, 0.23 and 0.23 s; without the idle reads up to 12, 12
 prompts whose blocks are long enough to time (PROMPT_MIN_FLOPS: about a millisecond of products) are timed. A shorter
 one (the short prompt's C++ pass) takes what the decode steps of its batch learnt while the machine stays busy, torch's
 count otherwise (short_prompt_threads). GPT2_PROMPT_THREADS=off / N / auto, as for the steps.
+
+Training steps choose the same way (training/engine.py's thread_choice: fit's steps on torch's intra-op threads, one
+choice a step; GPT2_TRAIN_THREADS=off / N / auto, and the CLIs' --threads N fixes the count). A step is timed from its
+start to the end of its backward, per token position (stop(work=...): fine-tuning's batches differ in length, and the
+update, the same time for every batch, would only blur that); the update runs on the chosen count. A step beside a
+busy core costs several of the faster count's (gpt2 bf16 fine-tuning on a 2-core Xeon: 3.4 s on 2 threads against
+0.6 s on 1), so the trials start backed off, as the prompts' do, a count that lost by more than twice waits as long,
+and a run whose machine is busy when it starts (free_cpus: other tasks running) starts on the count that fits the
+free cores, trying the larger ones after first_period steps or when the cores they would add sit idle.
 """
 from __future__ import annotations
 
@@ -111,13 +120,15 @@ class DecodeThreads:
     the coming step: an untried candidate, a due re-try, or the fastest so far (median of its last WINDOW steps)."""
 
     def __init__(self, key: tuple = (), threads: int | None = None, active: bool = True, env: str = ENV,
-                 work: float = 1.0, first_period: int = FIRST_PERIOD):
+                 work: float = 1.0, first_period: int = FIRST_PERIOD, start: int | None = None):
         """active=False: a loop whose work is not on the CPU's threads (a CUDA model): step() and close() do nothing.
         env: the variable that fixes the count or turns the choice off (GPT2_PROMPT_THREADS for prompts).
         work: each step's size (a prompt's rows): times are kept per unit of it, so calls of other sizes under the
         same key compare. first_period: the steps before a candidate that lost its first try is tried again (then
         doubling up to LONGEST_PERIOD; a candidate that lost its place as the best is re-tried FIRST_PERIOD steps
-        later whatever this is)."""
+        later whatever this is, unless it lost by more than twice). start: where nothing is remembered, the loop
+        starts on the largest candidate up to this count (free_cpus(): a core another process holds), not the most;
+        the larger counts are first tried first_period steps later, or as soon as the cores they would add sit idle."""
         self.original = torch.get_num_threads()
         self.work = work
         setting = fixed_threads(env) if active else "off"
@@ -130,9 +141,15 @@ class DecodeThreads:
             self.options = candidates(top)
         self.key = key
         self.times = {n: deque(maxlen=WINDOW) for n in self.options}
+        self.first_period = first_period
         self.period = dict.fromkeys(self.options, first_period)
         self.due = dict.fromkeys(self.options, 0)  # the step at which each candidate is next tried
         self.best = self.options[0] if self.options else None
+        if start is not None and self.options:
+            self.best = next((n for n in self.options if n <= start), self.options[-1])
+            for n in self.options:  # the counts that do not fit: tried when due, or when the cores turn idle
+                if n > self.best:
+                    self.due[n] = first_period
         self.quiet_period, self.quiet_due = FIRST_PERIOD, 0  # the idle cores' re-tries: their wait, and when next
         memory = _remembered.get(key)
         if memory is not None and memory["options"] == self.options:  # go on where the last call stopped
@@ -213,7 +230,10 @@ class DecodeThreads:
             if n == self.options[0]:
                 self.quiet_period = FIRST_PERIOD  # back on every core: the idle cores' next re-try waits the least
             self.times[n] = deque([seconds], maxlen=WINDOW)  # its older times were of another machine state
-            self.period[old], self.due[old] = FIRST_PERIOD, self.steps + FIRST_PERIOD
+            # soon: FIRST_PERIOD steps; but an old best at more than twice the new one's time (a busy core, not
+            # noise) waits as a count that lost its first try does (first_period)
+            wait = self.first_period if 2 * seconds < self._median(old) else FIRST_PERIOD
+            self.period[old], self.due[old] = wait, self.steps + wait
         else:
             self.times[n].append(seconds)
             self.period[n] = min(2 * self.period[n], LONGEST_PERIOD)
@@ -223,8 +243,8 @@ class DecodeThreads:
         if self.steps == 0 or len(self.options) == 1:
             return self.best  # the first step also pays for anything the call builds: not a trial (nor recorded)
         for n in self.options:
-            if n != self.best and not self.times[n] and self.times[self.best]:
-                return n  # untried, once the best has a time to be compared with
+            if n != self.best and not self.times[n] and self.times[self.best] and self.steps >= self.due[n]:
+                return n  # untried, once the best has a time to be compared with (above a busy start: once due)
         for n in self.options:
             if n != self.best and self.steps >= self.due[n] and self.times[n]:
                 return n
@@ -253,6 +273,21 @@ def running_tasks() -> int | None:
     except (OSError, ValueError, IndexError):
         pass
     return None
+
+
+def free_cpus(reads: int = 3, gap: float = 0.005) -> int | None:
+    """The CPUs of this process's affinity that no other task holds: the affinity's count less the other tasks
+    running (running_tasks()), the most over `reads` readings `gap` seconds apart (a task that runs for a moment is
+    not a busy core); None where /proc/stat cannot be read."""
+    seen = []
+    for i in range(reads):
+        running = running_tasks()
+        if running is None:
+            return None
+        seen.append(len(os.sched_getaffinity(0)) - (running - 1))
+        if i + 1 < reads:
+            time.sleep(gap)
+    return max(seen)
 
 
 def remembers_fewer_threads() -> bool:

@@ -176,6 +176,24 @@ def test_the_race_claim_names_each_classes_fastest_recipe_of_its_latest_race():
     assert report._race_claim(race("AVX2", "2026-11-23T10:00Z", {"baseline": 0.9})) == ("", [])
 
 
+def test_the_training_thread_claim_compares_the_choice_with_each_fixed_count_quiet_and_busy():
+    def run(dtype, choice, fixed, busy=0, date="2026-12-03T05:00Z", cls="AMX"):
+        best = max(fixed, key=fixed.get)
+        return record(f"fine-tune sst gpt2 {dtype}" + (", 1 busy process beside it" if busy else ""), cls, date,
+                      ratio=choice / fixed[best], bench="train_threads", ratio_of=f"choice / fixed {best}",
+                      values={"choice": choice, **{f"fixed {n}": v for n, v in fixed.items()}},
+                      **({"busy": busy} if busy else {}))
+    records = [run("fp32", 100.0, {2: 50.0, 1: 40.0}, date="2026-12-01T05:00Z"),  # older: not shown
+               run("fp32", 97.0, {2: 100.0, 1: 50.0}), run("fp32", 60.0, {2: 20.0, 1: 64.0}, busy=1),
+               run("bf16", 99.0, {2: 100.0, 1: 66.0}), run("fp32", 10.0, {2: 10.0, 1: 5.0}, cls="AVX2")]
+    text, used = report._train_threads_claim(records)
+    assert text == ("AMX: fp32 quiet 0.97x 2 threads, 1.94x 1 thread; with a core busy 3.00x 2 threads, 0.94x 1 "
+                    "thread; bf16 quiet 0.99x 2 threads, 1.50x 1 thread; AVX2: fp32 quiet 1.00x 2 threads, 2.00x 1 "
+                    "thread"), text
+    assert len(used) == 4
+    assert report._train_threads_claim([]) == ("", [])
+
+
 def test_the_commands_timer_counts_the_cpu_of_the_command_and_of_what_it_waited_for():
     """bench/commands.py records the CPU seconds beside the wall time: a command that spends 0.3 s of CPU itself and
     0.3 s more in a child it waits for counts at least 0.6 s; its peak RSS and exit code come back with it."""

@@ -25,6 +25,7 @@ def threads4(monkeypatch):
     torch.set_num_threads(4)
     monkeypatch.setenv(TRAIN_ENV, "auto")
     monkeypatch.setattr(decode_threads, "idle_cpu_seconds", lambda: None)
+    monkeypatch.setattr(decode_threads, "free_cpus", lambda: None)  # (the suite's own workers keep cores busy)
     decode_threads._remembered.clear()
     yield
     torch.set_num_threads(old)
@@ -61,13 +62,64 @@ def test_beside_a_busy_core_the_steps_and_evaluations_move_to_one_thread_and_tor
     train(tmp_path, clock)
     assert clock.steps[:4] == [4, 4, 2, 1]  # the first two on torch's count (the first is not timed), a try of each
     retries = [(i, n) for i, n in enumerate(clock.steps) if n != 1 and i >= 3]
-    assert retries == [(11, 4), (12, 2), (28, 4), (29, 2), (61, 4), (62, 2)]  # the losers' waits double: 8, 16, 32
+    assert retries == [(67, 4), (68, 2)]  # each lost by more than twice: re-tried LONGEST_PERIOD steps later
     assert clock.evaluations == [1, 1]  # an evaluation runs on the steps' count
     assert torch.get_num_threads() == 4
     # a second run in the process starts from what the first learnt
     again = SimulatedSteps(monkeypatch, BUSY)
     train(tmp_path / "again", again, steps=10)
     assert again.steps == [1] * 10
+
+
+def test_a_run_that_starts_beside_a_busy_core_starts_on_the_free_cores_and_tries_the_larger_counts(
+        monkeypatch, tmp_path, threads4):
+    monkeypatch.setattr(decode_threads, "free_cpus", lambda: 3)  # one of 4 CPUs taken: 2 threads fit, 4 do not
+    clock = SimulatedSteps(monkeypatch, {4: 0.400, 2: 0.100, 1: 0.150})
+    train(tmp_path, clock, steps=70)
+    # untimed first step, a time, a try of the smaller count; the larger one waits LONGEST_PERIOD steps
+    assert [(i, n) for i, n in enumerate(clock.steps) if n != 2] == [(2, 1), (64, 4), (67, 1)], clock.steps
+    assert clock.evaluations == [2, 2]
+
+
+def test_a_busy_start_tries_the_larger_counts_as_soon_as_the_cores_they_would_add_sit_idle(monkeypatch, threads4):
+    now, idle = [0.0], [0.0]
+    monkeypatch.setattr(decode_threads.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(decode_threads, "idle_cpu_seconds", lambda: idle[0])
+    picker = DecodeThreads(("idle start",), env=TRAIN_ENV, first_period=decode_threads.LONGEST_PERIOD, start=1)
+    for _ in range(12):
+        picker.step()
+        n = torch.get_num_threads()
+        now[0] += 0.1 / n  # the other process has ended: every count runs at full speed
+        idle[0] += (4 - n) * 0.1 / n
+    picker.close()
+    assert picker.history[:2] == [1, 1] and picker.history[2:5] == [4, 2, 4], picker.history
+    assert picker.history[-5:] == [4] * 5
+
+
+def test_a_narrow_win_retries_the_old_best_soon_and_a_decisive_one_late(monkeypatch, threads4):
+    """A count that lost its place by less than twice the new best's time (noise, or a mildly busy core) is tried
+    again FIRST_PERIOD steps later; one that lost by more waits as long as a first loss (training: LONGEST_PERIOD)."""
+    for cost, retried_at in (({4: 0.100, 2: 0.080, 1: 0.300}, 11), ({4: 0.100, 2: 0.040, 1: 0.300}, 67)):
+        decode_threads._remembered.clear()
+        now = [0.0]
+        monkeypatch.setattr(decode_threads.time, "perf_counter", lambda: now[0])
+        picker = DecodeThreads(("narrow",), env=TRAIN_ENV, first_period=decode_threads.LONGEST_PERIOD)
+        for _ in range(70):
+            picker.step()
+            now[0] += cost[torch.get_num_threads()]
+        picker.close()
+        assert picker.history[:4] == [4, 4, 2, 1]
+        assert [i for i, n in enumerate(picker.history) if n == 4 and i > 1][0] == retried_at, picker.history
+
+
+def test_free_cpus_counts_the_affinity_less_the_other_running_tasks_at_their_fewest(monkeypatch):
+    readings = iter([3, 2, 4])  # running tasks, this one included: a task that ran for a moment is not a busy core
+    monkeypatch.setattr(decode_threads, "running_tasks", lambda: next(readings))
+    monkeypatch.setattr(decode_threads.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    monkeypatch.setattr(decode_threads.time, "sleep", lambda s: None)
+    assert decode_threads.free_cpus() == 3
+    monkeypatch.setattr(decode_threads, "running_tasks", lambda: None)
+    assert decode_threads.free_cpus() is None
 
 
 def test_on_a_quiet_machine_the_slower_counts_are_tried_once_then_every_64_steps(monkeypatch, tmp_path, threads4):

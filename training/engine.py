@@ -34,6 +34,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from models import decode_threads
 from models.decode_threads import LONGEST_PERIOD, TRAIN_ENV, DecodeThreads
 from training import distributed as dist
 from training.allocator import keep_freed_memory
@@ -152,7 +153,8 @@ def thread_choice(cfg: TrainConfig, device: torch.device, workers: int, params: 
     """The steps' thread count, chosen by timing them (models/decode_threads.py, as decoding's): torch's count, its
     halves, down to 1. With a core busy, every operation of a step on 2 threads waits at its barrier for the thread
     that shares that core, and one thread is faster (gpt2 fine-tuning, docs/performance.md's "thread choice" table);
-    on a quiet machine the trial of a slower count costs a step every LONGEST_PERIOD steps. Inactive (torch's count
+    on a quiet machine the trial of a slower count costs a step every LONGEST_PERIOD steps. A run that starts beside
+    a busy core (free_cpus) starts on the count that fits the free cores. Inactive (torch's count
     throughout) where cfg.threads fixes the count, off the CPU, with the batch split across threads (each thread a
     worker of its own), under torchrun and with --compile (its kernels are built for the count they were traced
     at). GPT2_TRAIN_THREADS=off / N / auto, as for decoding. The count changes how torch's products round their
@@ -160,7 +162,8 @@ def thread_choice(cfg: TrainConfig, device: torch.device, workers: int, params: 
     active = (device.type == "cpu" and workers == 1 and not cfg.threads and not cfg.compile
               and dist.world_size() == 1)
     key = ("train", cfg.dtype, sum(p.numel() for p in params))
-    return DecodeThreads(key, active=active, env=TRAIN_ENV, first_period=LONGEST_PERIOD)
+    return DecodeThreads(key, active=active, env=TRAIN_ENV, first_period=LONGEST_PERIOD,
+                         start=decode_threads.free_cpus() if active else None)
 
 
 def fit(model: nn.Module, batches: BatchSource, loss_fn: Callable, evaluate_fn: Callable[[nn.Module], dict],

@@ -164,32 +164,22 @@ def test_the_choice_is_inactive_where_it_does_not_apply(monkeypatch, tmp_path, t
     assert active.key == ("train", "float32", sum(p.numel() for p in params))
 
 
-def test_times_are_compared_per_unit_of_each_steps_work():
-    """A fine-tuning step's batch has its own length: stop(work=tokens) keeps a step's time per token, so a count
-    that ran a long batch is not taken for the slower one."""
-    old = torch.get_num_threads()
+def test_times_are_compared_per_unit_of_each_steps_work(monkeypatch, threads4):
+    """A fine-tuning step's batch has its own length: stop(work=positions) keeps a step's time per position, so a
+    count that ran a long batch is not taken for the slower one."""
     torch.set_num_threads(2)
-    try:
-        now = [0.0]
-        picker = DecodeThreads(("per-token",), threads=2)
-        decode_threads._remembered.pop(("per-token",), None)
-        original = decode_threads.time.perf_counter
-        decode_threads.time.perf_counter = lambda: now[0]
-        try:
-            for _ in range(40):
-                picker.step()
-                n = torch.get_num_threads()
-                tokens = 100 if n == 2 else 10  # 2 threads: 1 ms a token on long batches; 1 thread: 2 ms on short
-                now[0] += tokens * (0.001 if n == 2 else 0.002)
-                picker.stop(work=tokens)
-        finally:
-            decode_threads.time.perf_counter = original
-        assert picker.best == 2 and picker.history[3:].count(2) >= 36
-        assert picker.work == 100  # the last step's
-        picker.close()
-    finally:
-        torch.set_num_threads(old)
-        decode_threads._remembered.pop(("per-token",), None)
+    now = [0.0]
+    monkeypatch.setattr(decode_threads.time, "perf_counter", lambda: now[0])
+    picker = DecodeThreads(("per-position",), env=TRAIN_ENV)
+    for _ in range(40):
+        picker.step()
+        n = torch.get_num_threads()
+        positions = 100 if n == 2 else 10  # 2 threads: 1 ms a position on long batches; 1 thread: 2 ms on short
+        now[0] += positions * (0.001 if n == 2 else 0.002)
+        picker.stop(work=positions)
+    assert picker.best == 2 and picker.history[3:].count(2) >= 36
+    assert picker.work == 100  # the last step's
+    picker.close()
 
 
 def test_the_clis_thread_count_reaches_the_engine_as_a_fixed_count():

@@ -112,12 +112,21 @@ def test_a_narrow_win_retries_the_old_best_soon_and_a_decisive_one_late(monkeypa
         assert [i for i, n in enumerate(picker.history) if n == 4 and i > 1][0] == retried_at, picker.history
 
 
+@pytest.mark.parametrize("start, best", [(4, 4), (3, 2), (2, 2), (1, 1), (0, 1), (-2, 1)])
+def test_a_start_takes_the_largest_count_that_fits_and_one_thread_when_none_does(threads4, start, best):
+    picker = DecodeThreads(("start",), env=TRAIN_ENV, first_period=decode_threads.LONGEST_PERIOD, start=start)
+    assert picker.best == best
+    assert picker.due == {n: decode_threads.LONGEST_PERIOD if n > best else 0 for n in (4, 2, 1)}
+
+
 def test_free_cpus_counts_the_affinity_less_the_other_running_tasks_at_their_fewest(monkeypatch):
     readings = iter([3, 2, 4])  # running tasks, this one included: a task that ran for a moment is not a busy core
     monkeypatch.setattr(decode_threads, "running_tasks", lambda: next(readings))
     monkeypatch.setattr(decode_threads.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
-    monkeypatch.setattr(decode_threads.time, "sleep", lambda s: None)
+    slept = []
+    monkeypatch.setattr(decode_threads.time, "sleep", slept.append)
     assert decode_threads.free_cpus() == 3
+    assert slept == [0.005, 0.005]  # between the readings, not after the last
     monkeypatch.setattr(decode_threads, "running_tasks", lambda: None)
     assert decode_threads.free_cpus() is None
 

@@ -203,12 +203,11 @@ def make_run_step(model, ids: torch.Tensor, bf16: bool):
 
         if bf16:
             model.to(torch.bfloat16)
-        from models.decode_threads import LONGEST_PERIOD, TRAIN_ENV, DecodeThreads, free_cpus
+        from training.engine import steps_choice
 
         opt = AdamW(model.parameters(), lr=3e-4, eps=1e-6, weight_decay=0.01, fused=True, master_weights=bf16)
         # fit()'s thread choice (GPT2_TRAIN_THREADS, as fit reads it); the key is this closure's alone
-        threads = DecodeThreads(("compare_hf", id(model), tuple(ids.shape), bf16), env=TRAIN_ENV,
-                                first_period=LONGEST_PERIOD, active=DEVICE.type == "cpu", start=free_cpus())
+        threads = steps_choice(("compare_hf", id(model), tuple(ids.shape), bf16), active=DEVICE.type == "cpu")
         return _train_step(model, ids, opt, autocast=False, threads=threads)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, eps=1e-6, weight_decay=0.01, fused=True)
     return _train_step(model, ids, opt, autocast=bf16)

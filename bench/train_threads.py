@@ -36,13 +36,6 @@ LINE = re.compile(r"^benchmark: (\d+) optimizer steps .* in ([\d.]+) s: (\d+) to
 DTYPES = {"fp32": "float32", "bf16": "bf16-weights"}
 
 
-def counts(cores: int) -> list[int]:
-    """The fixed counts the choice picks among: cores, their halves, down to 1 (models/decode_threads.py)."""
-    from models.decode_threads import candidates
-
-    return candidates(cores)
-
-
 def command(dtype: str, threads: int | None, max_steps: int, out: str) -> list[str]:
     cmd = [sys.executable, str(ROOT / "run_classifier.py"), "--task", "sst", "--fine-tune-mode", "full-model",
            "--model", "random:", "--max_steps", str(max_steps), "--dtype", DTYPES[dtype], "--output_dir", out,
@@ -74,12 +67,13 @@ def main() -> None:
     args = parser.parse_args()
     import torch
 
+    from models.decode_threads import candidates
     from training.precision import bf16_matmul_is_fast
 
     print_machine_header()  # (after torch: with the paths this machine takes)
 
     dtypes = args.dtypes or (["fp32", "bf16"] if bf16_matmul_is_fast(torch.device("cpu")) else ["fp32"])
-    fixed = counts(torch.get_num_threads())
+    fixed = candidates(torch.get_num_threads())  # the counts the choice picks among: the cores, their halves, 1
     names = ["choice"] + [f"fixed {n}" for n in fixed]
     rec = Recorder("train_threads")
     spinners = spin(args.busy) if args.busy else []

@@ -20,7 +20,19 @@ from typing import Callable
 import torch
 
 from models import decode_threads, fast_step
-from modules import adamw, draw, dropout, gelu, hugepages, onednn, packed, prompt_attention, quant, rmsnorm
+from modules import (
+    adamw,
+    cross_entropy,
+    draw,
+    dropout,
+    gelu,
+    hugepages,
+    onednn,
+    packed,
+    prompt_attention,
+    quant,
+    rmsnorm,
+)
 from modules import rows as row_kernel
 
 
@@ -252,6 +264,13 @@ PATHS: tuple[Path, ...] = (
          lambda: (True, "float32 and bf16 CPU training steps outside torch.compile (evaluation and generation: "
                         "torch's)"),
          ("tests/test_gelu.py", "tests/test_paths.py")),
+    Path("fused-loss", "the LM loss's rows on the CPU (modules/cross_entropy.py): each row's log-sum-exp forward and "
+         "its softmax gradient backward in one C++ loop a row (modules/rows.cpp), fp32 or bf16 logits, instead of "
+         "torch's ops by blocks of rows", cross_entropy.ENV, "", "0",
+         _kernel(cross_entropy, cross_entropy.ENV, "the rows kernel (the loss's rows)"),
+         lambda: (True, "contiguous fp32 and bf16 CPU logits of 2^21+ values (gpt2: 42+ tokens), in training and "
+                        "evaluation alike; fp16 and smaller logits: torch's"),
+         ("tests/test_cross_entropy.py", "tests/test_paths.py")),
     Path("onednn-linear", "fp32 Linear (and the LM head) of 9+ rows without gradients past the prompt kernel's rows "
          "(prompts, evaluations) by weights of 2^18+ values: oneDNN's inner product instead of F.linear (MKL's "
          "sgemm), where it timed faster here (modules/onednn.py)", onednn.ENV, "1", "0", _onednn_runs, _onednn_default,

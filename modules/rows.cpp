@@ -1845,3 +1845,127 @@ int64_t gpt2_step_scratch(int n_head, int64_t C, int64_t inner, int64_t cap, int
 
 }  // extern "C"
 
+
+// ---- the LM loss's rows (modules/cross_entropy.py) ----------------------------------------------------------------
+// Cross-entropy over a large vocabulary needs, for each row z of V logits, its log-sum-exp lse = m + log sum_j
+// e^(z_j - m) (m: the row's largest value), and in backward the gradient g_j = (e^(z_j - lse) - [j = y]) w, y the
+// row's target and w its weight (the loss's gradient over the counted rows; 0 for an ignored row). torch's ops take
+// several passes over a row and an fp32 copy of bf16 logits; here the forward reads a row twice (its maximum, then
+// the sum of exps, while the row is in cache) and the backward once, each value widened to fp32 in register and the
+// gradient rounded once to the logits' dtype. exp is vexp's (within 2 ulp; values more than 87.3 under the maximum
+// count as e^-87.3, about 1e-38, where the true value is smaller still); the sums of a row go in one order whatever
+// the thread count. A row holding a NaN or an infinity goes through the scalar formulas in double, so NaN and
+// infinities come out as torch's logsumexp and softmax give them.
+
+static inline float vmax_all(vf a) {
+  alignas(64) float lanes[kWidth];
+  vstore(lanes, a);
+  float m = lanes[0];
+  for (int64_t k = 1; k < kWidth; ++k) m = std::max(m, lanes[k]);
+  return m;
+}
+
+static inline float lane0(vf a) {
+  alignas(64) float lanes[kWidth];
+  vstore(lanes, a);
+  return lanes[0];
+}
+
+template <typename T>
+static float row_lse_scalar(const T* z, int64_t V) {
+  double m = -INFINITY;
+  for (int64_t j = 0; j < V; ++j) {
+    const double v = to_float(z[j]);
+    if (std::isnan(v)) return NAN;
+    m = std::max(m, v);
+  }
+  if (std::isinf(m)) return static_cast<float>(m);  // +inf: inf; every value -inf: -inf (torch's logsumexp)
+  double s = 0;
+  for (int64_t j = 0; j < V; ++j) s += std::exp(to_float(z[j]) - m);
+  return static_cast<float>(m + std::log(s));
+}
+
+template <typename T>
+static float row_lse(const T* z, int64_t V) {
+  const int64_t wide = V / kWidth * kWidth;
+  vf top = vset1(-INFINITY), bad = vzero();
+  for (int64_t j = 0; j < wide; j += kWidth) {
+    const vf v = wload(z + j);
+    top = vmaxf(top, v);
+    bad = vfma(v, vzero(), bad);  // 0 while every value is finite; NaN from a NaN or an infinity
+  }
+  float m = vmax_all(top), nonfinite = vsum(bad);
+  for (int64_t j = wide; j < V; ++j) {
+    m = std::max(m, to_float(z[j]));
+    nonfinite += to_float(z[j]) * 0.0f;
+  }
+  if (nonfinite != 0.0f || V == 0) return row_lse_scalar(z, V);  // NaN != 0: a NaN or an infinity in the row
+  const vf mv = vset1(m);
+  vf s0 = vzero(), s1 = vzero();
+  int64_t j = 0;
+  for (; j + 2 * kWidth <= wide; j += 2 * kWidth) {
+    s0 = vadd(s0, vexp(vsubf(wload(z + j), mv)));
+    s1 = vadd(s1, vexp(vsubf(wload(z + j + kWidth), mv)));
+  }
+  for (; j < wide; j += kWidth) s0 = vadd(s0, vexp(vsubf(wload(z + j), mv)));
+  float s = vsum(vadd(s0, s1));
+  for (j = wide; j < V; ++j) s += lane0(vexp(vset1(to_float(z[j]) - m)));
+  return m + std::log(s);
+}
+
+// e^x for x = z - lse <= 0, and exactly 0 under vexp's clamp (a logit of -inf, a masked vocabulary entry, gets a zero
+// gradient, as torch's softmax gives it, not e^-87.3).
+static inline vf softmax_term(vf x) {
+#if defined(__AVX512F__)
+  return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3f), _CMP_GE_OQ), vexp(x));
+#else
+  return _mm256_and_ps(_mm256_cmp_ps(x, _mm256_set1_ps(-87.3f), _CMP_GE_OQ), vexp(x));
+#endif
+}
+
+static inline void store_grad(float* g, vf v) { vstore(g, v); }
+static inline void store_grad(uint16_t* g, vf v) {
+  alignas(64) float lanes[kWidth];
+  vstore(lanes, v);
+  for (int64_t k = 0; k < kWidth; ++k) g[k] = bf16_bits(lanes[k]);
+}
+static inline void store_one(float* g, float v) { *g = v; }
+static inline void store_one(uint16_t* g, float v) { *g = bf16_bits(v); }
+
+template <typename T>
+static void row_grad(const T* z, float lse, int64_t y, float w, T* g, int64_t V) {
+  if (!std::isfinite(lse)) {  // a NaN or an infinity in the row: torch's softmax formulas, in double
+    for (int64_t j = 0; j < V; ++j)
+      store_one(g + j, static_cast<float>((std::exp(double(to_float(z[j])) - lse) - (j == y ? 1.0 : 0.0)) * w));
+    return;
+  }
+  const int64_t wide = V / kWidth * kWidth;
+  const vf l = vset1(lse), wv = vset1(w);
+  for (int64_t j = 0; j < wide; j += kWidth) store_grad(g + j, vmul(softmax_term(vsubf(wload(z + j), l)), wv));
+  for (int64_t j = wide; j < V; ++j) store_one(g + j, lane0(softmax_term(vset1(to_float(z[j]) - lse))) * w);
+  if (y >= 0 && y < V) store_one(g + y, (lane0(softmax_term(vset1(to_float(z[y]) - lse))) - 1.0f) * w);
+}
+
+extern "C" {
+
+// lse[i] for `rows` rows of V logits (bf16 != 0: bf16 bits, else fp32), rows split over `threads`.
+void rows_ce_lse(int bf16, const void* z, int64_t rows, int64_t V, float* lse, int threads) {
+#pragma omp parallel for num_threads(threads < 1 ? 1 : threads) schedule(static) if (rows > 1)
+  for (int64_t i = 0; i < rows; ++i)
+    lse[i] = bf16 ? row_lse(static_cast<const uint16_t*>(z) + i * V, V)
+                  : row_lse(static_cast<const float*>(z) + i * V, V);
+}
+
+// g[i, j] = (e^(z[i, j] - lse[i]) - [j = y[i]]) w[i], in the logits' dtype (bf16 rounded to nearest even).
+void rows_ce_grad(int bf16, const void* z, const float* lse, const int64_t* y, const float* w, void* g, int64_t rows,
+                  int64_t V, int threads) {
+#pragma omp parallel for num_threads(threads < 1 ? 1 : threads) schedule(static) if (rows > 1)
+  for (int64_t i = 0; i < rows; ++i) {
+    if (bf16)
+      row_grad(static_cast<const uint16_t*>(z) + i * V, lse[i], y[i], w[i], static_cast<uint16_t*>(g) + i * V, V);
+    else
+      row_grad(static_cast<const float*>(z) + i * V, lse[i], y[i], w[i], static_cast<float*>(g) + i * V, V);
+  }
+}
+
+}  // extern "C"

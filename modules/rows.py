@@ -115,6 +115,11 @@ def library(target_flags: tuple[str, ...] = NATIVE):
     lib.rows_gelu_tanh_backward.restype = None
     lib.rows_gelu_tanh_backward.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
                                             ctypes.c_int]
+    lib.rows_ce_lse.restype = None
+    lib.rows_ce_lse.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                                ctypes.c_int]
+    lib.rows_ce_grad.restype = None
+    lib.rows_ce_grad.argtypes = [ctypes.c_int, *[ctypes.c_void_p] * 5, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
     lib.rows_attend_prompt.restype = ctypes.c_int
     lib.rows_attend_prompt.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 4 + [ctypes.c_float, ctypes.c_void_p,
                                                                                       ctypes.c_int]

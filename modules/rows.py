@@ -115,6 +115,8 @@ def library(target_flags: tuple[str, ...] = NATIVE):
     lib.rows_gelu_tanh_backward.restype = None
     lib.rows_gelu_tanh_backward.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
                                             ctypes.c_int]
+    lib.rows_round_bf16.restype = None
+    lib.rows_round_bf16.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
     lib.rows_ce_lse.restype = None
     lib.rows_ce_lse.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                                 ctypes.c_int]

@@ -163,6 +163,26 @@ def test_the_native_and_avx2_builds_give_each_value_the_same_result(n):
     assert torch.equal(out["native"][0], out["avx2"][0]) and torch.equal(out["native"][1], out["avx2"][1])
 
 
+@pytest.mark.parametrize("n", [60008, 4099, 23, 8, 5])
+def test_the_native_and_avx2_builds_round_bf16_alike(n):
+    """bf16 values (a --dtype bf16-weights step) go a vector at a time, widened in register and rounded back by each
+    build's vector rounding (AVX512: 16 lanes; AVX2: 8, packed back in order); the rest by the scalar rounding. Both
+    builds give the same bits, NaN and infinities included (the native build's rounding is held to the exact values
+    in test_bf16_values_and_gradients_are_the_exact_ones_rounded_once)."""
+    x = POINTS[torch.randperm(POINTS.numel(), generator=torch.Generator().manual_seed(n))[:n]].bfloat16()
+    x[n // 2] = float("nan")
+    x[n // 3] = float("inf")
+    dy = torch.randn(n, generator=torch.Generator().manual_seed(n + 1)).bfloat16()
+    out = {}
+    for form, lib in (("native", rows._load()), ("avx2", rows.library(rows.AVX2))):
+        y, dx = torch.empty_like(x), torch.empty_like(x)
+        lib.rows_gelu_tanh_bf16(x.data_ptr(), None, y.data_ptr(), n, 2)
+        lib.rows_gelu_tanh_bf16(x.data_ptr(), dy.data_ptr(), dx.data_ptr(), n, 2)
+        out[form] = (y.view(torch.int16), dx.view(torch.int16))
+    assert torch.equal(out["native"][0], out["avx2"][0]) and torch.equal(out["native"][1], out["avx2"][1])
+    assert out["native"][0].view(torch.bfloat16)[n // 2].isnan()
+
+
 @pytest.mark.parametrize("n", [1, 15, 2047, 2048, 2049, 3 * 2048 + 21, 40000])
 def test_bf16_values_and_gradients_are_the_exact_ones_rounded_once(n):
     """bf16 (a --dtype bf16-weights step): each value widened, GELU and its derivative in fp32, rounded to bf16 once,
@@ -201,3 +221,26 @@ def test_bf16_values_and_gradients_are_the_exact_ones_rounded_once(n):
     lib.rows_gelu_tanh_bf16(x.data_ptr(), None, one.data_ptr(), n, 1)
     lib.rows_gelu_tanh_bf16(x.data_ptr(), None, two.data_ptr(), n, 2)
     assert torch.equal(one.view(torch.int16), two.view(torch.int16)) and torch.equal(one[1:], y.detach()[1:])
+
+
+@pytest.mark.parametrize("form", ["native", "avx2"])
+def test_the_vector_bf16_rounding_is_torchs_conversion_bit_for_bit(form):
+    """The rounding the bf16 kernels share (rows.cpp's store_bf16, AVX512 and AVX2 forms, and the scalar one for the
+    rest): on every tie (low half exactly 0x8000, both parities), one bit either side of it, NaNs of any payload
+    (quiet and signalling), infinities, subnormals and random floats, the same bits as torch's .bfloat16()."""
+    g = torch.Generator().manual_seed(0)
+    high = torch.randint(0, 1 << 16, (4000,), generator=g, dtype=torch.int64) << 16
+    patterns = [high | 0x8000, high | 0x7FFF, high | 0x8001, high | 0x0000, high | 0xFFFF,
+                torch.tensor([0x7F800000, 0xFF800000, 0x7F800001, 0x7FBFFFFF, 0x7FC00000, 0xFFC12345, 0x7F808000,
+                              0x00000001, 0x00008000, 0x80018000, 0x7F7FFFFF, 0x7F7F8000, 0x3F808000, 0x3F818000])]
+    bits = torch.cat(patterns)
+    bits = torch.where(bits >= 1 << 31, bits - (1 << 32), bits).to(torch.int32)  # as signed 32-bit values
+    x = torch.cat([bits.view(torch.float32), torch.randn(1001, generator=g) * 1e3])
+    lib = rows._load() if form == "native" else rows.library(rows.AVX2)
+    y = torch.empty(x.numel(), dtype=torch.bfloat16)
+    lib.rows_round_bf16(x.data_ptr(), y.data_ptr(), x.numel())
+    expected = x.bfloat16()
+    nan = expected.isnan()
+    assert torch.equal(y.isnan(), nan)
+    assert torch.equal(y.view(torch.int16)[~nan], expected.view(torch.int16)[~nan])
+    assert torch.equal(y.view(torch.int16)[nan] & 0x7FC0, torch.full_like(y.view(torch.int16)[nan], 0x7FC0))  # quiet

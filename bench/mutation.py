@@ -55,6 +55,8 @@ MODULE_TESTS = {
     "modules/draw.py": ["tests/test_draw.py", "tests/test_paths.py"],
     "modules/rmsnorm.py": ["tests/test_rmsnorm.py", "tests/test_variants.py", "tests/test_paths.py"],
     "modules/gelu.py": ["tests/test_gelu.py", "tests/test_paths.py"],
+    "modules/masked_softmax.py": ["tests/test_masked_softmax.py", "tests/test_paths.py"],
+    "modules/cross_entropy.py": ["tests/test_cross_entropy.py", "tests/test_paths.py"],
     "modules/hugepages.py": ["tests/test_hugepages.py", "tests/test_paths.py"],
     "modules/onednn.py": ["tests/test_onednn.py", "tests/test_paths.py"],
     "modules/prompt_attention.py": ["tests/test_prompt_attention.py", "tests/test_paths.py"],

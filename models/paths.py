@@ -27,6 +27,7 @@ from modules import (
     dropout,
     gelu,
     hugepages,
+    masked_softmax,
     onednn,
     packed,
     prompt_attention,
@@ -264,6 +265,13 @@ PATHS: tuple[Path, ...] = (
          lambda: (True, "float32 and bf16 CPU training steps outside torch.compile (evaluation and generation: "
                         "torch's)"),
          ("tests/test_gelu.py", "tests/test_paths.py")),
+    Path("fused-softmax", "the explicit attention's scale, mask and softmax in a float32 or bf16 CPU training step, "
+         "one pass forward and one backward (modules/masked_softmax.py, in modules/rows.cpp) instead of torch's "
+         "multiply, masked_fill and softmax", masked_softmax.ENV, "", "0",
+         _kernel(masked_softmax, masked_softmax.ENV, "the rows kernel (the attention's softmax)"),
+         lambda: (True, "CPU training steps on the explicit attention path (bf16, or attention dropout), a causal or "
+                        "(B or 1, 1, T, K) mask; evaluation and generation: torch's"),
+         ("tests/test_masked_softmax.py", "tests/test_paths.py")),
     Path("fused-loss", "the LM loss's rows on the CPU (modules/cross_entropy.py): each row's log-sum-exp forward and "
          "its softmax gradient backward in one C++ loop a row (modules/rows.cpp), fp32 or bf16 logits, instead of "
          "torch's ops by blocks of rows", cross_entropy.ENV, "", "0",

@@ -16,6 +16,7 @@ from modules import dropout as hashed
 from modules import packed, prompt_attention, quant
 from modules.linear import Linear as DecodeLinear
 from modules.manual_backward import ManualAttention, ManualLinear
+from modules.masked_softmax import masked_softmax
 from modules.norms import RMSNorm
 from modules.positions import Rope, apply_rotary, no_rotary
 
@@ -176,12 +177,9 @@ class CausalSelfAttention(nn.Module):
                   attention_mask: torch.Tensor | None) -> torch.Tensor:
         """The explicit path, as the course teaches: scores, mask, softmax, dropout, weighted sum -> (B, T, C)."""
         key, value = repeat_kv(key, self.kv_groups), repeat_kv(value, self.kv_groups)  # (B, nh, S, hs)
-        scores = torch.matmul(query, key.transpose(-1, -2)) * self.scale  # (B, nh, T, S)
-        if attention_mask is None:  # plain causal
-            T, S = scores.shape[-2:]
-            attention_mask = torch.ones(T, S, dtype=torch.bool, device=scores.device).tril(S - T)
-        scores = scores.masked_fill(~attention_mask, torch.finfo(scores.dtype).min)
-        probs = self.dropout(F.softmax(scores, dim=-1).to(value.dtype))
+        scores = torch.matmul(query, key.transpose(-1, -2))  # (B, nh, T, S)
+        # scale, mask (None: plain causal), softmax: one pass each way in a CPU training step (modules/masked_softmax)
+        probs = self.dropout(masked_softmax(scores, self.scale, attention_mask).to(value.dtype))
         out = torch.matmul(probs, value)  # (B, nh, T, hs)
         return out.transpose(1, 2).flatten(2)  # (B, T, nh, hs) -> (B, T, C)
 

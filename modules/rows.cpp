@@ -2009,3 +2009,110 @@ void rows_round_bf16(const float* x, uint16_t* y, int64_t n) {
 }
 
 }  // extern "C"
+
+// ---- the attention's softmax in a training step (modules/attention.py's explicit path) ---------------------------
+// P = softmax(scale S) over each row of raw scores S (B, H, T, K: query t's products with every key), the keys a
+// query may not see left out (P = 0 there): causal (key k visible from query t when k <= t + K - T), or a bool mask
+// (B or 1, T, K) shared by the heads. A row that sees no key gives 1/K everywhere, as the course's masked_fill with
+// the dtype's lowest value, then softmax, gives it. Backward: dS = scale P (dP - sum_k P dP), 0 where a key is hidden
+// (all of a row that sees none: masked_fill's backward). One pass forward (the row widened to fp32 once, its maximum,
+// its exps, divided by their sum, rounded once to the scores' dtype) and one backward, for torch's scale, masked_fill,
+// softmax and their backward passes. exp is vexp's (within 2 ulp).
+
+static inline bool visible(const uint8_t* mask, int64_t t, int64_t k, int64_t T, int64_t K) {
+  return mask ? mask[t * K + k] != 0 : k <= t + K - T;
+}
+
+template <typename E>
+static void softmax_rows(const E* s, E* p, const uint8_t* mask, int64_t mask_stride, int64_t B, int64_t H, int64_t T,
+                         int64_t K, float scale, int threads) {
+#pragma omp parallel num_threads(threads < 1 ? 1 : threads)
+  {
+    std::vector<float> row(static_cast<size_t>((K + kWidth - 1) / kWidth * kWidth));
+    const int64_t wide = K / kWidth * kWidth;
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < B * H * T; ++r) {
+      const int64_t b = r / (H * T), t = r % T;
+      const uint8_t* m = mask ? mask + b * mask_stride : nullptr;
+      const E* sr = s + r * K;
+      E* pr = p + r * K;
+      float top = -INFINITY;
+      for (int64_t k = 0; k < K; ++k) {
+        row[k] = visible(m, t, k, T, K) ? scale * to_float(sr[k]) : -INFINITY;
+        top = std::max(top, row[k]);
+      }
+      if (top == -INFINITY) {  // no visible key: masked_fill's equal lowest values, softmax's uniform row
+        for (int64_t k = 0; k < K; ++k) store_one(pr + k, 1.0f / static_cast<float>(K));
+        continue;
+      }
+      const vf mv = vset1(top);
+      vf sum = vzero();
+      for (int64_t k = 0; k < wide; k += kWidth) {
+        const vf e = softmax_term(vsubf(xload(row.data() + k), mv));
+        vstore(row.data() + k, e);
+        sum = vadd(sum, e);
+      }
+      float total = vsum(sum);
+      for (int64_t k = wide; k < K; ++k) {
+        row[k] = lane0(softmax_term(vset1(row[k] - top)));
+        total += row[k];
+      }
+      const vf tv = vset1(total);
+      for (int64_t k = 0; k < wide; k += kWidth) store_grad(pr + k, vdiv(xload(row.data() + k), tv));
+      for (int64_t k = wide; k < K; ++k) store_one(pr + k, row[k] / total);
+    }
+  }
+}
+
+template <typename E>
+static void softmax_rows_backward(const E* p, const E* dp, E* ds, const uint8_t* mask, int64_t mask_stride, int64_t B,
+                                  int64_t H, int64_t T, int64_t K, float scale, int threads) {
+  const int64_t wide = K / kWidth * kWidth;
+#pragma omp parallel for num_threads(threads < 1 ? 1 : threads) schedule(static)
+  for (int64_t r = 0; r < B * H * T; ++r) {
+    const int64_t b = r / (H * T), t = r % T;
+    const uint8_t* m = mask ? mask + b * mask_stride : nullptr;
+    const E *pr = p + r * K, *dpr = dp + r * K;
+    E* dsr = ds + r * K;
+    bool any = !m;  // a causal row always sees its own key
+    for (int64_t k = 0; m && k < K && !any; ++k) any = m[t * K + k] != 0;
+    if (!any) {  // every key hidden: masked_fill's backward zeroes the whole row
+      for (int64_t k = 0; k < K; ++k) store_one(dsr + k, 0.0f);
+      continue;
+    }
+    vf acc = vzero();
+    for (int64_t k = 0; k < wide; k += kWidth) acc = vfma(wload(pr + k), wload(dpr + k), acc);
+    float dot = vsum(acc);
+    for (int64_t k = wide; k < K; ++k) dot += to_float(pr[k]) * to_float(dpr[k]);
+    const vf dv = vset1(dot), sv = vset1(scale);
+    for (int64_t k = 0; k < wide; k += kWidth)
+      store_grad(dsr + k, vmul(sv, vmul(wload(pr + k), vsubf(wload(dpr + k), dv))));
+    for (int64_t k = wide; k < K; ++k) store_one(dsr + k, scale * (to_float(pr[k]) * (to_float(dpr[k]) - dot)));
+  }
+}
+
+extern "C" {
+
+// P = the masked softmax of scale S (see above); mask: null (causal) or uint8 (B or 1, T, K), mask_stride its batch
+// stride (0: shared by the batch). bf16 != 0: S and P bf16 bits, else fp32.
+void rows_softmax(int bf16, const void* s, void* p, const uint8_t* mask, int64_t mask_stride, int64_t B, int64_t H,
+                  int64_t T, int64_t K, float scale, int threads) {
+  if (bf16)
+    softmax_rows(static_cast<const uint16_t*>(s), static_cast<uint16_t*>(p), mask, mask_stride, B, H, T, K, scale,
+                 threads);
+  else
+    softmax_rows(static_cast<const float*>(s), static_cast<float*>(p), mask, mask_stride, B, H, T, K, scale, threads);
+}
+
+// dS from P and dP (see above), the same mask and scale.
+void rows_softmax_backward(int bf16, const void* p, const void* dp, void* ds, const uint8_t* mask, int64_t mask_stride,
+                           int64_t B, int64_t H, int64_t T, int64_t K, float scale, int threads) {
+  if (bf16)
+    softmax_rows_backward(static_cast<const uint16_t*>(p), static_cast<const uint16_t*>(dp), static_cast<uint16_t*>(ds),
+                          mask, mask_stride, B, H, T, K, scale, threads);
+  else
+    softmax_rows_backward(static_cast<const float*>(p), static_cast<const float*>(dp), static_cast<float*>(ds), mask,
+                          mask_stride, B, H, T, K, scale, threads);
+}
+
+}  // extern "C"

@@ -117,6 +117,12 @@ def library(target_flags: tuple[str, ...] = NATIVE):
                                             ctypes.c_int]
     lib.rows_round_bf16.restype = None
     lib.rows_round_bf16.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+    lib.rows_softmax.restype = None
+    lib.rows_softmax.argtypes = [ctypes.c_int, *[ctypes.c_void_p] * 3, *[ctypes.c_int64] * 5, ctypes.c_float,
+                                 ctypes.c_int]
+    lib.rows_softmax_backward.restype = None
+    lib.rows_softmax_backward.argtypes = [ctypes.c_int, *[ctypes.c_void_p] * 4, *[ctypes.c_int64] * 5,
+                                          ctypes.c_float, ctypes.c_int]
     lib.rows_ce_lse.restype = None
     lib.rows_ce_lse.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                                 ctypes.c_int]

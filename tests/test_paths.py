@@ -8,6 +8,7 @@ Tolerances: the fused AdamW kernel and torch's operations compute the same updat
 differences), which training over N_STEPS with lr 1e-2 grows to at most 6.7e-8 relative in the fp32 losses and
 1.3e-4 with bf16 weights (measured on a Zen 3): TRAIN_RTOL and BF16_RTOL leave about 15x room. A derived copy read after a write must give exactly what a fresh model with the same weights gives.
 """
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -572,3 +573,24 @@ def test_the_prompts_amx_tiles_say_why_they_do_not_run(clean_env):
     assert runs() == "the rows kernel does not build or load here"
     clean_env.setenv(row_kernel.AMX_ENV, "0")
     assert runs() == "GPT2_PROMPT_AMX=0"
+
+
+def test_the_cpu_kernels_build_where_there_is_a_compiler():
+    """On x86-64 Linux with g++ and AVX2 the rows kernel (decoding, the training step's GELU, softmax and loss), the
+    fused AdamW and the dropout kernel must build and load: a compile error would otherwise turn every kernel test
+    into a skip and every path into torch's fallback, with only a warning to show for it."""
+    import platform
+    import shutil
+    import sys
+
+    from modules import adamw, dropout
+    from modules import rows as row_kernel
+
+    if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64") or not shutil.which("g++"):
+        pytest.skip("not x86-64 Linux with g++")
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        pytest.skip("the rows kernel needs AVX2")
+    for module, env in ((row_kernel, "GPT2_ROWS_KERNEL"), (adamw, "GPT2_FUSED_ADAMW"), (dropout, dropout.ENV)):
+        if os.environ.get(env) == "0":
+            continue
+        module.library()  # builds (or finds the cached build) and loads it; raises with the compiler's message

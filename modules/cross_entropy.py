@@ -15,7 +15,8 @@ GPT2_FAST_LOSS is not 0, fp32 and bf16 logits take its row loops instead of torc
 forward reads each row twice (its maximum, its sum of exps, one polynomial exp a value), the backward once, writing
 the gradient directly (gpt2's 512 x 50257 logits, 2 cores of an AMX Xeon: bf16 loss and backward 30.1 -> 16.0 ms,
 fp32 34.3 -> 16.7); its exp is within 2 ulp, so the loss and gradients agree with torch's to a few fp32 roundings
-(tests/test_cross_entropy.py). A row holding a NaN or an infinity gives torch's NaN or infinity. gpt2 loss and backward alone, 508 x 50257: fp32 46.6 -> 46.0 ms, bf16 logits
+(tests/test_cross_entropy.py). A row holding a NaN or an infinity gives torch's NaN or infinity. The blocks of
+torch's ops against F.cross_entropy, gpt2 loss and backward alone, 508 x 50257: fp32 46.6 -> 46.0 ms, bf16 logits
 57.7 -> 37.9 ms with freed memory kept; 116.7 -> 81.8 and 151.0 -> 59.9 ms with glibc's default malloc, where the
 whole-tensor path also faults in fresh pages (docs/performance.md). Used on the CPU for fp32, bf16 and fp16 logits
 of at least MIN_ELEMENTS; float64 logits, smaller ones, other devices and torch.compile take F.cross_entropy.

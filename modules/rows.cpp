@@ -2015,7 +2015,8 @@ void rows_round_bf16(const float* x, uint16_t* y, int64_t n) {
 // query may not see left out (P = 0 there): causal (key k visible from query t when k <= t + K - T), or a bool mask
 // (B or 1, T, K) shared by the heads. A row that sees no key gives 1/K everywhere, as the course's masked_fill with
 // the dtype's lowest value, then softmax, gives it. Backward: dS = scale P (dP - sum_k P dP), 0 where a key is hidden
-// (all of a row that sees none: masked_fill's backward). One pass forward (the row widened to fp32 once, its maximum,
+// (all of a row that sees none: masked_fill's backward); a NaN or +inf a query sees makes its row NaN, as torch's
+// softmax does, so a diverging step still shows as a non-finite loss. One pass forward (the row widened to fp32 once, its maximum,
 // its exps, divided by their sum, rounded once to the scores' dtype) and one backward, for torch's scale, masked_fill,
 // softmax and their backward passes. exp is vexp's (within 2 ulp).
 
@@ -2037,12 +2038,16 @@ static void softmax_rows(const E* s, E* p, const uint8_t* mask, int64_t mask_str
       const E* sr = s + r * K;
       E* pr = p + r * K;
       float top = -INFINITY;
+      bool nonfinite = false;
       for (int64_t k = 0; k < K; ++k) {
-        row[k] = visible(m, t, k, T, K) ? scale * to_float(sr[k]) : -INFINITY;
+        const bool seen = visible(m, t, k, T, K);
+        const float v = scale * to_float(sr[k]);
+        nonfinite |= seen && !(v < INFINITY);  // a NaN or +inf the query sees
+        row[k] = seen ? v : -INFINITY;
         top = std::max(top, row[k]);
       }
-      if (top == -INFINITY) {  // no visible key: masked_fill's equal lowest values, softmax's uniform row
-        for (int64_t k = 0; k < K; ++k) store_one(pr + k, 1.0f / static_cast<float>(K));
+      if (nonfinite || top == -INFINITY) {  // torch's softmax: a NaN row; no visible key: masked_fill's uniform row
+        for (int64_t k = 0; k < K; ++k) store_one(pr + k, nonfinite ? NAN : 1.0f / static_cast<float>(K));
         continue;
       }
       const vf mv = vset1(top);

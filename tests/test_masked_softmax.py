@@ -175,3 +175,20 @@ def test_a_training_step_through_the_model_matches_torchs_ops(dtype, path, monke
         torch.testing.assert_close(a.float(), b.float(), rtol=rtol, atol=atol)
     if path == "torch":
         assert all(torch.equal(a, b) for a, b in zip(ours[1], torch_ops[1]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_nan_or_inf_score_makes_its_row_nan_as_torch_does(dtype, path):
+    """A diverging step must still end in a non-finite loss: a NaN or +inf score a query sees turns its whole row of
+    probabilities NaN, as torch's softmax does, and its gradient at the keys it sees (torch's masked_fill backward
+    zeroes the hidden ones; the kernel's are NaN too: either way the step's gradient is non-finite); a NaN in a
+    hidden key changes nothing."""
+    scores, grad, mask = case(dtype=dtype)
+    scores[1, 0, 10, 3] = float("nan")
+    scores[2, 1, 12, 5] = float("inf")
+    scores[1, 1, 2, 15] = float("nan")  # hidden: key 15 is after query 2
+    probs, dscores = run(scores, grad, mask)
+    assert probs[1, 0, 10].isnan().all() and dscores[1, 0, 10, :11].isnan().all()
+    assert probs[2, 1, 12].isnan().all()
+    assert probs[1, 1, 2].isfinite().all() and dscores[1, 1, 2].isfinite().all()
+    assert probs.isnan().sum() == 2 * scores.shape[-1]

@@ -95,7 +95,7 @@ class ChunkedCrossEntropy(torch.autograd.Function):
                                                 targets.data_ptr(), weight.data_ptr(), grad.data_ptr(), logits.shape[0],
                                                 logits.shape[1], torch.get_num_threads())
                 return grad, None, None, None
-            minus_one = torch.full((min(rows, logits.shape[0]), 1), -1.0, device=logits.device)
+            minus_one = torch.full((min(rows, logits.shape[0]), 1), -1.0, dtype=torch.float32, device=logits.device)
             grad = torch.empty_like(logits)
             for start in range(0, logits.shape[0], rows):
                 block = slice(start, start + rows)

@@ -137,6 +137,8 @@ def test_bad_targets_and_shapes_are_named():
         chunked.cross_entropy(logits, targets)
     with pytest.raises(ValueError, match=r"logits \(N, V\) and targets \(N,\)"):
         chunked.cross_entropy(logits[None], targets)
+    with pytest.raises(ValueError, match=r"logits \(N, V\) and targets \(N,\)"):
+        chunked.cross_entropy(logits[None], targets[:1])  # 3-D logits whose first dimension matches
     with pytest.raises(ValueError, match="reduction"):
         chunked.cross_entropy(logits, targets.clamp(min=0), reduction="max")
 
@@ -248,3 +250,40 @@ def test_each_build_of_the_kernel_against_float64(form, dtype, path):
     expected = (softmax * weight.double()[:, None]).to(dtype)
     torch.testing.assert_close(grad.double(), expected.double(), **tolerance(path, dtype))
     assert torch.equal(grad[3, 100:140], torch.zeros(40, dtype=dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_more_rows_than_classes(dtype, path):
+    """N > V (a small vocabulary, many tokens): every row's log-sum-exp computed, by blocks or by the kernel."""
+    logits, targets = case(n=50, vocab=7, dtype=dtype, ignored=(3,))
+    loss, grad = loss_and_grad(chunked.cross_entropy, logits, targets, 2.0)
+    ref_loss, ref_grad = loss_and_grad(reference, logits, targets, 2.0)
+    torch.testing.assert_close(loss, ref_loss, **tolerance(path))
+    torch.testing.assert_close(grad, ref_grad.to(dtype), **tolerance(path, dtype))
+
+
+def test_a_class_index_as_ignore_index_in_every_reduction(path):
+    """ignore_index need not be -100: a class index is ignored as such in "mean", "sum" and "none"."""
+    logits, targets = case()
+    targets = targets.clamp(min=0)
+    targets[[1, 4]] = 5
+    for reduction in ("mean", "sum", "none"):
+        ours = chunked.cross_entropy(logits, targets, ignore_index=5, reduction=reduction)
+        ref = F.cross_entropy(logits, targets, ignore_index=5, reduction=reduction)
+        # a summed loss (about 94 here) is one fp32 rounding of it away: relative, as the kernel's tolerance
+        torch.testing.assert_close(ours, ref, **tolerance("kernel" if reduction == "sum" else path))
+
+
+def test_float64_as_torchs_default_dtype(path):
+    """fp32 logits with torch's default dtype set to float64 (tests/test_float64.py's setting): the row sums stay
+    fp32 buffers (the kernel writes fp32), and the loss is F.cross_entropy's."""
+    logits, targets = case()
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        loss, grad = loss_and_grad(chunked.cross_entropy, logits, targets)
+    finally:
+        torch.set_default_dtype(before)
+    ref_loss, ref_grad = loss_and_grad(reference, logits, targets)
+    torch.testing.assert_close(loss, ref_loss, **tolerance(path))
+    torch.testing.assert_close(grad, ref_grad, **tolerance(path))

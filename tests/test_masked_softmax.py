@@ -192,3 +192,26 @@ def test_a_nan_or_inf_score_makes_its_row_nan_as_torch_does(dtype, path):
     assert probs[2, 1, 12].isnan().all()
     assert probs[1, 1, 2].isfinite().all() and dscores[1, 1, 2].isfinite().all()
     assert probs.isnan().sum() == 2 * scores.shape[-1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_mask_shared_by_the_batch_and_a_per_head_mask(dtype, path):
+    """A (1, 1, T, K) mask serves every batch row (the kernel reads it with a batch stride of 0); a mask of another
+    batch size is refused; a per-head (B, nh, T, K) mask, which the kernel does not take, still gives the right
+    answer through torch's ops."""
+    scores, grad, _ = case(B=3, H=2, T=9, K=13, dtype=dtype, padded=False)
+    shared = torch.ones(1, 1, 9, 13, dtype=torch.bool).tril(4)
+    shared[..., :3] = False
+    per_head = shared.expand(3, 2, 9, 13).clone()
+    per_head[1, 1, :, 5] = False
+    x = scores.clone().requires_grad_()
+    assert ms.applies(x, shared) == (path == "kernel")
+    assert not ms.applies(x, shared.expand(2, 1, 9, 13))
+    assert not ms.applies(x, per_head)
+    for mask in (shared, per_head):
+        probs, dscores = run(scores, grad, mask)
+        ref_probs, _ = exact(scores, grad, mask)
+        torch.testing.assert_close(probs.double(), ref_probs.to(dtype).double(), **tolerance(dtype))
+        p, g = probs.double(), grad.double()
+        ref_grad = (0.125 * p * (g - (p * g).sum(-1, keepdim=True))).masked_fill(~mask, 0.0)
+        torch.testing.assert_close(dscores.double(), ref_grad.to(dtype).double(), **tolerance(dtype))

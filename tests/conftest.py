@@ -143,6 +143,18 @@ def train_counting(config: GPT2Config, steps: int) -> list[float]:
     return losses
 
 
+def kernel_or_torch(side: str, monkeypatch, module) -> str:
+    """One side of a kernel-backed op for a parametrised fixture: "kernel" (module.ENV unset; skipped where
+    module.available() is false) or "torch" (module.ENV=0: torch's ops). Returns the side."""
+    if side == "kernel":
+        monkeypatch.delenv(module.ENV, raising=False)
+        if not module.available():
+            pytest.skip("the rows kernel does not build here")
+    else:
+        monkeypatch.setenv(module.ENV, "0")
+    return side
+
+
 def check_kernel_loader(monkeypatch, module, env: str, warning: str) -> bool:
     """A C++ kernel module's own loader (modules/adamw.py, modules/dropout.py), its cached library reset so that its
     first load runs here: with `env`=0 it is False; a failed build warns (`warning`, a regex: the kernel and what runs

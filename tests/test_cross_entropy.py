@@ -13,22 +13,15 @@ patched) so that several blocks and a ragged last one are exercised.
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import kernel_or_torch
 
 from modules import cross_entropy as chunked
 
-PATHS = ["kernel", "torch"]
 
-
-@pytest.fixture(autouse=True, params=PATHS)
+@pytest.fixture(autouse=True, params=["kernel", "torch"])
 def path(request, monkeypatch):
     """The loss's row loops: the rows kernel (skipped where it does not build) or torch's ops by blocks."""
-    if request.param == "kernel":
-        monkeypatch.delenv(chunked.ENV, raising=False)
-        if not chunked.available():
-            pytest.skip("the rows kernel does not build here")
-    else:
-        monkeypatch.setenv(chunked.ENV, "0")
-    return request.param
+    return kernel_or_torch(request.param, monkeypatch, chunked)
 
 
 @pytest.fixture(autouse=True)
@@ -211,14 +204,10 @@ def test_non_finite_logits(dtype, path, monkeypatch):
 def test_the_kernel_gives_the_same_bits_on_any_thread_count(path):
     """Each row's sums go in one order whatever the threads: a run repeats to the bit on 1 or 2 threads."""
     logits, targets = case(n=64, vocab=211, dtype=torch.bfloat16, ignored=(5,))
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = loss_and_grad(chunked.cross_entropy, logits, targets)
-        torch.set_num_threads(2)
-        two = loss_and_grad(chunked.cross_entropy, logits, targets)
-    finally:
-        torch.set_num_threads(before)
+    torch.set_num_threads(1)  # conftest's restore_threads gives the count back after the test
+    one = loss_and_grad(chunked.cross_entropy, logits, targets)
+    torch.set_num_threads(2)
+    two = loss_and_grad(chunked.cross_entropy, logits, targets)
     assert all(torch.equal(a, b) for a, b in zip(one, two))
 
 

@@ -10,6 +10,7 @@ A hidden key given weight, a missing -dot term or a scale left out is off by 1e-
 
 import pytest
 import torch
+from conftest import kernel_or_torch
 
 from modules import masked_softmax as ms
 from modules import rows
@@ -19,13 +20,8 @@ LOWEST = torch.finfo(torch.float64).min
 
 @pytest.fixture(autouse=True, params=["kernel", "torch"])
 def path(request, monkeypatch):
-    if request.param == "kernel":
-        monkeypatch.delenv(ms.ENV, raising=False)
-        if not ms.available():
-            pytest.skip("the rows kernel does not build here")
-    else:
-        monkeypatch.setenv(ms.ENV, "0")
-    return request.param
+    """The softmax's pass: the rows kernel (skipped where it does not build) or torch's ops."""
+    return kernel_or_torch(request.param, monkeypatch, ms)
 
 
 def tolerance(dtype):
@@ -101,14 +97,10 @@ def test_the_kernel_takes_what_it_says(path):
 
 def test_the_kernel_repeats_to_the_bit_on_any_thread_count(path):
     scores, grad, mask = case(B=4, H=3, T=40, K=40, dtype=torch.bfloat16)
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = run(scores, grad, mask)
-        torch.set_num_threads(2)
-        two = run(scores, grad, mask)
-    finally:
-        torch.set_num_threads(before)
+    torch.set_num_threads(1)  # conftest's restore_threads gives the count back after the test
+    one = run(scores, grad, mask)
+    torch.set_num_threads(2)
+    two = run(scores, grad, mask)
     assert all(torch.equal(a, b) for a, b in zip(one, two))
 
 

@@ -217,3 +217,30 @@ def test_the_race_leaves_its_bf16_contender_out_by_default_where_bf16_is_slow(mo
     monkeypatch.setattr(speedrun, "bf16_matmul_is_fast", lambda device: True)
     assert speedrun.default_contenders() == list(speedrun.CONTENDERS)
     assert "--dtype" in speedrun.CONTENDERS["best-adamw-bf16"][1]
+
+
+def test_the_commit_stamp_counts_code_not_records_or_plots(tmp_path, monkeypatch):
+    """A record's commit gets '+changes' when tracked code differs from the commit; records appended by an earlier
+    run (bench/results) and plots a bench redraws before it records (docs/images) do not count."""
+    import subprocess
+
+    if shutil.which("git") is None:
+        pytest.skip("needs git")
+
+    def git(*args):
+        subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True)
+
+    for name in ("code.py", "bench/results/x.jsonl", "docs/images/plot.png"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("one\n")
+    git("init", "-q")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "add", ".")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "start")
+    monkeypatch.setattr(results, "ROOT", tmp_path)
+    clean = results.current_commit()
+    assert clean and "+changes" not in clean
+    (tmp_path / "bench/results/x.jsonl").write_text("one\ntwo\n")
+    (tmp_path / "docs/images/plot.png").write_text("redrawn\n")
+    assert results.current_commit() == clean
+    (tmp_path / "code.py").write_text("changed\n")
+    assert results.current_commit() == clean + "+changes"

@@ -70,6 +70,13 @@ def _kernel(module, env: str, what: str) -> Callable[[], str | None]:
     return why_not
 
 
+def _kernel_path(name: str, serves: str, module, what: str, where: str, tests: tuple[str, ...]) -> Path:
+    """A path that is a C++ kernel `module` builds (module.available(), switched by module.ENV): nothing to force on,
+    ENV=0 turns it off, taken wherever it runs (`where` says where that is); `what` names the kernel."""
+    return Path(name, serves, module.ENV, "", "0", _kernel(module, module.ENV, what), lambda: (True, where),
+                (*tests, "tests/test_paths.py"))
+
+
 def _packed_runs() -> str | None:
     if os.environ.get(packed.ENV) == "0":
         return f"{packed.ENV}=0"
@@ -251,34 +258,29 @@ PATHS: tuple[Path, ...] = (
          _kernel(adamw, "GPT2_FUSED_ADAMW", "the fused AdamW kernel"),
          lambda: (True, "fp32 CPU parameters and bf16 ones with fp32 masters"),
          ("tests/test_optimizer.py", "tests/test_master_weights.py", "tests/test_paths.py")),
-    Path("hashed-dropout", "CPU training dropout: a counter-hash mask in one pass, recomputed for backward "
-         "(modules/dropout.cpp)", dropout.ENV, "", "0", _kernel(dropout, dropout.ENV, "the dropout kernel"),
-         lambda: (True, "fp32/bf16 CPU training, 0 < p < 1"), ("tests/test_dropout.py", "tests/test_paths.py")),
-    Path("fused-rmsnorm", "RMSNorm and QK-norm in float32 on the CPU, forward and backward one pass each "
-         "(modules/rmsnorm.cpp) instead of torch's composite rms_norm", rmsnorm.ENV, "", "0",
-         _kernel(rmsnorm, rmsnorm.ENV, "the RMSNorm kernel"),
-         lambda: (True, "float32 CPU tensors outside torch.compile (bf16 is widened to float32 first)"),
-         ("tests/test_rmsnorm.py", "tests/test_paths.py")),
-    Path("fused-gelu", "GPT-2's GELU (tanh form) in a float32 or bf16 CPU training step, forward and backward one "
-         "pass each (modules/gelu.py, in modules/rows.cpp) instead of torch's gelu(approximate='tanh')",
-         gelu.ENV, "", "0", _kernel(gelu, gelu.ENV, "the rows kernel (GELU)"),
-         lambda: (True, "float32 and bf16 CPU training steps outside torch.compile (evaluation and generation: "
-                        "torch's)"),
-         ("tests/test_gelu.py", "tests/test_paths.py")),
-    Path("fused-softmax", "the explicit attention's scale, mask and softmax in a float32 or bf16 CPU training step, "
-         "one pass forward and one backward (modules/masked_softmax.py, in modules/rows.cpp) instead of torch's "
-         "multiply, masked_fill and softmax", masked_softmax.ENV, "", "0",
-         _kernel(masked_softmax, masked_softmax.ENV, "the rows kernel (the attention's softmax)"),
-         lambda: (True, "CPU training steps on the explicit attention path (bf16, or attention dropout), a causal or "
-                        "(B or 1, 1, T, K) mask; evaluation and generation: torch's"),
-         ("tests/test_masked_softmax.py", "tests/test_paths.py")),
-    Path("fused-loss", "the LM loss's rows on the CPU (modules/cross_entropy.py): each row's log-sum-exp forward and "
-         "its softmax gradient backward in one C++ loop a row (modules/rows.cpp), fp32 or bf16 logits, instead of "
-         "torch's ops by blocks of rows", cross_entropy.ENV, "", "0",
-         _kernel(cross_entropy, cross_entropy.ENV, "the rows kernel (the loss's rows)"),
-         lambda: (True, "contiguous fp32 and bf16 CPU logits of 2^21+ values (gpt2: 42+ tokens), in training and "
-                        "evaluation alike; fp16 and smaller logits: torch's"),
-         ("tests/test_cross_entropy.py", "tests/test_paths.py")),
+    _kernel_path("hashed-dropout", "CPU training dropout: a counter-hash mask in one pass, recomputed for backward "
+                 "(modules/dropout.cpp)", dropout, "the dropout kernel", "fp32/bf16 CPU training, 0 < p < 1",
+                 ("tests/test_dropout.py",)),
+    _kernel_path("fused-rmsnorm", "RMSNorm and QK-norm in float32 on the CPU, forward and backward one pass each "
+                 "(modules/rmsnorm.cpp) instead of torch's composite rms_norm", rmsnorm, "the RMSNorm kernel",
+                 "float32 CPU tensors outside torch.compile (bf16 is widened to float32 first)",
+                 ("tests/test_rmsnorm.py",)),
+    _kernel_path("fused-gelu", "GPT-2's GELU (tanh form) in a float32 or bf16 CPU training step, forward and backward "
+                 "one pass each (modules/gelu.py, in modules/rows.cpp) instead of torch's gelu(approximate='tanh')",
+                 gelu, "the rows kernel (GELU)",
+                 "float32 and bf16 CPU training steps outside torch.compile (evaluation and generation: torch's)",
+                 ("tests/test_gelu.py",)),
+    _kernel_path("fused-softmax", "the explicit attention's scale, mask and softmax in a float32 or bf16 CPU training "
+                 "step, one pass forward and one backward (modules/masked_softmax.py, in modules/rows.cpp) instead of "
+                 "torch's multiply, masked_fill and softmax", masked_softmax,
+                 "the rows kernel (the attention's softmax)",
+                 "CPU training steps on the explicit attention path (bf16, or attention dropout), a causal or "
+                 "(B or 1, 1, T, K) mask; evaluation and generation: torch's", ("tests/test_masked_softmax.py",)),
+    _kernel_path("fused-loss", "the LM loss's rows on the CPU (modules/cross_entropy.py): each row's log-sum-exp "
+                 "forward and its softmax gradient backward in one C++ loop a row (modules/rows.cpp), fp32 or bf16 "
+                 "logits, instead of torch's ops by blocks of rows", cross_entropy, "the rows kernel (the loss's rows)",
+                 "contiguous fp32 and bf16 CPU logits of 2^21+ values (gpt2: 42+ tokens), in training and evaluation "
+                 "alike; fp16 and smaller logits: torch's", ("tests/test_cross_entropy.py",)),
     Path("onednn-linear", "fp32 Linear (and the LM head) of 9+ rows without gradients past the prompt kernel's rows "
          "(prompts, evaluations) by weights of 2^18+ values: oneDNN's inner product instead of F.linear (MKL's "
          "sgemm), where it timed faster here (modules/onednn.py)", onednn.ENV, "1", "0", _onednn_runs, _onednn_default,

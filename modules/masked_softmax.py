@@ -45,8 +45,9 @@ def applies(scores: torch.Tensor, mask: torch.Tensor | None) -> bool:
     return available()
 
 
-def _call(fn, *tensors, mask: torch.Tensor | None, shape, scale: float) -> None:
-    B, H, T, K = shape
+def _call(fn, *tensors, mask: torch.Tensor | None, scale: float) -> None:
+    """fn (rows_softmax or its backward) on `tensors`, all of the scores' shape (B, nh, T, K) and dtype."""
+    B, H, T, K = tensors[0].shape
     mask_ptr, stride = None, 0
     if mask is not None:
         mask_ptr, stride = mask.data_ptr(), (T * K if mask.shape[0] > 1 else 0)
@@ -60,7 +61,7 @@ class _MaskedSoftmax(torch.autograd.Function):
         scores = scores.contiguous()
         mask = None if mask is None else mask.contiguous().view(torch.uint8)
         probs = torch.empty_like(scores)
-        _call(rows._load().rows_softmax, scores, probs, mask=mask, shape=scores.shape, scale=scale)
+        _call(rows._load().rows_softmax, scores, probs, mask=mask, scale=scale)
         ctx.save_for_backward(probs, mask)
         ctx.scale = scale
         return probs
@@ -71,7 +72,7 @@ class _MaskedSoftmax(torch.autograd.Function):
         probs, mask = ctx.saved_tensors
         grad = grad.contiguous().to(probs.dtype)
         out = torch.empty_like(probs)
-        _call(rows._load().rows_softmax_backward, probs, grad, out, mask=mask, shape=probs.shape, scale=ctx.scale)
+        _call(rows._load().rows_softmax_backward, probs, grad, out, mask=mask, scale=ctx.scale)
         return out, None, None
 
 

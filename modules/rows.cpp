@@ -1955,8 +1955,9 @@ static inline vf softmax_term(vf x) {
 #endif
 }
 
-static inline void store_grad(float* g, vf v) { vstore(g, v); }
-static inline void store_grad(uint16_t* g, vf v) { store_bf16(g, v); }
+// A vector, or one value, of fp32 results stored in the tensor's dtype (bf16: rounded to nearest even).
+static inline void store_vec(float* g, vf v) { vstore(g, v); }
+static inline void store_vec(uint16_t* g, vf v) { store_bf16(g, v); }
 static inline void store_one(float* g, float v) { *g = v; }
 static inline void store_one(uint16_t* g, float v) { *g = bf16_bits(v); }
 
@@ -1969,7 +1970,7 @@ static void row_grad(const T* z, float lse, int64_t y, float w, T* g, int64_t V)
   }
   const int64_t wide = V / kWidth * kWidth;
   const vf l = vset1(lse), wv = vset1(w);
-  for (int64_t j = 0; j < wide; j += kWidth) store_grad(g + j, vmul(softmax_term(vsubf(wload(z + j), l)), wv));
+  for (int64_t j = 0; j < wide; j += kWidth) store_vec(g + j, vmul(softmax_term(vsubf(wload(z + j), l)), wv));
   for (int64_t j = wide; j < V; ++j) store_one(g + j, lane0(softmax_term(vset1(to_float(z[j]) - lse))) * w);
   if (y >= 0 && y < V) store_one(g + y, (lane0(softmax_term(vset1(to_float(z[y]) - lse))) - 1.0f) * w);
 }
@@ -1996,10 +1997,6 @@ void rows_ce_grad(int bf16, const void* z, const float* lse, const int64_t* y, c
   }
 }
 
-}  // extern "C"
-
-extern "C" {
-
 // y = x rounded to bf16 by store_bf16 (whole vectors) and bf16_bits (the rest): the rounding the bf16 kernels share
 // (GELU, the loss's gradient), exported so that tests/test_gelu.py holds it to torch's conversion bit for bit.
 void rows_round_bf16(const float* x, uint16_t* y, int64_t n) {
@@ -2016,9 +2013,9 @@ void rows_round_bf16(const float* x, uint16_t* y, int64_t n) {
 // (B or 1, T, K) shared by the heads. A row that sees no key gives 1/K everywhere, as the course's masked_fill with
 // the dtype's lowest value, then softmax, gives it. Backward: dS = scale P (dP - sum_k P dP), 0 where a key is hidden
 // (all of a row that sees none: masked_fill's backward); a NaN or +inf a query sees makes its row NaN, as torch's
-// softmax does, so a diverging step still shows as a non-finite loss. One pass forward (the row widened to fp32 once, its maximum,
-// its exps, divided by their sum, rounded once to the scores' dtype) and one backward, for torch's scale, masked_fill,
-// softmax and their backward passes. exp is vexp's (within 2 ulp).
+// softmax does, so a diverging step still shows as a non-finite loss. One pass forward (the row widened to fp32 once,
+// its maximum, its exps, divided by their sum, rounded once to the scores' dtype) and one backward, for torch's scale,
+// masked_fill, softmax and their backward passes. exp is vexp's (within 2 ulp).
 
 static inline bool visible(const uint8_t* mask, int64_t t, int64_t k, int64_t T, int64_t K) {
   return mask ? mask[t * K + k] != 0 : k <= t + K - T;
@@ -2063,7 +2060,7 @@ static void softmax_rows(const E* s, E* p, const uint8_t* mask, int64_t mask_str
         total += row[k];
       }
       const vf tv = vset1(total);
-      for (int64_t k = 0; k < wide; k += kWidth) store_grad(pr + k, vdiv(xload(row.data() + k), tv));
+      for (int64_t k = 0; k < wide; k += kWidth) store_vec(pr + k, vdiv(xload(row.data() + k), tv));
       for (int64_t k = wide; k < K; ++k) store_one(pr + k, row[k] / total);
     }
   }
@@ -2091,7 +2088,7 @@ static void softmax_rows_backward(const E* p, const E* dp, E* ds, const uint8_t*
     for (int64_t k = wide; k < K; ++k) dot += to_float(pr[k]) * to_float(dpr[k]);
     const vf dv = vset1(dot), sv = vset1(scale);
     for (int64_t k = 0; k < wide; k += kWidth)
-      store_grad(dsr + k, vmul(sv, vmul(wload(pr + k), vsubf(wload(dpr + k), dv))));
+      store_vec(dsr + k, vmul(sv, vmul(wload(pr + k), vsubf(wload(dpr + k), dv))));
     for (int64_t k = wide; k < K; ++k) store_one(dsr + k, scale * (to_float(pr[k]) * (to_float(dpr[k]) - dot)));
   }
 }

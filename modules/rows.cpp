@@ -1955,6 +1955,15 @@ static inline vf softmax_term(vf x) {
 #endif
 }
 
+// Whether a lane of v is NaN or +inf.
+static inline bool unbounded(vf v) {
+#if defined(__AVX512F__)
+  return _mm512_cmp_ps_mask(v, _mm512_set1_ps(INFINITY), _CMP_NLT_UQ) != 0;
+#else
+  return _mm256_movemask_ps(_mm256_cmp_ps(v, _mm256_set1_ps(INFINITY), _CMP_NLT_UQ)) != 0;
+#endif
+}
+
 // A vector, or one value, of fp32 results stored in the tensor's dtype (bf16: rounded to nearest even).
 static inline void store_vec(float* g, vf v) { vstore(g, v); }
 static inline void store_vec(uint16_t* g, vf v) { store_bf16(g, v); }
@@ -2014,8 +2023,9 @@ void rows_round_bf16(const float* x, uint16_t* y, int64_t n) {
 // the dtype's lowest value, then softmax, gives it. Backward: dS = scale P (dP - sum_k P dP), 0 where a key is hidden
 // (all of a row that sees none: masked_fill's backward); a NaN or +inf a query sees makes its row NaN, as torch's
 // softmax does, so a diverging step still shows as a non-finite loss. One pass forward (the row widened to fp32 once,
-// its maximum, its exps, divided by their sum, rounded once to the scores' dtype) and one backward, for torch's scale,
-// masked_fill, softmax and their backward passes. exp is vexp's (within 2 ulp).
+// its maximum, its exps, divided by their sum, rounded once to the scores' dtype; a causal row's hidden keys neither
+// read nor exponentiated, their zeros stored) and one backward, for torch's scale, masked_fill, softmax and their
+// backward passes. exp is vexp's (within 2 ulp).
 
 static inline bool visible(const uint8_t* mask, int64_t t, int64_t k, int64_t T, int64_t K) {
   return mask ? mask[t * K + k] != 0 : k <= t + K - T;
@@ -2027,41 +2037,44 @@ static void softmax_rows(const E* s, E* p, const uint8_t* mask, int64_t mask_str
 #pragma omp parallel num_threads(threads < 1 ? 1 : threads)
   {
     std::vector<float> row(static_cast<size_t>((K + kWidth - 1) / kWidth * kWidth));
-    const int64_t wide = K / kWidth * kWidth;
+    const vf sv = vset1(scale);
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < B * H * T; ++r) {
       const int64_t b = r / (H * T), t = r % T;
-      const uint8_t* m = mask ? mask + b * mask_stride : nullptr;
+      const uint8_t* m = mask ? mask + b * mask_stride + t * K : nullptr;
       const E* sr = s + r * K;
       E* pr = p + r * K;
-      float top = -INFINITY;
-      bool nonfinite = false;
-      for (int64_t k = 0; k < K; ++k) {
-        const bool seen = visible(m, t, k, T, K);
-        const float v = scale * to_float(sr[k]);
-        nonfinite |= seen && !(v < INFINITY);  // a NaN or +inf the query sees
-        row[k] = seen ? v : -INFINITY;
-        top = std::max(top, row[k]);
+      // keys [0, n) may be visible (causal: the rest are hidden); the row's vectors run to n_up, padded with -inf
+      const int64_t n = m ? K : std::min(K, t + K - T + 1), nw = n / kWidth * kWidth;
+      const int64_t n_up = (n + kWidth - 1) / kWidth * kWidth;
+      for (int64_t k = 0; k < nw; k += kWidth) vstore(row.data() + k, vmul(sv, wload(sr + k)));
+      for (int64_t k = nw; k < n; ++k) row[k] = scale * to_float(sr[k]);
+      for (int64_t k = n; k < n_up; ++k) row[k] = -INFINITY;
+      for (int64_t k = 0; m && k < K; ++k) row[k] = m[k] ? row[k] : -INFINITY;
+      vf top = vset1(-INFINITY);
+      bool nonfinite = false;  // a NaN or +inf the query sees (hidden keys are -inf by now)
+      for (int64_t k = 0; k < n_up; k += kWidth) {
+        const vf v = xload(row.data() + k);
+        top = vmaxf(top, v);
+        nonfinite |= unbounded(v);
       }
-      if (nonfinite || top == -INFINITY) {  // torch's softmax: a NaN row; no visible key: masked_fill's uniform row
+      const float most = vmax_all(top);
+      if (nonfinite || most == -INFINITY) {  // torch's softmax: a NaN row; no visible key: masked_fill's uniform row
         for (int64_t k = 0; k < K; ++k) store_one(pr + k, nonfinite ? NAN : 1.0f / static_cast<float>(K));
         continue;
       }
-      const vf mv = vset1(top);
+      const vf mv = vset1(most);
       vf sum = vzero();
-      for (int64_t k = 0; k < wide; k += kWidth) {
+      for (int64_t k = 0; k < n_up; k += kWidth) {
         const vf e = softmax_term(vsubf(xload(row.data() + k), mv));
         vstore(row.data() + k, e);
         sum = vadd(sum, e);
       }
-      float total = vsum(sum);
-      for (int64_t k = wide; k < K; ++k) {
-        row[k] = lane0(softmax_term(vset1(row[k] - top)));
-        total += row[k];
-      }
+      const float total = vsum(sum);
       const vf tv = vset1(total);
-      for (int64_t k = 0; k < wide; k += kWidth) store_vec(pr + k, vdiv(xload(row.data() + k), tv));
-      for (int64_t k = wide; k < K; ++k) store_one(pr + k, row[k] / total);
+      int64_t k = 0;
+      for (; k + kWidth <= K; k += kWidth) store_vec(pr + k, k < n_up ? vdiv(xload(row.data() + k), tv) : vzero());
+      for (; k < K; ++k) store_one(pr + k, k < n_up ? row[k] / total : 0.0f);
     }
   }
 }

@@ -45,6 +45,7 @@ from torch import nn
 from modules import onednn, prompt_attention, quant
 from modules import rows as row_kernel
 from modules.attention import KVCache
+from modules.layer_norm import LayerNorm
 from modules.linear import Linear
 from modules.quant import Int4Weight, Int8Weight
 
@@ -53,6 +54,7 @@ PROMPT_ENV = "GPT2_PROMPT_PASS"  # 0: prompts go through the layers (the decode 
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16"}  # the models' dtypes the step runs: gpt2_step, _bf16
 ALLOWED_VARIANTS = {"bias", "norm_scale", "tie_word_embeddings", "logit_softcap"}  # handled here or by the LM head
 ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")
+LAYER_NORMS = (nn.LayerNorm, LayerNorm)  # the norms the step computes as torch's LayerNorm (not the manual one)
 
 
 class StepLinear(ctypes.Structure):
@@ -139,7 +141,7 @@ def why_not(model, batch_size: int, key_mask: torch.Tensor | None, cache: KVCach
         if any(type(m) is not Linear for m in (attn.query, attn.key, attn.value, layer.attention_dense,
                                                layer.interm_dense, layer.out_dense)):
             return "a layer that is not the plain Linear (LoRA)"
-        if any(type(n) is not nn.LayerNorm or n.eps != config.layer_norm_epsilon
+        if any(type(n) not in LAYER_NORMS or n.eps != config.layer_norm_epsilon
                for n in (layer.attention_layer_norm, layer.out_layer_norm)):
             return "a norm that is not LayerNorm"
     if found.dtypes - {dtype} or not found.all_cpu:
@@ -153,7 +155,7 @@ def why_not(model, batch_size: int, key_mask: torch.Tensor | None, cache: KVCach
     if batch_size > row_kernel.MAX_ROWS and getattr(quantized, "int8_activations", False):
         return "more than 8 rows with int8 activations (decode_step's int8 GEMM)"
     final = body.final_layer_norm
-    if type(final) is not nn.LayerNorm or final.eps != config.layer_norm_epsilon:
+    if type(final) not in LAYER_NORMS or final.eps != config.layer_norm_epsilon:
         return "a final norm that is not LayerNorm"
     if not row_kernel.available():
         return "the rows kernel is not built here"

@@ -27,6 +27,7 @@ from modules import (
     dropout,
     gelu,
     hugepages,
+    layer_norm,
     masked_softmax,
     onednn,
     packed,
@@ -265,6 +266,12 @@ PATHS: tuple[Path, ...] = (
                  "(modules/rmsnorm.cpp) instead of torch's composite rms_norm", rmsnorm, "the RMSNorm kernel",
                  "float32 CPU tensors outside torch.compile (bf16 is widened to float32 first)",
                  ("tests/test_rmsnorm.py",)),
+    _kernel_path("fused-layernorm", "GPT-2's LayerNorm in a bf16 CPU training step, forward and backward one pass "
+                 "each (modules/layer_norm.py, in modules/rows.cpp) instead of torch's layer_norm",
+                 layer_norm, "the rows kernel (LayerNorm)",
+                 "bf16 CPU training steps (bf16 weights) outside torch.compile; fp32 steps, evaluation, generation "
+                 "and autocast's fp32 norms of bf16 activations: torch's",
+                 ("tests/test_layer_norm.py",)),
     _kernel_path("fused-gelu", "GPT-2's GELU (tanh form) in a float32 or bf16 CPU training step, forward and backward "
                  "one pass each (modules/gelu.py, in modules/rows.cpp) instead of torch's gelu(approximate='tanh')",
                  gelu, "the rows kernel (GELU)",

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from modules.layer_norm import LayerNorm
 from modules.manual_backward import ManualLayerNorm
 from modules.rmsnorm import rms_norm
 
@@ -30,10 +31,11 @@ class RMSNorm(nn.Module):
 
 def make_norm(config, dim: int | None = None) -> nn.Module:
     """The norm `config` asks for, over `dim` features (default n_embd): LayerNorm (GPT-2; learnable scale and, with
-    bias, shift) or RMSNorm (learnable scale with norm_scale)."""
+    bias, shift; modules/layer_norm.py's, which takes the rows kernel in a CPU training step) or RMSNorm (learnable
+    scale with norm_scale)."""
     dim = dim or config.n_embd
     if config.backward == "manual":  # GPT-2 only (the config checks): the hand-derived LayerNorm
         return ManualLayerNorm(dim, eps=config.layer_norm_epsilon)
     if config.norm == "rmsnorm":
         return RMSNorm(dim, eps=config.layer_norm_epsilon, scale=config.norm_scale)
-    return nn.LayerNorm(dim, eps=config.layer_norm_epsilon, elementwise_affine=config.norm_scale, bias=config.bias)
+    return LayerNorm(dim, eps=config.layer_norm_epsilon, elementwise_affine=config.norm_scale, bias=config.bias)

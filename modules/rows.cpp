@@ -2131,3 +2131,161 @@ void rows_softmax_backward(int bf16, const void* p, const void* dp, void* ds, co
 }
 
 }  // extern "C"
+
+// ---- LayerNorm in a training step (modules/layer_norm.py) ---------------------------------------------------------
+// Over each row of C values: y = (x - mean) rstd w + b, rstd = 1 / sqrt(var + eps) with the biased variance, w and b
+// optional (null: 1 and 0); mean and rstd kept in fp32 for backward. Backward, with xh = (x - mean) rstd and g = dy w:
+// dx = rstd (g - mean(g) - xh mean(g xh)), dw = the sum over rows of dy xh, db = the sum of dy. Forward reads a row
+// twice (its mean, then its variance about the mean, as torch's two-pass form) and writes it once; backward reads dy
+// and x twice. Values widened to fp32 in register and results rounded once to the row's dtype (fp32 or bf16: as
+// torch's bf16 LayerNorm, which computes in fp32). dw and db are summed in fp32 within chunks of kNormChunk rows and
+// the chunks' sums added in order in double: the same sums whatever the thread count.
+
+constexpr int64_t kNormChunk = 32;
+
+// The weight or bias (C values, or null) in fp32, padded with zeros to whole vectors: read a row at a time.
+template <typename E>
+static std::vector<float> widened(const E* p, int64_t C) {
+  std::vector<float> out(p ? static_cast<size_t>((C + kWidth - 1) / kWidth * kWidth) : 0, 0.0f);
+  for (int64_t k = 0; p && k < C; ++k) out[k] = to_float(p[k]);
+  return out;
+}
+
+template <typename E>
+static void layernorm_rows(const E* x, const E* w, const E* b, E* y, float* mean, float* rstd, int64_t rows, int64_t C,
+                           float eps, int threads) {
+  const int64_t wide = C / kWidth * kWidth;
+  const std::vector<float> wf = widened(w, C), bf = widened(b, C);
+#pragma omp parallel num_threads(threads < 1 ? 1 : threads) if (rows > 1)
+  {
+    std::vector<float> row(static_cast<size_t>(C));  // the row in fp32
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < rows; ++i) {
+      const E* xr = x + i * C;
+      E* yr = y + i * C;
+      vf acc = vzero();
+      for (int64_t k = 0; k < wide; k += kWidth) {
+        const vf v = wload(xr + k);
+        vstore(row.data() + k, v);
+        acc = vadd(acc, v);
+      }
+      float total = vsum(acc);
+      for (int64_t k = wide; k < C; ++k) total += (row[k] = to_float(xr[k]));
+      const float mu = total / static_cast<float>(C);
+      const vf mv = vset1(mu);
+      acc = vzero();
+      for (int64_t k = 0; k < wide; k += kWidth) {
+        const vf d = vsubf(xload(row.data() + k), mv);
+        acc = vfma(d, d, acc);
+      }
+      float var = vsum(acc);
+      for (int64_t k = wide; k < C; ++k) var += (row[k] - mu) * (row[k] - mu);
+      const float r = 1.0f / std::sqrt(var / static_cast<float>(C) + eps);
+      mean[i] = mu;
+      rstd[i] = r;
+      const vf rv = vset1(r);
+      for (int64_t k = 0; k < wide; k += kWidth) {
+        vf v = vmul(vsubf(xload(row.data() + k), mv), rv);
+        if (w) v = vmul(v, xload(wf.data() + k));
+        if (b) v = vadd(v, xload(bf.data() + k));
+        store_vec(yr + k, v);
+      }
+      for (int64_t k = wide; k < C; ++k) {
+        float v = (row[k] - mu) * r;
+        if (w) v *= wf[k];
+        if (b) v += bf[k];
+        store_one(yr + k, v);
+      }
+    }
+  }
+}
+
+template <typename E>
+static void layernorm_rows_backward(const E* dy, const E* x, const E* w, const float* mean, const float* rstd, E* dx,
+                                    E* dw, E* db, int64_t rows, int64_t C, int threads) {
+  const int64_t wide = C / kWidth * kWidth, chunks = (rows + kNormChunk - 1) / kNormChunk;
+  const int64_t padded = (C + kWidth - 1) / kWidth * kWidth;
+  const std::vector<float> wf = widened(w, C);
+  std::vector<float> part_w(dw ? static_cast<size_t>(chunks * padded) : 0, 0.0f);
+  std::vector<float> part_b(db ? static_cast<size_t>(chunks * padded) : 0, 0.0f);
+#pragma omp parallel num_threads(threads < 1 ? 1 : threads) if (chunks > 1)
+  {
+    std::vector<float> gs(static_cast<size_t>(C)), xhs(static_cast<size_t>(C));  // a row's g and xh in fp32
+#pragma omp for schedule(static)
+    for (int64_t c = 0; c < chunks; ++c) {
+      float* pw = dw ? part_w.data() + c * padded : nullptr;
+      float* pb = db ? part_b.data() + c * padded : nullptr;
+      for (int64_t i = c * kNormChunk; i < std::min(rows, (c + 1) * kNormChunk); ++i) {
+        const E *dyr = dy + i * C, *xr = x + i * C;
+        const float mu = mean[i], r = rstd[i];
+        const vf mv = vset1(mu), rv = vset1(r);
+        vf sg = vzero(), sgx = vzero();  // sums of g and of g xh
+        for (int64_t k = 0; k < wide; k += kWidth) {
+          const vf d = wload(dyr + k), xh = vmul(vsubf(wload(xr + k), mv), rv);
+          const vf g = w ? vmul(d, xload(wf.data() + k)) : d;
+          vstore(gs.data() + k, g);
+          vstore(xhs.data() + k, xh);
+          sg = vadd(sg, g);
+          sgx = vfma(g, xh, sgx);
+          if (pw) vstore(pw + k, vfma(d, xh, xload(pw + k)));
+          if (pb) vstore(pb + k, vadd(d, xload(pb + k)));
+        }
+        float sum_g = vsum(sg), sum_gx = vsum(sgx);
+        for (int64_t k = wide; k < C; ++k) {
+          const float d = to_float(dyr[k]), xh = (to_float(xr[k]) - mu) * r, g = w ? d * wf[k] : d;
+          gs[k] = g;
+          xhs[k] = xh;
+          sum_g += g;
+          sum_gx += g * xh;
+          if (pw) pw[k] += d * xh;
+          if (pb) pb[k] += d;
+        }
+        if (!dx) continue;
+        E* dxr = dx + i * C;
+        const float inv = 1.0f / static_cast<float>(C), mg = sum_g * inv, mgx = sum_gx * inv;
+        const vf mgv = vset1(mg), mgxv = vset1(mgx);
+        for (int64_t k = 0; k < wide; k += kWidth)
+          store_vec(dxr + k, vmul(rv, vsubf(vsubf(xload(gs.data() + k), mgv), vmul(xload(xhs.data() + k), mgxv))));
+        for (int64_t k = wide; k < C; ++k) store_one(dxr + k, r * (gs[k] - mg - xhs[k] * mgx));
+      }
+    }
+  }
+  for (int64_t k = 0; k < C; ++k) {  // the chunks' sums, in order
+    double sw = 0.0, sb = 0.0;
+    for (int64_t c = 0; c < chunks; ++c) {
+      if (dw) sw += part_w[c * padded + k];
+      if (db) sb += part_b[c * padded + k];
+    }
+    if (dw) store_one(dw + k, static_cast<float>(sw));
+    if (db) store_one(db + k, static_cast<float>(sb));
+  }
+}
+
+extern "C" {
+
+// y, mean, rstd from x (rows x C; see above); w, b: C values or null. bf16 != 0: x, w, b, y bf16 bits, else fp32.
+void rows_layernorm(int bf16, const void* x, const void* w, const void* b, void* y, float* mean, float* rstd,
+                    int64_t rows, int64_t C, float eps, int threads) {
+  if (bf16)
+    layernorm_rows(static_cast<const uint16_t*>(x), static_cast<const uint16_t*>(w), static_cast<const uint16_t*>(b),
+                   static_cast<uint16_t*>(y), mean, rstd, rows, C, eps, threads);
+  else
+    layernorm_rows(static_cast<const float*>(x), static_cast<const float*>(w), static_cast<const float*>(b),
+                   static_cast<float*>(y), mean, rstd, rows, C, eps, threads);
+}
+
+// dx, dw, db (each null when not wanted; dw, db written, not accumulated: zeros for no rows) from dy and the forward's
+// x, w, mean and rstd.
+void rows_layernorm_backward(int bf16, const void* dy, const void* x, const void* w, const float* mean,
+                             const float* rstd, void* dx, void* dw, void* db, int64_t rows, int64_t C, int threads) {
+  if (bf16)
+    layernorm_rows_backward(static_cast<const uint16_t*>(dy), static_cast<const uint16_t*>(x),
+                            static_cast<const uint16_t*>(w), mean, rstd, static_cast<uint16_t*>(dx),
+                            static_cast<uint16_t*>(dw), static_cast<uint16_t*>(db), rows, C, threads);
+  else
+    layernorm_rows_backward(static_cast<const float*>(dy), static_cast<const float*>(x), static_cast<const float*>(w),
+                            mean, rstd, static_cast<float*>(dx), static_cast<float*>(dw), static_cast<float*>(db),
+                            rows, C, threads);
+}
+
+}  // extern "C"

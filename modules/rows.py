@@ -123,6 +123,12 @@ def library(target_flags: tuple[str, ...] = NATIVE):
     lib.rows_softmax_backward.restype = None
     lib.rows_softmax_backward.argtypes = [ctypes.c_int, *[ctypes.c_void_p] * 4, *[ctypes.c_int64] * 5,
                                           ctypes.c_float, ctypes.c_int]
+    lib.rows_layernorm.restype = None
+    lib.rows_layernorm.argtypes = [ctypes.c_int, *[ctypes.c_void_p] * 6, ctypes.c_int64, ctypes.c_int64,
+                                   ctypes.c_float, ctypes.c_int]
+    lib.rows_layernorm_backward.restype = None
+    lib.rows_layernorm_backward.argtypes = [ctypes.c_int, *[ctypes.c_void_p] * 8, ctypes.c_int64, ctypes.c_int64,
+                                            ctypes.c_int]
     lib.rows_ce_lse.restype = None
     lib.rows_ce_lse.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                                 ctypes.c_int]

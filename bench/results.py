@@ -75,15 +75,16 @@ def path_states() -> dict[str, str]:
 
 def current_commit() -> str | None:
     """The checkout's short commit, with '+changes' when tracked files differ from it; None outside a git checkout.
-    The records (bench/results) and the plots the benches draw (docs/images) do not count: a bench that wrote its plot
-    before its record ran the commit's code all the same."""
+    The records (bench/results), the plots the benches draw (docs/images) and prose (docs/, any .md file) do not count:
+    a bench that wrote its plot before its record, or ran while a page was being edited, ran the commit's code all
+    the same."""
     try:
         head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
                               text=True, timeout=10)
         if head.returncode != 0:
             return None
         dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no", "--", ".",
-                                ":(exclude)bench/results", ":(exclude)docs/images"],  # records, plots: no code
+                                ":(exclude)bench/results", ":(exclude)docs", ":(exclude,glob)**/*.md"],  # no code
                                capture_output=True, text=True, timeout=10).stdout.strip()
         return head.stdout.strip() + ("+changes" if dirty else "")
     except (OSError, subprocess.SubprocessError):

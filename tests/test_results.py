@@ -221,7 +221,7 @@ def test_the_race_leaves_its_bf16_contender_out_by_default_where_bf16_is_slow(mo
 
 def test_the_commit_stamp_counts_code_not_records_or_plots(tmp_path, monkeypatch):
     """A record's commit gets '+changes' when tracked code differs from the commit; records appended by an earlier
-    run (bench/results) and plots a bench redraws before it records (docs/images) do not count."""
+    run (bench/results), plots a bench redraws before it records (docs/images) and prose (docs/, .md) do not count."""
     import subprocess
 
     if shutil.which("git") is None:
@@ -230,7 +230,7 @@ def test_the_commit_stamp_counts_code_not_records_or_plots(tmp_path, monkeypatch
     def git(*args):
         subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True)
 
-    for name in ("code.py", "bench/results/x.jsonl", "docs/images/plot.png"):
+    for name in ("code.py", "bench/results/x.jsonl", "docs/images/plot.png", "docs/page.md", "README.md", "sub/notes.md"):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text("one\n")
     git("init", "-q")
@@ -241,6 +241,8 @@ def test_the_commit_stamp_counts_code_not_records_or_plots(tmp_path, monkeypatch
     assert clean and "+changes" not in clean
     (tmp_path / "bench/results/x.jsonl").write_text("one\ntwo\n")
     (tmp_path / "docs/images/plot.png").write_text("redrawn\n")
+    for page in ("docs/page.md", "README.md", "sub/notes.md"):
+        (tmp_path / page).write_text("edited\n")
     assert results.current_commit() == clean
     (tmp_path / "code.py").write_text("changed\n")
     assert results.current_commit() == clean + "+changes"

@@ -31,7 +31,7 @@ class RMSNorm(nn.Module):
 
 def make_norm(config, dim: int | None = None) -> nn.Module:
     """The norm `config` asks for, over `dim` features (default n_embd): LayerNorm (GPT-2; learnable scale and, with
-    bias, shift; modules/layer_norm.py's, which takes the rows kernel in a CPU training step) or RMSNorm (learnable
+    bias, shift; modules/layer_norm.py's, which takes the rows kernel in a bf16 CPU training step) or RMSNorm (learnable
     scale with norm_scale)."""
     dim = dim or config.n_embd
     if config.backward == "manual":  # GPT-2 only (the config checks): the hand-derived LayerNorm

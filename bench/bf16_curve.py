@@ -5,8 +5,8 @@ run_pretrain.py's defaults (nanoGPT's shakespeare-char configuration: 4 layers, 
 seed, and fp32 once more from another seed: the difference between the two fp32 runs is the noise a precision's
 difference is judged against. Each run is a fresh process; its OUT/metrics.jsonl gives the curves (train loss every
 --log_interval steps, val loss at each evaluation). The plot (train and val loss against steps, every run) goes to
---plot; the final weights' loss over the whole val split (in fp32), the differences and the verdict go to
-bench/results/bf16_curve.jsonl.
+--plot (default: the docs' plot of this CPU's class, `default_plot`); the final weights' loss over the whole val
+split (in fp32), the differences and the verdict go to bench/results/bf16_curve.jsonl.
 
 Precisions: fp32; bf16-weights (`--dtype bf16-weights`: bf16 weights, fp32 masters in AdamW, no autocast); bfloat16
 (autocast over fp32 weights); bf16-weights+packed (bf16-weights with GPT2_PACKED_BF16=force: the evaluations' products
@@ -31,9 +31,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.machine import print_machine_header  # noqa: E402
+from bench.machine import cpu_model_and_flags, print_machine_header  # noqa: E402
 from bench.pretrain_shakespeare import precise_val_loss  # noqa: E402
-from bench.results import Recorder  # noqa: E402
+from bench.results import Recorder, cpu_class  # noqa: E402
 from models.hub import data_dir, not_found  # noqa: E402
 
 CORPUS = data_dir() / "tinyshakespeare" / "input.txt"
@@ -99,13 +99,21 @@ def plot(runs: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+def default_plot(cls: str) -> Path:
+    """The docs' plot for a CPU class: docs/images/bf16-loss-curve.png is the AVX512-BF16 one (docs/performance.md),
+    every other class has its own (bf16-loss-curve-amx.png, ...), so a run on one class does not redraw another's."""
+    suffix = "" if cls == "AVX512-BF16" else "-" + cls.lower()
+    return ROOT / f"docs/images/bf16-loss-curve{suffix}.png"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtypes", nargs="+", default=["bf16-weights", "bfloat16"],
                         choices=["bf16-weights", "bfloat16", "float16", "bf16-weights+packed"],
                         help="precisions compared with fp32")
     parser.add_argument("--max-iters", type=int, default=2000, help="steps of each run")
-    parser.add_argument("--plot", default=str(ROOT / "docs/images/bf16-loss-curve.png"), help="where the PNG goes")
+    parser.add_argument("--plot", default=str(default_plot(cpu_class(cpu_model_and_flags()[1]))),
+                        help="where the PNG goes (default: this CPU class's plot in docs/images)")
     parser.add_argument("extra", nargs="*", help="more run_pretrain.py flags, after --")
     args = parser.parse_args()
     if not CORPUS.is_file():

@@ -246,3 +246,15 @@ def test_the_commit_stamp_counts_code_not_records_or_plots(tmp_path, monkeypatch
     assert results.current_commit() == clean
     (tmp_path / "code.py").write_text("changed\n")
     assert results.current_commit() == clean + "+changes"
+
+
+def test_bf16_curve_draws_each_cpu_class_its_own_docs_plot():
+    """bench/bf16_curve.py's default --plot: the AVX512-BF16 plot and the AMX one are both on docs/performance.md, and
+    a run on one class must not redraw the other's (an AMX run had overwritten the Zen 4 plot)."""
+    from bench.bf16_curve import default_plot
+
+    names = {cls: default_plot(cls).name for cls in results.CLASSES}
+    assert names["AVX512-BF16"] == "bf16-loss-curve.png" and names["AMX"] == "bf16-loss-curve-amx.png"
+    assert len(set(names.values())) == len(names)
+    page = (results.ROOT / "docs/performance.md").read_text()
+    assert all(f"images/{names[c]}" in page and default_plot(c).is_file() for c in ("AVX512-BF16", "AMX"))

@@ -145,6 +145,33 @@ def test_eps_where_the_variance_is_small_and_a_constant_row(dtype, path):
     assert_near(ours(x, grad, w, b, path), exact(x, grad, w, b), dtype, path)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_modules_own_eps(dtype, path):
+    """LayerNorm(eps=1e-2) on rows of variance 1e-4: the module's eps reaches the kernel and torch's alike."""
+    norm = ln.LayerNorm(40, eps=1e-2).to(dtype)
+    x, grad, _, _ = case((5, 40), dtype)
+    x = (x.double() * 1e-2).to(dtype).requires_grad_()
+    norm(x).backward(grad)
+    y = norm(x.detach())
+    ref = exact(x.detach(), grad, norm.weight.detach(), norm.bias.detach(), eps=1e-2)
+    torch.testing.assert_close(y.detach().double(), ref[0].to(dtype).double(), **tolerance(dtype))
+    tol = TORCH_BF16_DX if path == "torch" and dtype == torch.bfloat16 else tolerance(dtype)
+    torch.testing.assert_close(x.grad.double(), ref[1].to(dtype).double(), **tol)
+
+
+def test_a_float64_default_dtype_does_not_reach_the_kernels_statistics(path):
+    """A bf16 step under torch.set_default_dtype(torch.float64) (the statistics the kernel writes are float32 whatever
+    the default) gives the same results."""
+    x, grad, w, b = case((6, 24), torch.bfloat16)
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        mine = run(x, grad, w, b)
+    finally:
+        torch.set_default_dtype(before)
+    assert_near(mine, exact(x, grad, w, b), torch.bfloat16, path)
+
+
 def test_no_rows_gives_zero_gradients_for_the_weight_and_bias(path):
     x, grad, w, b = case((0, 8), torch.bfloat16)
     y, dx, dw, db = run(x, grad, w, b)
@@ -170,6 +197,16 @@ def test_the_kernel_takes_what_it_says(path):
     assert not ln.applies(xg, (8,), w.float(), b.float())  # fp32 weight, bf16 rows
     assert not ln.applies(xg, (4, 8), None, None)
     assert not ln.applies(xg, (8,), w[:4], None)
+    assert not ln.applies(xg, (8,), w, b.float())  # a bias in another dtype
+
+    def rows_of(*shape):
+        return torch.zeros(*shape, dtype=torch.bfloat16, requires_grad=True)
+
+    # one row (1-D), rows of one value, no rows at all: the kernel's; rows of no values: torch's
+    assert ln.applies(rows_of(8), (8,), None, None) == ln.applies(rows_of(3, 1), (1,), None, None) == on
+    assert ln.applies(rows_of(2, 0, 8), (8,), None, None) == on
+    assert not ln.applies(rows_of(3, 0), (0,), None, None)
+    assert ln._threads(ln.SMALL - 1) == 1 and ln._threads(ln.SMALL) == torch.get_num_threads()
 
 
 def test_the_module_is_nn_layer_norm_with_its_state_and_takes_the_kernel_in_training(path, monkeypatch):

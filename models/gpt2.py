@@ -114,8 +114,8 @@ class GPT2Model(nn.Module):
         gradient out of place, one copy of the (V, C) gradient: 6 ms of a bf16 gpt2 step on an AMX Xeon, profiled
         2026-12-03). gpt2 4 x 128 on a 2-core Xeon: 0.7-4.8% of a training step (docs/performance.md). Taken when
         training a plain tied nn.Embedding with autograd on the CPU, outside torch.compile (the README's char model, a
-        65 x 128 table, is no slower with it); a hook on the weight turns a gradient that arrives as rows alone (a loss that does not go
-        through the head) back into a dense one, so `.grad` is always dense."""
+        65 x 128 table, is no slower with it); a hook on the weight turns a gradient that arrives as rows alone (a
+        loss that does not go through the head) back into a dense one, so `.grad` is always dense."""
         embedding = self.word_embedding
         if not (type(embedding) is nn.Embedding and self.lm_head is None and self.config.backward == "autograd"
                 and torch.is_grad_enabled() and embedding.weight.requires_grad and embedding.weight.is_cpu

@@ -230,7 +230,8 @@ def test_the_commit_stamp_counts_code_not_records_or_plots(tmp_path, monkeypatch
     def git(*args):
         subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True)
 
-    for name in ("code.py", "bench/results/x.jsonl", "docs/images/plot.png", "docs/page.md", "README.md", "sub/notes.md"):
+    pages = ("docs/page.md", "README.md", "sub/notes.md")
+    for name in ("code.py", "bench/results/x.jsonl", "docs/images/plot.png", *pages):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text("one\n")
     git("init", "-q")
@@ -241,7 +242,7 @@ def test_the_commit_stamp_counts_code_not_records_or_plots(tmp_path, monkeypatch
     assert clean and "+changes" not in clean
     (tmp_path / "bench/results/x.jsonl").write_text("one\ntwo\n")
     (tmp_path / "docs/images/plot.png").write_text("redrawn\n")
-    for page in ("docs/page.md", "README.md", "sub/notes.md"):
+    for page in pages:
         (tmp_path / page).write_text("edited\n")
     assert results.current_commit() == clean
     (tmp_path / "code.py").write_text("changed\n")

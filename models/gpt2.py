@@ -45,6 +45,35 @@ class LogitSoftCap(nn.Module):
         return f"cap={self.cap}"
 
 
+class _TiedTable(torch.autograd.Function):
+    """The tied (V, C) table's two uses in a training forward as one node: the token rows looked up, and the table
+    again as the LM head's weight (an alias the head multiplies by). Autograd runs this backward only once both
+    gradients are in (the head's, dense, and the rows'), so the rows are added into the head's gradient in place:
+    torch's own accumulation of the two adds a sparse gradient into a dense one out of place, a copy of the whole
+    (V, C) gradient a step. Without the head's gradient (a loss that does not go through it) the rows come as a sparse
+    tensor, which the weight's hook makes dense."""
+
+    @staticmethod
+    def forward(ctx, input_ids: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(input_ids)
+        ctx.shape = weight.shape
+        return F.embedding(input_ids, weight), weight.view_as(weight)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, d_rows: torch.Tensor | None, d_head: torch.Tensor | None):
+        (input_ids,) = ctx.saved_tensors
+        if d_rows is None:
+            return None, d_head
+        rows = d_rows.reshape(-1, ctx.shape[1])
+        if d_head is None:
+            return None, torch.sparse_coo_tensor(input_ids.reshape(1, -1), rows, ctx.shape, check_invariants=False)
+        if not d_head.is_contiguous():
+            d_head = d_head.contiguous()
+        return None, d_head.index_add_(0, input_ids.reshape(-1), rows.to(d_head.dtype))
+
+
 def _dense_grad(param: torch.Tensor) -> None:
     """Post-accumulate-grad hook: a gradient that arrived as rows alone (sparse) becomes a dense one."""
     if param.grad is not None and param.grad.is_sparse:
@@ -93,29 +122,34 @@ class GPT2Model(nn.Module):
         if isinstance(module, (nn.LayerNorm, RMSNorm)) and module.weight is not None:
             nn.init.ones_(module.weight)
 
-    def embed(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
-              head_follows: bool = False) -> torch.Tensor:
-        """Token + position embeddings (RoPE models: token embeddings alone), then dropout: (B, T) -> (B, T, C).
-        head_follows: the caller applies the tied LM head to this pass's output (see sparse_token_grad)."""
+    def embed(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Token + position embeddings (RoPE models: token embeddings alone), then dropout: (B, T) -> (B, T, C)."""
         if position_ids is None:
             position_ids = self.position_ids[:, : input_ids.shape[1]]
-        if head_follows and self.sparse_token_grad():
-            tokens = F.embedding(input_ids, self.word_embedding.weight, sparse=True)
-        else:
-            tokens = self.word_embedding(input_ids)
-        return self.embed_dropout(tokens + self.pos_embedding(position_ids))
+        return self.embed_dropout(self.word_embedding(input_ids) + self.pos_embedding(position_ids))
+
+    def embed_with_head(self, input_ids: torch.Tensor,
+                        position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """embed() for a forward whose output the tied LM head follows -> (embeddings, the head's weight to use, or
+        None for the table itself). Where sparse_token_grad() holds, the lookup and the head's weight are one node
+        (_TiedTable), whose backward adds the looked-up rows into the head's gradient in place."""
+        if not self.sparse_token_grad():
+            return self.embed(input_ids, position_ids), None
+        tokens, head_weight = _TiedTable.apply(input_ids, self.word_embedding.weight)
+        return self.embed_dropout(tokens + self.pos_embedding(position_ids)), head_weight
 
     def sparse_token_grad(self) -> bool:
-        """Whether the token embedding's gradient may come as rows (a sparse tensor) instead of a dense matrix.
+        """Whether the token embedding's gradient may come as rows instead of a dense matrix (embed_with_head).
 
         With the LM head tied, the (V, C) weight gets two gradients a step: the head's, dense, and the embedding's,
         which touches only the B*T rows looked up. Dense, the second is a zero-filled (V, C) matrix (154 MB for gpt2)
-        then added to the first; as rows, no zero-filled matrix is made (autograd still adds the rows to the head's
-        gradient out of place, one copy of the (V, C) gradient: 6 ms of a bf16 gpt2 step on an AMX Xeon, profiled
-        2026-12-03). gpt2 4 x 128 on a 2-core Xeon: 0.7-4.8% of a training step (docs/performance.md). Taken when
-        training a plain tied nn.Embedding with autograd on the CPU, outside torch.compile (the README's char model, a
-        65 x 128 table, is no slower with it); a hook on the weight turns a gradient that arrives as rows alone (a
-        loss that does not go through the head) back into a dense one, so `.grad` is always dense."""
+        then added to the first: 0.7-4.8% of a gpt2 4 x 128 step on a 2-core Xeon (docs/performance.md). As sparse
+        rows (sparse=True) autograd still adds them to the head's gradient out of place, a copy of the (V, C) gradient
+        (6 ms of a bf16 gpt2 step on an AMX Xeon, profiled 2026-12-03); so the lookup and the head's weight are one
+        node (_TiedTable) whose backward adds the rows into the head's gradient in place. Taken when training a plain
+        tied nn.Embedding with autograd on the CPU, outside torch.compile (the README's char model, a 65 x 128 table,
+        is no slower with it); a hook on the weight turns a gradient that arrives as rows alone (a loss that does not
+        go through the head) back into a dense one, so `.grad` is always dense."""
         embedding = self.word_embedding
         if not (type(embedding) is nn.Embedding and self.lm_head is None and self.config.backward == "autograd"
                 and torch.is_grad_enabled() and embedding.weight.requires_grad and embedding.weight.is_cpu
@@ -173,7 +207,11 @@ class GPT2Model(nn.Module):
         if use_cache and past_key_values is None:
             past_key_values = self.new_cache(B, T)
 
-        hidden_states = self.embed(input_ids, position_ids, head_follows)  # (B, T, C)
+        head_weight = None  # the tied head's weight as part of the lookup's node (embed_with_head)
+        if head_follows:
+            hidden_states, head_weight = self.embed_with_head(input_ids, position_ids)  # (B, T, C)
+        else:
+            hidden_states = self.embed(input_ids, position_ids)
         hidden_states = self.encode(hidden_states, attention_mask, past_key_values, position_ids)
         hidden_states = self.final_layer_norm(hidden_states)
 
@@ -181,6 +219,8 @@ class GPT2Model(nn.Module):
         last_idx = attention_mask[:, -T:].long().cumsum(-1).argmax(-1)  # (B,)
         last_token = hidden_states[torch.arange(B, device=hidden_states.device), last_idx]  # (B, C)
         out = {"last_hidden_state": hidden_states, "last_token": last_token}
+        if head_weight is not None:  # for the caller's head (GPT2LMHeadModel); only with head_follows
+            out["head_weight"] = head_weight
         if use_cache:
             out["past_key_values"] = past_key_values
         return out
@@ -197,10 +237,11 @@ class GPT2Model(nn.Module):
         kv_cache.advance(1)
         return self.final_layer_norm(hidden_states[:, -1])
 
-    def hidden_state_to_token(self, hidden_state: torch.Tensor) -> torch.Tensor:
+    def hidden_state_to_token(self, hidden_state: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         """(..., C) -> (..., vocab) logits with the weights tied to the token embedding (or the untied lm_head),
-        soft-capped when config.logit_softcap is set."""
-        weight = self.lm_head_weight
+        soft-capped when config.logit_softcap is set. weight: forward's out["head_weight"] where it gave one (the
+        same values, tied into the lookup's gradient node); None: lm_head_weight."""
+        weight = self.lm_head_weight if weight is None else weight
         if packed.applies(hidden_state, weight):  # bf16 inference of many rows on an AMX CPU (modules/packed.py)
             return self.logit_softcap(packed.product(self, "_packed_head", hidden_state, (weight,), (None,)))
         if onednn.applies(hidden_state, weight):  # fp32 inference of many rows, where oneDNN timed faster here
@@ -298,7 +339,7 @@ class GPT2LMHeadModel(nn.Module):
         """labels (B, T): usually input_ids. Position t predicts labels[t + 1]; labels of -100 are ignored, and so
         is any target that is padding or is predicted from padding (the first token after left padding). The loss is the mean cross-entropy over the remaining targets."""
         out = self.gpt(input_ids, attention_mask, position_ids, past_key_values, use_cache, head_follows=True)
-        logits = self.gpt.hidden_state_to_token(out["last_hidden_state"])  # (B, T, V)
+        logits = self.gpt.hidden_state_to_token(out["last_hidden_state"], out.get("head_weight"))  # (B, T, V)
         loss = None
         if labels is not None:
             loss = lm_loss(logits, labels, attention_mask, input_ids.shape[1], self.cross_entropy)

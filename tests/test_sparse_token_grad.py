@@ -1,7 +1,8 @@
 """The tied token embedding's gradient as rows (models/gpt2.py: GPT2Model.sparse_token_grad).
 
-GPT2LMHeadModel's training forward looks tokens up with sparse=True, so autograd adds the looked-up rows into the LM
-head's dense gradient instead of building and adding a second (V, C) matrix. Every test compares with the dense path
+GPT2LMHeadModel's training forward looks tokens up and takes the LM head's weight in one node (models/gpt2.py:
+_TiedTable), whose backward adds the looked-up rows into the head's dense gradient in place instead of building and
+adding a second (V, C) matrix (or, as autograd would add sparse rows, copying the head's). Every test compares with the dense path
 (the body and the head called apart, as a classifier or a user would) at atol 1e-6 in fp32: the two differ only in
 the order of additions. `.grad` must stay dense whatever the loss goes through.
 """
@@ -49,15 +50,22 @@ def assert_same_grads(a: dict, b: dict) -> None:
 
 @pytest.fixture
 def sparse_lookups(monkeypatch):
-    """Records the `sparse` argument of every F.embedding call."""
-    seen = []
-    original = F.embedding
+    """Records True for every lookup through the tied node (_TiedTable), False for every other F.embedding call."""
+    from models import gpt2
 
-    def spy(input, weight, padding_idx=None, max_norm=None, norm_type=2.0, scale_grad_by_freq=False, sparse=False):
-        seen.append(sparse)
-        return original(input, weight, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse)
+    seen = []
+    original, tied = F.embedding, gpt2._TiedTable.apply
+
+    def spy(*args, **kwargs):
+        seen.append(False)
+        return original(*args, **kwargs)
+
+    def spy_tied(*args):
+        seen.append(True)
+        return tied(*args)
 
     monkeypatch.setattr(F, "embedding", spy)
+    monkeypatch.setattr(gpt2._TiedTable, "apply", spy_tied)
     return seen
 
 
@@ -146,3 +154,29 @@ def test_a_trained_model_deep_copies_saves_and_keeps_training():
         assert m.gpt.word_embedding.weight.grad.layout == torch.strided
     torch.testing.assert_close(clone.gpt.word_embedding.weight.grad, loaded.gpt.word_embedding.weight.grad,
                                atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_rows_go_into_the_heads_gradient_in_place(dtype):
+    """The weight's .grad is the head's own gradient tensor with the rows added (no (V, C) copy: the point of the
+    tied node), and equals the dense path's; in bf16 (bf16-weights) too."""
+    ours, ref = make_model().to(dtype), make_model().to(dtype)
+    ids = batch()
+    out = ours.gpt(ids, head_follows=True)
+    seen = []
+    out["head_weight"].register_hook(lambda g: seen.append(g.data_ptr()))
+    logits = ours.gpt.hidden_state_to_token(out["last_hidden_state"], out["head_weight"])
+    lm_loss(logits, ids, None, ids.shape[1], F.cross_entropy).backward()
+    grad = ours.gpt.word_embedding.weight.grad
+    assert seen == [grad.data_ptr()] and grad.layout == torch.strided
+    dense_loss(ref, ids).backward()
+    tol = dict(atol=ATOL, rtol=0) if dtype == torch.float32 else dict(atol=2e-3, rtol=2e-2)
+    torch.testing.assert_close(grad.float(), ref.gpt.word_embedding.weight.grad.float(), **tol)
+
+
+def test_a_body_forward_without_the_head_gives_no_head_weight():
+    model = make_model()
+    ids = batch()
+    assert "head_weight" not in model.gpt(ids)
+    with torch.no_grad():
+        assert "head_weight" not in model.gpt(ids, head_follows=True)

@@ -48,6 +48,7 @@ from modules.attention import KVCache
 from modules.layer_norm import LayerNorm
 from modules.linear import Linear
 from modules.quant import Int4Weight, Int8Weight
+from modules.rows import pointer
 
 ENV = "GPT2_DECODE_STEP"
 PROMPT_ENV = "GPT2_PROMPT_PASS"  # 0: prompts go through the layers (the decode step keeps its own switch)
@@ -66,10 +67,6 @@ class StepLayer(ctypes.Structure):
     _fields_ = [("ln1_w", ctypes.c_void_p), ("ln1_b", ctypes.c_void_p), ("q", StepLinear), ("k", StepLinear),
                 ("v", StepLinear), ("proj", StepLinear), ("ln2_w", ctypes.c_void_p), ("ln2_b", ctypes.c_void_p),
                 ("fc", StepLinear), ("out", StepLinear), ("attn_scale", ctypes.c_float)]
-
-
-def _pointer(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
 
 
 class Walk(NamedTuple):
@@ -195,7 +192,7 @@ class _Stack:
         return t
 
     def _norm(self, norm: nn.LayerNorm) -> tuple[int | None, int | None]:
-        return _pointer(self._fp32(norm.weight)), _pointer(self._fp32(norm.bias))
+        return pointer(self._fp32(norm.weight)), pointer(self._fp32(norm.bias))
 
     def _linear(self, layer: Linear) -> StepLinear:
         bias = self._fp32(layer.bias)
@@ -207,7 +204,7 @@ class _Stack:
         else:
             kind, w, scale, group = int(self.bf16), layer.weight.detach().contiguous(), None, 0
         self.keep += [t for t in (w, scale) if t is not None]
-        return StepLinear(kind, w.data_ptr(), _pointer(scale), _pointer(bias), group, layer.in_features,
+        return StepLinear(kind, w.data_ptr(), pointer(scale), pointer(bias), group, layer.in_features,
                           layer.out_features)
 
 
@@ -255,7 +252,7 @@ class FastStep(_Stack):
         self.x.copy_(embedded)  # summed in the model's dtype (bf16: rounded, as decode_step's embedding is)
         err = self.step(self.layers, self.n_layer, self.n_head, self.width, self.eps, self.rows, self.x.data_ptr(),
                         self.final[0], self.final[1], cache.keys.data_ptr(), cache.values.data_ptr(), cache.capacity,
-                        cache.length, _pointer(mask), 0 if mask is None else mask.shape[1], self.scratch.data_ptr(),
+                        cache.length, pointer(mask), 0 if mask is None else mask.shape[1], self.scratch.data_ptr(),
                         self.out.data_ptr(), torch.get_num_threads())
         if err != 0:
             raise RuntimeError(f"the C++ decode step failed (code {err})")
@@ -328,7 +325,7 @@ class FastPrompt(_Stack):
             return super()._linear(layer)
         bias = self._fp32(layer.bias)
         self.keep += made
-        return StepLinear(6, made[0].data_ptr(), made[1].data_ptr(), _pointer(bias), 0, layer.in_features,
+        return StepLinear(6, made[0].data_ptr(), made[1].data_ptr(), pointer(bias), 0, layer.in_features,
                           layer.out_features)
 
     def __call__(self, input_ids: torch.Tensor, cache: KVCache) -> torch.Tensor | None:

@@ -30,6 +30,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from modules import rows
+from modules.rows import pointer
 
 ENV = "GPT2_FAST_LAYERNORM"
 SMALL = 1 << 14  # values under which one thread does it all
@@ -57,10 +58,6 @@ def _threads(n: int) -> int:
     return 1 if n < SMALL else torch.get_num_threads()
 
 
-def _ptr(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
-
-
 class _LayerNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
@@ -73,7 +70,7 @@ class _LayerNorm(torch.autograd.Function):
         y = torch.empty_like(x)
         mean = torch.empty(R, dtype=torch.float32)
         rstd = torch.empty(R, dtype=torch.float32)
-        rows._load().rows_layernorm(int(x.dtype == torch.bfloat16), x.data_ptr(), _ptr(weight), _ptr(bias),
+        rows._load().rows_layernorm(int(x.dtype == torch.bfloat16), x.data_ptr(), pointer(weight), pointer(bias),
                                     y.data_ptr(), mean.data_ptr(), rstd.data_ptr(), R, C, eps, _threads(x.numel()))
         ctx.save_for_backward(x, weight, mean, rstd)
         ctx.has_bias = bias is not None
@@ -89,8 +86,8 @@ class _LayerNorm(torch.autograd.Function):
         dw = torch.empty_like(weight) if weight is not None and ctx.needs_input_grad[1] else None
         db = x.new_empty(C) if ctx.has_bias and ctx.needs_input_grad[2] else None
         rows._load().rows_layernorm_backward(int(x.dtype == torch.bfloat16), grad.data_ptr(), x.data_ptr(),
-                                             _ptr(weight), mean.data_ptr(), rstd.data_ptr(), _ptr(dx), _ptr(dw),
-                                             _ptr(db), x.numel() // C, C, _threads(x.numel()))
+                                             pointer(weight), mean.data_ptr(), rstd.data_ptr(), pointer(dx),
+                                             pointer(dw), pointer(db), x.numel() // C, C, _threads(x.numel()))
         return dx, dw, db, None
 
 

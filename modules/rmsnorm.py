@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from modules import rows
+from modules.rows import pointer
 
 SOURCE = Path(__file__).with_name("rmsnorm.cpp")
 ENV = "GPT2_FAST_RMSNORM"
@@ -49,10 +50,6 @@ def _threads(n: int) -> int:
     return 1 if n < SMALL else torch.get_num_threads()
 
 
-def _ptr(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
-
-
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -63,7 +60,8 @@ class _RMSNorm(torch.autograd.Function):
         rows_ = x.numel() // dim
         y = torch.empty_like(x)
         rstd = x.new_empty(rows_)
-        lib.rmsnorm_forward(rows_, dim, x.data_ptr(), _ptr(w), eps, y.data_ptr(), rstd.data_ptr(), _threads(x.numel()))
+        lib.rmsnorm_forward(rows_, dim, x.data_ptr(), pointer(w), eps, y.data_ptr(), rstd.data_ptr(),
+                            _threads(x.numel()))
         ctx.save_for_backward(x, w, rstd)
         return y
 
@@ -76,8 +74,8 @@ class _RMSNorm(torch.autograd.Function):
         dim = x.shape[-1]
         dx = torch.empty_like(x)
         dw = torch.empty_like(w) if w is not None and ctx.needs_input_grad[1] else None  # no rows: zeros (the kernel)
-        lib.rmsnorm_backward(x.numel() // dim, dim, grad.data_ptr(), x.data_ptr(), _ptr(w), rstd.data_ptr(),
-                             dx.data_ptr(), _ptr(dw), _threads(x.numel()))
+        lib.rmsnorm_backward(x.numel() // dim, dim, grad.data_ptr(), x.data_ptr(), pointer(w), rstd.data_ptr(),
+                             dx.data_ptr(), pointer(dw), _threads(x.numel()))
         return (dx if ctx.needs_input_grad[0] else None), dw, None
 
 

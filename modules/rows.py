@@ -89,6 +89,11 @@ def _build(target_flags: tuple[str, ...] = NATIVE, source: Path | None = None, e
     return target
 
 
+def pointer(t: torch.Tensor | None) -> int | None:
+    """A tensor's data pointer for a kernel's ctypes argument (None: a null pointer)."""
+    return None if t is None else t.data_ptr()
+
+
 def library(target_flags: tuple[str, ...] = NATIVE):
     """The kernel built with `target_flags` and loaded (raises where it cannot be built)."""
     lib = ctypes.CDLL(str(_build(target_flags)))

@@ -2027,10 +2027,6 @@ void rows_round_bf16(const float* x, uint16_t* y, int64_t n) {
 // read nor exponentiated, their zeros stored) and one backward, for torch's scale, masked_fill, softmax and their
 // backward passes. exp is vexp's (within 2 ulp).
 
-static inline bool visible(const uint8_t* mask, int64_t t, int64_t k, int64_t T, int64_t K) {
-  return mask ? mask[t * K + k] != 0 : k <= t + K - T;
-}
-
 template <typename E>
 static void softmax_rows(const E* s, E* p, const uint8_t* mask, int64_t mask_stride, int64_t B, int64_t H, int64_t T,
                          int64_t K, float scale, int threads) {
@@ -2136,17 +2132,17 @@ void rows_softmax_backward(int bf16, const void* p, const void* dp, void* ds, co
 // Over each row of C values: y = (x - mean) rstd w + b, rstd = 1 / sqrt(var + eps) with the biased variance, w and b
 // optional (null: 1 and 0); mean and rstd kept in fp32 for backward. Backward, with xh = (x - mean) rstd and g = dy w:
 // dx = rstd (g - mean(g) - xh mean(g xh)), dw = the sum over rows of dy xh, db = the sum of dy. Forward reads a row
-// twice (its mean, then its variance about the mean, as torch's two-pass form) and writes it once; backward reads dy
-// and x twice. Values widened to fp32 in register and results rounded once to the row's dtype (fp32 or bf16: as
-// torch's bf16 LayerNorm, which computes in fp32). dw and db are summed in fp32 within chunks of kNormChunk rows and
+// once into an fp32 copy (its mean, then its variance about the mean from the copy, as torch's two-pass form) and
+// writes it once; backward reads dy and x once, keeping the row's g and xh in fp32 for dx. Results rounded once to
+// the row's dtype (fp32 or bf16: as torch's bf16 LayerNorm, which computes in fp32). dw and db are summed in fp32 within chunks of kNormChunk rows and
 // the chunks' sums added in order in double: the same sums whatever the thread count.
 
 constexpr int64_t kNormChunk = 32;
 
-// The weight or bias (C values, or null) in fp32, padded with zeros to whole vectors: read a row at a time.
+// The weight or bias (C values, or null: empty) in fp32, widened once a call instead of once a row.
 template <typename E>
 static std::vector<float> widened(const E* p, int64_t C) {
-  std::vector<float> out(p ? static_cast<size_t>((C + kWidth - 1) / kWidth * kWidth) : 0, 0.0f);
+  std::vector<float> out(p ? static_cast<size_t>(C) : 0);
   for (int64_t k = 0; p && k < C; ++k) out[k] = to_float(p[k]);
   return out;
 }
@@ -2204,17 +2200,16 @@ template <typename E>
 static void layernorm_rows_backward(const E* dy, const E* x, const E* w, const float* mean, const float* rstd, E* dx,
                                     E* dw, E* db, int64_t rows, int64_t C, int threads) {
   const int64_t wide = C / kWidth * kWidth, chunks = (rows + kNormChunk - 1) / kNormChunk;
-  const int64_t padded = (C + kWidth - 1) / kWidth * kWidth;
   const std::vector<float> wf = widened(w, C);
-  std::vector<float> part_w(dw ? static_cast<size_t>(chunks * padded) : 0, 0.0f);
-  std::vector<float> part_b(db ? static_cast<size_t>(chunks * padded) : 0, 0.0f);
+  std::vector<float> part_w(dw ? static_cast<size_t>(chunks * C) : 0, 0.0f);  // each chunk's sums, C values
+  std::vector<float> part_b(db ? static_cast<size_t>(chunks * C) : 0, 0.0f);
 #pragma omp parallel num_threads(threads < 1 ? 1 : threads) if (chunks > 1)
   {
     std::vector<float> gs(static_cast<size_t>(C)), xhs(static_cast<size_t>(C));  // a row's g and xh in fp32
 #pragma omp for schedule(static)
     for (int64_t c = 0; c < chunks; ++c) {
-      float* pw = dw ? part_w.data() + c * padded : nullptr;
-      float* pb = db ? part_b.data() + c * padded : nullptr;
+      float* pw = dw ? part_w.data() + c * C : nullptr;
+      float* pb = db ? part_b.data() + c * C : nullptr;
       for (int64_t i = c * kNormChunk; i < std::min(rows, (c + 1) * kNormChunk); ++i) {
         const E *dyr = dy + i * C, *xr = x + i * C;
         const float mu = mean[i], r = rstd[i];
@@ -2253,8 +2248,8 @@ static void layernorm_rows_backward(const E* dy, const E* x, const E* w, const f
   for (int64_t k = 0; k < C; ++k) {  // the chunks' sums, in order
     double sw = 0.0, sb = 0.0;
     for (int64_t c = 0; c < chunks; ++c) {
-      if (dw) sw += part_w[c * padded + k];
-      if (db) sb += part_b[c * padded + k];
+      if (dw) sw += part_w[c * C + k];
+      if (db) sb += part_b[c * C + k];
     }
     if (dw) store_one(dw + k, static_cast<float>(sw));
     if (db) store_one(db + k, static_cast<float>(sb));

@@ -58,6 +58,7 @@ MODULE_TESTS = {
     "modules/masked_softmax.py": ["tests/test_masked_softmax.py", "tests/test_paths.py"],
     "modules/cross_entropy.py": ["tests/test_cross_entropy.py", "tests/test_paths.py"],
     "modules/layer_norm.py": ["tests/test_layer_norm.py", "tests/test_paths.py"],
+    "modules/transposed.py": ["tests/test_transposed.py", "tests/test_paths.py"],
     "modules/hugepages.py": ["tests/test_hugepages.py", "tests/test_paths.py"],
     "modules/onednn.py": ["tests/test_onednn.py", "tests/test_paths.py"],
     "modules/prompt_attention.py": ["tests/test_prompt_attention.py", "tests/test_paths.py"],

@@ -19,7 +19,7 @@ from config import GPT2Config
 from models.beam_search import beam_search
 from models.generation import generate
 from modules import cross_entropy as chunked
-from modules import manual_backward, onednn, packed
+from modules import manual_backward, onednn, packed, transposed
 from modules.attention import KVCache
 from modules.dropout import Dropout
 from modules.gpt2_layer import GPT2Layer
@@ -106,7 +106,8 @@ class GPT2Model(nn.Module):
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.logit_softcap = LogitSoftCap(config.logit_softcap) if config.logit_softcap else nn.Identity()
         manual = config.backward == "manual"  # hand-derived backward passes (modules/manual_backward.py)
-        self.lm_linear = manual_backward.linear if manual else F.linear
+        # the head's product: bf16 training on AMX computes it transposed (modules/transposed.py), else F.linear
+        self.lm_linear = manual_backward.linear if manual else transposed.head
         self.gradient_checkpointing = False  # recompute each block in backward to save activation memory
         self.apply(self._init_weights)
         # GPT-2 paper: scale the init of projections that write into the residual stream by 1/sqrt(#residual layers).

@@ -34,6 +34,7 @@ from modules import (
     prompt_attention,
     quant,
     rmsnorm,
+    transposed,
 )
 from modules import rows as row_kernel
 
@@ -90,6 +91,21 @@ def _packed_default() -> tuple[bool, str]:
     if packed._amx_bf16():
         return True, "AMX-BF16: measured faster (docs/performance.md)"
     return False, "no AMX: taken only when forced (on a Zen 4, AVX512-BF16: 1.03-1.09x for 250 MB of copies)"
+
+
+def _transposed_runs() -> str | None:
+    if os.environ.get(transposed.ENV) == "0":
+        return f"{transposed.ENV}=0"
+    return None if row_kernel.available() else ("the rows kernel (its transpose) does not build or load here (needs "
+                                                "x86-64 Linux and a C++ compiler)")
+
+
+def _transposed_default() -> tuple[bool, str]:
+    if os.environ.get(transposed.ENV) == "force":
+        return True, f"{transposed.ENV}=force"
+    if transposed._amx_bf16():
+        return True, "AMX-BF16: measured faster (modules/transposed.py)"
+    return False, "no AMX: taken only when forced (not measured on other CPUs)"
 
 
 def _rows_runs() -> str | None:
@@ -218,6 +234,10 @@ PATHS: tuple[Path, ...] = (
     Path("packed-bf16", "bf16 Linear of 64+ rows without gradients (evaluation, prompts): oneDNN-packed weights kept "
          "per layer (modules/packed.py)", packed.ENV, "force", "0", _packed_runs, _packed_default,
          ("tests/test_packed.py", "tests/test_paths.py")),
+    Path("transposed-products", "a bf16 CPU training step's LM head as (W h^T)^T and large linear layers' weight "
+         "gradients from a row-major copy of the output's gradient, transposed by the rows kernel "
+         "(modules/transposed.py), instead of F.linear's products", transposed.ENV, "force", "0", _transposed_runs,
+         _transposed_default, ("tests/test_transposed.py", "tests/test_paths.py")),
     Path("rows-kernel", "decoding's products of 1-8 rows, and a prompt's of 2-8 rows through the layers "
          "(modules/rows.cpp)", "GPT2_ROWS_KERNEL", "", "0",
          _rows_runs, _rows_default, ("tests/test_rows_kernel.py", "tests/test_fast_paths.py", "tests/test_paths.py")),

@@ -10,7 +10,8 @@ shapes stream slowly (the measurements: docs/performance.md, "Figures behind the
   a row-major weight are views: no copy is made;
 - else B > 1: (W @ x^T)^T (`weight_first`): whole decodes (beam search, batch 8) ran faster with it than with the
   row-blocked product, though the products alone did not.
-Same values up to float rounding (other summation kernels); training and every other shape take F.linear.
+Same values up to float rounding (other summation kernels); training and every other shape take F.linear (a bf16
+training step on AMX: with its weight gradient computed from a transposed copy of the output's, modules/transposed.py).
 bf16 inputs of 64+ rows without gradients on AMX CPUs take oneDNN-packed copies of the weights (modules/packed.py).
 Within `quantized_weights(model, mode)` (a modules.quant.QUANTIZE_MODES name) one-row products (batch-1 decoding)
 take int8 or int4 copies of the weights (modules/quant.py); with w8a8 / w4a8 the prompt (2+ tokens, where
@@ -38,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from modules import onednn, packed, quant
+from modules import onednn, packed, quant, transposed
 from modules import rows as row_kernel
 from modules.quant import Int4Weight, Int8Weight, prepared_quantized, quantized_linear
 
@@ -146,7 +147,7 @@ class Linear(nn.Linear):
             return row_kernel.chunked_linear(x, self.weight, self.bias)  # a short prompt: the kernel
         if onednn.applies(x, self.weight):  # a longer prompt, an evaluation: oneDNN where it timed faster here
             return onednn.linear(x, self.weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        return transposed.linear(x, self.weight, self.bias)  # F.linear's (bf16 training on AMX: modules/transposed.py)
 
     def decode_blocks(self) -> Blocks | None:
         """The row-block views of this layer's weight for decoding, built once and reused while the parameters

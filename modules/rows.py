@@ -134,6 +134,8 @@ def library(target_flags: tuple[str, ...] = NATIVE):
     lib.rows_layernorm_backward.restype = None
     lib.rows_layernorm_backward.argtypes = [ctypes.c_int, *[ctypes.c_void_p] * 8, ctypes.c_int64, ctypes.c_int64,
                                             ctypes.c_int]
+    lib.rows_transpose16.restype = None
+    lib.rows_transpose16.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
     lib.rows_ce_lse.restype = None
     lib.rows_ce_lse.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                                 ctypes.c_int]

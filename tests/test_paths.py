@@ -306,6 +306,28 @@ def test_packed_bf16_runs_where_onednn_has_bf16_and_is_taken_on_amx_or_forced(cl
     assert p.runs_here() == "oneDNN has no bf16 kernels on this CPU (needs AVX512-BF16 or AMX)"
 
 
+def test_the_transposed_products_run_where_the_rows_kernel_builds_and_are_taken_on_amx_or_forced(clean_env):
+    from modules import rows as row_kernel
+    from modules import transposed
+
+    p = paths.BY_NAME["transposed-products"]
+    clean_env.setattr(row_kernel, "available", lambda: True)
+    clean_env.setattr(transposed, "_amx_bf16", lambda: False)
+    assert p.runs_here() is None
+    assert p.default_here() == (False, "no AMX: taken only when forced (not measured on other CPUs)")
+    clean_env.setattr(transposed, "_amx_bf16", lambda: True)
+    assert p.default_here() == (True, "AMX-BF16: measured faster (modules/transposed.py)")
+    clean_env.setattr(transposed, "_amx_bf16", lambda: False)
+    clean_env.setenv(transposed.ENV, "force")
+    assert p.default_here() == (True, f"{transposed.ENV}=force")
+    clean_env.setenv(transposed.ENV, "0")
+    assert p.runs_here() == f"{transposed.ENV}=0"
+    clean_env.delenv(transposed.ENV)
+    clean_env.setattr(row_kernel, "available", lambda: False)
+    assert p.runs_here() == ("the rows kernel (its transpose) does not build or load here (needs x86-64 Linux and a "
+                             "C++ compiler)")
+
+
 def test_the_rows_kernel_and_the_c_step_run_with_simd_and_a_build(clean_env):
     from models import fast_step
     from modules import rows

@@ -85,16 +85,6 @@ def test_the_heads_logits_and_weight_gradient_within_one_rounding_and_dh_as_f_li
     assert torch.equal(dh, ref_dh)
 
 
-def test_the_head_computes_only_the_gradients_asked_for(forced):
-    h, w, grad = case(16, 2053, 48)
-    w = w.requires_grad_()
-    transposed.TransposedHead.apply(h, w, None).backward(grad)
-    assert h.grad is None and torch.equal(w.grad, transposed.transpose(grad) @ h)
-    h = h.requires_grad_()
-    transposed.TransposedHead.apply(h, w.detach(), None).backward(grad)
-    assert torch.equal(h.grad, grad @ w.detach())
-
-
 def test_where_the_head_takes_it(monkeypatch):
     needs_kernel()
     monkeypatch.setattr(transposed, "HEAD_MIN_WEIGHT", 2053 * 48)
@@ -161,13 +151,18 @@ def test_a_linear_layers_weight_gradient_within_one_rounding_and_the_rest_as_f_l
         assert db is None
 
 
-def test_a_linear_layer_computes_only_the_gradients_asked_for(forced):
+@pytest.mark.parametrize("function", ["TransposedHead", "TransposedGradLinear"])
+def test_only_the_gradients_asked_for(forced, function):
+    """The weight's alone (and no bias gradient for a bias that wants none), then the input's alone."""
+    fn = getattr(transposed, function)
     x, w, b, grad = linear_case((12,), 32, 24)
+    b = b if fn is transposed.TransposedGradLinear else None
     w = w.requires_grad_()
-    transposed.TransposedGradLinear.apply(x, w, b).backward(grad)
-    assert x.grad is None and b.grad is None and w.grad is not None
+    fn.apply(x, w, b).backward(grad)
+    assert x.grad is None and torch.equal(w.grad, transposed.transpose(grad) @ x)
+    assert b is None or b.grad is None
     x = x.requires_grad_()
-    transposed.TransposedGradLinear.apply(x, w.detach(), None).backward(grad)
+    fn.apply(x, w.detach(), None).backward(grad)
     assert torch.equal(x.grad, grad @ w.detach())
 
 

@@ -208,7 +208,9 @@ def make_run_step(model, ids: torch.Tensor, bf16: bool):
         opt = AdamW(model.parameters(), lr=3e-4, eps=1e-6, weight_decay=0.01, fused=True, master_weights=bf16)
         # fit()'s thread choice (GPT2_TRAIN_THREADS, as fit reads it); the key is this closure's alone
         threads = steps_choice(("compare_hf", id(model), tuple(ids.shape), bf16), active=DEVICE.type == "cpu")
-        return _train_step(model, ids, opt, autocast=False, threads=threads)
+        step = _train_step(model, ids, opt, autocast=False, threads=threads)
+        step.threads = threads  # the count it ends on goes into the row's notes (section_train_run)
+        return step
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, eps=1e-6, weight_decay=0.01, fused=True)
     return _train_step(model, ids, opt, autocast=bf16)
 
@@ -375,6 +377,7 @@ def section_train_run(args, state: dict, report: Report) -> None:
             rates = {k: ids.numel() / v for k, v in sec.items()}
             report.add(f"train as run {shape}", "bf16" if bf16 else "fp32", rates, "tokens/s")
             mfu = _print_utilisation(models["ours"], ids, rates, torch.bfloat16 if bf16 else torch.float32)
+            _print_thread_choice(fns["ours"])
             if not bf16 and mfu is not None:
                 met = mfu >= MFU_TARGET
                 RECORDS.rows[-1]["mfu_target"], RECORDS.rows[-1]["mfu_met"] = MFU_TARGET, met
@@ -471,6 +474,22 @@ def _print_utilisation(ours, ids: torch.Tensor, rates: dict, dtype: torch.dtype)
                  f"{per_token / 1e6:.0f} MFLOP a token)")
     RECORDS.rows[-1]["mfu"] = mfu
     return mfu["ours"]
+
+
+def thread_choice_note(step) -> str | None:
+    """The thread count ours' steps (make_run_step) ended on, of the most it chose from: a row taken on fewer threads
+    than the cores (fit's choice, timed: a core it found busy) says so. None where nothing was chosen."""
+    threads = getattr(step, "threads", None)
+    if threads is None or not threads.options:
+        return None
+    return f"ours' steps ended on {threads.best} of {threads.options[0]} threads (fit's choice, timed)"
+
+
+def _print_thread_choice(step) -> None:
+    note = thread_choice_note(step)
+    if note:
+        print(f"{'':<12} {'':<5} {note}", flush=True)
+        RECORDS.note(note)
 
 
 def _print_match(outs: dict, what: str) -> None:

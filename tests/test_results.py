@@ -259,3 +259,22 @@ def test_bf16_curve_draws_each_cpu_class_its_own_docs_plot():
     assert len(set(names.values())) == len(names)
     page = (results.ROOT / "docs/performance.md").read_text()
     assert all(f"images/{names[c]}" in page and default_plot(c).is_file() for c in ("AVX512-BF16", "AMX"))
+
+
+def test_the_train_runs_rows_note_the_thread_count_ours_ended_on(monkeypatch):
+    """compare_hf's train-run: ours' steps choose their thread count as fit() does; the row's notes say the count
+    they ended on (a row taken on fewer threads than the cores is then visible in the records)."""
+    import torch
+    from conftest import tiny_config
+
+    from bench import compare_hf
+    from models.gpt2 import GPT2LMHeadModel
+
+    ids = torch.randint(0, 100, (2, 8))
+    for setting, note in (("2", "ours' steps ended on 2 of 2 threads (fit's choice, timed)"), ("off", None)):
+        monkeypatch.setenv("GPT2_TRAIN_THREADS", setting)
+        step = compare_hf.make_run_step(GPT2LMHeadModel(tiny_config()), ids, bf16=False)
+        for _ in range(2):
+            step()
+        assert compare_hf.thread_choice_note(step) == note
+    assert compare_hf.thread_choice_note(lambda: 0.0) is None  # transformers' steps choose nothing

@@ -21,8 +21,9 @@ Measured on a 2-core Xeon with AMX (2026-12-03, medians, ms):
       g^T x (autograd's)                0.49/2.1   1.27/6.6   1.63/10.3  1.63/9.9  0.85/3.8
       transpose(g) x                    0.73/2.8   1.16/4.4   1.45/6.1   1.32/6.0  0.83/2.8
 
-and gpt2's bf16-weights training step, one process, each interleaved with its old form: the head 0.978-0.985x at
-4 x 128, the MLP's weight gradients 0.963-0.964x at 4 x 128 and 8 x 256. Smaller matrices gain nothing or lose (a
+and gpt2's bf16-weights training step, one process, interleaved with GPT2_TRANSPOSED_PRODUCTS=0: 0.970x the time at
+4 x 128, 0.940x at 8 x 256 (each part alone against its old form at 4 x 128: the head's product 0.978-0.985x, its
+weight gradient 0.978x, the MLP's weight gradients 0.963-0.964x, also at 8 x 256). Smaller matrices gain nothing or lose (a
 50257 x 128 head: 11.8 against 14.2 ms at 512 rows; a 768 x 768 weight's gradient above), so the head is taken for
 weights of HEAD_MIN_WEIGHT values or more and HEAD_MIN_ROWS rows or more, the weight gradient for weights of
 LINEAR_MIN_WEIGHT values or more (gpt2: the MLP's two; the attention's four keep autograd's). The logits are the

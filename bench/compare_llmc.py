@@ -129,20 +129,27 @@ def build_llmc(source: Path, work: Path) -> tuple[Path, str]:
 
 
 def run_llmc(binary: Path, steps: int, threads: int) -> tuple[list[float], list[float]]:
-    """One run of llm.c's trainer in its folder, stopped once step steps-1 is printed: (losses, seconds) per step."""
+    """One run of llm.c's trainer in its folder, stopped once step steps-1 is printed: (losses, seconds) per step.
+    Its output goes to a pseudo-terminal: into a pipe, C's stdio would hold the step lines back in its buffer until
+    the run's sampling at step 20 flushes them."""
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    proc = subprocess.Popen([str(binary)], cwd=binary.parent, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    main, child = os.openpty()
+    proc = subprocess.Popen([str(binary)], cwd=binary.parent, env=env, stdout=child, stderr=child,
+                            stdin=subprocess.DEVNULL)
+    os.close(child)
     losses, seconds, tail = [], [], []
     try:
-        for line in proc.stdout:
-            tail = (tail + [line])[-20:]
-            found = parse_step(line)
-            if found:
-                losses.append(found[1])
-                seconds.append(found[2])
-                if found[0] >= steps - 1:
-                    break
+        with open(main, errors="replace") as out:
+            for line in out:
+                tail = (tail + [line])[-20:]
+                found = parse_step(line)
+                if found:
+                    losses.append(found[1])
+                    seconds.append(found[2])
+                    if found[0] >= steps - 1:
+                        break
+    except OSError:  # the terminal's other end closed: llm.c ended (an error, said in the tail)
+        pass
     finally:
         proc.kill()
         proc.wait()

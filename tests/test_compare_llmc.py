@@ -119,3 +119,16 @@ def test_loss_note_gives_the_largest_difference():
 def test_build_refuses_a_folder_without_llmc(tmp_path):
     with pytest.raises(SystemExit, match="no train_gpt2.c and Makefile there"):
         compare_llmc.build_llmc(tmp_path, tmp_path / "build")
+
+
+def test_run_llmc_stops_at_the_last_step_it_needs(tmp_path):
+    """llm.c's trainer runs 40 steps with sampling at steps 20 and 40: the bench reads its lines as they come (stdio
+    line-buffers a terminal, not a pipe) and stops it after step steps-1."""
+    script = tmp_path / "train_gpt2"
+    script.write_text("#!/bin/sh\necho \"val loss 10.9\"\nfor i in 0 1 2; do echo \"step $i: train loss 1$i.5 (took "
+                      "2$i.0 ms)\"; done\nsleep 30\necho \"step 3: train loss 9.0 (took 1.0 ms)\"\n")
+    script.chmod(0o755)
+    assert compare_llmc.run_llmc(script, 3, 2) == ([10.5, 11.5, 12.5], [0.020, 0.021, 0.022])
+    script.write_text("#!/bin/sh\necho \"step 0: train loss 1.0 (took 1.0 ms)\"\necho \"Error: file size\"\nexit 1\n")
+    with pytest.raises(SystemExit, match=r"stopped after 1 of 3 steps:(.|\n)*Error: file size"):
+        compare_llmc.run_llmc(script, 3, 2)

@@ -479,6 +479,25 @@ def _race_claim(records: list[dict]) -> tuple[str, list[dict]]:
     return "; ".join(parts), used
 
 
+def _llmc_claim(records: list[dict]) -> tuple[str, list[dict]]:
+    """bench/compare_llmc.py, per CPU class, quiet: ours' fp32 and bf16 steps against llm.c's fp32 trainer, with
+    the fp32 losses' agreement."""
+    parts, used = [], []
+    for cls in CLASSES:
+        said = []
+        for dtype in ("fp32", "bf16"):
+            r = latest(matching(records, bench="compare_llmc", row=f"train step gpt2 4x64 {dtype} vs llm.c fp32",
+                                cls=cls))
+            if r:
+                agree = re.search(r"losses step by step within (\S+) of llm.c's", r.get("notes") or "")
+                said.append(f"{dtype} {times(r['ratio'])}" + (f" (losses within {agree[1]} of llm.c's)" if agree and
+                                                                dtype == "fp32" else ""))
+                used.append(r)
+        if said:
+            parts.append(f"{cls}: " + ", ".join(said))
+    return "; ".join(parts), used
+
+
 CLAIMS = [
     ("parity: logits vs transformers, random-init gpt2 ([parity](docs/parity.md))",
      _latest("parity", "gpt2 random init", lambda r: f"max logits difference {_v(r, 'logits max diff', '{:.1e}')}; "
@@ -519,6 +538,8 @@ CLAIMS = [
              lambda r: f"{_v(r, 'ours s (best)', '{:.1f}')} s vs nanoGPT's {_v(r, 'nanoGPT s', '{:.1f}')} s; whole-split "
                        f"val {_v(r, 'val (whole split)', '{:.4f}')} vs {_v(r, 'nanoGPT val', '{:.4f}')}")),
     ("the race: nanoGPT's loss with the modern variants, the fastest recipe", _race_claim),
+    ("gpt2 training steps against llm.c's C trainer (fp32), 4 x 64, the same weights, batch and AdamW "
+     "([performance](docs/performance.md#training-against-llmc))", _llmc_claim),
     ("sonnets, dev chrF ([tasks](docs/tasks.md#sonnet-generation))",
      _latest("tasks", "sonnets, dev chrF, 4 x 256 BPE model pretrained here",
              lambda r: f"{_v(r, 'chrF', '{:.2f}')} ({r['notes']})")),

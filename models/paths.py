@@ -79,18 +79,23 @@ def _kernel_path(name: str, serves: str, module, what: str, where: str, tests: t
                 (*tests, "tests/test_paths.py"))
 
 
+def _amx_default(env: str, amx: Callable[[], bool], measured: str, elsewhere: str) -> Callable[[], tuple[bool, str]]:
+    """The default of a path measured faster on AMX only: on where `env`=force or the CPU has AMX-BF16 (`amx()`,
+    looked up at each call), off elsewhere; `measured` says where the figures are, `elsewhere` what is known of the
+    other CPUs."""
+    def default() -> tuple[bool, str]:
+        if os.environ.get(env) == "force":
+            return True, f"{env}=force"
+        if amx():
+            return True, f"AMX-BF16: measured faster ({measured})"
+        return False, f"no AMX: taken only when forced ({elsewhere})"
+    return default
+
+
 def _packed_runs() -> str | None:
     if os.environ.get(packed.ENV) == "0":
         return f"{packed.ENV}=0"
     return None if packed._bf16_kernels() else "oneDNN has no bf16 kernels on this CPU (needs AVX512-BF16 or AMX)"
-
-
-def _packed_default() -> tuple[bool, str]:
-    if os.environ.get(packed.ENV) == "force":
-        return True, f"{packed.ENV}=force"
-    if packed._amx_bf16():
-        return True, "AMX-BF16: measured faster (docs/performance.md)"
-    return False, "no AMX: taken only when forced (on a Zen 4, AVX512-BF16: 1.03-1.09x for 250 MB of copies)"
 
 
 def _transposed_runs() -> str | None:
@@ -98,14 +103,6 @@ def _transposed_runs() -> str | None:
         return f"{transposed.ENV}=0"
     return None if row_kernel.available() else ("the rows kernel (its transpose) does not build or load here (needs "
                                                 "x86-64 Linux and a C++ compiler)")
-
-
-def _transposed_default() -> tuple[bool, str]:
-    if os.environ.get(transposed.ENV) == "force":
-        return True, f"{transposed.ENV}=force"
-    if transposed._amx_bf16():
-        return True, "AMX-BF16: measured faster (modules/transposed.py)"
-    return False, "no AMX: taken only when forced (not measured on other CPUs)"
 
 
 def _rows_runs() -> str | None:
@@ -232,12 +229,15 @@ def _onednn_default() -> tuple[bool, str]:
 
 PATHS: tuple[Path, ...] = (
     Path("packed-bf16", "bf16 Linear of 64+ rows without gradients (evaluation, prompts): oneDNN-packed weights kept "
-         "per layer (modules/packed.py)", packed.ENV, "force", "0", _packed_runs, _packed_default,
+         "per layer (modules/packed.py)", packed.ENV, "force", "0", _packed_runs,
+         _amx_default(packed.ENV, lambda: packed._amx_bf16(), "docs/performance.md",
+                      "on a Zen 4, AVX512-BF16: 1.03-1.09x for 250 MB of copies"),
          ("tests/test_packed.py", "tests/test_paths.py")),
     Path("transposed-products", "a bf16 CPU training step's LM head as (W h^T)^T and large linear layers' weight "
          "gradients from a row-major copy of the output's gradient, transposed by the rows kernel "
          "(modules/transposed.py), instead of F.linear's products", transposed.ENV, "force", "0", _transposed_runs,
-         _transposed_default, ("tests/test_transposed.py", "tests/test_paths.py")),
+         _amx_default(transposed.ENV, lambda: transposed._amx_bf16(), "modules/transposed.py",
+                      "not measured on other CPUs"), ("tests/test_transposed.py", "tests/test_paths.py")),
     Path("rows-kernel", "decoding's products of 1-8 rows, and a prompt's of 2-8 rows through the layers "
          "(modules/rows.cpp)", "GPT2_ROWS_KERNEL", "", "0",
          _rows_runs, _rows_default, ("tests/test_rows_kernel.py", "tests/test_fast_paths.py", "tests/test_paths.py")),

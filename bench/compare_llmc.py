@@ -313,6 +313,7 @@ def main() -> None:
               f"{TARGET}x: {'met' if met else 'NOT met'}); {note}", flush=True)
         rec.add(row, {"ours": medians[name], "llm.c": medians["llm.c"]}, "tokens/s", ratio=ratio,
                 ratio_of="ours / llm.c", target=f">= {TARGET}x llm.c", met=met, notes=note, load=load,
+                losses={"llm.c": losses["llm.c"], "ours": losses[name]},  # each step's, the last round's runs
                 **({"busy": args.busy} if args.busy else {}))
     rec.write()
 

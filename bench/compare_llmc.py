@@ -119,6 +119,10 @@ def build_llmc(source: Path, work: Path) -> tuple[Path, str]:
     if not (source / "train_gpt2.c").is_file() or not (source / "Makefile").is_file():
         raise SystemExit(f"--llmc {source}: no train_gpt2.c and Makefile there; pass a clone of "
                          "https://github.com/karpathy/llm.c")
+    missing = [tool for tool in ("make", "cc") if shutil.which(tool) is None]
+    if missing:
+        raise SystemExit(f"llm.c's trainer is built with make and a C compiler with OpenMP; not found here: "
+                         f"{', '.join(missing)} (Debian / Ubuntu: apt install build-essential)")
     shutil.copytree(source, work, ignore=shutil.ignore_patterns(".git"))
     proc = subprocess.run(["make", "train_gpt2"], cwd=work, capture_output=True, text=True)
     if proc.returncode != 0 or not (work / "train_gpt2").exists():

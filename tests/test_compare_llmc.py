@@ -116,9 +116,15 @@ def test_loss_note_gives_the_largest_difference():
     assert note.startswith("losses step by step within 1.0e-04 of llm.c's") and "step 2 7.9999 vs 8.0000" in note
 
 
-def test_build_refuses_a_folder_without_llmc(tmp_path):
+def test_build_refuses_a_folder_without_llmc_or_a_machine_without_make(tmp_path, monkeypatch):
     with pytest.raises(SystemExit, match="no train_gpt2.c and Makefile there"):
         compare_llmc.build_llmc(tmp_path, tmp_path / "build")
+    for name in ("train_gpt2.c", "Makefile"):
+        (tmp_path / name).write_text("")
+    monkeypatch.setattr(compare_llmc.shutil, "which", lambda tool: None if tool == "make" else f"/usr/bin/{tool}")
+    with pytest.raises(SystemExit, match="not found here: make \\("):
+        compare_llmc.build_llmc(tmp_path, tmp_path / "build")
+    assert not (tmp_path / "build").exists()
 
 
 def test_run_llmc_stops_at_the_last_step_it_needs(tmp_path):

@@ -37,10 +37,20 @@ def _capability() -> str:
     return torch.backends.cpu.get_cpu_capability()  # asked once: pays() runs in every decode product
 
 
-@functools.cache
 def cpu_flags() -> str:
     """The CPU's flags line from /proc/cpuinfo (elsewhere platform.processor()): part of the kernel's cache key, and
-    what modules/packed.py reads AMX from."""
+    what modules/packed.py reads AMX from. GPT2_CPU_FLAGS (space-separated flags, as /proc/cpuinfo spells them) stands
+    in for the CPU's own: with torch's and oneDNN's own caps (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA) it makes this
+    machine take another CPU class's paths (.ci/cpu_classes.py), and the kernels are built for those flags
+    (native_target)."""
+    emulated = os.environ.get(CPU_FLAGS_ENV)
+    if emulated is not None:
+        return "flags\t\t: " + " ".join(emulated.split())
+    return _own_flags()
+
+
+@functools.cache
+def _own_flags() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
@@ -58,6 +68,22 @@ def _cache_dir() -> Path:
 
 NATIVE = ("-march=native",)
 AVX2 = ("-march=x86-64-v3", "-mno-avx512f")  # the AVX2 + FMA path, for testing it on a CPU that also has AVX512
+CPU_FLAGS_ENV = "GPT2_CPU_FLAGS"
+# the flags past AVX512's baseline (x86-64-v4) that the kernels' code is chosen by, and gcc's option for each
+_EXTENSIONS = (("avx512_vnni", "-mavx512vnni"), ("avx512_bf16", "-mavx512bf16"), ("amx_tile", "-mamx-tile"),
+               ("amx_int8", "-mamx-int8"), ("amx_bf16", "-mamx-bf16"))
+
+
+def native_target() -> tuple[str, ...]:
+    """The build's target for this CPU: -march=native, or under GPT2_CPU_FLAGS the instruction sets those flags name
+    (AVX2: x86-64-v3 without AVX512; AVX512: x86-64-v4 and the extensions listed), so a kernel built while this
+    machine stands in for another CPU holds to that CPU's instructions."""
+    if os.environ.get(CPU_FLAGS_ENV) is None:
+        return NATIVE
+    flags = set(cpu_flags().split())
+    if "avx512f" not in flags:
+        return AVX2
+    return ("-march=x86-64-v4", *(option for flag, option in _EXTENSIONS if flag in flags))
 
 
 def _cache_key(source: Path, flags: str = "") -> str:
@@ -73,6 +99,7 @@ def _build(target_flags: tuple[str, ...] = NATIVE, source: Path | None = None, e
     """Compile `source` (default rows.cpp) into the cache (once per source, flags, compiler and CPU); returns the
     shared library. modules/adamw.py builds its kernel here too."""
     source = source or SOURCE
+    target_flags = native_target() if target_flags == NATIVE else target_flags
     compiler = os.environ.get("CXX", "g++")
     target = _cache_dir() / f"{source.stem}-{_cache_key(source, ' '.join(target_flags + extra))}.so"
     if target.exists():

@@ -74,3 +74,28 @@ def test_x86_without_proc_cpuinfo_asks_torchs_cpuinfo(monkeypatch):
         monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda bf16=bf16: bf16)
         monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda amx=amx: amx)
         assert precision.bf16_matmul_is_fast("cpu") is fast
+
+
+def _ci_classes():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / ".ci" / "cpu_classes.py"
+    spec = importlib.util.spec_from_file_location("ci_cpu_classes", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_ci_stands_in_for_each_class_below_the_machines_own(tmp_path):
+    ci = _ci_classes()
+    assert ci.below("AMX") == ["AVX512-BF16", "AVX512", "AVX2"]
+    assert ci.below("AVX512-BF16") == ["AVX512", "AVX2"] and ci.below("AVX2") == [] and ci.below("other") == []
+    from bench.results import cpu_class
+
+    for name in ci.CLASSES:  # each class's flags read back as that class, and its kernels built for it
+        env = ci.class_env(name, tmp_path / name)
+        assert cpu_class(env["GPT2_CPU_FLAGS"].split()) == name
+        assert env["GPT2_KERNEL_CACHE"] != ci.class_env("AVX2", tmp_path / "AVX2")["GPT2_KERNEL_CACHE"] or \
+            name == "AVX2"  # a cache of its own: inductor's key misses torch's capability
+        assert env["ATEN_CPU_CAPABILITY"] == ("avx2" if name == "AVX2" else "avx512")

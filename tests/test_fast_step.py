@@ -144,6 +144,15 @@ def test_batches_of_padded_rows_take_decode_steps_steps(monkeypatch, form, quant
             torch.testing.assert_close(got, want, **tol)
 
 
+# torch's bf16 kernels of another vector width (ATen's AVX2 build) sum in another order: a value tipped to the next bf16
+# number early travels through the layers (under ATEN_CPU_CAPABILITY=avx2, .ci/cpu_classes.py: 55% and 85% of the values
+# equal, up to 0.03 apart); there the step is judged by its distance from fp32
+# (test_a_bf16_models_step_is_as_close_to_fp32_as_decode_step), as bf16 is a correctness path on AVX2 CPUs anyway
+AVX512_ROUNDING = pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() != "AVX512",
+                                     reason="decode_step's bf16 roundings are torch's AVX512 kernels'")
+
+
+@AVX512_ROUNDING
 @pytest.mark.parametrize("form", ["native", "avx2"])
 def test_batches_of_a_bf16_model_round_where_decode_step_does(form):
     """As test_a_bf16_models_step_rounds_where_decode_step_does, for 8 left-padded rows (torch's bf16 SDPA under a
@@ -174,6 +183,7 @@ def bf16_steps(model, lib=None, n_steps: int = 6):
         (torch.cat(want), ref.keys[..., :n, :], ref.values[..., :n, :])
 
 
+@AVX512_ROUNDING
 @pytest.mark.parametrize("form", ["native", "avx2"])
 def test_a_bf16_models_step_rounds_where_decode_step_does(form):
     """A bf16 model's step (gpt2_step_bf16): bf16 out, a bf16 cache, and every value rounded to bf16 where torch's bf16

@@ -63,6 +63,7 @@ from models.hub import data_dir, tokenizer_dir  # noqa: E402
 from models.loading import hf_to_ours  # noqa: E402
 from training.allocator import in_effect as allocator_in_effect  # noqa: E402
 from training.allocator import keep_freed_memory  # noqa: E402
+from training.precision import bf16_matmul_is_fast  # noqa: E402
 
 SECTIONS = ("train", "train-run", "forward", "generate", "memory", "xl", "checkpointing")
 # (case, dtype) -> [(ratio, minimum)] (issue 25; beam and time to first token: issue 15). Ratios: "same" = ours / the
@@ -687,7 +688,7 @@ def describe_machine() -> None:
               f"{'on' if torch.backends.cuda.matmul.allow_tf32 else 'off'}", flush=True)
         return
     caps = torch.backends.cpu.get_cpu_capability()
-    native_bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    native_bf16 = bf16_matmul_is_fast(DEVICE)  # the CPU's bf16 units (oneDNN also runs bf16 without them)
     malloc = "freed memory kept for reuse (--keep-freed-memory), for every contender" if allocator_in_effect() \
         else "glibc's default"
     print(f"torch's CPU capability {caps}, native bf16 GEMM: {'yes' if native_bf16 else 'no'}; transformers "

@@ -14,15 +14,15 @@ process at the machine's own capability).
 """
 from __future__ import annotations
 
-import os
-import re
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from path_matrix import run  # noqa: E402  (pytest on the tests with an environment: (passed, its summary))
 
 # class -> (the CPU's flags as /proc/cpuinfo spells them, torch's capability, oneDNN's ISA cap); fastest first
 CLASSES = {
@@ -44,16 +44,6 @@ def class_env(name: str, caches: Path) -> dict[str, str]:
     flags, capability, isa = CLASSES[name]
     return {"GPT2_CPU_FLAGS": flags, "ATEN_CPU_CAPABILITY": capability, "ONEDNN_MAX_CPU_ISA": isa,
             "GPT2_KERNEL_CACHE": str(caches / "kernels"), "TORCHINDUCTOR_CACHE_DIR": str(caches / "inductor")}
-
-
-def run(env: dict[str, str], tests: list[str]) -> tuple[bool, str]:
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests],
-                          cwd=ROOT, env={**os.environ, **env}, capture_output=True, text=True)
-    lines = [line for line in proc.stdout.splitlines() if re.search(r"\d+ (passed|failed|skipped|error)", line)]
-    summary = re.sub(r", \d+ warnings?", "", lines[-1].strip("= ")) if lines else f"exit {proc.returncode}"
-    if proc.returncode != 0:
-        print(proc.stdout[-6000:], proc.stderr[-2000:], sep="\n", flush=True)
-    return proc.returncode == 0, summary
 
 
 def main(tests: list[str]) -> int:

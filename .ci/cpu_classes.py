@@ -24,6 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from path_matrix import run  # noqa: E402  (pytest on the tests with an environment: (passed, its summary))
 
+from bench.results import CLASSES as ORDER  # noqa: E402  (the CPU classes, fastest first)
+from bench.results import cpu_class  # noqa: E402
+
 # class -> (the CPU's flags as /proc/cpuinfo spells them, torch's capability, oneDNN's ISA cap); fastest first
 CLASSES = {
     "AVX512-BF16": ("sse4_2 avx fma f16c avx2 bmi2 avx512f avx512dq avx512cd avx512bw avx512vl avx512_vnni "
@@ -32,7 +35,6 @@ CLASSES = {
                "AVX512_CORE_VNNI"),
     "AVX2": ("sse4_2 avx fma f16c avx2 bmi2", "avx2", "AVX2"),
 }
-ORDER = ("AMX", "AVX512-BF16", "AVX512", "AVX2", "other")
 
 
 def below(own: str) -> list[str]:
@@ -48,7 +50,6 @@ def class_env(name: str, caches: Path) -> dict[str, str]:
 
 def main(tests: list[str]) -> int:
     from bench.machine import cpu_model_and_flags
-    from bench.results import cpu_class
 
     model, flags = cpu_model_and_flags()
     own = cpu_class(flags)

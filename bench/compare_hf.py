@@ -480,7 +480,11 @@ def _print_utilisation(ours, ids: torch.Tensor, rates: dict, dtype: torch.dtype)
 def thread_choice_note(step) -> str | None:
     """The thread count ours' steps (make_run_step) ended on, of the most it chose from: a row taken on fewer threads
     than the cores (fit's choice, timed: a core it found busy) says so. None where nothing was chosen."""
-    threads = getattr(step, "threads", None)
+    return threads_note(getattr(step, "threads", None))
+
+
+def threads_note(threads) -> str | None:
+    """thread_choice_note's words for a DecodeThreads (steps_choice's) or None; bench/compare_llmc.py's worker too."""
     if threads is None or not threads.options:
         return None
     return f"ours' steps ended on {threads.best} of {threads.options[0]} threads (fit's choice, timed)"

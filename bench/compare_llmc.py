@@ -178,6 +178,7 @@ def worker(work: Path, dtype: str, steps: int) -> None:
     import safetensors.torch
     import torch
 
+    from bench.compare_hf import threads_note
     from config import GPT2Config
     from models.gpt2 import GPT2LMHeadModel
     from models.loading import hf_to_ours
@@ -212,9 +213,8 @@ def worker(work: Path, dtype: str, steps: int) -> None:
         losses.append(loss.item())
         seconds.append(time.perf_counter() - start)
     threads.close()
-    ended = threads.history[-1] if threads.history else torch.get_num_threads()
-    print(json.dumps({"losses": losses, "seconds": seconds,
-                      "threads": f"ours' steps ended on {ended} of {threads.original} threads (fit's choice)"}))
+    note = threads_note(threads) or f"ours' steps on torch's {torch.get_num_threads()} threads (GPT2_TRAIN_THREADS)"
+    print(json.dumps({"losses": losses, "seconds": seconds, "threads": note}))
 
 
 def batch_tokens(count: int) -> list[int]:

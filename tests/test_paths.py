@@ -288,21 +288,27 @@ def test_a_kernel_paths_reason_is_asked_of_its_module_at_each_call(clean_env):
     assert why_not() == "some kernel does not build or load here (needs x86-64 Linux and a C++ compiler)"
 
 
+def assert_taken_on_amx_or_forced(clean_env, p, module, measured: str, elsewhere: str):
+    """A path of paths._amx_default (module: its ENV and _amx_bf16): off without AMX, saying what is known elsewhere;
+    on with AMX, saying where it was measured; on when forced; and ENV=0 stops it running."""
+    assert p.default_here() == (False, f"no AMX: taken only when forced ({elsewhere})")
+    clean_env.setattr(module, "_amx_bf16", lambda: True)
+    assert p.default_here() == (True, f"AMX-BF16: measured faster ({measured})")
+    clean_env.setattr(module, "_amx_bf16", lambda: False)
+    clean_env.setenv(module.ENV, "force")
+    assert p.default_here() == (True, f"{module.ENV}=force")
+    clean_env.setenv(module.ENV, "0")
+    assert p.runs_here() == f"{module.ENV}=0"
+    clean_env.delenv(module.ENV)
+
+
 def test_packed_bf16_runs_where_onednn_has_bf16_and_is_taken_on_amx_or_forced(clean_env):
     p = paths.BY_NAME["packed-bf16"]
     clean_env.setattr(packed, "_bf16_kernels", lambda: True)
     clean_env.setattr(packed, "_amx_bf16", lambda: False)
     assert p.runs_here() is None
-    assert p.default_here() == (False, "no AMX: taken only when forced (on a Zen 4, AVX512-BF16: 1.03-1.09x for 250 "
-                                       "MB of copies)")
-    clean_env.setattr(packed, "_amx_bf16", lambda: True)
-    assert p.default_here() == (True, "AMX-BF16: measured faster (docs/performance.md)")
-    clean_env.setattr(packed, "_amx_bf16", lambda: False)
-    clean_env.setenv(packed.ENV, "force")
-    assert p.default_here() == (True, f"{packed.ENV}=force")
-    clean_env.setenv(packed.ENV, "0")
-    assert p.runs_here() == f"{packed.ENV}=0"
-    clean_env.delenv(packed.ENV)
+    assert_taken_on_amx_or_forced(clean_env, p, packed, "docs/performance.md",
+                                  "on a Zen 4, AVX512-BF16: 1.03-1.09x for 250 MB of copies")
     clean_env.setattr(packed, "_bf16_kernels", lambda: False)
     assert p.runs_here() == "oneDNN has no bf16 kernels on this CPU (needs AVX512-BF16 or AMX)"
 
@@ -315,15 +321,7 @@ def test_the_transposed_products_run_where_the_rows_kernel_builds_and_are_taken_
     clean_env.setattr(row_kernel, "available", lambda: True)
     clean_env.setattr(transposed, "_amx_bf16", lambda: False)
     assert p.runs_here() is None
-    assert p.default_here() == (False, "no AMX: taken only when forced (not measured on other CPUs)")
-    clean_env.setattr(transposed, "_amx_bf16", lambda: True)
-    assert p.default_here() == (True, "AMX-BF16: measured faster (modules/transposed.py)")
-    clean_env.setattr(transposed, "_amx_bf16", lambda: False)
-    clean_env.setenv(transposed.ENV, "force")
-    assert p.default_here() == (True, f"{transposed.ENV}=force")
-    clean_env.setenv(transposed.ENV, "0")
-    assert p.runs_here() == f"{transposed.ENV}=0"
-    clean_env.delenv(transposed.ENV)
+    assert_taken_on_amx_or_forced(clean_env, p, transposed, "modules/transposed.py", "not measured on other CPUs")
     clean_env.setattr(row_kernel, "available", lambda: False)
     assert p.runs_here() == ("the rows kernel (its transpose) does not build or load here (needs x86-64 Linux and a "
                              "C++ compiler)")

@@ -61,6 +61,7 @@ from config import GPT2Config  # noqa: E402
 from models.gpt2 import GPT2LMHeadModel  # noqa: E402
 from models.hub import data_dir, tokenizer_dir  # noqa: E402
 from models.loading import hf_to_ours  # noqa: E402
+from modules.rows import keep_inductor_cache_apart  # noqa: E402
 from training.allocator import in_effect as allocator_in_effect  # noqa: E402
 from training.allocator import keep_freed_memory  # noqa: E402
 from training.precision import bf16_matmul_is_fast  # noqa: E402
@@ -332,6 +333,7 @@ def contenders(args, state: dict, dtype: torch.dtype, bf16_row: bool, compile_ou
     impls = ["ours"] + ([] if bf16_row and args.skip_hf_bf16 else [f"hf-{i}" for i in args.hf_impls])
     models = {impl: build(impl, "gpt2", state, dtype) for impl in impls}
     if compile_ours:
+        keep_inductor_cache_apart()
         models["ours+compile"] = torch.compile(copy.deepcopy(models["ours"]))
     return models
 

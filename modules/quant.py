@@ -209,9 +209,11 @@ def _compiled_product(rows: torch.Tensor, weight: "Int8Weight", packed: bool) ->
                               "not the rows kernel (modules/rows.cpp): it saves memory, not time; its one-row product "
                               "read 1.7-2.4 GB/s of int8 weights against the kernel's 10-11 on a 2-core Zen 3 "
                               "(bench/rows_kernel.py)", stacklevel=3)
+            row_kernel.keep_inductor_cache_apart()
             _compiled_packed = torch.compile(_gemv_packed, dynamic=False)
         return _compiled_packed(rows, weight.q.view(torch.float32), weight.scale)
     if _compiled_gemv is None:
+        row_kernel.keep_inductor_cache_apart()
         _compiled_gemv = torch.compile(_gemv, dynamic=False)
     return _compiled_gemv(rows, weight.q, weight.scale)
 

@@ -86,6 +86,37 @@ def native_target() -> tuple[str, ...]:
     return ("-march=x86-64-v4", *(option for flag, option in _EXTENSIONS if flag in flags))
 
 
+CAPABILITY_ENV = "ATEN_CPU_CAPABILITY"
+INDUCTOR_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
+
+
+def _inductor_default_dir() -> str:
+    try:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+        return default_cache_dir()
+    except ImportError:  # another torch's layout: inductor's documented default
+        return os.path.join(tempfile.gettempdir(), "torchinductor_" + os.environ.get("USER", "user"))
+
+
+def keep_inductor_cache_apart() -> str | None:
+    """Call before torch.compile. torch 2.13's inductor keys its on-disk cache without torch's CPU capability: what a
+    process run with ATEN_CPU_CAPABILITY below the machine's (avx2 on an AVX512 CPU) compiles is served to later
+    processes at the machine's own capability, which then crash in it ("free(): invalid pointer", "double free") or
+    read wrong values, every run until the cache is deleted. So a process with ATEN_CPU_CAPABILITY set and no cache
+    directory of its own (TORCHINDUCTOR_CACHE_DIR unset, or set by inductor itself to its default) compiles into a
+    directory beside the default named by the capability. Returns the directory it chose, or None (nothing to do)."""
+    capability = os.environ.get(CAPABILITY_ENV, "").strip().lower()
+    if not capability:
+        return None
+    default = _inductor_default_dir()
+    chosen = os.environ.get(INDUCTOR_CACHE_ENV)
+    if chosen and os.path.abspath(chosen) != os.path.abspath(default):
+        return None  # the user's (or CI's) own directory: theirs to keep apart
+    apart = f"{default}-{''.join(c if c.isalnum() else '_' for c in capability)}"
+    os.environ[INDUCTOR_CACHE_ENV] = apart
+    return apart
+
+
 def _cache_key(source: Path, flags: str = "") -> str:
     """What a cached build (or the plan timed on it) depends on: the source, the flags, the compiler (its version,
     asked each time: an upgraded compiler at the same path builds anew), the CPU."""

@@ -3,7 +3,14 @@ sets our kernels are built for, and whether bf16 counts as fast, follow the emul
 only with bf16 matrix instructions, not wherever oneDNN runs bf16 (any AVX512 CPU)."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
+import torch
+from conftest import need_inductor
 
 from modules import rows
 from training import precision
@@ -99,3 +106,82 @@ def test_ci_stands_in_for_each_class_below_the_machines_own(tmp_path):
         assert env["GPT2_KERNEL_CACHE"] != ci.class_env("AVX2", tmp_path / "AVX2")["GPT2_KERNEL_CACHE"] or \
             name == "AVX2"  # a cache of its own: inductor's key misses torch's capability
         assert env["ATEN_CPU_CAPABILITY"] == ("avx2" if name == "AVX2" else "avx512")
+
+
+@pytest.fixture
+def inductor_env(monkeypatch, tmp_path):
+    """No cache directory chosen, inductor's default under tmp_path (it follows TMPDIR)."""
+    monkeypatch.delenv(rows.INDUCTOR_CACHE_ENV, raising=False)
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(rows.tempfile, "tempdir", None)  # gettempdir() caches its answer: ask TMPDIR again
+    return tmp_path
+
+
+def test_inductor_cache_kept_apart_only_under_another_capability(inductor_env, monkeypatch):
+    default = rows._inductor_default_dir()
+    assert default.startswith(str(inductor_env))
+    monkeypatch.delenv(rows.CAPABILITY_ENV, raising=False)
+    assert rows.keep_inductor_cache_apart() is None
+    assert os.environ.get(rows.INDUCTOR_CACHE_ENV) in (None, default)  # importing inductor sets its default
+    monkeypatch.setenv(rows.CAPABILITY_ENV, " AVX2 ")
+    assert rows.keep_inductor_cache_apart() == default + "-avx2"
+    assert os.environ[rows.INDUCTOR_CACHE_ENV] == default + "-avx2"
+    monkeypatch.setenv(rows.INDUCTOR_CACHE_ENV, default)  # what inductor writes back once it has compiled
+    monkeypatch.setenv(rows.CAPABILITY_ENV, "avx512/x")
+    assert rows.keep_inductor_cache_apart() == default + "-avx512_x"
+    own = str(inductor_env / "mine")
+    monkeypatch.setenv(rows.INDUCTOR_CACHE_ENV, own)  # a directory of the user's: left as it is
+    assert rows.keep_inductor_cache_apart() is None
+    assert os.environ[rows.INDUCTOR_CACHE_ENV] == own
+    monkeypatch.setenv(rows.CAPABILITY_ENV, "")
+    monkeypatch.delenv(rows.INDUCTOR_CACHE_ENV)
+    assert rows.keep_inductor_cache_apart() is None
+
+
+_INT8_ROW = """
+import torch
+from modules import quant
+torch.manual_seed(0)
+weight = quant.quantize(torch.randn(256, 128), "int8")
+x = torch.randn(1, 128)
+got = quant.int8_linear(x, weight, compiled=True, packed=False)
+want = quant.int8_linear(x, weight, compiled=False)
+print(torch.backends.cpu.get_cpu_capability(), float((got - want).abs().max()))
+"""
+
+
+def test_a_lower_capabilitys_compile_does_not_reach_the_machines_processes(inductor_env):
+    """The crash keep_inductor_cache_apart prevents, end to end: quant's compiled int8 loop built in a process run as
+    AVX2, then the same loop in a process at the machine's own capability (AVX512): without the guard the second
+    process loaded the first's kernel and died ("free(): invalid pointer")."""
+    need_inductor()
+    if torch.backends.cpu.get_cpu_capability() != "AVX512":
+        pytest.skip(f"needs a capability above AVX2 to stand below (torch's: "
+                    f"{torch.backends.cpu.get_cpu_capability()})")
+    env = {k: v for k, v in os.environ.items() if k not in (rows.CAPABILITY_ENV, rows.INDUCTOR_CACHE_ENV)}
+    root = Path(__file__).resolve().parents[1]
+    for capability in ("avx2", None):
+        run_env = dict(env, **({rows.CAPABILITY_ENV: capability} if capability else {}))
+        done = subprocess.run([sys.executable, "-c", _INT8_ROW], cwd=root, env=run_env, capture_output=True,
+                              text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        reported, diff = done.stdout.split()[-2:]
+        assert reported == (capability or "avx512").upper()
+        assert float(diff) < 1e-3
+    assert sorted(p.name for p in inductor_env.iterdir() if p.name.startswith("torchinductor_")) == [
+        Path(rows._inductor_default_dir()).name, Path(rows._inductor_default_dir()).name + "-avx2"]
+
+
+def test_fit_compiles_into_the_capabilitys_own_cache(monkeypatch, inductor_env):
+    """--compile under ATEN_CPU_CAPABILITY: the cache directory is chosen before torch.compile sees the model (torch
+    stood in by a recorder: no compile time)."""
+    from test_engine_parts import lm_batches, lm_loss, run_cfg, tiny_lm, token_rows
+
+    from training.engine import fit
+    monkeypatch.setenv(rows.CAPABILITY_ENV, "avx2")
+    chosen = []
+    monkeypatch.setattr(torch, "compile", lambda module, **kw: chosen.append(os.environ[rows.INDUCTOR_CACHE_ENV])
+                        or module)
+    fit(tiny_lm(), lm_batches(token_rows(4), 2), lm_loss, lambda model: {"acc": 0.0},
+        run_cfg(inductor_env, compile=True), {})
+    assert chosen == [rows._inductor_default_dir() + "-avx2"]

@@ -36,6 +36,7 @@ from tqdm import tqdm
 
 from models import decode_threads
 from models.decode_threads import LONGEST_PERIOD, TRAIN_ENV, DecodeThreads
+from modules.rows import keep_inductor_cache_apart
 from training import distributed as dist
 from training.allocator import keep_freed_memory
 from training.backward import Backward, LossOf, set_gradient_checkpointing, split_workers
@@ -217,6 +218,7 @@ def fit(model: nn.Module, batches: BatchSource, loss_fn: Callable, evaluate_fn: 
 
     trainer = dist.wrap(LossOf(model, loss_fn), device)  # DDP under torchrun; the model itself is trained either way
     if cfg.compile:
+        keep_inductor_cache_apart()
         trainer = torch.compile(trainer)
     params = [p for g in optimizer.param_groups for p in g["params"]]
     threads = torch.get_num_threads()

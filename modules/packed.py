@@ -26,7 +26,7 @@ import weakref
 import torch
 from torch import nn
 
-from modules.rows import cpu_flags
+from modules.rows import has_cpu_flag
 
 MIN_ROWS = 64
 ENV = "GPT2_PACKED_BF16"
@@ -37,7 +37,7 @@ _KEPT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 @functools.cache
 def _amx_bf16() -> bool:
-    return "amx_bf16" in cpu_flags().split() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    return has_cpu_flag("amx_bf16") and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
 @functools.cache

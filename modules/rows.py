@@ -49,6 +49,13 @@ def cpu_flags() -> str:
     return _own_flags()
 
 
+def has_cpu_flag(*names: str) -> bool:
+    """Whether the CPU's flags (cpu_flags: GPT2_CPU_FLAGS where set) name any of `names` (as /proc/cpuinfo spells them:
+    "amx_bf16", "avx512_bf16")."""
+    flags = set(cpu_flags().split())
+    return any(name in flags for name in names)
+
+
 @functools.cache
 def _own_flags() -> str:
     try:

@@ -54,7 +54,7 @@ LINEAR_MIN_WEIGHT = 1 << 20  # values of a linear layer's weight: gpt2's MLP has
 
 @functools.cache
 def _amx_bf16() -> bool:
-    return "amx_bf16" in rows.cpu_flags().split()
+    return rows.has_cpu_flag("amx_bf16")
 
 
 def available() -> bool:

@@ -185,3 +185,10 @@ def test_fit_compiles_into_the_capabilitys_own_cache(monkeypatch, inductor_env):
     fit(tiny_lm(), lm_batches(token_rows(4), 2), lm_loss, lambda model: {"acc": 0.0},
         run_cfg(inductor_env, compile=True), {})
     assert chosen == [rows._inductor_default_dir() + "-avx2"]
+
+
+def test_has_cpu_flag_reads_whole_flags_of_the_stand_in(emulate):
+    emulate("avx2 avx512_bf16x amx_tile")
+    assert rows.has_cpu_flag("amx_tile") and rows.has_cpu_flag("amx_bf16", "amx_tile")
+    assert not rows.has_cpu_flag("avx512_bf16")  # a whole flag, not a prefix of another
+    assert not rows.has_cpu_flag("amx_bf16") and not rows.has_cpu_flag()

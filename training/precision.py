@@ -33,12 +33,10 @@ def _onednn_bf16() -> bool:
 
 def _bf16_units() -> bool | None:
     """Whether this x86 CPU has bf16 matrix instructions (avx512_bf16 or amx_bf16); None off x86."""
-    from modules.rows import cpu_flags
+    from modules.rows import cpu_flags, has_cpu_flag
 
-    line = cpu_flags()
-    if line.startswith("flags"):
-        flags = line.split()
-        return "avx512_bf16" in flags or "amx_bf16" in flags
+    if cpu_flags().startswith("flags"):
+        return has_cpu_flag("avx512_bf16", "amx_bf16")
     if platform.machine().lower() in ("x86_64", "amd64"):  # x86 without /proc/cpuinfo: torch's cpuinfo
         return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
     return None

@@ -109,17 +109,17 @@ def keep_inductor_cache_apart() -> str | None:
     """Call before torch.compile. torch 2.13's inductor keys its on-disk cache without torch's CPU capability: what a
     process run with ATEN_CPU_CAPABILITY below the machine's (avx2 on an AVX512 CPU) compiles is served to later
     processes at the machine's own capability, which then crash in it ("free(): invalid pointer", "double free") or
-    read wrong values, every run until the cache is deleted. So a process with ATEN_CPU_CAPABILITY set and no cache
-    directory of its own (TORCHINDUCTOR_CACHE_DIR unset, or set by inductor itself to its default) compiles into a
-    directory beside the default named by the capability. Returns the directory it chose, or None (nothing to do)."""
+    read wrong values, every run until the cache is deleted. So a process with ATEN_CPU_CAPABILITY set compiles into a
+    folder of its own inside the cache directory it would use (TORCHINDUCTOR_CACHE_DIR, or inductor's default):
+    `capability-<value>`. Returns that folder, or None where the variable is not set (nothing to keep apart)."""
     capability = os.environ.get(CAPABILITY_ENV, "").strip().lower()
     if not capability:
         return None
-    default = _inductor_default_dir()
-    chosen = os.environ.get(INDUCTOR_CACHE_ENV)
-    if chosen and os.path.abspath(chosen) != os.path.abspath(default):
-        return None  # the user's (or CI's) own directory: theirs to keep apart
-    apart = f"{default}-{''.join(c if c.isalnum() else '_' for c in capability)}"
+    name = "capability-" + "".join(c if c.isalnum() else "_" for c in capability)
+    chosen = os.environ.get(INDUCTOR_CACHE_ENV) or _inductor_default_dir()
+    if os.path.basename(os.path.normpath(chosen)) == name:
+        return chosen  # kept apart already (an earlier call)
+    apart = os.path.join(chosen, name)
     os.environ[INDUCTOR_CACHE_ENV] = apart
     return apart
 

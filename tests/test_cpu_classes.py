@@ -124,18 +124,19 @@ def test_inductor_cache_kept_apart_only_under_another_capability(inductor_env, m
     assert rows.keep_inductor_cache_apart() is None
     assert os.environ.get(rows.INDUCTOR_CACHE_ENV) in (None, default)  # importing inductor sets its default
     monkeypatch.setenv(rows.CAPABILITY_ENV, " AVX2 ")
-    assert rows.keep_inductor_cache_apart() == default + "-avx2"
-    assert os.environ[rows.INDUCTOR_CACHE_ENV] == default + "-avx2"
-    monkeypatch.setenv(rows.INDUCTOR_CACHE_ENV, default)  # what inductor writes back once it has compiled
-    monkeypatch.setenv(rows.CAPABILITY_ENV, "avx512/x")
-    assert rows.keep_inductor_cache_apart() == default + "-avx512_x"
+    apart = os.path.join(default, "capability-avx2")
+    assert rows.keep_inductor_cache_apart() == apart
+    assert os.environ[rows.INDUCTOR_CACHE_ENV] == apart
+    assert rows.keep_inductor_cache_apart() == apart  # a second call (quant's, then fit's) does not nest it
+    assert os.environ[rows.INDUCTOR_CACHE_ENV] == apart
     own = str(inductor_env / "mine")
-    monkeypatch.setenv(rows.INDUCTOR_CACHE_ENV, own)  # a directory of the user's: left as it is
-    assert rows.keep_inductor_cache_apart() is None
-    assert os.environ[rows.INDUCTOR_CACHE_ENV] == own
+    monkeypatch.setenv(rows.INDUCTOR_CACHE_ENV, own)  # a directory of the user's: the folder inside it
+    monkeypatch.setenv(rows.CAPABILITY_ENV, "avx512/x")
+    assert rows.keep_inductor_cache_apart() == os.path.join(own, "capability-avx512_x")
     monkeypatch.setenv(rows.CAPABILITY_ENV, "")
     monkeypatch.delenv(rows.INDUCTOR_CACHE_ENV)
     assert rows.keep_inductor_cache_apart() is None
+    assert rows.INDUCTOR_CACHE_ENV not in os.environ
 
 
 _INT8_ROW = """
@@ -168,8 +169,7 @@ def test_a_lower_capabilitys_compile_does_not_reach_the_machines_processes(induc
         reported, diff = done.stdout.split()[-2:]
         assert reported == (capability or "avx512").upper()
         assert float(diff) < 1e-3
-    assert sorted(p.name for p in inductor_env.iterdir() if p.name.startswith("torchinductor_")) == [
-        Path(rows._inductor_default_dir()).name, Path(rows._inductor_default_dir()).name + "-avx2"]
+    assert (Path(rows._inductor_default_dir()) / "capability-avx2").is_dir()
 
 
 def test_fit_compiles_into_the_capabilitys_own_cache(monkeypatch, inductor_env):
@@ -184,7 +184,7 @@ def test_fit_compiles_into_the_capabilitys_own_cache(monkeypatch, inductor_env):
                         or module)
     fit(tiny_lm(), lm_batches(token_rows(4), 2), lm_loss, lambda model: {"acc": 0.0},
         run_cfg(inductor_env, compile=True), {})
-    assert chosen == [rows._inductor_default_dir() + "-avx2"]
+    assert chosen == [os.path.join(rows._inductor_default_dir(), "capability-avx2")]
 
 
 def test_has_cpu_flag_reads_whole_flags_of_the_stand_in(emulate):

@@ -124,6 +124,25 @@ def keep_inductor_cache_apart() -> str | None:
     return apart
 
 
+@functools.cache
+def inductor_why_not() -> str | None:
+    """Why torch.compile's inductor cannot build C++ here (asked once a process, by compiling a trivial function into
+    the cache keep_inductor_cache_apart chooses), or None. One cause seen: torch 2.13's C++ builder splits its command
+    line with shlex, so a quote in the path torch is installed under (a venv in "a newcomer's clone") fails every
+    compile with "No closing quotation"; the reason then names that path."""
+    keep_inductor_cache_apart()
+    try:
+        torch.compile(lambda x: x * 2 + 1, dynamic=False)(torch.ones(4))
+    except Exception as err:  # noqa: BLE001  (whatever inductor raises: its reason is the answer)
+        lines = [line.strip() for line in str(err).splitlines() if line.strip() and "TORCHDYNAMO" not in line]
+        why = f"{type(err).__name__}: {' '.join(lines)[:200]}"
+        if "No closing quotation" in why:
+            why += (f" (torch's C++ builder splits its command with shlex; torch is installed under "
+                    f"{Path(torch.__file__).parent}, whose quote breaks it)")
+        return why
+    return None
+
+
 def _cache_key(source: Path, flags: str = "") -> str:
     """What a cached build (or the plan timed on it) depends on: the source, the flags, the compiler (its version,
     asked each time: an upgraded compiler at the same path builds anew), the CPU."""

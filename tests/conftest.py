@@ -1,7 +1,6 @@
 """Shared fixtures: tiny configs, reference transformers models saved in HF format, the data folder."""
 from __future__ import annotations
 
-import functools
 import os
 import sys
 from pathlib import Path
@@ -96,24 +95,12 @@ def restore_threads():
     torch.set_num_threads(threads)
 
 
-@functools.cache
-def inductor_why_not() -> str | None:
-    """Why torch.compile's inductor cannot build C++ in this environment (asked once a process, on a trivial
-    function), or None. It fails, for one, where the venv's path holds an apostrophe (torch 2.13's C++ builder splits
-    its command line with shlex: "No closing quotation"), as CI's fresh-clone folder does on purpose; the project's
-    compiled int8 loop then falls back to the dequantized weight with a warning (tests/test_quant.py)."""
-    import torch
-
-    try:
-        torch.compile(lambda x: x * 2 + 1, dynamic=False)(torch.ones(4))
-    except Exception as err:  # noqa: BLE001  (whatever inductor raises: its reason is the skip's)
-        lines = [line.strip() for line in str(err).splitlines() if line.strip() and "TORCHDYNAMO" not in line]
-        return f"{type(err).__name__}: {' '.join(lines)[:200]}"
-    return None
-
-
 def need_inductor() -> None:
-    """Skip the calling test, naming why, where torch.compile cannot build C++ here (inductor_why_not)."""
+    """Skip the calling test, naming why, where torch.compile cannot build C++ here (modules/rows.py's
+    inductor_why_not: it fails, for one, where the venv's path holds an apostrophe, as CI's fresh-clone folder does on
+    purpose; the project's compiled int8 loop then falls back to the dequantized weight with a warning)."""
+    from modules.rows import inductor_why_not
+
     if why := inductor_why_not():
         pytest.skip(f"torch.compile cannot build C++ in this environment ({why})")
 

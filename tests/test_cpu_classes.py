@@ -179,6 +179,7 @@ def test_fit_compiles_into_the_capabilitys_own_cache(monkeypatch, inductor_env):
 
     from training.engine import fit
     monkeypatch.setenv(rows.CAPABILITY_ENV, "avx2")
+    monkeypatch.setattr("training.engine.compile_why_not", lambda device: None)
     chosen = []
     monkeypatch.setattr(torch, "compile", lambda module, **kw: chosen.append(os.environ[rows.INDUCTOR_CACHE_ENV])
                         or module)
@@ -192,3 +193,43 @@ def test_has_cpu_flag_reads_whole_flags_of_the_stand_in(emulate):
     assert rows.has_cpu_flag("amx_tile") and rows.has_cpu_flag("amx_bf16", "amx_tile")
     assert not rows.has_cpu_flag("avx512_bf16")  # a whole flag, not a prefix of another
     assert not rows.has_cpu_flag("amx_bf16") and not rows.has_cpu_flag()
+
+
+@pytest.fixture
+def fresh_inductor_answer():
+    rows.inductor_why_not.cache_clear()
+    yield
+    rows.inductor_why_not.cache_clear()
+
+
+def test_inductor_why_not_names_the_quoted_path_it_breaks_on(monkeypatch, fresh_inductor_answer):
+    def shlex_fails(fn, **kw):
+        raise ValueError("No closing quotation\n\nSet TORCHDYNAMO_VERBOSE=1 for the internal stack trace")
+    monkeypatch.setattr(torch, "compile", shlex_fails)
+    why = rows.inductor_why_not()
+    assert why.startswith("ValueError: No closing quotation (torch's C++ builder splits its command with shlex")
+    assert str(Path(torch.__file__).parent) in why and "TORCHDYNAMO" not in why
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)
+    assert rows.inductor_why_not() == why  # asked once a process
+    rows.inductor_why_not.cache_clear()
+    assert rows.inductor_why_not() is None
+
+
+def test_fit_trains_eagerly_with_a_warning_where_inductor_cannot_build(monkeypatch, tmp_path):
+    from test_engine_parts import lm_batches, lm_loss, run_cfg, tiny_lm, token_rows
+
+    from training.engine import fit
+    monkeypatch.setattr("training.engine.compile_why_not", lambda device: "ValueError: No closing quotation")
+    monkeypatch.setattr(torch, "compile", lambda *a, **kw: pytest.fail("compiled although inductor cannot build"))
+    with pytest.warns(UserWarning, match=r"--compile: torch.compile cannot build its C\+\+ here \(ValueError: No "
+                                         r"closing quotation\); training eagerly instead"):
+        result = fit(tiny_lm(), lm_batches(token_rows(4), 2), lm_loss, lambda model: {"acc": 0.0},
+                     run_cfg(tmp_path, compile=True), {})
+    assert result["steps_run"] == 2
+
+
+def test_compile_is_checked_where_inductor_builds_cpu_code(monkeypatch):
+    from training import engine
+    monkeypatch.setattr(engine, "inductor_why_not", lambda: "the reason")
+    assert engine.compile_why_not(torch.device("cpu")) == "the reason"
+    assert engine.compile_why_not(torch.device("meta")) is None  # another device: not inductor's C++ (triton on GPUs)

@@ -36,7 +36,7 @@ from tqdm import tqdm
 
 from models import decode_threads
 from models.decode_threads import LONGEST_PERIOD, TRAIN_ENV, DecodeThreads
-from modules.rows import keep_inductor_cache_apart
+from modules.rows import inductor_why_not, keep_inductor_cache_apart
 from training import distributed as dist
 from training.allocator import keep_freed_memory
 from training.backward import Backward, LossOf, set_gradient_checkpointing, split_workers
@@ -172,6 +172,11 @@ def steps_choice(key: tuple, active: bool = True) -> DecodeThreads:
                          start=decode_threads.free_cpus() if active else None)
 
 
+def compile_why_not(device: torch.device) -> str | None:
+    """Why --compile cannot run on `device` here (on the CPU: inductor's C++ build, rows.inductor_why_not), or None."""
+    return inductor_why_not() if device.type == "cpu" else None
+
+
 def fit(model: nn.Module, batches: BatchSource, loss_fn: Callable, evaluate_fn: Callable[[nn.Module], dict],
         cfg: TrainConfig, run_info: dict, tokenizer=None, resume_from: Checkpoint | None = None,
         report: Callable[[dict, bool, TrainConfig], str] | None = None, optimizer_groups: list | None = None) -> dict:
@@ -217,7 +222,10 @@ def fit(model: nn.Module, batches: BatchSource, loss_fn: Callable, evaluate_fn: 
         print(f"distributed: {world} processes, each on its slice of every batch of {cfg.batch_size}")
 
     trainer = dist.wrap(LossOf(model, loss_fn), device)  # DDP under torchrun; the model itself is trained either way
-    if cfg.compile:
+    if cfg.compile and (why := compile_why_not(device)):
+        warnings.warn(f"--compile: torch.compile cannot build its C++ here ({why}); training eagerly instead",
+                      stacklevel=2)
+    elif cfg.compile:
         keep_inductor_cache_apart()
         trainer = torch.compile(trainer)
     params = [p for g in optimizer.param_groups for p in g["params"]]

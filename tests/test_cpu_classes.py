@@ -117,7 +117,7 @@ def inductor_env(monkeypatch, tmp_path):
     return tmp_path
 
 
-def test_inductor_cache_kept_apart_only_under_another_capability(inductor_env, monkeypatch):
+def test_inductor_cache_kept_apart_wherever_a_capability_is_set(inductor_env, monkeypatch):
     default = rows._inductor_default_dir()
     assert default.startswith(str(inductor_env))
     monkeypatch.delenv(rows.CAPABILITY_ENV, raising=False)

@@ -53,7 +53,11 @@ CASES = {  # name -> (code, where, words the message must contain)
     "print_100MB": ("print('x' * 100_000_000)", "import", "output limit"),
     "raise_in_constructor": ("        raise ValueError('boom in the constructor')", "init", "boom in the constructor"),
     "syntax_error": ("def broken(:\n    pass", "import", "SyntaxError"),
-    "hard_coded_cuda": ("        torch.ones(1, device='cuda')", "init", "CUDA"),
+    "hard_coded_cuda": ("        torch.ones(1, device='cuda')", "init", "a hard-coded CUDA device"),
+    # what the same line raises under a CUDA build of torch (PyPI's default wheel) on a machine without a GPU
+    "hard_coded_cuda_on_a_cuda_build": ("        raise RuntimeError('Found no NVIDIA driver on your system. Please check "
+                                        "that you have an NVIDIA GPU and installed a driver')", "init",
+                                        "a hard-coded CUDA device"),
 }
 
 

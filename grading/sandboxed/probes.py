@@ -727,7 +727,7 @@ def main(name, resultdir, args, given_path=None):
     except BaseException as e:  # noqa: BLE001  (whatever the submission raises is a finding, not our crash)
         tb = traceback.format_exception(type(e), e, e.__traceback__)
         info.update(status="error", message=f"{type(e).__name__}: {e}{raised_at(e)}", traceback="".join(tb)[-4000:])
-        if "cuda" in str(e).lower():
+        if any(word in str(e).lower() for word in ("cuda", "nvidia")):  # a CPU build's words, then a CUDA build's
             info["device"] = "a hard-coded CUDA device: the code asks for 'cuda' on a machine without a GPU"
         if "memory" in str(e).lower() or "alloc" in str(e).lower():
             info["message"] += " (the sandbox's memory limit)"

@@ -87,10 +87,9 @@ def native_target() -> tuple[str, ...]:
     machine stands in for another CPU holds to that CPU's instructions."""
     if os.environ.get(CPU_FLAGS_ENV) is None:
         return NATIVE
-    flags = set(cpu_flags().split())
-    if "avx512f" not in flags:
+    if not has_cpu_flag("avx512f"):
         return AVX2
-    return ("-march=x86-64-v4", *(option for flag, option in _EXTENSIONS if flag in flags))
+    return ("-march=x86-64-v4", *(option for flag, option in _EXTENSIONS if has_cpu_flag(flag)))
 
 
 CAPABILITY_ENV = "ATEN_CPU_CAPABILITY"

@@ -72,8 +72,6 @@ def test_off_x86_onednns_check_decides(monkeypatch):
 
 
 def test_x86_without_proc_cpuinfo_asks_torchs_cpuinfo(monkeypatch):
-    import torch
-
     monkeypatch.setattr(rows, "cpu_flags", lambda: "Intel64 Family 6 Model 143")  # Windows' platform.processor()
     monkeypatch.setattr(precision.platform, "machine", lambda: "AMD64")
     monkeypatch.setattr(precision, "_onednn_bf16", lambda: True)
@@ -85,7 +83,6 @@ def test_x86_without_proc_cpuinfo_asks_torchs_cpuinfo(monkeypatch):
 
 def _ci_classes():
     import importlib.util
-    from pathlib import Path
 
     path = Path(__file__).resolve().parents[1] / ".ci" / "cpu_classes.py"
     spec = importlib.util.spec_from_file_location("ci_cpu_classes", path)
@@ -172,19 +169,24 @@ def test_a_lower_capabilitys_compile_does_not_reach_the_machines_processes(induc
     assert (Path(rows._inductor_default_dir()) / "capability-avx2").is_dir()
 
 
-def test_fit_compiles_into_the_capabilitys_own_cache(monkeypatch, inductor_env):
-    """--compile under ATEN_CPU_CAPABILITY: the cache directory is chosen before torch.compile sees the model (torch
-    stood in by a recorder: no compile time)."""
+def fit_with_compile(out: Path) -> dict:
+    """fit() of a tiny LM for two steps with --compile (the callers stand torch.compile in)."""
     from test_engine_parts import lm_batches, lm_loss, run_cfg, tiny_lm, token_rows
 
     from training.engine import fit
+    return fit(tiny_lm(), lm_batches(token_rows(4), 2), lm_loss, lambda model: {"acc": 0.0},
+               run_cfg(out, compile=True), {})
+
+
+def test_fit_compiles_into_the_capabilitys_own_cache(monkeypatch, inductor_env):
+    """--compile under ATEN_CPU_CAPABILITY: the cache directory is chosen before torch.compile sees the model (torch
+    stood in by a recorder: no compile time)."""
     monkeypatch.setenv(rows.CAPABILITY_ENV, "avx2")
     monkeypatch.setattr("training.engine.compile_why_not", lambda device: None)
     chosen = []
     monkeypatch.setattr(torch, "compile", lambda module, **kw: chosen.append(os.environ[rows.INDUCTOR_CACHE_ENV])
                         or module)
-    fit(tiny_lm(), lm_batches(token_rows(4), 2), lm_loss, lambda model: {"acc": 0.0},
-        run_cfg(inductor_env, compile=True), {})
+    fit_with_compile(inductor_env)
     assert chosen == [os.path.join(rows._inductor_default_dir(), "capability-avx2")]
 
 
@@ -216,15 +218,11 @@ def test_inductor_why_not_names_the_quoted_path_it_breaks_on(monkeypatch, fresh_
 
 
 def test_fit_trains_eagerly_with_a_warning_where_inductor_cannot_build(monkeypatch, tmp_path):
-    from test_engine_parts import lm_batches, lm_loss, run_cfg, tiny_lm, token_rows
-
-    from training.engine import fit
     monkeypatch.setattr("training.engine.compile_why_not", lambda device: "ValueError: No closing quotation")
     monkeypatch.setattr(torch, "compile", lambda *a, **kw: pytest.fail("compiled although inductor cannot build"))
     with pytest.warns(UserWarning, match=r"--compile: torch.compile cannot build its C\+\+ here \(ValueError: No "
                                          r"closing quotation\); training eagerly instead"):
-        result = fit(tiny_lm(), lm_batches(token_rows(4), 2), lm_loss, lambda model: {"acc": 0.0},
-                     run_cfg(tmp_path, compile=True), {})
+        result = fit_with_compile(tmp_path)
     assert result["steps_run"] == 2
 
 

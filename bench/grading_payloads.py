@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.util
 import json
+import marshal
 import os
 import pwd
 import shutil
@@ -533,8 +535,37 @@ def grader_files(checkout: Path) -> list[Path]:
     return [checkout / name for name in SOURCES]
 
 
-def changed(before: dict, after: dict) -> list[str]:
-    return sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+def faithful_bytecode(path: str) -> bool:
+    """True for a cache file that Python itself would have written: `__pycache__/<name>.<tag>[.opt-N].pyc` beside its
+    source, whose header matches that source as it is now (its mtime and size, or its hash) and whose code is exactly
+    what compiling the source gives. A venv installed without bytecode (`pip install --no-compile`, uv's default, an
+    image's) gets such files from any process that imports from it (the test run's own workers): they change nothing
+    that runs. A planted .pyc (other code, another header, no source) is not one."""
+    p = Path(path)
+    if p.parent.name != "__pycache__" or p.suffix != ".pyc":
+        return False
+    try:
+        source = importlib.util.source_from_cache(path)
+        data, text, st = p.read_bytes(), Path(source).read_bytes(), os.stat(source)
+    except (ValueError, OSError):
+        return False
+    if len(data) < 16 or data[:4] != importlib.util.MAGIC_NUMBER:
+        return False
+    flags = int.from_bytes(data[4:8], "little")
+    stamp = (int(st.st_mtime) & 0xFFFFFFFF).to_bytes(4, "little") + (st.st_size & 0xFFFFFFFF).to_bytes(4, "little")
+    if data[8:16] != {0: stamp, 1: importlib.util.source_hash(text), 3: importlib.util.source_hash(text)}.get(flags):
+        return False
+    level = next((part[4:] for part in p.name.split(".")[1:-1] if part.startswith("opt-")), "")
+    try:
+        return marshal.loads(data[16:]) == compile(text, source, "exec", dont_inherit=True, optimize=int(level or 0))
+    except (ValueError, TypeError, EOFError, SyntaxError):
+        return False
+
+
+def changed(before: dict, after: dict, bytecode_ok: bool = False) -> list[str]:
+    """The paths whose entry differs; with bytecode_ok, less the cache files faithful_bytecode accepts (a venv's)."""
+    paths = (k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+    return sorted(k for k in paths if not (bytecode_ok and faithful_bytecode(k)))
 
 
 def forbidden_rubric(path: Path) -> Path:
@@ -629,7 +660,7 @@ def run_matrix(mode: str, names: list[str], starter: Path, base: Path, user, tim
         findings = [m for c in data.get("checks", []) for m in c.get("messages", []) if m.startswith("finding")]
         rows.append({"payload": name, "mode": mode, "score": data.get("score"), "max": data.get("max_score"),
                      "exit": proc.returncode, "seconds": round(seconds, 1),
-                     "changed": {k: changed(before[k], after[k]) for k in before},
+                     "changed": {k: changed(before[k], after[k], bytecode_ok=k == "venv") for k in before},
                      "achieved": achieved,
                      "environment": data.get("environment", []), "findings": findings[:6],
                      "sandbox": {k: data.get("sandbox", {}).get(k) for k in ("uid", "read_only", "grader_code",
@@ -639,7 +670,8 @@ def run_matrix(mode: str, names: list[str], starter: Path, base: Path, user, tim
         print(f"  {mode:<8}{name:<24}{r['score']!s:>5}/{r['max']!s:<5} exit {r['exit']}  {r['seconds']:5.1f} s  "
               f"changed: {sum(map(len, r['changed'].values()))}  {'; '.join(r['achieved'])[:80]}", flush=True)
     end = {"grader": tree_state(grader_files(checkout)), "venv": tree_state(venv)}
-    rows.append({"payload": "(whole run)", "mode": mode, "changed": {k: changed(full[k], end[k]) for k in full},
+    rows.append({"payload": "(whole run)", "mode": mode, "changed": {k: changed(full[k], end[k], bytecode_ok=k == "venv")
+                                                          for k in full},
                  "files": {k: len(v) for k, v in full.items()}})
     return rows
 

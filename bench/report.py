@@ -117,10 +117,32 @@ def when(r: dict) -> str:
     return f"{date}{load}{commit}" + (" (transcribed)" if r.get("source") == "transcribed" else "")
 
 
+# Records from before the machine carried its core (bench/machine.py's cpu_core, 2026-12-04): the CPUs those classes
+# were measured on here (their GEMM rates in the machines table tell them apart: a Zen 5 runs bf16 at twice a Zen 4's).
+LEGACY_CORES = {("AVX2", "AMD EPYC"): "Zen 3", ("AVX512-BF16", "AMD EPYC"): "Zen 4"}
+
+
+def record_core(m: dict) -> str | None:
+    """The core design a record's machine has: its own "core" where it carries one, else LEGACY_CORES' (or None)."""
+    if "family" in m:
+        return m.get("core")
+    return LEGACY_CORES.get((m.get("class"), m.get("cpu")))
+
+
+def cpu_name(m: dict) -> str:
+    core = record_core(m)
+    return f"{m['cpu']} ({core})" if core and core not in m["cpu"] else m["cpu"]
+
+
+def cpu_and_class(m: dict) -> str:
+    core = record_core(m)
+    return f"{m['cpu']} ({core + ', ' if core and core not in m['cpu'] else ''}{m['class']})"
+
+
 def machine_name(m: dict) -> str:
     if m.get("device", "cpu") != "cpu":
         return f"{m['device']} (host: {m['cpu']}, {m['cores']} cores)"
-    return f"{m['class']}: {m['cpu']}, {m['cores']} cores"
+    return f"{m['class']}: {cpu_name(m)}, {m['cores']} cores"
 
 
 def table(header: list[str], rows: list[list[str]]) -> str:
@@ -132,7 +154,7 @@ def table(header: list[str], rows: list[list[str]]) -> str:
 # ---- selecting records --------------------------------------------------------------------------------------------
 
 def matching(records: list[dict], bench: str | None = None, row: str | None = None, cls: str | None = None,
-             device: str | None = None) -> list[dict]:
+             device: str | None = None, core: str | None = None) -> list[dict]:
     out = []
     for r in records:
         m = r["machine"]
@@ -141,10 +163,35 @@ def matching(records: list[dict], bench: str | None = None, row: str | None = No
             continue
         if device == "cuda" and on_cpu or device in (None, "cpu") and not on_cpu:
             continue
-        if cls and m.get("class") != cls:
+        if cls and m.get("class") != cls or core and record_core(m) != core:
             continue
         out.append(r)
     return out
+
+
+def kinds(records: list[dict]) -> list[tuple[str, str | None, str]]:
+    """(class, core, label) for each kind of CPU the CPU records come from, in CLASSES' order: a class measured on one
+    core design is one kind (core None: every record of the class; label the class), a class measured on several is
+    one kind a core ("AVX512-BF16 (Zen 5)"), since the same flags run at different speeds on them."""
+    cores: dict[str, set] = {}
+    for r in records:
+        m = r["machine"]
+        if m.get("device", "cpu") == "cpu" and m.get("class") in CLASSES:
+            cores.setdefault(m["class"], set()).add(record_core(m))
+    out = []
+    for cls in CLASSES:
+        found = sorted(cores.get(cls, ()), key=lambda c: c or "")
+        if len(found) <= 1:
+            out.append((cls, None, cls))
+        else:
+            out += [(cls, core, f"{cls} ({core or 'core unknown'})") for core in found]
+    return out
+
+
+def kind_label(m: dict, records: list[dict]) -> str:
+    """The label of the kind (kinds) a record's machine is of."""
+    return next((label for cls, core, label in kinds(records)
+                 if m.get("class") == cls and (core is None or record_core(m) == core)), m.get("class", ""))
 
 
 def quiet(r: dict) -> bool:
@@ -175,7 +222,7 @@ def best_other(values: dict) -> tuple[str | None, float | None]:
 def machines(records: list[dict], **_) -> str:
     seen: dict[tuple, list[dict]] = {}
     for r in matching(records, bench="compare_hf", row="machine"):
-        seen.setdefault((CLASSES.index(r["machine"]["class"]), r["machine"]["cpu"]), []).append(r)
+        seen.setdefault((CLASSES.index(r["machine"]["class"]), cpu_name(r["machine"])), []).append(r)
     rows = []
     for (_, cpu), rs in sorted(seen.items()):
         m = rs[-1]["machine"]
@@ -211,8 +258,9 @@ def compare_row(r: dict, runs: list[dict]) -> list[str]:
             r.get("notes") or "", when(r)]
 
 
-def compare_hf(records: list[dict], cls: str | None = None, device: str | None = None, **_) -> str:
-    chosen = matching(records, bench="compare_hf", cls=cls, device=device or "cpu")
+def compare_hf(records: list[dict], cls: str | None = None, device: str | None = None, core: str | None = None,
+               **_) -> str:
+    chosen = matching(records, bench="compare_hf", cls=cls, device=device or "cpu", core=core)
     rows = []
     for name in COMPARE_ROWS:
         runs = [r for r in chosen if r["row"] == name]
@@ -239,12 +287,12 @@ def runs_of_commit(records: list[dict], latest: dict) -> str:
 
 def commands(records: list[dict], **_) -> str:
     rows = []
-    for cls in CLASSES:
-        main = matching(records, bench="commands", row="main job", cls=cls)
-        suite = matching(records, bench="commands", row="test suite", cls=cls)
+    for cls, core, label in kinds(records):
+        main = matching(records, bench="commands", row="main job", cls=cls, core=core)
+        suite = matching(records, bench="commands", row="test suite", cls=cls, core=core)
         if not main and not suite:
             continue
-        cells = [cls]
+        cells = [label]
         m = latest(main)
         if m:
             v = m["values"]
@@ -273,8 +321,9 @@ def minutes(seconds: float) -> str:
     return f"{m} min {s} s" if m else f"{s} s"
 
 
-def one_bench(records: list[dict], bench: str, cls: str | None = None, device: str | None = None, **_) -> str:
-    chosen = matching(records, bench=bench, cls=cls, device=device or "cpu")
+def one_bench(records: list[dict], bench: str, cls: str | None = None, device: str | None = None,
+              core: str | None = None, **_) -> str:
+    chosen = matching(records, bench=bench, cls=cls, device=device or "cpu", core=core)
     order = list(dict.fromkeys(r["row"] for r in chosen))
     rows = []
     for name in order:
@@ -293,10 +342,10 @@ def one_bench(records: list[dict], bench: str, cls: str | None = None, device: s
 def _ratio_per_class(bench: str, row: str, suffix: str = "transformers") -> callable:
     def read(records: list[dict]) -> tuple[str, list[dict]]:
         parts, used = [], []
-        for cls in CLASSES:
-            r = latest(matching(records, bench=bench, row=row, cls=cls))
+        for cls, core, label in kinds(records):
+            r = latest(matching(records, bench=bench, row=row, cls=cls, core=core))
             if r and r.get("ratio") is not None:
-                parts.append(f"{times(r['ratio'])} {suffix} ({cls})")
+                parts.append(f"{times(r['ratio'])} {suffix} ({label})")
                 used.append(r)
         return "; ".join(parts), used
     return read
@@ -318,12 +367,12 @@ def _latest(bench: str, row: str, fmt: callable) -> callable:
 
 def _gemm_ratio(records: list[dict]) -> tuple[str, list[dict]]:
     parts, used = [], []
-    for cls in CLASSES:
-        runs = [r for r in matching(records, bench="compare_hf", row="machine", cls=cls)
+    for cls, core, label in kinds(records):
+        runs = [r for r in matching(records, bench="compare_hf", row="machine", cls=cls, core=core)
                 if r["values"].get("fp32 GEMM GFLOP/s") and r["values"].get("bf16 GEMM GFLOP/s")]
         if runs:
             ratios = [r["values"]["bf16 GEMM GFLOP/s"] / r["values"]["fp32 GEMM GFLOP/s"] for r in runs]
-            parts.append(f"{span(ratios, times)} ({cls})")
+            parts.append(f"{span(ratios, times)} ({label})")
             used.append(latest(runs))
     return "; ".join(parts), used
 
@@ -332,13 +381,14 @@ def _v(r: dict, key: str, fmt: str = "{:g}") -> str:
     return fmt.format(r["values"][key])
 
 
-def _latest_curves(records: list[dict], cls: str | None = None) -> dict[tuple[str, str], dict]:
+def _latest_curves(records: list[dict], cls: str | None = None,
+                   core: str | None = None) -> dict[tuple[str, str], dict]:
     """bench/bf16_curve.py's latest record of each precision compared with fp32, by (precision, CPU class): bf16
     runs on other units (or none) on each class."""
     runs: dict[tuple[str, str], list[dict]] = {}
-    for r in matching(records, bench="bf16_curve", cls=cls):
+    for r in matching(records, bench="bf16_curve", cls=cls, core=core):
         dtype = next(k for k in r["values"] if not k.startswith("fp32"))
-        runs.setdefault((dtype, r["machine"].get("class", "")), []).append(r)
+        runs.setdefault((dtype, kind_label(r["machine"], records)), []).append(r)
     return {key: latest(rs) for key, rs in runs.items()}
 
 
@@ -350,11 +400,11 @@ def _curve_claim(records: list[dict]) -> tuple[str, list[dict]]:
     return "; ".join(parts), list(last.values())
 
 
-def bf16_curve(records: list[dict], cls: str | None = None, **_) -> str:
+def bf16_curve(records: list[dict], cls: str | None = None, core: str | None = None, **_) -> str:
     """bench/bf16_curve.py: each precision's final loss over the whole val split against fp32's and its noise (the
     latest run of each)."""
     rows = []
-    for (dtype, _), r in _latest_curves(records, cls).items():
+    for (dtype, _), r in _latest_curves(records, cls, core).items():
         rows.append([dtype, f"{r['values'][dtype]:.4f}", f"{r['values']['fp32']:.4f}",
                      f"{r['values']['fp32 other seed']:.4f}", f"{r['difference']:.4f}", f"{r['noise']:.4f}",
                      {True: "yes", False: "no", None: ""}[r.get("met")], r.get("notes") or "",
@@ -365,11 +415,12 @@ def bf16_curve(records: list[dict], cls: str | None = None, **_) -> str:
                   "fp32 seed to seed", "within noise?", "notes", "machine, date, load, commit"], rows)
 
 
-def _engine_records(records: list[dict], busy: bool, cls: str | None = None) -> dict[str, dict]:
+def _engine_records(records: list[dict], busy: bool, cls: str | None = None,
+                    core: str | None = None) -> dict[str, dict]:
     """The latest compare_engines decode record per engine (quiet runs, or runs with busy processes), of one CPU
     class where `cls` is given."""
     runs: dict[str, list[dict]] = {}
-    for r in matching(records, bench="compare_engines", cls=cls):
+    for r in matching(records, bench="compare_engines", cls=cls, core=core):
         if r.get("kind") == "decode" and bool(r.get("busy")) == busy:
             runs.setdefault(r["engine"], []).append(r)
     return {e: latest(rs) for e, rs in runs.items()}
@@ -379,8 +430,8 @@ def _engines_claim(records: list[dict]) -> tuple[str, list[dict]]:
     """Per CPU class: ours fp32, int8, w8a8, int4 and w4a8 against the engines of their targets, quiet."""
     pairs = list(TARGETS.items())
     classes, used = [], []
-    for cls in CLASSES:
-        last, parts = _engine_records(records, busy=False, cls=cls), []
+    for cls, core, label in kinds(records):
+        last, parts = _engine_records(records, busy=False, cls=cls, core=core), []
         for ours, others in pairs:
             if ours in last and all(o in last for o in others):
                 rate = last[ours]["values"][ours]
@@ -388,21 +439,22 @@ def _engines_claim(records: list[dict]) -> tuple[str, list[dict]]:
                 parts.append(f"{ours[5:]} {num(rate)} tokens/s: {against}")
                 used += [last[ours]] + [last[o] for o in others]
         if parts:
-            classes.append(f"{cls}: " + "; ".join(parts))
+            classes.append(f"{label}: " + "; ".join(parts))
     return " / ".join(classes), used
 
 
 def _busy_claim(records: list[dict]) -> tuple[str, list[dict]]:
     """Per CPU class: ours fp32 with one busy process, against its quiet speed and ONNX Runtime's under that load."""
     parts, used = [], []
-    for cls in CLASSES:
-        busy, quiet = _engine_records(records, busy=True, cls=cls), _engine_records(records, busy=False, cls=cls)
+    for cls, core, label in kinds(records):
+        busy = _engine_records(records, busy=True, cls=cls, core=core)
+        quiet = _engine_records(records, busy=False, cls=cls, core=core)
         if not all(e in busy for e in ("ours-fp32", "ort-fp32")) or "ours-fp32" not in quiet:
             continue
         rate = busy["ours-fp32"]["values"]["ours-fp32"]
         parts.append(f"fp32 {num(rate)} tokens/s, {100 * rate / quiet['ours-fp32']['values']['ours-fp32']:.0f}% of "
                      f"quiet; {times(rate / busy['ort-fp32']['values']['ort-fp32'])} ONNX Runtime fp32 under the "
-                     f"same load ({cls})")
+                     f"same load ({label})")
         used += [busy["ours-fp32"], busy["ort-fp32"], quiet["ours-fp32"]]
     return "; ".join(parts), used
 
@@ -412,10 +464,10 @@ def _threads_claim(records: list[dict]) -> tuple[str, list[dict]]:
     a busy core: the decode steps (bench/compare_engines.py's "thread choice" rows) and, where recorded, a long
     prompt's blocks (its "prompt thread choice" rows)."""
     parts, used = [], []
-    for cls in CLASSES:
+    for cls, core, label in kinds(records):
         found = []
         for kind, what in (("threads", "decode"), ("prompt-threads", "prompt")):
-            runs = {busy: [r for r in matching(records, bench="compare_engines", cls=cls)
+            runs = {busy: [r for r in matching(records, bench="compare_engines", cls=cls, core=core)
                            if r.get("kind") == kind and bool(r.get("busy")) == busy] for busy in (False, True)}
             last = {busy: latest(rs) for busy, rs in runs.items() if rs}
             if last:
@@ -427,9 +479,9 @@ def _threads_claim(records: list[dict]) -> tuple[str, list[dict]]:
             continue
         threads = next(iter(found[0][2].values())).get("threads")
         if [what for what, _, _ in found] == ["decode"]:  # (records from before the prompt's choice)
-            parts.append(f"{cls}: " + ", ".join(found[0][1]) + f" (against {threads} threads fixed)")
+            parts.append(f"{label}: " + ", ".join(found[0][1]) + f" (against {threads} threads fixed)")
         else:
-            parts.append(f"{cls}: " + "; ".join(f"{what} " + ", ".join(texts) for what, texts, _ in found)
+            parts.append(f"{label}: " + "; ".join(f"{what} " + ", ".join(texts) for what, texts, _ in found)
                          + f" (against {threads} threads fixed)")
         used += [r for _, _, last in found for r in last.values()]
     return "; ".join(parts), used
@@ -439,10 +491,10 @@ def _train_threads_claim(records: list[dict]) -> tuple[str, list[dict]]:
     """Per CPU class and dtype: fit's thread choice against each fixed count (bench/train_threads.py), quiet and
     with a core busy."""
     parts, used = [], []
-    for cls in CLASSES:
+    for cls, core, label in kinds(records):
         texts = []
         for dtype in ("fp32", "bf16"):
-            runs = {busy: [r for r in matching(records, bench="train_threads", cls=cls)
+            runs = {busy: [r for r in matching(records, bench="train_threads", cls=cls, core=core)
                            if r["row"].startswith(f"fine-tune sst gpt2 {dtype}") and bool(r.get("busy")) == busy]
                     for busy in (False, True)}
             last = {busy: latest(rs) for busy, rs in runs.items() if rs}
@@ -457,7 +509,7 @@ def _train_threads_claim(records: list[dict]) -> tuple[str, list[dict]]:
             texts.append(f"{dtype} " + "; ".join(said))
             used += list(last.values())
         if texts:
-            parts.append(f"{cls}: " + "; ".join(texts))
+            parts.append(f"{label}: " + "; ".join(texts))
     return "; ".join(parts), used
 
 
@@ -465,15 +517,15 @@ def _race_claim(records: list[dict]) -> tuple[str, list[dict]]:
     """bench/speedrun.py against nanoGPT: per CPU class, the fastest recipe of the latest race (its records share a
     date) and its time against nanoGPT's."""
     parts, used = [], []
-    for cls in CLASSES:
-        runs = [r for r in matching(records, bench="speedrun", cls=cls)
+    for cls, core, label in kinds(records):
+        runs = [r for r in matching(records, bench="speedrun", cls=cls, core=core)
                 if r["row"].startswith("time to nanogpt's val loss: ") and r.get("ratio") is not None
                 and not r["row"].endswith((": nanogpt", ": baseline"))]
         if not runs:
             continue
         last = latest(runs)["date"]
         r = min((r for r in runs if r["date"] == last), key=lambda r: r["ratio"])
-        parts.append(f"{cls}: {r['row'].rsplit(': ', 1)[1]} in {times(r['ratio'])} nanoGPT's training time "
+        parts.append(f"{label}: {r['row'].rsplit(': ', 1)[1]} in {times(r['ratio'])} nanoGPT's training time "
                      f"({_v(r, 'seconds to target', '{:.1f}')} vs {_v(r, 'nanogpt s', '{:.1f}')} s)")
         used.append(r)
     return "; ".join(parts), used
@@ -483,18 +535,18 @@ def _llmc_claim(records: list[dict]) -> tuple[str, list[dict]]:
     """bench/compare_llmc.py, per CPU class, quiet: ours' fp32 and bf16 steps against llm.c's fp32 trainer, with
     the fp32 losses' agreement."""
     parts, used = [], []
-    for cls in CLASSES:
+    for cls, core, label in kinds(records):
         said = []
         for dtype in ("fp32", "bf16"):
             r = latest(matching(records, bench="compare_llmc", row=f"train step gpt2 4x64 {dtype} vs llm.c fp32",
-                                cls=cls))
+                                cls=cls, core=core))
             if r:
                 agree = re.search(r"losses step by step within (\S+) of llm.c's", r.get("notes") or "")
                 said.append(f"{dtype} {times(r['ratio'])}" + (f" (losses within {agree[1]} of llm.c's)" if agree and
                                                                 dtype == "fp32" else ""))
                 used.append(r)
         if said:
-            parts.append(f"{cls}: " + ", ".join(said))
+            parts.append(f"{label}: " + ", ".join(said))
     return "; ".join(parts), used
 
 
@@ -568,7 +620,7 @@ def claims(records: list[dict], **_) -> str:
         if not used:
             continue
         machines_ = "; ".join(dict.fromkeys(
-            f"{r['machine']['cpu']} ({r['machine']['class']}), {r['date'][:10]}" if r["machine"]["class"] != "other"
+            f"{cpu_and_class(r['machine'])}, {r['date'][:10]}" if r["machine"]["class"] != "other"
             else f"CPU not recorded, {r['date'][:10]}" for r in used))
         rows.append([text, result, machines_])
     return table(["what", "result", "machine, date"], rows)
@@ -577,12 +629,12 @@ def claims(records: list[dict], **_) -> str:
 ENGINE_FORMATS = {"ours": "ours", "hf": "transformers", "ort": "ONNX Runtime", "llama": "llama.cpp"}
 
 
-def engines(records: list[dict], cls: str | None = None, **_) -> str:
+def engines(records: list[dict], cls: str | None = None, core: str | None = None, **_) -> str:
     """bench/compare_engines.py on one CPU class: per engine, greedy batch-1 decoding on a quiet machine (its share of
     its own bandwidth limit, against ours fp32, its tokens against transformers fp32), the same with busy processes
     beside it, the time to the first token of the decode rows' 16-token prompt and the prefill time; then the runs
     it comes from."""
-    chosen = [r for r in matching(records, bench="compare_engines", cls=cls) if "engine" in r]
+    chosen = [r for r in matching(records, bench="compare_engines", cls=cls, core=core) if "engine" in r]
     order = {e: i for i, e in enumerate(ENGINES)}  # the bench's own order; an engine it no longer has, last
     names = sorted(dict.fromkeys(r["engine"] for r in chosen), key=lambda e: order.get(e, len(order)))
     pick = {}
@@ -657,7 +709,8 @@ def render(spec: str, records: list[dict]) -> str:
     words = spec.split()
     options = dict(w.split("=", 1) for w in words if "=" in w)
     names = [w for w in words if "=" not in w]
-    kwargs = {"cls": options.get("class"), "device": options.get("device")}
+    kwargs = {"cls": options.get("class"), "device": options.get("device"),
+              "core": options["core"].replace("-", " ") if "core" in options else None}  # core=Zen-5: "Zen 5"
     if not names and "bench" in options:
         return one_bench(records, options["bench"], **kwargs)
     if len(names) != 1 or names[0] not in TABLES:

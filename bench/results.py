@@ -8,7 +8,8 @@ by hand).
     rec.write()                                  # appends the rows to bench/results/compare_hf.jsonl
 
 A record: {"bench", "row", "values": {contender: number}, "unit", "ratio", "ratio_of", "target", "met", "notes",
-"machine": {"cpu", "class", "flags", "cores", "torch", "threads", "device"}, "commit", "date", "load", "source"}.
+"machine": {"cpu", "class", "flags", "cores", "torch", "threads", "device", "core", "family", "model"}, "commit",
+"date", "load", "source"} ("core": the core design, bench/machine.py's cpu_core, where known; from 2026-12-04).
 `source` is "run" for a record a benchmark wrote, "transcribed" for a figure carried over from the docs of an earlier
 commit (its run's commit was not recorded there). `GPT2_BENCH_RESULTS=<folder>` writes elsewhere (the tests do),
 `GPT2_BENCH_RESULTS=off` writes nothing.
@@ -23,7 +24,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench.machine import FLAGS, cpu_model_and_flags
+from bench.machine import FLAGS, cpu_core, cpu_model_and_flags
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -59,6 +60,9 @@ def machine_info(device: str = "cpu") -> dict:
     info = {"cpu": model, "class": cpu_class(flags), "flags": [f for f in FLAGS if flags and f in flags],
             "cores": os.cpu_count(), "torch": version,
             "threads": torch.get_num_threads() if torch is not None else None, "device": device}
+    core = cpu_core()
+    if core is not None:  # the core design under a model name that may not say it (bench/machine.py)
+        info.update(core)
     if device.startswith("cuda") and torch is not None and torch.cuda.is_available():
         info["device"] = torch.cuda.get_device_name(0)
     if torch is not None:  # which CPU-dependent path each operation took (models/paths.py)

@@ -278,3 +278,52 @@ def test_the_train_runs_rows_note_the_thread_count_ours_ended_on(monkeypatch):
             step()
         assert compare_hf.thread_choice_note(step) == note
     assert compare_hf.thread_choice_note(lambda: 0.0) is None  # transformers' steps choose nothing
+
+
+@pytest.mark.parametrize("vendor, family, model, core", [
+    ("AuthenticAMD", 25, 0x01, "Zen 3"), ("AuthenticAMD", 25, 0x21, "Zen 3"), ("AuthenticAMD", 25, 0x11, "Zen 4"),
+    ("AuthenticAMD", 25, 0x61, "Zen 4"), ("AuthenticAMD", 25, 0xA0, "Zen 4"), ("AuthenticAMD", 26, 0x02, "Zen 5"),
+    ("AuthenticAMD", 26, 0x44, "Zen 5"), ("AuthenticAMD", 23, 0x31, None), ("GenuineIntel", 6, 0x8F, "Sapphire Rapids"),
+    ("GenuineIntel", 6, 0xCF, "Emerald Rapids"), ("GenuineIntel", 6, 0x6A, "Ice Lake"), ("GenuineIntel", 6, 0x99, None),
+    ("GenuineIntel", 19, 0x01, None)])
+def test_the_core_design_behind_a_model_name_that_does_not_say_it(vendor, family, model, core):
+    """A cloud's cpuinfo says 'AMD EPYC' for a Zen 3, 4 and 5 alike: the family and model name the core (this host,
+    2026-12-04: family 26 model 2, a Zen 5 with twice the Zen 4's bf16 GEMM on the same flags)."""
+    from bench.machine import cpu_core, machine_header
+
+    info = (f"processor\t: 0\nvendor_id\t: {vendor}\ncpu family\t: {family}\nmodel\t\t: {model}\n"
+            f"model name\t: AMD EPYC\nflags\t\t: avx2\n\nprocessor\t: 1\nvendor_id\t: {vendor}\ncpu family\t: 99\n")
+    assert cpu_core(info) == {"core": core, "family": family, "model": model}
+    named = f"{core}, " if core else ""
+    assert machine_header(info).startswith(f"machine: AMD EPYC ({named}family {family} model {model}), ")
+    assert cpu_core("model name : AMD EPYC\n") is None and cpu_core("") is None  # no family: nothing made up
+
+
+def test_a_class_measured_on_two_cores_is_two_kinds_and_old_records_keep_their_core():
+    """Records carry the core from 2026-12-04; older AVX512-BF16 'AMD EPYC' records are the Zen 4's and AVX2 ones the
+    Zen 3's. A class with records from two cores splits into a kind a core (tables by `core=`, claims by label); a
+    class from one core stays one kind under its class's name."""
+    def on(core, ratio, date, cls="AMX", family=26):
+        r = record(cls=cls, ratio=ratio, date=date)
+        r["machine"]["cpu"] = "AMD EPYC"
+        if core is not False:
+            r["machine"].update(core=core, family=family, model=2)
+        return r
+    old, new = on(False, 1.13, "2026-11-29T10:00Z"), on("Zen 5", 1.47, "2026-12-04T16:00Z")
+    for r in (old, new):
+        r["machine"].update({"class": "AVX512-BF16", "flags": ["avx2", "avx512f", "avx512_bf16"]})
+    amx = on(None, 1.48, "2026-12-03T10:00Z", family=6)
+    recs = [old, new, amx]
+    assert [report.record_core(r["machine"]) for r in recs] == ["Zen 4", "Zen 5", None]
+    assert report.kinds(recs)[:3] == [("AMX", None, "AMX"), ("AVX512-BF16", "Zen 4", "AVX512-BF16 (Zen 4)"),
+                                      ("AVX512-BF16", "Zen 5", "AVX512-BF16 (Zen 5)")]
+    zen4, zen5 = (report.render(f"compare-hf class=AVX512-BF16 core={c}", recs) for c in ("Zen-4", "Zen-5"))
+    assert "| 1.13x |" in zen4 and "1.47x" not in zen4 and "AMD EPYC (Zen 4), 2 cores" in zen4
+    assert "| 1.47x |" in zen5 and "1.13x" not in zen5 and "AMD EPYC (Zen 5), 2 cores" in zen5
+    both = report.render("compare-hf class=AVX512-BF16", recs)
+    assert "| 1.47x |" in both and "1.13x-1.47x (2 runs)" in both  # no core: the class as before
+    text, used = report._ratio_per_class("compare_hf", "forward fp32")(recs)
+    assert text == ("1.48x transformers (AMX); 1.13x transformers (AVX512-BF16 (Zen 4)); "
+                    "1.47x transformers (AVX512-BF16 (Zen 5))"), text
+    assert report.kinds([old, amx])[1] == ("AVX512-BF16", None, "AVX512-BF16")  # one core: one kind, as before
+    assert report.cpu_and_class(new["machine"]) == "AMD EPYC (Zen 5, AVX512-BF16)"

@@ -31,9 +31,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.machine import cpu_model_and_flags, print_machine_header  # noqa: E402
+from bench.machine import cpu_core, cpu_model_and_flags, print_machine_header  # noqa: E402
 from bench.pretrain_shakespeare import precise_val_loss  # noqa: E402
-from bench.results import Recorder, cpu_class  # noqa: E402
+from bench.results import LEGACY_CORES, Recorder, cpu_class  # noqa: E402
 from models.hub import data_dir, not_found  # noqa: E402
 
 CORPUS = data_dir() / "tinyshakespeare" / "input.txt"
@@ -99,10 +99,14 @@ def plot(runs: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def default_plot(cls: str) -> Path:
+def default_plot(cls: str, core: str | None = None) -> Path:
     """The docs' plot for a CPU class: docs/images/bf16-loss-curve.png is the AVX512-BF16 one (docs/performance.md),
-    every other class has its own (bf16-loss-curve-amx.png, ...), so a run on one class does not redraw another's."""
+    every other class has its own (bf16-loss-curve-amx.png, ...), so a run on one class does not redraw another's;
+    and a core other than the one a class's plot was drawn on (LEGACY_CORES: the Zen 4's AVX512-BF16) its own
+    (bf16-loss-curve-zen5.png)."""
     suffix = "" if cls == "AVX512-BF16" else "-" + cls.lower()
+    if core and LEGACY_CORES.get(cls, core) != core:
+        suffix += "-" + core.lower().replace(" ", "")
     return ROOT / f"docs/images/bf16-loss-curve{suffix}.png"
 
 
@@ -112,8 +116,9 @@ def main() -> None:
                         choices=["bf16-weights", "bfloat16", "float16", "bf16-weights+packed"],
                         help="precisions compared with fp32")
     parser.add_argument("--max-iters", type=int, default=2000, help="steps of each run")
-    parser.add_argument("--plot", default=str(default_plot(cpu_class(cpu_model_and_flags()[1]))),
-                        help="where the PNG goes (default: this CPU class's plot in docs/images)")
+    parser.add_argument("--plot", default=str(default_plot(cpu_class(cpu_model_and_flags()[1]),
+                                                           (cpu_core() or {}).get("core"))),
+                        help="where the PNG goes (default: this CPU class's, or core's, plot in docs/images)")
     parser.add_argument("extra", nargs="*", help="more run_pretrain.py flags, after --")
     args = parser.parse_args()
     if not CORPUS.is_file():

@@ -36,7 +36,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench.compare_engines import ENGINES, FIXED_THREADS, TARGETS  # noqa: E402  (the engines' order; their targets)
-from bench.results import CLASSES, load  # noqa: E402
+from bench.results import CLASSES, LEGACY_CORES, load  # noqa: E402
 
 PAGES = ("README.md", "docs/*.md")
 MARK = re.compile(r"(<!-- results: (?P<spec>[^>]*?) -->\n)(?P<body>.*?)(<!-- /results -->)", re.S)
@@ -117,16 +117,12 @@ def when(r: dict) -> str:
     return f"{date}{load}{commit}" + (" (transcribed)" if r.get("source") == "transcribed" else "")
 
 
-# Records from before the machine carried its core (bench/machine.py's cpu_core, 2026-12-04): the CPUs those classes
-# were measured on here (their GEMM rates in the machines table tell them apart: a Zen 5 runs bf16 at twice a Zen 4's).
-LEGACY_CORES = {("AVX2", "AMD EPYC"): "Zen 3", ("AVX512-BF16", "AMD EPYC"): "Zen 4"}
-
-
 def record_core(m: dict) -> str | None:
-    """The core design a record's machine has: its own "core" where it carries one, else LEGACY_CORES' (or None)."""
+    """The core design a record's machine has: its own "core" where it carries one; an older "AMD EPYC" record,
+    LEGACY_CORES' for its class (a Zen 5 runs bf16 at twice a Zen 4's: the machines table tells them apart)."""
     if "family" in m:
         return m.get("core")
-    return LEGACY_CORES.get((m.get("class"), m.get("cpu")))
+    return LEGACY_CORES.get(m.get("class")) if m.get("cpu") == "AMD EPYC" else None
 
 
 def cpu_name(m: dict) -> str:

@@ -42,6 +42,11 @@ def cpu_class(flags) -> str:
     return "other"
 
 
+# Records from before the machine carried its core (bench/machine.py's cpu_core, 2026-12-04) and the docs' plots drawn
+# then: the core each class was measured on here (their GEMM rates in the machines table tell them apart).
+LEGACY_CORES = {"AVX2": "Zen 3", "AVX512-BF16": "Zen 4"}
+
+
 def results_dir() -> Path | None:
     """Where records go: $GPT2_BENCH_RESULTS (a folder; 'off': nowhere), else bench/results/."""
     value = os.environ.get("GPT2_BENCH_RESULTS")

@@ -9,7 +9,8 @@ follows what the clock shows.
 
 `DecodeThreads` tries the candidates (torch's thread count, its halves, down to 1) one step each at the start of a
 decode loop, keeps the fastest, and re-tries each other candidate now and then (every 8 steps at first, backing off to
-every 64 while it keeps losing), so a machine that turns busy or quiet mid-call is followed within a few steps; a step
+every 64 while it keeps losing, then as rarely as keeps its tries within 1% of the steps' time: a count at 2.4x the
+best's step time every 140 steps, at most every 256), so a machine that turns busy or quiet mid-call is followed within a few steps; a step
 of the best count that takes more than twice its recent median (a core just turned busy) re-tries the others at once. A
 machine that turns quiet again shows in no step time (one thread runs as fast beside a busy core as beside an idle one):
 so while fewer threads than the most run, the CPUs' idle time (/proc/stat, 20 us a read) is read every QUIET_WINDOW
@@ -37,8 +38,9 @@ a 512-token prompt of gpt2 took 1.40 s on 2 threads and 0.95 s on 1 on a 2-core 
 while on a quiet machine 2 threads are the faster (0.51 s against 0.83 s). What the prompts learnt is remembered per
 (rows rounded up to a power of two, quantize, model size) apart from the decode steps', and times are kept per row, so
 prompts of other lengths compare. The prompts' tries start backed off: a count that lost its first try waits
-LONGEST_PERIOD blocks (five gpt2 prompts) for the next, so a quiet machine pays for one slow block in its first prompt
-and about one in 65 after (the decode steps ramp 8, 16, 32, 64); a block of the best count at more than twice its recent
+at least LONGEST_PERIOD blocks (five gpt2 prompts) for the next, and as long as keeps its tries within 1% of the
+blocks' time (100 blocks at twice the best's), so a quiet machine pays for one slow block in its first prompt and
+about one in 100-256 after (the decode steps ramp 8, 16, 32, 64 first); a block of the best count at more than twice its recent
 median (a core turned busy) re-tries the others at once, and idle cores re-try the larger counts, as for the steps (w8a8
 512-token prompts on the Zen 4, 2026-11-29: the three prompts after each of five busy spells ran 3, 1 and 1 of their 12
 blocks on one thread, 0.26, 0.23 and 0.23 s; without the idle reads up to 12, 12 and 6, 0.40, 0.40 and 0.27 s). Only
@@ -68,7 +70,12 @@ ENV = "GPT2_DECODE_THREADS"
 PROMPT_ENV = "GPT2_PROMPT_THREADS"
 TRAIN_ENV = "GPT2_TRAIN_THREADS"
 PROMPT_MIN_FLOPS = 5e8  # a prompt block's products (24 * rows * n_embd^2 flops) below this keep torch's count
-FIRST_PERIOD, LONGEST_PERIOD = 8, 64  # steps between re-tries of a candidate: after a win, and at most
+FIRST_PERIOD, LONGEST_PERIOD = 8, 64  # steps between re-tries of a candidate: after a win, and the doubling's last
+# A candidate that keeps losing at LONGEST_PERIOD is then re-tried so that its tries cost at most EXPLORE_SHARE of the
+# steps' time: (its time / the best's - 1) / EXPLORE_SHARE steps apart, at most RAREST_PERIOD. One thread of a quiet
+# 2-core Zen 5 decodes gpt2 at 1/2.4 of two's speed: a try every 64 steps cost 2.2% (0.978x the fixed count's speed
+# over 16 calls in one process, one try a 64-token call), every 140 about 1%.
+EXPLORE_SHARE, RAREST_PERIOD = 0.01, 256
 WINDOW = 3  # the recent steps per candidate whose median is compared
 QUIET_WINDOW = 0.05  # seconds of steps over which the CPUs' idle time is read (5 clock ticks of /proc/stat)
 QUIET_SHARE = 0.5  # idle CPUs, as a share of those the larger counts would add, that make them worth a re-try now
@@ -236,8 +243,12 @@ class DecodeThreads:
             self.period[old], self.due[old] = wait, self.steps + wait
         else:
             self.times[n].append(seconds)
-            self.period[n] = min(2 * self.period[n], LONGEST_PERIOD)
-            self.due[n] = self.steps + self.period[n]
+            period = min(2 * self.period[n], LONGEST_PERIOD)
+            if self.period[n] >= LONGEST_PERIOD:  # a steady loser: its tries cost at most EXPLORE_SHARE of the time
+                excess = seconds / self._median(self.best) - 1
+                period = max(period, min(int(excess / EXPLORE_SHARE), RAREST_PERIOD))
+            self.period[n] = period
+            self.due[n] = self.steps + period
 
     def _choose(self) -> int:
         if self.steps == 0 or len(self.options) == 1:

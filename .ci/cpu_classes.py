@@ -49,9 +49,11 @@ def class_env(name: str, caches: Path) -> dict[str, str]:
 
 
 def main(tests: list[str]) -> int:
-    from bench.machine import cpu_model_and_flags
+    from bench.machine import cpu_core, cpu_model_and_flags
 
     model, flags = cpu_model_and_flags()
+    core = (cpu_core() or {}).get("core")
+    model += f" ({core})" if core else ""
     own = cpu_class(flags)
     classes = below(own)
     print(f"machine: {model}, class {own}; standing in for: {', '.join(classes) or 'none (nothing below it)'}",

@@ -231,13 +231,13 @@ PATHS: tuple[Path, ...] = (
     Path("packed-bf16", "bf16 Linear of 64+ rows without gradients (evaluation, prompts): oneDNN-packed weights kept "
          "per layer (modules/packed.py)", packed.ENV, "force", "0", _packed_runs,
          _amx_default(packed.ENV, lambda: packed._amx_bf16(), "docs/performance.md",
-                      "on a Zen 4, AVX512-BF16: 1.03-1.09x for 250 MB of copies"),
+                      "on a Zen 4, AVX512-BF16: 1.03-1.09x for 250 MB of copies; a Zen 5: 1.02x"),
          ("tests/test_packed.py", "tests/test_paths.py")),
     Path("transposed-products", "a bf16 CPU training step's LM head as (W h^T)^T and large linear layers' weight "
          "gradients from a row-major copy of the output's gradient, transposed by the rows kernel "
          "(modules/transposed.py), instead of F.linear's products", transposed.ENV, "force", "0", _transposed_runs,
          _amx_default(transposed.ENV, lambda: transposed._amx_bf16(), "modules/transposed.py",
-                      "not measured on other CPUs"), ("tests/test_transposed.py", "tests/test_paths.py")),
+                      "on a Zen 5, AVX512-BF16: 0.91x the step's speed"), ("tests/test_transposed.py", "tests/test_paths.py")),
     Path("rows-kernel", "decoding's products of 1-8 rows, and a prompt's of 2-8 rows through the layers "
          "(modules/rows.cpp)", "GPT2_ROWS_KERNEL", "", "0",
          _rows_runs, _rows_default, ("tests/test_rows_kernel.py", "tests/test_fast_paths.py", "tests/test_paths.py")),

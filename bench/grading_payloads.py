@@ -551,9 +551,12 @@ def faithful_bytecode(path: str) -> bool:
         return False
     if len(data) < 16 or data[:4] != importlib.util.MAGIC_NUMBER:
         return False
-    flags = int.from_bytes(data[4:8], "little")
-    stamp = (int(st.st_mtime) & 0xFFFFFFFF).to_bytes(4, "little") + (st.st_size & 0xFFFFFFFF).to_bytes(4, "little")
-    if data[8:16] != {0: stamp, 1: importlib.util.source_hash(text), 3: importlib.util.source_hash(text)}.get(flags):
+    flags = int.from_bytes(data[4:8], "little")  # 0: stamped with the source's mtime and size; 1, 3: its hash
+    if flags == 0:
+        header = (int(st.st_mtime) & 0xFFFFFFFF).to_bytes(4, "little") + (st.st_size & 0xFFFFFFFF).to_bytes(4, "little")
+    else:
+        header = importlib.util.source_hash(text) if flags in (1, 3) else None
+    if data[8:16] != header:
         return False
     level = next((part[4:] for part in p.name.split(".")[1:-1] if part.startswith("opt-")), "")
     try:
@@ -670,8 +673,8 @@ def run_matrix(mode: str, names: list[str], starter: Path, base: Path, user, tim
         print(f"  {mode:<8}{name:<24}{r['score']!s:>5}/{r['max']!s:<5} exit {r['exit']}  {r['seconds']:5.1f} s  "
               f"changed: {sum(map(len, r['changed'].values()))}  {'; '.join(r['achieved'])[:80]}", flush=True)
     end = {"grader": tree_state(grader_files(checkout)), "venv": tree_state(venv)}
-    rows.append({"payload": "(whole run)", "mode": mode, "changed": {k: changed(full[k], end[k], bytecode_ok=k == "venv")
-                                                          for k in full},
+    rows.append({"payload": "(whole run)", "mode": mode,
+                 "changed": {k: changed(full[k], end[k], bytecode_ok=k == "venv") for k in full},
                  "files": {k: len(v) for k, v in full.items()}})
     return rows
 

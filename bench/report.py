@@ -184,9 +184,9 @@ def kinds(records: list[dict]) -> list[tuple[str, str | None, str]]:
     return out
 
 
-def kind_label(m: dict, records: list[dict]) -> str:
-    """The label of the kind (kinds) a record's machine is of."""
-    return next((label for cls, core, label in kinds(records)
+def kind_label(m: dict, found: list[tuple[str, str | None, str]]) -> str:
+    """The label of the kind (of `found`, kinds()' answer) a record's machine is of."""
+    return next((label for cls, core, label in found
                  if m.get("class") == cls and (core is None or record_core(m) == core)), m.get("class", ""))
 
 
@@ -382,9 +382,10 @@ def _latest_curves(records: list[dict], cls: str | None = None,
     """bench/bf16_curve.py's latest record of each precision compared with fp32, by (precision, CPU class): bf16
     runs on other units (or none) on each class."""
     runs: dict[tuple[str, str], list[dict]] = {}
+    found = kinds(records)  # (once: each record's label is looked up in it)
     for r in matching(records, bench="bf16_curve", cls=cls, core=core):
         dtype = next(k for k in r["values"] if not k.startswith("fp32"))
-        runs.setdefault((dtype, kind_label(r["machine"], records)), []).append(r)
+        runs.setdefault((dtype, kind_label(r["machine"], found)), []).append(r)
     return {key: latest(rs) for key, rs in runs.items()}
 
 

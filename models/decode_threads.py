@@ -10,20 +10,20 @@ follows what the clock shows.
 `DecodeThreads` tries the candidates (torch's thread count, its halves, down to 1) one step each at the start of a
 decode loop, keeps the fastest, and re-tries each other candidate now and then (every 8 steps at first, backing off to
 every 64 while it keeps losing, then as rarely as keeps its tries within 1% of the steps' time: a count at 2.4x the
-best's step time every 140 steps, at most every 256), so a machine that turns busy or quiet mid-call is followed within a few steps; a step
-of the best count that takes more than twice its recent median (a core just turned busy) re-tries the others at once. A
-machine that turns quiet again shows in no step time (one thread runs as fast beside a busy core as beside an idle one):
-so while fewer threads than the most run, the CPUs' idle time (/proc/stat, 20 us a read) is read every QUIET_WINDOW
-seconds, and when the cores the other counts would add sat idle for at least QUIET_SHARE of it, those counts are
-re-tried at once. On a 2-core Zen 4 (2026-11-29, gpt2, a spinning process killed after busy calls of random lengths),
-the first 64-token call after a busy spell ran 1-62 of its steps on one thread (median 18) for int4 and 2-52 (median 20)
-for fp32 without the idle reads, 1-12 (median 10.5) and 6 with them. A re-try so called that loses (idle cores another
-process's threads or the hypervisor take the moment ours want them) makes the next wait longer, 8 steps doubling to 64,
-as the schedule's own. torch's thread count is restored when the loop ends. What a loop learnt (the best count, the
-recent times, each candidate's period and how many steps remain until its next try, the idle reads' wait) is remembered
-per (batch, quantize, model size) and the next call in this process goes on from it: the schedule counts decode steps,
-not calls, so a quiet machine's short calls (64 tokens each) do not each pay a fresh round of tries of the slower counts
-(on a quiet 2-core Zen 3 that round cost fp32 decoding 0.90x the fixed count's speed, 0.98x without it:
+best's step time every 140 steps, at most every 256), so a machine that turns busy or quiet mid-call is followed within
+a few steps; a step of the best count that takes more than twice its recent median (a core just turned busy) re-tries
+the others at once. A machine that turns quiet again shows in no step time (one thread runs as fast beside a busy core
+as beside an idle one): so while fewer threads than the most run, the CPUs' idle time (/proc/stat, 20 us a read) is read
+every QUIET_WINDOW seconds, and when the cores the other counts would add sat idle for at least QUIET_SHARE of it, those
+counts are re-tried at once. On a 2-core Zen 4 (2026-11-29, gpt2, a spinning process killed after busy calls of random
+lengths), the first 64-token call after a busy spell ran 1-62 of its steps on one thread (median 18) for int4 and 2-52
+(median 20) for fp32 without the idle reads, 1-12 (median 10.5) and 6 with them. A re-try so called that loses (idle
+cores another process's threads or the hypervisor take the moment ours want them) makes the next wait longer, 8 steps
+doubling to 64, as the schedule's own. torch's thread count is restored when the loop ends. What a loop learnt (the best
+count, the recent times, each candidate's period and how many steps remain until its next try, the idle reads' wait) is
+remembered per (batch, quantize, model size) and the next call in this process goes on from it: the schedule counts
+decode steps, not calls, so a quiet machine's short calls (64 tokens each) do not each pay a fresh round of tries of the
+slower counts (on a quiet 2-core Zen 3 that round cost fp32 decoding 0.90x the fixed count's speed, 0.98x without it:
 bench/compare_engines.py's "thread choice" row, docs/cpu-decoding.md).
 
 Results do not depend on the thread count for the rows kernel (each output row is one thread's sum); torch's own
@@ -37,10 +37,10 @@ block is the same products on the same shapes, so a block on one count is a fair
 a 512-token prompt of gpt2 took 1.40 s on 2 threads and 0.95 s on 1 on a 2-core Zen 3 (w8a8; fp32 2.00 s and 1.35 s),
 while on a quiet machine 2 threads are the faster (0.51 s against 0.83 s). What the prompts learnt is remembered per
 (rows rounded up to a power of two, quantize, model size) apart from the decode steps', and times are kept per row, so
-prompts of other lengths compare. The prompts' tries start backed off: a count that lost its first try waits
-at least LONGEST_PERIOD blocks (five gpt2 prompts) for the next, and as long as keeps its tries within 1% of the
-blocks' time (100 blocks at twice the best's), so a quiet machine pays for one slow block in its first prompt and
-about one in 100-256 after (the decode steps ramp 8, 16, 32, 64 first); a block of the best count at more than twice its recent
+prompts of other lengths compare. The prompts' tries start backed off: a count that lost its first try waits at least
+LONGEST_PERIOD blocks (five gpt2 prompts) for the next, and as long as keeps its tries within 1% of the blocks' time
+(100 blocks at twice the best's), so a quiet machine pays for one slow block in its first prompt and about one in
+100-256 after (the decode steps ramp 8, 16, 32, 64 first); a block of the best count at more than twice its recent
 median (a core turned busy) re-tries the others at once, and idle cores re-try the larger counts, as for the steps (w8a8
 512-token prompts on the Zen 4, 2026-11-29: the three prompts after each of five busy spells ran 3, 1 and 1 of their 12
 blocks on one thread, 0.26, 0.23 and 0.23 s; without the idle reads up to 12, 12 and 6, 0.40, 0.40 and 0.27 s). Only

@@ -237,7 +237,8 @@ PATHS: tuple[Path, ...] = (
          "gradients from a row-major copy of the output's gradient, transposed by the rows kernel "
          "(modules/transposed.py), instead of F.linear's products", transposed.ENV, "force", "0", _transposed_runs,
          _amx_default(transposed.ENV, lambda: transposed._amx_bf16(), "modules/transposed.py",
-                      "on a Zen 5, AVX512-BF16: 0.91x the step's speed"), ("tests/test_transposed.py", "tests/test_paths.py")),
+                      "on a Zen 5, AVX512-BF16: 0.91x the step's speed"),
+         ("tests/test_transposed.py", "tests/test_paths.py")),
     Path("rows-kernel", "decoding's products of 1-8 rows, and a prompt's of 2-8 rows through the layers "
          "(modules/rows.cpp)", "GPT2_ROWS_KERNEL", "", "0",
          _rows_runs, _rows_default, ("tests/test_rows_kernel.py", "tests/test_fast_paths.py", "tests/test_paths.py")),

@@ -92,6 +92,8 @@ def test_bytecode_an_import_writes_into_a_venv_without_it_is_no_change_and_plant
     assert not faithful_bytecode(str(cached))
     cached.write_bytes(unchecked + honest)
     assert faithful_bytecode(str(cached))
+    cached.write_bytes(header[:4] + (2).to_bytes(4, "little") + unchecked[8:] + honest)  # flags Python refuses
+    assert not faithful_bytecode(str(cached))
     orphan = cached.with_name("gone" + cached.name[len("honest"):])
     orphan.write_bytes(header + honest)
     assert not faithful_bytecode(str(orphan))  # no source beside it
@@ -148,7 +150,8 @@ def test_root_mode_the_starter_with_each_payload_scores_what_it_earns_and_change
 def test_root_mode_the_venv_is_unchanged_after_every_payload(world, graders):
     """Every file of this Python's venv (size, mtime, ctime: any write, chmod or utime shows) as before the payloads
     of this module ran (run after them, in file order)."""
-    # paths (two 45,000-entry dicts: 450,000 lines of diff); bytecode this run compiled from unchanged sources is no change
+    # paths (two 45,000-entry dicts: 450,000 lines of diff); bytecode this run compiled from unchanged sources is no
+    # change
     assert changed(world["venv"], venv_state(), bytecode_ok=True) == []
 
 

@@ -154,9 +154,9 @@ def thread_choice(cfg: TrainConfig, device: torch.device, workers: int, params: 
     """The steps' thread count, chosen by timing them (models/decode_threads.py, as decoding's): torch's count, its
     halves, down to 1. With a core busy, every operation of a step on 2 threads waits at its barrier for the thread
     that shares that core, and one thread is faster (gpt2 fine-tuning: docs/performance.md, "Training beside a busy
-    core"); on a quiet machine the trial of a slower count costs about 1% of the steps' time (EXPLORE_SHARE). A run that starts
-    beside a busy core (free_cpus) starts on the count that fits the free cores. Inactive (torch's count throughout)
-    where cfg.threads fixes the count, off the CPU, with the batch split across threads (each thread a
+    core"); on a quiet machine the trial of a slower count costs about 1% of the steps' time (EXPLORE_SHARE). A run
+    that starts beside a busy core (free_cpus) starts on the count that fits the free cores. Inactive (torch's count
+    throughout) where cfg.threads fixes the count, off the CPU, with the batch split across threads (each thread a
     worker of its own), under torchrun and with --compile (its kernels are built for the count they were traced
     at). GPT2_TRAIN_THREADS=off / N / auto, as for decoding. The count changes how torch's products round their
     sums, so a run repeats to the last digit only with a fixed count (--threads N)."""

@@ -106,7 +106,8 @@ class GPT2Model(nn.Module):
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.logit_softcap = LogitSoftCap(config.logit_softcap) if config.logit_softcap else nn.Identity()
         manual = config.backward == "manual"  # hand-derived backward passes (modules/manual_backward.py)
-        # the head's product: bf16 training on AMX computes it transposed (modules/transposed.py), else F.linear
+        # the head's product: bf16 training on AMX computes it transposed (modules/transposed.py), elsewhere its weight
+        # gradient in blocks of vocabulary rows (modules/head_grad.py); else F.linear
         self.lm_linear = manual_backward.linear if manual else transposed.head
         self.gradient_checkpointing = False  # recompute each block in backward to save activation memory
         self.apply(self._init_weights)

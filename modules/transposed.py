@@ -44,7 +44,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from modules import rows
+from modules import head_grad, rows
 
 ENV = "GPT2_TRANSPOSED_PRODUCTS"
 HEAD_MIN_WEIGHT = 1 << 24  # values of the head's W: gpt2's has 38.6 M
@@ -125,9 +125,13 @@ class TransposedHead(TransposedGradLinear):
 
 
 def head(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """F.linear(hidden, weight) (no bias; the LM head): the transposed product where it applies, else torch's."""
+    """F.linear(hidden, weight) (no bias; the LM head): the transposed product where it applies (AMX), else the
+    weight gradient in blocks of vocabulary rows where that applies (bf16 training elsewhere: modules/head_grad.py),
+    else torch's."""
     if head_applies(hidden, weight):
         return TransposedHead.apply(hidden, weight, None)
+    if head_grad.applies(hidden, weight):
+        return head_grad.BlockedGradHead.apply(hidden, weight)
     return F.linear(hidden, weight)
 
 

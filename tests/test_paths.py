@@ -328,6 +328,20 @@ def test_the_transposed_products_run_where_the_rows_kernel_builds_and_are_taken_
                              "C++ compiler)")
 
 
+def test_the_head_gradient_blocks_run_unless_switched_off_and_give_way_to_the_transposed_head(clean_env):
+    from modules import transposed
+
+    p = paths.BY_NAME["head-grad-blocks"]
+    clean_env.setattr(transposed, "available", lambda: False)
+    assert p.runs_here() is None and p.default_here()[0]
+    assert "2^24+" in p.default_here()[1]
+    clean_env.setattr(transposed, "available", lambda: True)  # AMX, or forced: the transposed head takes it
+    assert p.default_here() == (False, "the transposed products take the LM head here (AMX, or forced)")
+    clean_env.setenv("GPT2_HEAD_GRAD_BLOCKS", "0")
+    assert p.runs_here() == "GPT2_HEAD_GRAD_BLOCKS=0"
+    assert p.state()["taken"] is False
+
+
 def test_the_rows_kernel_and_the_c_step_run_with_simd_and_a_build(clean_env):
     from models import fast_step
     from modules import rows

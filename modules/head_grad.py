@@ -13,10 +13,11 @@ Measured on a 2-core AMD EPYC Zen 5 (AVX512-BF16, no AMX), 2026-12-04, freed mem
       g^T h, one product (ms)       8.5    14.9    78.5   115.1   233.6
       blocks of 8192 rows (ms)      5.8    11.0    46.9    85.3   173.7
 
-and in gpt2's bf16-weights training step at 4 x 128 (8 interleaved rounds in one process): the head's weight
-gradient 75-79 -> 46 ms, the step 588-609 -> 565-573 ms. A vocabulary padded to a multiple of 64 (50304) runs at
-the blocks' rate unblocked. fp32 products gain nothing (gpt2's head at 512 rows: 182 against 183 ms) and keep
-F.linear's.
+The one product's rate also differs between processes (54-59 ms in some, 73-79 in others, at 512 rows; the inputs'
+alignment does not decide it); the blocks' does not. gpt2's bf16-weights training step at 4 x 128, blocks of 3 steps
+interleaved with GPT2_HEAD_GRAD_BLOCKS=0 in one process, 4 processes: 1.006x, 0.970x, 0.968x and 0.981x the time,
+the slowest round of each 0.93-0.96x. A vocabulary padded to a multiple of 64 (50304) runs at the blocks' rate
+unblocked. fp32 products gain nothing (gpt2's head at 512 rows: 182 against 183 ms) and keep F.linear's.
 
 Taken by GPT2Model's LM head for bf16 hidden states and a bf16 weight of HEAD_MIN_WEIGHT+ values that requires a
 gradient, on the CPU, outside torch.compile, where modules/transposed.py does not take the head (AMX);

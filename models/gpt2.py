@@ -202,10 +202,9 @@ class GPT2Model(nn.Module):
             input_ids = input_ids.long()
         B, T = input_ids.shape
         num_cached = past_key_values.length if past_key_values is not None else 0
-        if attention_mask is None:
-            attention_mask = torch.ones(B, num_cached + T, dtype=torch.long, device=input_ids.device)
-        if position_ids is None:
-            position_ids = position_ids_from_mask(attention_mask)[:, -T:]
+        if position_ids is None:  # no mask: every token real, positions counted on from the cached ones
+            position_ids = (position_ids_from_mask(attention_mask)[:, -T:] if attention_mask is not None else
+                            torch.arange(num_cached, num_cached + T, device=input_ids.device).expand(B, T))
         if use_cache and past_key_values is None:
             past_key_values = self.new_cache(B, T)
 
@@ -217,9 +216,11 @@ class GPT2Model(nn.Module):
         hidden_states = self.encode(hidden_states, attention_mask, past_key_values, position_ids)
         hidden_states = self.final_layer_norm(hidden_states)
 
-        # Last real token: the first index where the running count of real tokens reaches its total.
-        last_idx = attention_mask[:, -T:].long().cumsum(-1).argmax(-1)  # (B,)
-        last_token = hidden_states[torch.arange(B, device=hidden_states.device), last_idx]  # (B, C)
+        if attention_mask is None:  # every token real: the last position
+            last_token = hidden_states[:, -1]
+        else:  # the last real token: the first index where the running count of real tokens reaches its total
+            last_idx = attention_mask[:, -T:].long().cumsum(-1).argmax(-1)  # (B,)
+            last_token = hidden_states[torch.arange(B, device=hidden_states.device), last_idx]  # (B, C)
         out = {"last_hidden_state": hidden_states, "last_token": last_token}
         if head_weight is not None:  # for the caller's head (GPT2LMHeadModel); only with head_follows
             out["head_weight"] = head_weight
@@ -292,18 +293,24 @@ class GPT2Model(nn.Module):
                 f"sequence length {total} exceeds the model's context of n_positions={self.config.n_positions}; "
                 f"truncate the input"
             )
-        if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.config.vocab_size):
+        if attention_mask is not None and attention_mask.shape != (input_ids.shape[0], total):
             raise ValueError(
-                f"input_ids must be in [0, {self.config.vocab_size}); got values from {int(input_ids.min())} "
-                f"to {int(input_ids.max())} (does the tokenizer match the model's vocabulary?)"
+                f"attention_mask must have shape {(input_ids.shape[0], total)} (batch, cached + new tokens), "
+                f"got {tuple(attention_mask.shape)}"
             )
+        if not input_ids.numel():  # no rows: no values to check
+            return
+        # the values' checks read the tensors' contents: one transfer from a GPU for all of them, not one each
+        found = [*torch.aminmax(input_ids.reshape(-1))]
         if attention_mask is not None:
-            if attention_mask.shape != (input_ids.shape[0], total):
-                raise ValueError(
-                    f"attention_mask must have shape {(input_ids.shape[0], total)} (batch, cached + new tokens), "
-                    f"got {tuple(attention_mask.shape)}"
-                )
-            if attention_mask.numel() and not bool(attention_mask.bool().any(-1).all()):
+            found.append(attention_mask.bool().any(-1).all())
+        lowest, highest, *rows_real = torch.stack([x.long() for x in found]).tolist()
+        if lowest < 0 or highest >= self.config.vocab_size:
+            raise ValueError(
+                f"input_ids must be in [0, {self.config.vocab_size}); got values from {lowest} "
+                f"to {highest} (does the tokenizer match the model's vocabulary?)"
+            )
+        if rows_real and not rows_real[0]:
                 raise ValueError("attention_mask has a row with no real token (all zeros)")
 
     @classmethod

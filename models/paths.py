@@ -25,6 +25,7 @@ from modules import (
     cross_entropy,
     draw,
     dropout,
+    fused_qkv,
     gelu,
     head_grad,
     hugepages,
@@ -251,6 +252,12 @@ PATHS: tuple[Path, ...] = (
          "for an odd vocabulary", head_grad.ENV, "", "0",
          lambda: f"{head_grad.ENV}=0" if not head_grad.available() else None, _head_grad_default,
          ("tests/test_head_grad.py", "tests/test_paths.py")),
+    Path("fused-qkv", "a training step's query, key and value projections as one product of the concatenated weights "
+         "(modules/fused_qkv.py) instead of three F.linear calls: one launch forward and two backward instead of three "
+         "and six on a GPU", fused_qkv.ENV, "", "0",
+         lambda: f"{fused_qkv.ENV}=0" if not fused_qkv.available() else None,
+         lambda: (True, "training steps (grad mode) of plain q/k/v Linear layers, any device, outside autocast"),
+         ("tests/test_fused_qkv.py", "tests/test_paths.py")),
     Path("rows-kernel", "decoding's products of 1-8 rows, and a prompt's of 2-8 rows through the layers "
          "(modules/rows.cpp)", "GPT2_ROWS_KERNEL", "", "0",
          _rows_runs, _rows_default, ("tests/test_rows_kernel.py", "tests/test_fast_paths.py", "tests/test_paths.py")),

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from modules import dropout as hashed
-from modules import packed, prompt_attention, quant
+from modules import fused_qkv, packed, prompt_attention, quant
 from modules.linear import Linear as DecodeLinear
 from modules.manual_backward import ManualAttention, ManualLinear
 from modules.masked_softmax import masked_softmax
@@ -173,6 +173,14 @@ class CausalSelfAttention(nn.Module):
         y = quant.prompt_product(self, layers, x)
         return None if y is None else self.split_qkv(y)
 
+    def training_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """A training step's three projections as one product (modules/fused_qkv.py) -> q, k, v split in heads, or
+        None where it is not taken (LoRA's or manual layers, hooks, autocast, eval: see fused_qkv.applies)."""
+        layers = (self.query, self.key, self.value)
+        if not (all(type(m) is DecodeLinear for m in layers) and fused_qkv.applies(x, layers)):
+            return None
+        return self.split_qkv(fused_qkv.project(x, layers))
+
     def attention(self, key: torch.Tensor, query: torch.Tensor, value: torch.Tensor,
                   attention_mask: torch.Tensor | None) -> torch.Tensor:
         """The explicit path, as the course teaches: scores, mask, softmax, dropout, weighted sum -> (B, T, C)."""
@@ -192,7 +200,10 @@ class CausalSelfAttention(nn.Module):
         (or a single new token, which may see everything cached).
         rope: the new tokens' (cos, sin) from the model's RotaryEmbedding (RoPE models), None for learned positions.
         """
-        qkv = self.fused_qkv(hidden_states) if self.fused_qkv_applies(hidden_states) else self.prompt_qkv(hidden_states)
+        if self.fused_qkv_applies(hidden_states):
+            qkv = self.fused_qkv(hidden_states)
+        else:
+            qkv = self.training_qkv(hidden_states) or self.prompt_qkv(hidden_states)
         if qkv is not None:
             query, key, value = qkv
             query, key = self.q_norm(query), self.k_norm(key)

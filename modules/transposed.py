@@ -84,6 +84,13 @@ def linear_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and available())
 
 
+def weight_gradient_applies(g: torch.Tensor, weight_values: int) -> bool:
+    """Whether a bf16 CPU weight gradient g^T x of `weight_values` values is taken as transpose(g) x (a linear layer
+    of LINEAR_MIN_WEIGHT+ values, where available()); modules/fused_qkv.py asks for its concatenated weight."""
+    return (g.dtype == torch.bfloat16 and g.is_cpu and weight_values >= LINEAR_MIN_WEIGHT
+            and not torch.compiler.is_compiling() and available())
+
+
 def transpose(x: torch.Tensor) -> torch.Tensor:
     """A contiguous (C, R) copy of a 2-D tensor of 16-bit values (R, C), through the rows kernel."""
     if x.dim() != 2 or x.element_size() != 2 or not x.is_cpu:

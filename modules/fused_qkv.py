@@ -11,8 +11,10 @@ weight gradient is transpose(g) x, as modules/transposed.py computes the large l
 Xeon: 1.16 against 1.27 ms at 512 rows, 4.4 against 6.6 at 2048). Each output element is the same sum as in the
 separate products; the kernels may block them differently, so values agree to float rounding.
 
-CPU, gpt2 4 x 128, blocks of 3 steps interleaved with the three products in one process, AMD EPYC Zen 5, 2026-12-04:
-bf16-weights 0.986x the step's time, fp32 0.982x (torch.cat and F.linear's form of the same product).
+Measured 2026-12-04, gpt2 4 x 128, blocks of steps interleaved with GPT2_FUSED_QKV=0 in one process: on a 2-core
+AMD EPYC Zen 5, bf16-weights 1.00x and fp32 0.99x the step's time (neutral: the three products ran at the rate of
+one); on an H200 (fp32, torch's AdamW, a launch-bound step) 0.98-1.00x, inside that host's noise
+(docs/gpu.md). A gpt2 training step has transformers' count of products with it (99 and 48 biased; 147 and 72 without).
 
 Taken by CausalSelfAttention in grad mode, where a projection weight requires a gradient, for three plain Linear
 layers (not LoRA's, none with hooks) of one dtype and device, with biases on all three or none, outside autocast

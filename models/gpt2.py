@@ -311,7 +311,7 @@ class GPT2Model(nn.Module):
                 f"to {highest} (does the tokenizer match the model's vocabulary?)"
             )
         if rows_real and not rows_real[0]:
-                raise ValueError("attention_mask has a row with no real token (all zeros)")
+            raise ValueError("attention_mask has a row with no real token (all zeros)")
 
     @classmethod
     def from_pretrained(cls, model: str | os.PathLike = "gpt2", d: int | None = None, l: int | None = None,

@@ -110,7 +110,8 @@ def _transposed_runs() -> str | None:
 def _head_grad_default() -> tuple[bool, str]:
     if transposed.available():
         return False, "the transposed products take the LM head here (AMX, or forced)"
-    return True, "bf16 CPU training steps' LM head of 2^24+ weight values (gpt2's weight gradient 1.3-1.7x faster on a Zen 5)"
+    return True, ("bf16 CPU training steps' LM head of 2^24+ weight values (gpt2's weight gradient 1.3-1.7x faster on "
+                  "a Zen 5)")
 
 
 def _rows_runs() -> str | None:

@@ -246,3 +246,22 @@ def padded_batch(lengths: list[int], width: int, vocab: int, side: str | list[st
         else:
             mask[i, :n] = 1
     return ids, mask
+
+
+def loss_and_grads(model, ids):
+    """One training forward and backward of an LM on ids (its own labels): (the loss, {name: a copy of its gradient})."""
+    model.zero_grad(set_to_none=True)
+    out = model(ids, labels=ids)
+    out["loss"].backward()
+    return out["loss"].detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def bf16_head_case(rows: int, vocab: int, width: int, seed: int = 0, shape: tuple | None = None):
+    """bf16 hidden states (rows or shape, width), a (vocab, width) weight of scale 0.1 and a logits' gradient."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(*(shape or (rows,)), width, generator=g).to(torch.bfloat16)
+    w = (torch.randn(vocab, width, generator=g) * 0.1).to(torch.bfloat16)
+    grad = torch.randn(*h.shape[:-1], vocab, generator=g).to(torch.bfloat16)
+    return h, w, grad

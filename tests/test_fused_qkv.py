@@ -9,7 +9,7 @@ check (a GPU step waits for each read-back)."""
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import tiny_config
+from conftest import loss_and_grads, tiny_config
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from models.gpt2 import GPT2LMHeadModel
@@ -150,10 +150,7 @@ def test_a_training_step_takes_it_in_every_block_and_matches_the_three_products(
     ids = torch.randint(0, 1000, (2, 12))
 
     def step():
-        model.zero_grad(set_to_none=True)
-        out = model(ids, labels=ids)
-        out["loss"].backward()
-        return out["loss"].detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+        return loss_and_grads(model, ids)
 
     monkeypatch.delenv(fused_qkv.ENV, raising=False)
     ours = step()

@@ -11,16 +11,11 @@ F.linear's: equal to the bit.
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import bf16_head_case, loss_and_grads
 
 from modules import head_grad, transposed
 
-
-def case(rows, vocab, width, seed=0, shape=None):
-    g = torch.Generator().manual_seed(seed)
-    h = torch.randn(*(shape or (rows,)), width, generator=g).to(torch.bfloat16)
-    w = (torch.randn(vocab, width, generator=g) * 0.1).to(torch.bfloat16)
-    grad = torch.randn(*h.shape[:-1], vocab, generator=g).to(torch.bfloat16)
-    return h, w, grad
+case = bf16_head_case
 
 
 def assert_one_product(dw: torch.Tensor, grad: torch.Tensor, h: torch.Tensor) -> None:
@@ -129,10 +124,7 @@ def test_the_models_head_takes_it_in_bf16_training_unless_the_transposed_head_do
     ids = torch.randint(0, 1000, (2, 12))
 
     def step():
-        model.zero_grad(set_to_none=True)
-        out = model(ids, labels=ids)
-        out["loss"].backward()
-        return out["loss"].detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+        return loss_and_grads(model, ids)
 
     ours = step()
     assert calls == ([1] if setting == "default" else [])

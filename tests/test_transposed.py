@@ -12,8 +12,11 @@ sum in another order, to a bf16 rounding).
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import bf16_head_case
 
 from modules import rows, transposed
+
+case = bf16_head_case
 
 
 def needs_kernel():
@@ -26,14 +29,6 @@ def forced(monkeypatch):
     """The transposed path on whatever the CPU (GPT2_TRANSPOSED_PRODUCTS=force)."""
     needs_kernel()
     monkeypatch.setenv(transposed.ENV, "force")
-
-
-def case(rows_, vocab, width, seed=0, shape=None):
-    g = torch.Generator().manual_seed(seed)
-    h = torch.randn(*(shape or (rows_,)), width, generator=g).to(torch.bfloat16)
-    w = (torch.randn(vocab, width, generator=g) * 0.1).to(torch.bfloat16)
-    grad = torch.randn(*h.shape[:-1], vocab, generator=g).to(torch.bfloat16)
-    return h, w, grad
 
 
 def run(fn, h, w, grad):

@@ -125,14 +125,20 @@ def record_core(m: dict) -> str | None:
     return LEGACY_CORES.get(m.get("class")) if m.get("cpu") == "AMD EPYC" else None
 
 
-def cpu_name(m: dict) -> str:
+def _unnamed_core(m: dict) -> str | None:
+    """record_core(m) where the CPU's model name does not already say it, else None."""
     core = record_core(m)
-    return f"{m['cpu']} ({core})" if core and core not in m["cpu"] else m["cpu"]
+    return core if core and core not in m["cpu"] else None
+
+
+def cpu_name(m: dict) -> str:
+    core = _unnamed_core(m)
+    return f"{m['cpu']} ({core})" if core else m["cpu"]
 
 
 def cpu_and_class(m: dict) -> str:
-    core = record_core(m)
-    return f"{m['cpu']} ({core + ', ' if core and core not in m['cpu'] else ''}{m['class']})"
+    core = _unnamed_core(m)
+    return f"{m['cpu']} ({core + ', ' if core else ''}{m['class']})"
 
 
 def machine_name(m: dict) -> str:

@@ -39,12 +39,18 @@ def available() -> bool:
     return os.environ.get(ENV) != "0"
 
 
+def bf16_training(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """bf16 x and a bf16 2-D weight on the CPU, in grad mode, outside torch.compile: the products of a bf16 CPU
+    training step, the only ones this module and modules/transposed.py take."""
+    return (x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and x.is_cpu and weight.is_cpu
+            and weight.dim() == 2 and torch.is_grad_enabled() and not torch.compiler.is_compiling())
+
+
 def applies(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
     """bf16 CPU hidden states and a bf16 (V, C) weight of HEAD_MIN_WEIGHT+ values that requires a gradient, with
     grad mode on, outside torch.compile, where available()."""
-    return (hidden.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and hidden.is_cpu and weight.is_cpu
-            and weight.dim() == 2 and weight.requires_grad and weight.numel() >= HEAD_MIN_WEIGHT
-            and torch.is_grad_enabled() and not torch.compiler.is_compiling() and available())
+    return (bf16_training(hidden, weight) and weight.requires_grad and weight.numel() >= HEAD_MIN_WEIGHT
+            and available())
 
 
 def weight_gradient(g: torch.Tensor, h: torch.Tensor, block_rows: int = BLOCK_ROWS) -> torch.Tensor:

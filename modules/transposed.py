@@ -64,15 +64,10 @@ def available() -> bool:
     return setting != "0" and (setting == "force" or _amx_bf16()) and rows.available()
 
 
-def _bf16_training(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return (x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and x.is_cpu and weight.is_cpu
-            and weight.dim() == 2 and torch.is_grad_enabled() and not torch.compiler.is_compiling())
-
-
 def head_applies(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
     """bf16 hidden (..., C) of HEAD_MIN_ROWS+ rows and a bf16 (V, C) weight of HEAD_MIN_WEIGHT+ values on the CPU,
     with a gradient to take, outside torch.compile, where available()."""
-    return (_bf16_training(hidden, weight) and (hidden.requires_grad or weight.requires_grad)
+    return (head_grad.bf16_training(hidden, weight) and (hidden.requires_grad or weight.requires_grad)
             and weight.numel() >= HEAD_MIN_WEIGHT and hidden.numel() >= HEAD_MIN_ROWS * hidden.shape[-1]
             and available())
 
@@ -80,7 +75,7 @@ def head_applies(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
 def linear_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """bf16 x and a bf16 weight of LINEAR_MIN_WEIGHT+ values that requires a gradient, on the CPU, outside
     torch.compile, where available()."""
-    return (_bf16_training(x, weight) and weight.requires_grad and weight.numel() >= LINEAR_MIN_WEIGHT
+    return (head_grad.bf16_training(x, weight) and weight.requires_grad and weight.numel() >= LINEAR_MIN_WEIGHT
             and available())
 
 

@@ -227,6 +227,21 @@ def _onednn_runs() -> str | None:
     return None if onednn.available() else "torch has no oneDNN inner product here"
 
 
+def _onednn_training_runs() -> str | None:
+    if os.environ.get(onednn.TRAINING_ENV) == "0":
+        return f"{onednn.TRAINING_ENV}=0"
+    return None if onednn.has_inner_product() else "torch has no oneDNN inner product here"
+
+
+def _onednn_training_default() -> tuple[bool, str]:
+    chosen = onednn.training_choice()
+    if os.environ.get(onednn.TRAINING_ENV) == "1":
+        return True, chosen["source"]
+    return chosen["takes"], ("timed faster than F.linear's products here" if chosen["takes"] else
+                             f"F.linear ({chosen['source']})" if "busy" in chosen["source"] else
+                             "F.linear's products timed as fast here")
+
+
 def _onednn_default() -> tuple[bool, str]:
     if os.environ.get(onednn.ENV) == "1":
         return True, f"{onednn.ENV}=1"
@@ -333,6 +348,11 @@ PATHS: tuple[Path, ...] = (
          "(prompts, evaluations) by weights of 2^18+ values: oneDNN's inner product instead of F.linear (MKL's "
          "sgemm), where it timed faster here (modules/onednn.py)", onednn.ENV, "1", "0", _onednn_runs, _onednn_default,
          ("tests/test_onednn.py", "tests/test_paths.py")),
+    Path("onednn-training", "fp32 training's products (a Linear's forward, input and weight gradients; the LM head's; "
+         "the fused q/k/v's) of 9+ rows by weights of 2^18+ values: oneDNN's inner product instead of F.linear's "
+         "autograd (MKL's sgemm), where a timing of the three found it faster here (modules/onednn.py)",
+         onednn.TRAINING_ENV, "1", "0", _onednn_training_runs, _onednn_training_default,
+         ("tests/test_onednn_training.py", "tests/test_paths.py")),
     Path("prompt-attention", "causal attention of a prompt's pass (no cached tokens before it) in fp32 without "
          "gradients: one rows-kernel call (modules/prompt_attention.py) instead of torch's SDPA", prompt_attention.ENV,
          "", "0", _kernel(prompt_attention, prompt_attention.ENV, "the rows kernel (prompt attention)"),

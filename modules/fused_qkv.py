@@ -28,7 +28,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from modules import transposed
+from modules import onednn, transposed
 
 ENV = "GPT2_FUSED_QKV"
 
@@ -53,13 +53,17 @@ def _autocast(device_type: str) -> bool:
 
 
 class QKVLinear(torch.autograd.Function):
-    """(x, wq, wk, wv, bq, bk, bv) -> x [wq; wk; wv]^T + [bq; bk; bv] (biases all None or all tensors)."""
+    """(x, wq, wk, wv, bq, bk, bv, use_onednn) -> x [wq; wk; wv]^T + [bq; bk; bv] (biases all None or all tensors);
+    use_onednn: the three products through oneDNN's inner product (fp32 training where it timed faster:
+    modules/onednn.py), else torch's."""
 
     @staticmethod
-    def forward(ctx, x, wq, wk, wv, bq, bk, bv):
+    def forward(ctx, x, wq, wk, wv, bq, bk, bv, use_onednn=False):
         ctx.save_for_backward(x, wq, wk, wv)
+        ctx.onednn = use_onednn
         bias = None if bq is None else torch.cat((bq, bk, bv))
-        return F.linear(x, torch.cat((wq, wk, wv)), bias)
+        weight = torch.cat((wq, wk, wv))
+        return onednn.linear(x, weight, bias) if use_onednn else F.linear(x, weight, bias)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -67,21 +71,26 @@ class QKVLinear(torch.autograd.Function):
         x, wq, wk, wv = ctx.saved_tensors
         needs = ctx.needs_input_grad
         sizes = (wq.shape[0], wk.shape[0], wv.shape[0])
-        g = grad.reshape(-1, grad.shape[-1])
-        d_x = (g @ torch.cat((wq, wk, wv))).view(x.shape) if needs[0] else None
+        g = onednn._rows(grad) if ctx.onednn else grad.reshape(-1, grad.shape[-1])
+        weight = torch.cat((wq, wk, wv))
+        d_x = None  # g W, and g^T x below, through the forward's library
+        if needs[0]:
+            d_x = (onednn.linear(g, weight.t()) if ctx.onednn else g @ weight).view(x.shape)
         d_w = (None,) * 3
         if any(needs[1:4]):
-            rows = x.reshape(-1, x.shape[-1])
+            rows = onednn._rows(x) if ctx.onednn else x.reshape(-1, x.shape[-1])
             # on AMX (modules/transposed.py) a weight gradient of 2^20+ values from a row-major copy of g
             g_t = transposed.transpose(g) if transposed.weight_gradient_applies(g, sum(sizes) * x.shape[-1]) else g.t()
-            d_w = tuple(d if need else None for d, need in zip((g_t @ rows).split(sizes), needs[1:4]))
+            d_weight = onednn.linear(g_t, rows.t()) if ctx.onednn else g_t @ rows
+            d_w = tuple(d if need else None for d, need in zip(d_weight.split(sizes), needs[1:4]))
         d_b = (None,) * 3
         if any(needs[4:7]):
             d_b = tuple(d if need else None for d, need in zip(g.sum(0).split(sizes), needs[4:7]))
-        return (d_x, *d_w, *d_b)
+        return (d_x, *d_w, *d_b, None)
 
 
 def project(x: torch.Tensor, layers) -> torch.Tensor:
     """The three layers' outputs side by side (..., q + k + v features), as one product."""
     q, k, v = layers
-    return QKVLinear.apply(x, q.weight, k.weight, v.weight, q.bias, k.bias, v.bias)
+    use_onednn = onednn.training_applies(x, q.weight, values=sum(m.weight.numel() for m in layers))
+    return QKVLinear.apply(x, q.weight, k.weight, v.weight, q.bias, k.bias, v.bias, use_onednn)

@@ -25,6 +25,17 @@ no gradient to take, by weights of at least rows.PROMPT_MIN_WEIGHT values (a sma
 microseconds: the calls' own costs decide). So a prompt's pass and an evaluation's forward; never training, whose
 backward needs autograd (the op has none). GPT2_ONEDNN_LINEAR=0 keeps F.linear, =1 takes oneDNN without timing;
 `python -m modules.onednn` shows the choice and its timings.
+
+fp32 training takes the same library for its three products a layer (TrainingLinear: the forward, the input's
+gradient g W and the weight's g^T x, oneDNN reading the transposed operands as strided views), where a timing of those
+products found it faster, by its own choice (training_choice: GPT2_ONEDNN_TRAINING, a separate timing and cache, as
+the backward's shapes are not the forward's). On a 2-core AMD EPYC Zen 5 (2026-12-04, 512 rows, medians, ms, MKL
+against oneDNN): 768 -> 3072 forward 11.8 / 5.2, input gradient 11.4 / 6.0, weight gradient 11.6 / 6.1; gpt2's
+50257 x 768 LM head 213 / 89, 194 / 121, 198 / 108: MKL's sgemm ran at 205-213 GFLOP/s there, oneDNN at 400-476.
+Taken by modules/transposed.py's linear and head (the fallbacks of every Linear layer and the LM head) and the fused
+q/k/v product for fp32 inputs of more than 8 rows and weights of rows.PROMPT_MIN_WEIGHT+ values, in grad mode with a
+gradient to take, outside autocast and torch.compile. Each product is F.linear's to float rounding (oneDNN blocks the
+sums differently: in the tests within 1e-4 of values of about 30).
 """
 from __future__ import annotations
 
@@ -38,14 +49,21 @@ import torch.nn.functional as F
 from modules import rows
 
 ENV = "GPT2_ONEDNN_LINEAR"
+TRAINING_ENV = "GPT2_ONEDNN_TRAINING"
 PROMPT_ROWS = 256  # the rows of the products timed
+TRAINING_ROWS = 256  # the rows of the training products timed
 _choice: dict | None = None  # {"takes": bool, "speeds": ..., "source": ...}, once per process
+_training_choice: dict | None = None  # the same for training's products
+
+
+def has_inner_product() -> bool:
+    """Whether torch has oneDNN's fp32 inner product here (x86 builds do)."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
 def available() -> bool:
-    """Whether torch has oneDNN's fp32 inner product here (x86 builds do) and GPT2_ONEDNN_LINEAR is not 0."""
-    return (os.environ.get(ENV) != "0" and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+    """has_inner_product() and GPT2_ONEDNN_LINEAR is not 0 (products without gradients)."""
+    return os.environ.get(ENV) != "0" and has_inner_product()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -140,5 +158,110 @@ def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and not torch.compiler.is_compiling() and choice()["takes"])
 
 
+# ---- training: the forward and both gradients ---------------------------------------------------------------------
+
+class TrainingLinear(torch.autograd.Function):
+    """F.linear(x, weight, bias) in fp32 whose three products (forward, g W, g^T x) are oneDNN's inner product."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        return linear(x, weight, bias)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        g = _rows(grad)
+        d_x = linear(g, weight.t()).view(x.shape) if ctx.needs_input_grad[0] else None
+        d_weight = linear(g.t(), _rows(x).t()) if ctx.needs_input_grad[1] else None
+        d_bias = g.sum(0) if ctx.needs_input_grad[2] else None  # False for no bias (None)
+        return d_x, d_weight, d_bias
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """t as (rows, features), a view where its layout allows one oneDNN reads (row-major, or its transpose), else a
+    row-major copy (an expanded gradient: stride 0)."""
+    flat = t.reshape(-1, t.shape[-1])
+    return flat if flat.is_contiguous() or flat.t().is_contiguous() else flat.contiguous()
+
+
+def gradients(x: torch.Tensor, weight: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(g W, g^T x) for x (N, in), weight (out, in) and the output's gradient g (N, out), through oneDNN."""
+    return linear(g, weight.t()), linear(g.t(), x.t())
+
+
+def time_training(rounds: int = 5, n: int = TRAINING_ROWS) -> dict[str, float]:
+    """{"onednn": GFLOP/s, "torch": GFLOP/s} of a training step's three fp32 products (forward, input gradient,
+    weight gradient) over a 3072 x 768 and a 768 x 3072 weight at n rows, in interleaved rounds (medians)."""
+    import statistics
+
+    shapes = [(3072, 768), (768, 3072)]
+    cases = [(torch.randn(n, i), torch.randn(o, i), torch.randn(o), torch.randn(n, o)) for o, i in shapes]
+    flop = sum(3 * 2 * n * w.numel() for _, w, _, _ in cases)
+
+    def torch_step():
+        for x, w, b, g in cases:
+            F.linear(x, w, b), g @ w, g.t() @ x
+
+    def onednn_step():
+        for x, w, b, g in cases:
+            linear(x, w, b), gradients(x, w, g)
+
+    with torch.no_grad():
+        onednn_step(), torch_step()  # each library's first call builds its kernels
+        times = rows.interleaved({"onednn": onednn_step, "torch": torch_step}, rounds)
+    return {name: flop / statistics.median(t) / 1e9 for name, t in times.items()}
+
+
+def _training_path():
+    key = hashlib.sha256((rows.cpu_flags() + torch.__version__ + str(TRAINING_ROWS)).encode()).hexdigest()[:16]
+    return rows._cache_dir() / f"onednn-training-{key}.json"
+
+
+def training_choice() -> dict:
+    """choice() for fp32 training's products: GPT2_ONEDNN_TRAINING (0: F.linear's, 1: oneDNN's), else the cached
+    timing, else a timing now (time_training, twice; cached), else (a busy machine, oneDNN missing) F.linear's."""
+    global _training_choice
+    setting = os.environ.get(TRAINING_ENV, "").strip()
+    if setting not in ("", "0", "1"):
+        raise ValueError(f"{TRAINING_ENV} must be 0 (F.linear), 1 (oneDNN) or unset (timed), got {setting!r}")
+    if setting == "0" or not has_inner_product():
+        return {"takes": False, "source": f"{TRAINING_ENV}=0" if setting == "0" else
+                "torch has no oneDNN inner product here"}
+    if setting == "1":
+        return {"takes": True, "source": f"{TRAINING_ENV}=1"}
+    if _training_choice is not None:
+        return _training_choice
+    path = _training_path()
+    try:
+        _training_choice = json.loads(path.read_text())
+        return _training_choice
+    except (OSError, ValueError):
+        pass
+    if busy := rows.machine_busy():
+        _training_choice = {"takes": False, "source": f"not timed: the machine is busy ({busy})"}
+        return _training_choice
+    first, second = time_training(), time_training()
+    _training_choice = {"takes": decide(first, second), "speeds": [first, second],
+                        "source": f"timed, cached in {path}"}
+    rows.write_timing(path, _training_choice)
+    return _training_choice
+
+
+def training_applies(x: torch.Tensor, weight: torch.Tensor, values: int | None = None) -> bool:
+    """Whether an fp32 training product of x and weight takes TrainingLinear (the module's docstring): fp32 CPU
+    tensors, more than rows.MAX_ROWS rows, a weight of rows.PROMPT_MIN_WEIGHT+ values (`values`, where weight stands
+    for several multiplied as one: the fused q/k/v's), grad mode with x or the weight requiring a gradient, outside
+    autocast and torch.compile, where training_choice() takes oneDNN."""
+    return (x.dtype == torch.float32 and weight.dtype == torch.float32 and x.device.type == "cpu"
+            and weight.device.type == "cpu" and weight.dim() == 2 and x.dim() >= 2
+            and x.shape[:-1].numel() > rows.MAX_ROWS
+            and (weight.numel() if values is None else values) >= rows.PROMPT_MIN_WEIGHT
+            and torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+            and not torch.is_autocast_enabled("cpu") and not torch.compiler.is_compiling()
+            and training_choice()["takes"])
+
+
 if __name__ == "__main__":
-    print(json.dumps(choice(), indent=1))
+    print(json.dumps({"no gradients": choice(), "training": training_choice()}, indent=1))

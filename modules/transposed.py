@@ -44,7 +44,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from modules import head_grad, rows
+from modules import head_grad, onednn, rows
 
 ENV = "GPT2_TRANSPOSED_PRODUCTS"
 HEAD_MIN_WEIGHT = 1 << 24  # values of the head's W: gpt2's has 38.6 M
@@ -134,6 +134,8 @@ def head(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return TransposedHead.apply(hidden, weight, None)
     if head_grad.applies(hidden, weight):
         return head_grad.BlockedGradHead.apply(hidden, weight)
+    if onednn.training_applies(hidden, weight):  # fp32 training where oneDNN timed faster (modules/onednn.py)
+        return onednn.TrainingLinear.apply(hidden, weight, None)
     return F.linear(hidden, weight)
 
 
@@ -141,4 +143,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """F.linear(x, weight, bias): the transposed weight gradient where it applies, else torch's."""
     if linear_applies(x, weight):
         return TransposedGradLinear.apply(x, weight, bias)
+    if onednn.training_applies(x, weight):  # fp32 training where oneDNN timed faster (modules/onednn.py)
+        return onednn.TrainingLinear.apply(x, weight, bias)
     return F.linear(x, weight, bias)

@@ -17,6 +17,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("GPT2_BENCH_RESULTS", "off")  # a benchmark run by a test never appends to bench/results
 os.environ.setdefault("GPT2_DECODE_PLAN", "off")  # no timing of kernel forms in tests (tests/test_decode_plan.py does)
 os.environ.setdefault("GPT2_ONEDNN_LINEAR", "1")  # oneDNN's products without the timing (tests/test_onednn.py times)
+os.environ.setdefault("GPT2_ONEDNN_TRAINING", "1")  # fp32 training's too (tests/test_onednn_training.py times)
 os.environ.setdefault("GPT2_TRAIN_THREADS", "off")  # fit's steps keep torch's count: runs compared to the last digit
 if os.environ.get("MUTANT_UNDER_TEST") == "stats":
     # mutmut's stats run (bench/mutation.py) records which tests call each function; the variable would make a test's

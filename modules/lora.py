@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from modules import transposed
 from modules.linear import Linear
 
 
@@ -43,7 +44,8 @@ class LoRALinear(nn.Linear):
         return (self.lora_B @ self.lora_A) * self.scaling
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight, self.bias)
+        # the frozen base: in fp32 training, oneDNN's products where they timed faster (modules/onednn.py)
+        out = transposed.linear(x, self.weight, self.bias)
         if self.merged:
             return out
         h = F.linear(self.lora_dropout(x) if self.lora_dropout.p else x, self.lora_A)  # (..., r)

@@ -232,3 +232,28 @@ def test_the_training_setting_forces_either_side_and_anything_else_is_an_error(m
 def test_the_timing_reads_both_libraries_rates_of_the_three_products():
     speeds = onednn.time_training(rounds=1, n=16)
     assert speeds.keys() == {"onednn", "torch"} and all(v > 0 for v in speeds.values())
+
+
+@needs_onednn
+def test_a_lora_layers_frozen_base_takes_it_for_the_inputs_gradient(monkeypatch, forced):
+    from modules.lora import LoRALinear
+
+    calls = []
+    real = onednn.TrainingLinear.apply
+    monkeypatch.setattr(onednn.TrainingLinear, "apply", lambda *a: calls.append(tuple(a[1].shape)) or real(*a))
+    torch.manual_seed(0)
+    base = Linear(512, 512)
+    plain = base.weight.detach().clone(), base.bias.detach().clone()
+    layer = LoRALinear(base, rank=4, alpha=8)
+    torch.nn.init.normal_(layer.lora_B)
+    x = torch.randn(3, 10, 512, requires_grad=True)
+    layer(x).sum().backward()
+    assert calls == [(512, 512)] and layer.weight.grad is None and layer.lora_B.grad is not None
+    got = x.grad
+    x.grad = None
+    h = F.linear(x, layer.lora_A)
+    (F.linear(x, *plain) + layer.scaling * F.linear(h, layer.lora_B)).sum().backward()
+    torch.testing.assert_close(got, x.grad, **TOL)
+    with torch.no_grad():
+        layer(x)  # evaluation: F.linear's (or onednn.linear's) product, not training's
+    assert calls == [(512, 512)]

@@ -32,6 +32,9 @@ products found it faster, by its own choice (training_choice: GPT2_ONEDNN_TRAINI
 the backward's shapes are not the forward's). On a 2-core AMD EPYC Zen 5 (2026-12-04, 512 rows, medians, ms, MKL
 against oneDNN): 768 -> 3072 forward 11.8 / 5.2, input gradient 11.4 / 6.0, weight gradient 11.6 / 6.1; gpt2's
 50257 x 768 LM head 213 / 89, 194 / 121, 198 / 108: MKL's sgemm ran at 205-213 GFLOP/s there, oneDNN at 400-476.
+MKL ran at the same rate held to AVX2 (MKL_ENABLE_INSTRUCTIONS=AVX2: its AVX2 code on AMD's cores), and oneDNN held
+to AVX2 (ONEDNN_MAX_CPU_ISA=AVX2) read 157-167 GFLOP/s against MKL's 176-190 in time_training: on an AVX2 CPU the
+timing keeps F.linear.
 Taken by modules/transposed.py's linear and head (the fallbacks of every Linear layer and the LM head) and the fused
 q/k/v product for fp32 inputs of more than 8 rows and weights of rows.PROMPT_MIN_WEIGHT+ values, in grad mode with a
 gradient to take, outside autocast and torch.compile. Each product is F.linear's to float rounding (oneDNN blocks the

@@ -257,3 +257,26 @@ def test_a_lora_layers_frozen_base_takes_it_for_the_inputs_gradient(monkeypatch,
     with torch.no_grad():
         layer(x)  # evaluation: F.linear's (or onednn.linear's) product, not training's
     assert calls == [(512, 512)]
+
+
+@needs_onednn
+def test_gradient_checkpointing_recomputes_through_it_to_the_plain_gradients(monkeypatch):
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=2, n_head=4, n_embd=256, vocab_size=1024, n_positions=64,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    model = GPT2LMHeadModel(config).train()
+    model.gpt.gradient_checkpointing = True
+    ids = torch.randint(0, 1024, (2, 30), generator=torch.Generator().manual_seed(1))
+    calls, real = [], onednn.linear
+    monkeypatch.setattr(onednn, "linear", lambda a, w, b=None: calls.append(1) or real(a, w, b))
+    monkeypatch.setenv(onednn.TRAINING_ENV, "1")
+    loss, grads = loss_and_grads(model, ids)
+    taken = len(calls)
+    monkeypatch.setenv(onednn.TRAINING_ENV, "0")
+    model.gpt.gradient_checkpointing = False
+    plain_loss, plain = loss_and_grads(model, ids)
+    # per layer the MLP's two weights: forward, recomputed forward, two gradients; the head: forward, two gradients
+    assert taken == 2 * 2 * 4 + 3 and len(calls) == taken
+    torch.testing.assert_close(loss, plain_loss, atol=1e-5, rtol=1e-5)
+    for name in grads:
+        torch.testing.assert_close(grads[name], plain[name], atol=1e-5, rtol=1e-4, msg=name)

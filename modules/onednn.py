@@ -22,9 +22,9 @@ Taken by modules.linear.Linear and the LM head (GPT2Model.hidden_state_to_token:
 50257 x 768 head at 8 x 128 rows 514 against 766 ms) for fp32 inputs of more than 8 rows (the rows kernel's own
 products below; 9 to rows.prompt_rows() rows its product of many rows where that was timed faster) on the CPU with
 no gradient to take, by weights of at least rows.PROMPT_MIN_WEIGHT values (a small model's products take
-microseconds: the calls' own costs decide). So a prompt's pass and an evaluation's forward; never training, whose
-backward needs autograd (the op has none). GPT2_ONEDNN_LINEAR=0 keeps F.linear, =1 takes oneDNN without timing;
-`python -m modules.onednn` shows the choice and its timings.
+microseconds: the calls' own costs decide). So a prompt's pass and an evaluation's forward (the op has no autograd:
+training's products are TrainingLinear's, below). GPT2_ONEDNN_LINEAR=0 keeps F.linear, =1 takes oneDNN without
+timing; `python -m modules.onednn` shows both choices and their timings.
 
 fp32 training takes the same library for its three products a layer (TrainingLinear: the forward, the input's
 gradient g W and the weight's g^T x, oneDNN reading the transposed operands as strided views), where a timing of those

@@ -71,14 +71,14 @@ class QKVLinear(torch.autograd.Function):
         x, wq, wk, wv = ctx.saved_tensors
         needs = ctx.needs_input_grad
         sizes = (wq.shape[0], wk.shape[0], wv.shape[0])
-        g = onednn._rows(grad) if ctx.onednn else grad.reshape(-1, grad.shape[-1])
+        g = grad.reshape(-1, grad.shape[-1])
         weight = torch.cat((wq, wk, wv))
         d_x = None  # g W, and g^T x below, through the forward's library
         if needs[0]:
             d_x = (onednn.linear(g, weight.t()) if ctx.onednn else g @ weight).view(x.shape)
         d_w = (None,) * 3
         if any(needs[1:4]):
-            rows = onednn._rows(x) if ctx.onednn else x.reshape(-1, x.shape[-1])
+            rows = x.reshape(-1, x.shape[-1])
             # on AMX (modules/transposed.py) a weight gradient of 2^20+ values from a row-major copy of g
             g_t = transposed.transpose(g) if transposed.weight_gradient_applies(g, sum(sizes) * x.shape[-1]) else g.t()
             d_weight = onednn.linear(g_t, rows.t()) if ctx.onednn else g_t @ rows

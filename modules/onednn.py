@@ -175,18 +175,11 @@ class TrainingLinear(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad: torch.Tensor):
         x, weight = ctx.saved_tensors
-        g = _rows(grad)
+        g = grad.reshape(-1, weight.shape[0])  # any strides: oneDNN's op takes them (an expanded gradient too)
         d_x = linear(g, weight.t()).view(x.shape) if ctx.needs_input_grad[0] else None
-        d_weight = linear(g.t(), _rows(x).t()) if ctx.needs_input_grad[1] else None
+        d_weight = linear(g.t(), x.reshape(-1, weight.shape[1]).t()) if ctx.needs_input_grad[1] else None
         d_bias = g.sum(0) if ctx.needs_input_grad[2] else None  # False for no bias (None)
         return d_x, d_weight, d_bias
-
-
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    """t as (rows, features), a view where its layout allows one oneDNN reads (row-major, or its transpose), else a
-    row-major copy (an expanded gradient: stride 0)."""
-    flat = t.reshape(-1, t.shape[-1])
-    return flat if flat.is_contiguous() or flat.t().is_contiguous() else flat.contiguous()
 
 
 def gradients(x: torch.Tensor, weight: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -5,6 +5,7 @@ the fused q/k/v product take it and where not, a whole model's gradients with it
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -62,7 +63,7 @@ def test_strided_inputs_and_an_expanded_gradient_give_f_linears_values():
     g = torch.Generator().manual_seed(1)
     x = torch.randn(256, 40, generator=g).t().requires_grad_()  # (40, 256), column-major
     w = torch.randn(256, 300, generator=g).t().requires_grad_()  # (300, 256), a transposed weight
-    grad = torch.randn(1, 300, generator=g).expand(40, 300)  # stride 0: copied before oneDNN reads it
+    grad = torch.randn(1, 300, generator=g).expand(40, 300)  # stride 0: oneDNN's op takes any strides
     (out, grads), (want, want_grads) = taken(x, w, None, grad), reference(x, w, None, grad)
     torch.testing.assert_close(out, want, **TOL)
     for got, expected in zip(grads[:2], want_grads[:2]):
@@ -142,8 +143,8 @@ def test_the_fused_qkv_product_with_it_gives_the_plain_ones_values(monkeypatch, 
     grad = torch.randn(2, 12, 1536, generator=g)
     calls, real = [], onednn.linear
     monkeypatch.setattr(onednn, "linear", lambda a, w, b=None: calls.append(tuple(w.shape)) or real(a, w, b))
-    assert onednn.training_applies(x, ws[0], values=3 * ws[0].numel())
-    assert not onednn.training_applies(x, ws[0][:170], values=3 * 170 * 512)  # 261120 values: under 2^18
+    assert onednn.training_applies(x, ws[0][:100], values=3 * ws[0].numel())  # the three weights' values count
+    assert not onednn.training_applies(x, ws[0], values=3 * 170 * 512)  # 261120 values: under 2^18
     out = fused_qkv.QKVLinear.apply(x, *ws, *bs, True)
     out.backward(grad)
     got = [out.detach()] + [t.grad.clone() for t in (x, *ws, *bs)]
@@ -280,3 +281,72 @@ def test_gradient_checkpointing_recomputes_through_it_to_the_plain_gradients(mon
     torch.testing.assert_close(loss, plain_loss, atol=1e-5, rtol=1e-5)
     for name in grads:
         torch.testing.assert_close(grads[name], plain[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_the_training_timings_cache_is_keyed_by_the_cpus_flags_torch_and_the_rows_timed(monkeypatch, tmp_path):
+    monkeypatch.setenv("GPT2_KERNEL_CACHE", str(tmp_path))
+    path = onednn._training_path()
+    assert path.parent == tmp_path and re.fullmatch(r"onednn-training-[0-9a-f]{16}\.json", path.name)
+    assert path != onednn._path()  # not the inference choice's file
+    monkeypatch.setattr(onednn, "TRAINING_ROWS", 512)
+    assert onednn._training_path() != path
+    monkeypatch.undo()
+    monkeypatch.setenv("GPT2_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setenv(rows.CPU_FLAGS_ENV, "fpu avx2 fma")
+    assert onednn._training_path() != path
+    monkeypatch.delenv(rows.CPU_FLAGS_ENV)
+    monkeypatch.setattr(torch, "__version__", "0.0.0")
+    assert onednn._training_path() != path
+
+
+def test_the_timing_reads_the_three_products_of_each_library_as_gflops(monkeypatch):
+    calls = []
+    monkeypatch.setattr(onednn, "linear", lambda x, w, b=None: calls.append(("onednn", x.shape, w.shape, b is not None)))
+    monkeypatch.setattr(onednn.F, "linear", lambda x, w, b=None: calls.append(("torch", x.shape, w.shape, b is not None)))
+
+    def interleaved(contenders, rounds):
+        assert rounds == 3
+        for run in contenders.values():
+            run()
+        return {"onednn": [1.0, 9.0, 1.0], "torch": [2.0, 2.0, 0.1]}
+
+    monkeypatch.setattr(rows, "interleaved", interleaved)
+    speeds = onednn.time_training(rounds=3, n=16)
+    flop = 3 * 2 * 16 * 2 * 3072 * 768
+    assert speeds == {"onednn": pytest.approx(flop / 1e9), "torch": pytest.approx(flop / 2 / 1e9)}
+    onednn_calls = [c[1:] for c in calls if c[0] == "onednn"]
+    # each weight: warm-up, then the timed round: forward with the bias, g W, g^T x
+    per_round = [((16, 768), (3072, 768), True), ((16, 3072), (768, 3072), False), ((3072, 16), (768, 16), False),
+                 ((16, 3072), (768, 3072), True), ((16, 768), (3072, 768), False), ((768, 16), (3072, 16), False)]
+    assert onednn_calls == per_round * 2
+    assert [c[1:] for c in calls if c[0] == "torch"] == [((16, 768), (3072, 768), True),
+                                                         ((16, 3072), (768, 3072), True)] * 2
+
+
+def test_there_is_no_inner_product_without_oneDNN(monkeypatch):
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
+    assert not onednn.has_inner_product() and not onednn.available()
+    monkeypatch.setenv(onednn.TRAINING_ENV, "1")
+    assert onednn.training_choice() == {"takes": False, "source": "torch has no oneDNN inner product here"}
+
+
+@needs_onednn
+def test_the_inference_products_start_past_8_rows(monkeypatch):
+    monkeypatch.setenv(onednn.ENV, "1")
+    w = torch.zeros(512, 512)
+    with torch.no_grad():
+        assert onednn.applies(torch.zeros(9, 512), w) and not onednn.applies(torch.zeros(8, 512), w)
+
+
+def test_the_inference_timings_race_gpt2_shaped_weights_at_their_documented_budget(monkeypatch):
+    seen = {}
+    monkeypatch.setattr(rows, "time_products", lambda products, counts, megabytes, rounds: seen.update(
+        products=products, counts=counts, megabytes=megabytes, rounds=rounds) or {str(counts[0]): {"onednn": 1.0}})
+    assert onednn.time_products() == {"onednn": 1.0}
+    assert seen == {"products": {"onednn": onednn.linear, "torch": F.linear}, "counts": [onednn.PROMPT_ROWS],
+                    "megabytes": 16, "rounds": 5}
+    monkeypatch.setattr(rows, "prompt_library", lambda: "the plan's library")
+    monkeypatch.setattr(rows, "time_prompt_rows", lambda *a, **k: seen.update(args=a, kwargs=k) or "timed")
+    assert onednn.time_kernel_rows([16, 32]) == "timed"
+    assert seen["args"] == ("the plan's library", [16, 32], 64, 5)
+    assert seen["kwargs"] == {"against": ("onednn", onednn.linear)}

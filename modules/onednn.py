@@ -55,8 +55,9 @@ ENV = "GPT2_ONEDNN_LINEAR"
 TRAINING_ENV = "GPT2_ONEDNN_TRAINING"
 PROMPT_ROWS = 256  # the rows of the products timed
 TRAINING_ROWS = 256  # the rows of the training products timed
-_choice: dict | None = None  # {"takes": bool, "speeds": ..., "source": ...}, once per process
-_training_choice: dict | None = None  # the same for training's products
+# the choices made in this process ({"takes": bool, "speeds": ..., "source": ...}), by their setting's name (ENV for
+# the products without gradients, TRAINING_ENV for training's)
+_choices: dict[str, dict] = {}
 
 
 def has_inner_product() -> bool:
@@ -105,38 +106,61 @@ def _path():
     return rows._cache_dir() / f"onednn-linear-{key}.json"
 
 
+def _forced(env: str) -> dict | None:
+    """The choice a setting of `env` makes (0: F.linear's, 1: oneDNN's; oneDNN missing: F.linear's whatever the
+    setting), or None where it is unset (timed). Any other value raises ValueError."""
+    setting = os.environ.get(env, "").strip()
+    if setting not in ("", "0", "1"):
+        raise ValueError(f"{env} must be 0 (F.linear), 1 (oneDNN) or unset (timed), got {setting!r}")
+    if setting == "0":
+        return {"takes": False, "source": f"{env}=0"}
+    if not has_inner_product():
+        return {"takes": False, "source": "torch has no oneDNN inner product here"}
+    return {"takes": True, "source": f"{env}=1"} if setting == "1" else None
+
+
+def _cached_or_timed(path, timing) -> dict:
+    """The timing cached at `path`; else, where the machine is quiet, `timing()`'s record ({"takes": ..., ...}),
+    cached there; else F.linear's for this process (a busy machine's timings would be noise: a later one times)."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        pass
+    if busy := rows.machine_busy():
+        return {"takes": False, "source": f"not timed: the machine is busy ({busy})"}
+    record = {**timing(), "source": f"timed, cached in {path}"}
+    rows.write_timing(path, record)
+    return record
+
+
+def _choose(env: str, path, timing) -> dict:
+    """The setting of `env` (_forced), else the choice made before in this process, else _cached_or_timed."""
+    forced = _forced(env)
+    if forced is not None:
+        return forced
+    if env not in _choices:
+        _choices[env] = _cached_or_timed(path(), timing)
+    return _choices[env]
+
+
 def choice() -> dict:
     """{"takes": bool, "source": why, "speeds": the timings}: GPT2_ONEDNN_LINEAR, else the cached timing, else a
     timing now (cached), else (a busy machine, oneDNN missing) F.linear."""
-    global _choice
-    setting = os.environ.get(ENV, "").strip()
-    if setting not in ("", "0", "1"):
-        raise ValueError(f"{ENV} must be 0 (F.linear), 1 (oneDNN) or unset (timed), got {setting!r}")
-    if not available():
-        return {"takes": False, "source": f"{ENV}=0" if setting == "0" else "torch has no oneDNN inner product here"}
-    if setting == "1":
-        return {"takes": True, "source": f"{ENV}=1"}
-    if _choice is not None:
-        return _choice
-    path = _path()
-    try:
-        _choice = json.loads(path.read_text())
-        return _choice
-    except (OSError, ValueError):
-        pass
-    if busy := rows.machine_busy():  # timings now would be noise: F.linear for this process, timed by a later one
-        _choice = {"takes": False, "source": f"not timed: the machine is busy ({busy})"}
-        return _choice
+    return _choose(ENV, _path, _time_choice)
+
+
+def _time_choice() -> dict:
+    """time_products twice and the decision; where oneDNN is taken and the plan gave the kernel short prompts, the
+    kernel raced against oneDNN at those rows (kernel_rows)."""
     first = time_products()
     second = time_products()
-    _choice = {"takes": decide(first, second), "speeds": [first, second], "source": f"timed, cached in {path}"}
+    record = {"takes": decide(first, second), "speeds": [first, second]}
     planned = rows.plan().get("prompt_rows", rows.MAX_ROWS) if rows.available() else rows.MAX_ROWS
-    if _choice["takes"] and planned > rows.MAX_ROWS:  # the plan gave the kernel short prompts: where it beats oneDNN
+    if record["takes"] and planned > rows.MAX_ROWS:  # the plan gave the kernel short prompts: where it beats oneDNN
         counts = [n for n in rows.PROMPT_ROWS_TIMED if n <= planned]
         kernel = [time_kernel_rows(counts), time_kernel_rows(counts)]
-        _choice.update(kernel_rows=kernel_limit(*kernel), kernel_speeds=kernel)
-    rows.write_timing(path, _choice)
-    return _choice
+        record.update(kernel_rows=kernel_limit(*kernel), kernel_speeds=kernel)
+    return record
 
 
 def kernel_rows() -> int:
@@ -218,31 +242,12 @@ def _training_path():
 def training_choice() -> dict:
     """choice() for fp32 training's products: GPT2_ONEDNN_TRAINING (0: F.linear's, 1: oneDNN's), else the cached
     timing, else a timing now (time_training, twice; cached), else (a busy machine, oneDNN missing) F.linear's."""
-    global _training_choice
-    setting = os.environ.get(TRAINING_ENV, "").strip()
-    if setting not in ("", "0", "1"):
-        raise ValueError(f"{TRAINING_ENV} must be 0 (F.linear), 1 (oneDNN) or unset (timed), got {setting!r}")
-    if setting == "0" or not has_inner_product():
-        return {"takes": False, "source": f"{TRAINING_ENV}=0" if setting == "0" else
-                "torch has no oneDNN inner product here"}
-    if setting == "1":
-        return {"takes": True, "source": f"{TRAINING_ENV}=1"}
-    if _training_choice is not None:
-        return _training_choice
-    path = _training_path()
-    try:
-        _training_choice = json.loads(path.read_text())
-        return _training_choice
-    except (OSError, ValueError):
-        pass
-    if busy := rows.machine_busy():
-        _training_choice = {"takes": False, "source": f"not timed: the machine is busy ({busy})"}
-        return _training_choice
+    return _choose(TRAINING_ENV, _training_path, _time_training_choice)
+
+
+def _time_training_choice() -> dict:
     first, second = time_training(), time_training()
-    _training_choice = {"takes": decide(first, second), "speeds": [first, second],
-                        "source": f"timed, cached in {path}"}
-    rows.write_timing(path, _training_choice)
-    return _training_choice
+    return {"takes": decide(first, second), "speeds": [first, second]}
 
 
 def training_applies(x: torch.Tensor, weight: torch.Tensor, values: int | None = None) -> bool:

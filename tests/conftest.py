@@ -249,6 +249,20 @@ def padded_batch(lengths: list[int], width: int, vocab: int, side: str | list[st
     return ids, mask
 
 
+@pytest.fixture
+def onednn_fresh(monkeypatch, tmp_path):
+    """modules/onednn.py with neither setting, an empty kernel cache, no choice made yet in this process and its
+    inner product present: the folder of the cache."""
+    from modules import onednn
+
+    for env in (onednn.ENV, onednn.TRAINING_ENV):
+        monkeypatch.delenv(env, raising=False)
+    monkeypatch.setenv("GPT2_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setattr(onednn, "_choices", {})
+    monkeypatch.setattr(onednn, "has_inner_product", lambda: True)
+    return tmp_path
+
+
 def loss_and_grads(model, ids):
     """One training forward and backward of an LM on ids (its own labels): (the loss, {name: a copy of its gradient})."""
     model.zero_grad(set_to_none=True)

@@ -81,13 +81,8 @@ def test_oneDNN_is_chosen_only_where_both_timings_read_it_margin_faster():
 
 
 @pytest.fixture
-def fresh(monkeypatch, tmp_path):
-    """No setting, an empty kernel cache, and no choice made yet in this process."""
-    monkeypatch.delenv(onednn.ENV, raising=False)
-    monkeypatch.setenv("GPT2_KERNEL_CACHE", str(tmp_path))
-    monkeypatch.setattr(onednn, "_choice", None)
-    monkeypatch.setattr(onednn, "available", lambda: True)
-    return tmp_path
+def fresh(onednn_fresh):
+    return onednn_fresh  # conftest's: no setting, an empty kernel cache, no choice made yet
 
 
 def test_the_choice_is_timed_once_cached_and_read_by_later_processes(monkeypatch, fresh):
@@ -98,7 +93,7 @@ def test_the_choice_is_timed_once_cached_and_read_by_later_processes(monkeypatch
     assert chosen["takes"] and chosen["source"].startswith("timed, cached in ")
     (cached,) = fresh.glob("onednn-linear-*.json")
     assert json.loads(cached.read_text()) == chosen
-    monkeypatch.setattr(onednn, "_choice", None)  # a later process: reads the file, times nothing
+    monkeypatch.setattr(onednn, "_choices", {})  # a later process: reads the file, times nothing
     monkeypatch.setattr(onednn, "time_products", lambda: pytest.fail("timed again"))
     assert onednn.choice() == chosen
 
@@ -156,7 +151,7 @@ def test_the_timing_races_the_kernel_against_oneDNN_at_the_plans_rows_and_caches
     assert asked == [[16, 32, 64]] * 2 and chosen["kernel_rows"] == 32 and chosen["kernel_speeds"] == [speeds] * 2
     (cached,) = fresh.glob("onednn-linear-*.json")
     assert json.loads(cached.read_text()) == chosen
-    monkeypatch.setattr(onednn, "_choice", None)  # F.linear chosen: the plan's limit stands, nothing raced
+    monkeypatch.setattr(onednn, "_choices", {})  # F.linear chosen: the plan's limit stands, nothing raced
     monkeypatch.setattr(onednn, "time_products", lambda: {"onednn": 1.0, "torch": 1.0})
     monkeypatch.setenv("GPT2_KERNEL_CACHE", str(fresh / "other"))
     assert "kernel_rows" not in onednn.choice() and len(asked) == 2
@@ -234,7 +229,7 @@ def test_margins_are_met_at_equality_and_scale_with_the_contenders_speeds():
 
 
 def test_without_oneDNN_the_choice_says_why(monkeypatch, fresh):
-    monkeypatch.setattr(onednn, "available", lambda: False)
+    monkeypatch.setattr(onednn, "has_inner_product", lambda: False)
     assert onednn.choice() == {"takes": False, "source": "torch has no oneDNN inner product here"}
     monkeypatch.setenv(onednn.ENV, "0")
     assert onednn.choice() == {"takes": False, "source": f"{onednn.ENV}=0"}
@@ -245,13 +240,13 @@ def test_no_kernel_race_without_the_kernel_or_the_plans_prompt_rows(monkeypatch,
     timings = [{"onednn": 1.4, "torch": 1.0}, {"onednn": 1.3, "torch": 1.0}]
     monkeypatch.setattr(onednn, "time_kernel_rows", lambda counts: pytest.fail("raced"))
     for available, plan in ((False, lambda: pytest.fail("asked the plan")), (True, lambda: {})):
-        monkeypatch.setattr(onednn, "_choice", None)
+        monkeypatch.setattr(onednn, "_choices", {})
         monkeypatch.setenv("GPT2_KERNEL_CACHE", str(fresh / str(available)))
         monkeypatch.setattr(onednn, "time_products", iter(timings).__next__)
         monkeypatch.setattr(rows, "available", lambda: available)
         monkeypatch.setattr(rows, "plan", plan)
         assert onednn.choice() == {"takes": True, "speeds": timings, "source": onednn.choice()["source"]}
-    monkeypatch.setattr(onednn, "_choice", None)
+    monkeypatch.setattr(onednn, "_choices", {})
     monkeypatch.setenv("GPT2_KERNEL_CACHE", str(fresh / "eight"))
     monkeypatch.setattr(onednn, "time_products", iter(timings).__next__)
     monkeypatch.setattr(rows, "plan", lambda: {"prompt_rows": rows.MAX_ROWS})

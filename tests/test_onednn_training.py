@@ -177,13 +177,8 @@ def test_a_models_training_gradients_with_it_are_the_plain_ones(monkeypatch):
 
 
 @pytest.fixture
-def fresh(monkeypatch, tmp_path):
-    """No setting, an empty kernel cache, and no training choice made yet in this process."""
-    monkeypatch.delenv(onednn.TRAINING_ENV, raising=False)
-    monkeypatch.setenv("GPT2_KERNEL_CACHE", str(tmp_path))
-    monkeypatch.setattr(onednn, "_training_choice", None)
-    monkeypatch.setattr(onednn, "has_inner_product", lambda: True)
-    return tmp_path
+def fresh(onednn_fresh):
+    return onednn_fresh  # conftest's: no setting, an empty kernel cache, no choice made yet
 
 
 def test_the_choice_is_timed_twice_cached_and_read_by_later_processes(monkeypatch, fresh):
@@ -194,10 +189,10 @@ def test_the_choice_is_timed_twice_cached_and_read_by_later_processes(monkeypatc
     assert chosen["takes"] and chosen["source"].startswith("timed, cached in ") and len(chosen["speeds"]) == 2
     (cached,) = fresh.glob("onednn-training-*.json")
     assert json.loads(cached.read_text()) == chosen
-    monkeypatch.setattr(onednn, "_training_choice", None)  # a later process: reads the file, times nothing
+    monkeypatch.setattr(onednn, "_choices", {})  # a later process: reads the file, times nothing
     monkeypatch.setattr(onednn, "time_training", lambda: pytest.fail("timed again"))
     assert onednn.training_choice() == chosen
-    assert onednn.training_choice() is onednn._training_choice  # then kept in the process
+    assert onednn.training_choice() is onednn._choices[onednn.TRAINING_ENV]  # then kept in the process
 
 
 def test_it_takes_oneDNN_only_where_both_timings_read_it_margin_faster(monkeypatch, fresh):

@@ -345,3 +345,17 @@ def test_the_inference_timings_race_gpt2_shaped_weights_at_their_documented_budg
     assert onednn.time_kernel_rows([16, 32]) == "timed"
     assert seen["args"] == ("the plan's library", [16, 32], 64, 5)
     assert seen["kwargs"] == {"against": ("onednn", onednn.linear)}
+
+
+@needs_onednn
+def test_the_fused_qkv_product_takes_it_by_the_three_weights_values_and_not_by_default(monkeypatch, forced):
+    calls, real = [], onednn.linear
+    monkeypatch.setattr(onednn, "linear", lambda a, w, b=None: calls.append(tuple(w.shape)) or real(a, w, b))
+    torch.manual_seed(0)
+    qkv = [Linear(300, 300) for _ in range(3)]  # 90000 values each: 270000 together, past 2^18
+    x = torch.randn(2, 12, 300, requires_grad=True)
+    fused_qkv.project(x, qkv).sum().backward()
+    assert calls == [(900, 300), (300, 900), (300, 24)]
+    calls.clear()
+    fused_qkv.QKVLinear.apply(x, *(m.weight for m in qkv), *(m.bias for m in qkv)).sum().backward()
+    assert calls == []  # QKVLinear alone keeps F.linear's products

@@ -250,3 +250,16 @@ def test_lora_bases_and_frozen_layers_keep_f_linear(forced, monkeypatch):
     model(ids, labels=ids)["loss"].backward()
     assert not any(p.requires_grad for n, p in model.named_parameters() if "lora_" not in n)
     assert calls == []  # the frozen weights (the LoRA layers' bases and the rest) have no gradient to take
+
+
+def test_the_setting_0_turns_it_off_on_an_amx_cpu_and_force_turns_it_on_elsewhere(monkeypatch):
+    needs_kernel()
+    monkeypatch.setattr(transposed, "_amx_bf16", lambda: True)
+    monkeypatch.delenv(transposed.ENV, raising=False)
+    assert transposed.available()
+    monkeypatch.setenv(transposed.ENV, "0")
+    assert not transposed.available()
+    monkeypatch.setattr(transposed, "_amx_bf16", lambda: False)
+    assert not transposed.available()
+    monkeypatch.setenv(transposed.ENV, "force")
+    assert transposed.available()

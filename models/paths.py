@@ -221,34 +221,25 @@ def _prompt_kernel_default() -> tuple[bool, str]:
     return True, f"9 to {limit} rows, a prompt's to {prompt} ({how})"
 
 
-def _onednn_runs() -> str | None:
-    if os.environ.get(onednn.ENV) == "0":
-        return f"{onednn.ENV}=0"
-    return None if onednn.available() else "torch has no oneDNN inner product here"
+def _onednn_runs(env: str) -> Callable[[], str | None]:
+    """runs_here of a oneDNN path switched by `env` (onednn-linear, onednn-training)."""
+    def runs() -> str | None:
+        if os.environ.get(env) == "0":
+            return f"{env}=0"
+        return None if onednn.has_inner_product() else "torch has no oneDNN inner product here"
+    return runs
 
 
-def _onednn_training_runs() -> str | None:
-    if os.environ.get(onednn.TRAINING_ENV) == "0":
-        return f"{onednn.TRAINING_ENV}=0"
-    return None if onednn.has_inner_product() else "torch has no oneDNN inner product here"
-
-
-def _onednn_training_default() -> tuple[bool, str]:
-    chosen = onednn.training_choice()
-    if os.environ.get(onednn.TRAINING_ENV) == "1":
-        return True, chosen["source"]
-    return chosen["takes"], ("timed faster than F.linear's products here" if chosen["takes"] else
-                             f"F.linear ({chosen['source']})" if "busy" in chosen["source"] else
-                             "F.linear's products timed as fast here")
-
-
-def _onednn_default() -> tuple[bool, str]:
-    if os.environ.get(onednn.ENV) == "1":
-        return True, f"{onednn.ENV}=1"
-    chosen = onednn.choice()
-    return chosen["takes"], ("timed faster than F.linear here" if chosen["takes"] else
-                             f"F.linear ({chosen['source']})" if "busy" in chosen["source"] else
-                             "F.linear timed as fast here")
+def _onednn_default(env: str, choose: str) -> Callable[[], tuple[bool, str]]:
+    """default_here of a oneDNN path switched by `env` whose timing is onednn's function named `choose`."""
+    def default() -> tuple[bool, str]:
+        if os.environ.get(env) == "1":
+            return True, f"{env}=1"
+        chosen = getattr(onednn, choose)()
+        return chosen["takes"], ("timed faster than F.linear here" if chosen["takes"] else
+                                 f"F.linear ({chosen['source']})" if "busy" in chosen["source"] else
+                                 "F.linear timed as fast here")
+    return default
 
 
 PATHS: tuple[Path, ...] = (
@@ -346,12 +337,14 @@ PATHS: tuple[Path, ...] = (
                  "alike; fp16 and smaller logits: torch's", ("tests/test_cross_entropy.py",)),
     Path("onednn-linear", "fp32 Linear (and the LM head) of 9+ rows without gradients past the prompt kernel's rows "
          "(prompts, evaluations) by weights of 2^18+ values: oneDNN's inner product instead of F.linear (MKL's "
-         "sgemm), where it timed faster here (modules/onednn.py)", onednn.ENV, "1", "0", _onednn_runs, _onednn_default,
+         "sgemm), where it timed faster here (modules/onednn.py)", onednn.ENV, "1", "0", _onednn_runs(onednn.ENV),
+         _onednn_default(onednn.ENV, "choice"),
          ("tests/test_onednn.py", "tests/test_paths.py")),
     Path("onednn-training", "fp32 training's products (a Linear's forward, input and weight gradients; the LM head's; "
          "the fused q/k/v's) of 9+ rows by weights of 2^18+ values: oneDNN's inner product instead of F.linear's "
          "autograd (MKL's sgemm), where a timing of the three found it faster here (modules/onednn.py)",
-         onednn.TRAINING_ENV, "1", "0", _onednn_training_runs, _onednn_training_default,
+         onednn.TRAINING_ENV, "1", "0", _onednn_runs(onednn.TRAINING_ENV),
+         _onednn_default(onednn.TRAINING_ENV, "training_choice"),
          ("tests/test_onednn_training.py", "tests/test_paths.py")),
     Path("prompt-attention", "causal attention of a prompt's pass (no cached tokens before it) in fp32 without "
          "gradients: one rows-kernel call (modules/prompt_attention.py) instead of torch's SDPA", prompt_attention.ENV,

@@ -72,16 +72,16 @@ class QKVLinear(torch.autograd.Function):
         needs = ctx.needs_input_grad
         sizes = (wq.shape[0], wk.shape[0], wv.shape[0])
         g = grad.reshape(-1, grad.shape[-1])
-        weight = torch.cat((wq, wk, wv))
         d_x = None  # g W, and g^T x below, through the forward's library
         if needs[0]:
-            d_x = (onednn.linear(g, weight.t()) if ctx.onednn else g @ weight).view(x.shape)
+            weight = torch.cat((wq, wk, wv))  # made again, not kept (the module's docstring)
+            d_x = (onednn.input_gradient(g, weight) if ctx.onednn else g @ weight).view(x.shape)
         d_w = (None,) * 3
         if any(needs[1:4]):
             rows = x.reshape(-1, x.shape[-1])
             # on AMX (modules/transposed.py) a weight gradient of 2^20+ values from a row-major copy of g
             g_t = transposed.transpose(g) if transposed.weight_gradient_applies(g, sum(sizes) * x.shape[-1]) else g.t()
-            d_weight = onednn.linear(g_t, rows.t()) if ctx.onednn else g_t @ rows
+            d_weight = onednn.weight_gradient(g, rows) if ctx.onednn else g_t @ rows  # g_t: g.t() in fp32
             d_w = tuple(d if need else None for d, need in zip(d_weight.split(sizes), needs[1:4]))
         d_b = (None,) * 3
         if any(needs[4:7]):

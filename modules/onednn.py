@@ -200,15 +200,20 @@ class TrainingLinear(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         x, weight = ctx.saved_tensors
         g = grad.reshape(-1, weight.shape[0])  # any strides: oneDNN's op takes them (an expanded gradient too)
-        d_x = linear(g, weight.t()).view(x.shape) if ctx.needs_input_grad[0] else None
-        d_weight = linear(g.t(), x.reshape(-1, weight.shape[1]).t()) if ctx.needs_input_grad[1] else None
+        d_x = input_gradient(g, weight).view(x.shape) if ctx.needs_input_grad[0] else None
+        d_weight = weight_gradient(g, x.reshape(-1, weight.shape[1])) if ctx.needs_input_grad[1] else None
         d_bias = g.sum(0) if ctx.needs_input_grad[2] else None  # False for no bias (None)
         return d_x, d_weight, d_bias
 
 
-def gradients(x: torch.Tensor, weight: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(g W, g^T x) for x (N, in), weight (out, in) and the output's gradient g (N, out), through oneDNN."""
-    return linear(g, weight.t()), linear(g.t(), x.t())
+def input_gradient(g: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """g W for the output's gradient g (N, out) and weight (out, in), through oneDNN (the transpose a strided view)."""
+    return linear(g, weight.t())
+
+
+def weight_gradient(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """g^T x for the output's gradient g (N, out) and the input x (N, in), through oneDNN (both as strided views)."""
+    return linear(g.t(), x.t())
 
 
 def time_training(rounds: int = 5, n: int = TRAINING_ROWS) -> dict[str, float]:
@@ -226,7 +231,7 @@ def time_training(rounds: int = 5, n: int = TRAINING_ROWS) -> dict[str, float]:
 
     def onednn_step():
         for x, w, b, g in cases:
-            linear(x, w, b), gradients(x, w, g)
+            linear(x, w, b), input_gradient(g, w), weight_gradient(g, x)
 
     with torch.no_grad():
         onednn_step(), torch_step()  # each library's first call builds its kernels

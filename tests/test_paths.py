@@ -548,9 +548,9 @@ def test_each_paths_reasons_and_defaults_name_what_decided_them(clean_env):
     assert runs() == f"{hugepages.ENV}=0"
 
     onednn_runs = paths.BY_NAME["onednn-linear"].runs_here
-    clean_env.setattr(onednn, "available", lambda: True)
+    clean_env.setattr(onednn, "has_inner_product", lambda: True)
     assert onednn_runs() is None
-    clean_env.setattr(onednn, "available", lambda: False)
+    clean_env.setattr(onednn, "has_inner_product", lambda: False)
     assert onednn_runs() == "torch has no oneDNN inner product here"
     clean_env.setenv(onednn.ENV, "0")
     assert onednn_runs() == f"{onednn.ENV}=0"

@@ -62,6 +62,7 @@ MODULE_TESTS = {
                               "tests/test_onednn_training.py", "tests/test_paths.py"],
     "modules/head_grad.py": ["tests/test_head_grad.py", "tests/test_paths.py"],
     "modules/fused_qkv.py": ["tests/test_fused_qkv.py", "tests/test_onednn_training.py", "tests/test_paths.py"],
+    "modules/transforms.py": ["tests/test_transforms.py"],
     "modules/hugepages.py": ["tests/test_hugepages.py", "tests/test_paths.py"],
     "modules/onednn.py": ["tests/test_onednn.py", "tests/test_onednn_training.py", "tests/test_paths.py"],
     "modules/prompt_attention.py": ["tests/test_prompt_attention.py", "tests/test_paths.py"],

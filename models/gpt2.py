@@ -19,7 +19,7 @@ from config import GPT2Config
 from models.beam_search import beam_search
 from models.generation import generate
 from modules import cross_entropy as chunked
-from modules import manual_backward, onednn, packed, transposed
+from modules import manual_backward, onednn, packed, transforms, transposed
 from modules.attention import KVCache
 from modules.dropout import Dropout
 from modules.gpt2_layer import GPT2Layer
@@ -149,14 +149,14 @@ class GPT2Model(nn.Module):
         rows (sparse=True) autograd still adds them to the head's gradient out of place, a copy of the (V, C) gradient
         (6 ms of a bf16 gpt2 step on an AMX Xeon, profiled 2026-12-03); so the lookup and the head's weight are one
         node (_TiedTable) whose backward adds the rows into the head's gradient in place. Taken when training a plain
-        tied nn.Embedding with autograd on the CPU, outside torch.compile (the README's char model, a 65 x 128 table,
-        is no slower with it); a hook on the weight turns a gradient that arrives as rows alone (a loss that does not
-        go through the head) back into a dense one, so `.grad` is always dense."""
+        tied nn.Embedding with autograd on the CPU, outside torch.compile and torch.func (the README's char model, a 65
+        x 128 table, is no slower with it); a hook on the weight turns a gradient that arrives as rows alone (a loss
+        that does not go through the head) back into a dense one, so `.grad` is always dense."""
         embedding = self.word_embedding
         if not (type(embedding) is nn.Embedding and self.lm_head is None and self.config.backward == "autograd"
                 and torch.is_grad_enabled() and embedding.weight.requires_grad and embedding.weight.is_cpu
                 and embedding.padding_idx is None and embedding.max_norm is None
-                and not embedding.scale_grad_by_freq and not torch.compiler.is_compiling()):
+                and not embedding.scale_grad_by_freq and not transforms.active()):
             return False
         weight = embedding.weight
         if not hasattr(weight, "_post_accumulate_grad_hooks"):  # a torch that keeps hooks elsewhere: stay dense
@@ -301,9 +301,10 @@ class GPT2Model(nn.Module):
         if not input_ids.numel():  # no rows: no values to check
             return
         # the values' checks read the tensors' contents: one transfer from a GPU for all of them, not one each
-        found = [*torch.aminmax(input_ids.reshape(-1))]
+        # (under torch.func's vmap the checks read every example's values at once: transforms.unwrapped)
+        found = [*torch.aminmax(transforms.unwrapped(input_ids).reshape(-1))]
         if attention_mask is not None:
-            found.append(attention_mask.bool().any(-1).all())
+            found.append(transforms.unwrapped(attention_mask.bool().any(-1)).all())
         lowest, highest, *rows_real = torch.stack([x.long() for x in found]).tolist()
         if lowest < 0 or highest >= self.config.vocab_size:
             raise ValueError(

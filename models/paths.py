@@ -311,18 +311,19 @@ PATHS: tuple[Path, ...] = (
                  ("tests/test_dropout.py",)),
     _kernel_path("fused-rmsnorm", "RMSNorm and QK-norm in float32 on the CPU, forward and backward one pass each "
                  "(modules/rmsnorm.cpp) instead of torch's composite rms_norm", rmsnorm, "the RMSNorm kernel",
-                 "float32 CPU tensors outside torch.compile (bf16 is widened to float32 first)",
+                 "float32 CPU tensors outside torch.compile and torch.func (bf16 is widened to float32 first)",
                  ("tests/test_rmsnorm.py",)),
     _kernel_path("fused-layernorm", "GPT-2's LayerNorm in a bf16 CPU training step, forward and backward one pass "
                  "each (modules/layer_norm.py, in modules/rows.cpp) instead of torch's layer_norm",
                  layer_norm, "the rows kernel (LayerNorm)",
-                 "bf16 CPU training steps (bf16 weights) outside torch.compile; fp32 steps, evaluation, generation "
-                 "and autocast's fp32 norms of bf16 activations: torch's",
+                 "bf16 CPU training steps (bf16 weights) outside torch.compile and torch.func; fp32 steps, evaluation, "
+                 "generation and autocast's fp32 norms of bf16 activations: torch's",
                  ("tests/test_layer_norm.py",)),
     _kernel_path("fused-gelu", "GPT-2's GELU (tanh form) in a float32 or bf16 CPU training step, forward and backward "
                  "one pass each (modules/gelu.py, in modules/rows.cpp) instead of torch's gelu(approximate='tanh')",
                  gelu, "the rows kernel (GELU)",
-                 "float32 and bf16 CPU training steps outside torch.compile (evaluation and generation: torch's)",
+                 "float32 and bf16 CPU training steps outside torch.compile and torch.func (evaluation and generation: "
+                 "torch's)",
                  ("tests/test_gelu.py",)),
     _kernel_path("fused-softmax", "the explicit attention's scale, mask and softmax in a float32 or bf16 CPU training "
                  "step, one pass forward and one backward (modules/masked_softmax.py, in modules/rows.cpp) instead of "

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from modules import dropout as hashed
-from modules import fused_qkv, packed, prompt_attention, quant
+from modules import fused_qkv, packed, prompt_attention, quant, transforms
 from modules.linear import Linear as DecodeLinear
 from modules.manual_backward import ManualAttention, ManualLinear
 from modules.masked_softmax import masked_softmax
@@ -220,7 +220,7 @@ class CausalSelfAttention(nn.Module):
             attention_mask = torch.ones(T, S, dtype=torch.bool, device=query.device).tril(S - T)
         if self.manual is not None:
             return self.manual(key, query, value, attention_mask)
-        if not self.use_sdpa or explicit_is_faster(query, self.dropout):
+        if not self.use_sdpa or transforms.torch_func() or explicit_is_faster(query, self.dropout):
             return self.attention(key, query, value, attention_mask)
         is_causal = attention_mask is None and T > 1
         # a prompt's pass on the CPU (no cached tokens: is_causal; full heads: the shapes match) in the rows kernel

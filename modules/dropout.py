@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from modules import rows
+from modules import rows, transforms
 
 SOURCE = Path(__file__).with_name("dropout.cpp")
 ENV = "GPT2_FAST_DROPOUT"
@@ -95,9 +95,9 @@ class _HashedDropout(torch.autograd.Function):
 
 
 def applies(x: torch.Tensor) -> bool:
-    """A CPU fp32/bf16 tensor outside torch.compile, with the kernel built."""
+    """A CPU fp32/bf16 tensor outside torch.compile and torch.func, with the kernel built."""
     return (x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and not x.is_sparse
-            and not torch.compiler.is_compiling() and available())
+            and not transforms.active() and available())
 
 
 class Dropout(nn.Dropout):

@@ -28,7 +28,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from modules import onednn, transposed
+from modules import onednn, transforms, transposed
 
 ENV = "GPT2_FUSED_QKV"
 
@@ -44,7 +44,7 @@ def applies(x: torch.Tensor, layers) -> bool:
     return (torch.is_grad_enabled() and any(w.requires_grad for w in weights) and available()
             and all(w.dim() == 2 and w.dtype == x.dtype and w.device == x.device for w in weights)
             and (all(b is None for b in biases) or all(b is not None and b.dtype == x.dtype for b in biases))
-            and not _autocast(x.device.type) and not torch.compiler.is_compiling()
+            and not _autocast(x.device.type) and not transforms.active()
             and not any(m._forward_hooks or m._forward_pre_hooks for m in layers))
 
 

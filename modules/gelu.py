@@ -8,12 +8,12 @@ prompt already use), and its derivative from the same exp.
 
 `gelu_new` takes the kernel when a gradient will be taken through it (grad mode on and the input requiring one: a
 training step), on a float32 or bf16 CPU tensor (bf16: a `--dtype bf16-weights` step; each value widened to fp32,
-GELU or its derivative in fp32, rounded back to bf16 once, as torch's bf16 op does), outside torch.compile, with the
-rows kernel built and GPT2_FAST_GELU not 0; everywhere else, and so in every evaluation and generation, torch's
-`gelu(approximate="tanh")`, the function transformers' GPT-2 runs. The kernel is within 2e-7 relative of the exact
-tanh GELU (float64), closer than torch's float32 (1.2e-5 on tiny values); tests/test_gelu.py holds values and
-gradients to it and to torch. In bf16 the rounding decides: 1.3% of values land one bf16 step from the exact value
-rounded (torch's bf16 op: 6.7%), and below v = -5, where torch's tanh form gives 0, the kernel gives GELU's tiny
+GELU or its derivative in fp32, rounded back to bf16 once, as torch's bf16 op does), outside torch.compile and
+torch.func, with the rows kernel built and GPT2_FAST_GELU not 0; everywhere else, and so in every evaluation and
+generation, torch's `gelu(approximate="tanh")`, the function transformers' GPT-2 runs. The kernel is within 2e-7
+relative of the exact tanh GELU (float64), closer than torch's float32 (1.2e-5 on tiny values); tests/test_gelu.py holds
+values and gradients to it and to torch. In bf16 the rounding decides: 1.3% of values land one bf16 step from the exact
+value rounded (torch's bf16 op: 6.7%), and below v = -5, where torch's tanh form gives 0, the kernel gives GELU's tiny
 values.
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from modules import rows
+from modules import rows, transforms
 
 ENV = "GPT2_FAST_GELU"
 SMALL = 1 << 14  # values under which one thread does it all
@@ -41,7 +41,7 @@ def available() -> bool:
 def applies(x: torch.Tensor) -> bool:
     """Whether gelu_new runs x through the kernel (see the module's docstring)."""
     return (x.requires_grad and torch.is_grad_enabled() and x.dtype in (torch.float32, torch.bfloat16)
-            and x.device.type == "cpu" and not torch.compiler.is_compiling() and available())
+            and x.device.type == "cpu" and not transforms.active() and available())
 
 
 def _threads(n: int) -> int:

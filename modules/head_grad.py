@@ -20,7 +20,7 @@ the slowest round of each 0.93-0.96x. A vocabulary padded to a multiple of 64 (5
 unblocked. fp32 products gain nothing (gpt2's head at 512 rows: 182 against 183 ms) and keep F.linear's.
 
 Taken by GPT2Model's LM head for bf16 hidden states and a bf16 weight of HEAD_MIN_WEIGHT+ values that requires a
-gradient, on the CPU, outside torch.compile, where modules/transposed.py does not take the head (AMX);
+gradient, on the CPU, outside torch.compile and torch.func, where modules/transposed.py does not take the head (AMX);
 GPT2_HEAD_GRAD_BLOCKS=0 turns it off. Its forward, and the hidden states' gradient g W, are F.linear's.
 """
 from __future__ import annotations
@@ -29,6 +29,8 @@ import os
 
 import torch
 import torch.nn.functional as F
+
+from modules import transforms
 
 ENV = "GPT2_HEAD_GRAD_BLOCKS"
 BLOCK_ROWS = 8192  # vocabulary rows a block: 8192 x 768 bf16 = 12 MB of gradient
@@ -40,15 +42,15 @@ def available() -> bool:
 
 
 def bf16_training(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """bf16 x and a bf16 2-D weight on the CPU, in grad mode, outside torch.compile: the products of a bf16 CPU
-    training step, the only ones this module and modules/transposed.py take."""
+    """bf16 x and a bf16 2-D weight on the CPU, in grad mode, outside torch.compile and torch.func: the products of a
+    bf16 CPU training step, the only ones this module and modules/transposed.py take."""
     return (x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and x.is_cpu and weight.is_cpu
-            and weight.dim() == 2 and torch.is_grad_enabled() and not torch.compiler.is_compiling())
+            and weight.dim() == 2 and torch.is_grad_enabled() and not transforms.active())
 
 
 def applies(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
     """bf16 CPU hidden states and a bf16 (V, C) weight of HEAD_MIN_WEIGHT+ values that requires a gradient, with
-    grad mode on, outside torch.compile, where available()."""
+    grad mode on, outside torch.compile and torch.func, where available()."""
     return (bf16_training(hidden, weight) and weight.requires_grad and weight.numel() >= HEAD_MIN_WEIGHT
             and available())
 

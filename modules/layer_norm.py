@@ -29,7 +29,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from modules import rows
+from modules import rows, transforms
 from modules.rows import pointer
 
 ENV = "GPT2_FAST_LAYERNORM"
@@ -47,11 +47,11 @@ def _matches(p: torch.Tensor | None, x: torch.Tensor) -> bool:
 
 def applies(x: torch.Tensor, normalized_shape, weight: torch.Tensor | None, bias: torch.Tensor | None) -> bool:
     """A training step's LayerNorm over the last dimension of a CPU bf16 tensor, weight and bias (if any) in bf16,
-    outside torch.compile, where available()."""
+    outside torch.compile and torch.func, where available()."""
     grads = x.requires_grad or any(p is not None and p.requires_grad for p in (weight, bias))
     return (grads and torch.is_grad_enabled() and x.is_cpu and x.dtype == torch.bfloat16
             and x.dim() >= 1 and tuple(normalized_shape) == tuple(x.shape[-1:]) and x.shape[-1] > 0
-            and _matches(weight, x) and _matches(bias, x) and not torch.compiler.is_compiling() and available())
+            and _matches(weight, x) and _matches(bias, x) and not transforms.active() and available())
 
 
 def _threads(n: int) -> int:

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
+from modules import transforms
 from modules.cross_entropy import check_shapes
 
 
@@ -25,11 +26,26 @@ def _no_autocast(name: str) -> None:
                            f"for bf16/fp16 autocast, or run in one dtype")
 
 
+class _Manual(torch.autograd.Function):
+    """The Functions below: autograd chains their hand-written backward passes. torch.func's transforms (grad, vmap,
+    jvp) take a Function only in the `setup_context` form with a vmap rule, which these, saving what their forward
+    computes, are not; there they stop with an error that says so instead of torch's."""
+
+    @classmethod
+    def apply(cls, *args):
+        if transforms.torch_func():
+            raise RuntimeError(f"{cls.__name__}: GPT2Config(backward='manual') runs its hand-written backward passes "
+                               "under autograd (loss.backward(), torch.autograd.grad), not under torch.func's "
+                               "transforms (grad, vmap, jvp); build the model with backward='autograd' for those: the "
+                               "same values")
+        return super().apply(*args)
+
+
 def _rows(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.shape[-1])
 
 
-class LinearFn(torch.autograd.Function):
+class LinearFn(_Manual):
     """y = x W^T + b, x (..., in), W (out, in).
 
     dx = dy W;   dW = sum over rows of dy^T x;   db = sum over rows of dy.
@@ -52,7 +68,7 @@ class LinearFn(torch.autograd.Function):
         return dx, dw, db
 
 
-class LayerNormFn(torch.autograd.Function):
+class LayerNormFn(_Manual):
     """y = w * xhat + b over the last dimension (size N), xhat = (x - mu) r, r = (var + eps)^(-1/2).
 
     With g = dy * w:  dx = r (g - mean(g) - xhat mean(g * xhat))  (mean over the last dimension; the two terms
@@ -82,7 +98,7 @@ _K = math.sqrt(2.0 / math.pi)
 _A = 0.044715
 
 
-class GeluTanhFn(torch.autograd.Function):
+class GeluTanhFn(_Manual):
     """GPT-2's GELU: y = x/2 (1 + t), t = tanh(u), u = k (x + a x^3), k = sqrt(2/pi), a = 0.044715.
 
     dy/dx = (1 + t)/2 + x/2 (1 - t^2) k (1 + 3 a x^2)   (product rule; tanh' = 1 - tanh^2).
@@ -102,7 +118,7 @@ class GeluTanhFn(torch.autograd.Function):
         return dy * (0.5 * (1 + t) + 0.5 * x * (1 - t * t) * _K * (1 + 3 * _A * x * x))
 
 
-class SoftmaxFn(torch.autograd.Function):
+class SoftmaxFn(_Manual):
     """y = softmax(x) over the last dimension.
 
     dy_i/dx_j = y_i (delta_ij - y_j), so dx = y (dy - sum(dy * y)). Saves y only.
@@ -121,7 +137,7 @@ class SoftmaxFn(torch.autograd.Function):
         return y * (dy - (dy * y).sum(-1, keepdim=True))
 
 
-class AttentionFn(torch.autograd.Function):
+class AttentionFn(_Manual):
     """Masked scaled dot-product attention with dropout, q (B, h, T, d), k and v (B, h, S, d):
 
         S = s q k^T, masked entries set to the dtype's minimum;  P = softmax(S);  Pd = P * M / (1 - p);  O = Pd v
@@ -167,7 +183,7 @@ class AttentionFn(torch.autograd.Function):
         return dscores @ k, dscores.transpose(-1, -2) @ q, dv, None, None, None, None
 
 
-class CrossEntropyFn(torch.autograd.Function):
+class CrossEntropyFn(_Manual):
     """Mean cross-entropy of logits z (N, V) against targets y (N,), rows with y == ignore_index left out:
 
         L = (1/n) sum_i (lse(z_i) - z_i[y_i]),  n = number of counted rows;

@@ -19,7 +19,7 @@ import os
 
 import torch
 
-from modules import rows
+from modules import rows, transforms
 
 ENV = "GPT2_FAST_SOFTMAX"
 
@@ -31,9 +31,9 @@ def available() -> bool:
 
 def applies(scores: torch.Tensor, mask: torch.Tensor | None) -> bool:
     """Scores (B, nh, T, K) of a training step on the CPU, fp32 or bf16, with no mask (causal) or a bool mask
-    (B or 1, 1, T, K), outside torch.compile, where available()."""
+    (B or 1, 1, T, K), outside torch.compile and torch.func, where available()."""
     if not (scores.requires_grad and torch.is_grad_enabled() and scores.is_cpu and scores.dim() == 4
-            and scores.dtype in (torch.float32, torch.bfloat16) and not torch.compiler.is_compiling()):
+            and scores.dtype in (torch.float32, torch.bfloat16) and not transforms.active()):
         return False
     if mask is not None:
         B, _, T, K = scores.shape

@@ -49,7 +49,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from modules import rows
+from modules import rows, transforms
 
 ENV = "GPT2_ONEDNN_LINEAR"
 TRAINING_ENV = "GPT2_ONEDNN_TRAINING"
@@ -182,7 +182,7 @@ def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and weight.device.type == "cpu" and x.dim() >= 2 and x.shape[:-1].numel() > rows.MAX_ROWS
             and weight.numel() >= rows.PROMPT_MIN_WEIGHT
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
-            and not torch.compiler.is_compiling() and choice()["takes"])
+            and not transforms.active() and choice()["takes"])
 
 
 # ---- training: the forward and both gradients ---------------------------------------------------------------------
@@ -265,7 +265,7 @@ def training_applies(x: torch.Tensor, weight: torch.Tensor, values: int | None =
             and x.shape[:-1].numel() > rows.MAX_ROWS
             and (weight.numel() if values is None else values) >= rows.PROMPT_MIN_WEIGHT
             and torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-            and not torch.is_autocast_enabled("cpu") and not torch.compiler.is_compiling()
+            and not torch.is_autocast_enabled("cpu") and not transforms.active()
             and training_choice()["takes"])
 
 

@@ -12,8 +12,8 @@ holds it to SDPA and to float64.
 Taken by `CausalSelfAttention.forward` where SDPA would run causal attention over the new tokens alone (no cached
 tokens before them, no mask): fp32 query, key and value on the CPU, no gradient to take (grad mode off, or nothing
 requiring one), as many key/value heads as query heads, a head size that is a multiple of the vector width (every
-GPT-2 size's 64), the last dimension contiguous, outside torch.compile, the rows kernel built, and GPT2_PROMPT_ATTENTION
-not 0. Anywhere else SDPA (or the explicit path where the model takes it) runs as before.
+GPT-2 size's 64), the last dimension contiguous, outside torch.compile and torch.func, the rows kernel built, and
+GPT2_PROMPT_ATTENTION not 0. Anywhere else SDPA (or the explicit path where the model takes it) runs as before.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import os
 
 import torch
 
-from modules import rows
+from modules import rows, transforms
 
 ENV = "GPT2_PROMPT_ATTENTION"
 MAX_HEAD = 256  # rows.cpp's kMaxHead: the largest head size the kernel takes
@@ -39,7 +39,7 @@ def applies(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool
                 for t in tensors)
             and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
             and query.shape == key.shape == value.shape and query.shape[2] > 1
-            and not torch.compiler.is_compiling() and available() and takes_head(query.shape[3]))
+            and not transforms.active() and available() and takes_head(query.shape[3]))
 
 
 def takes_head(size: int) -> bool:

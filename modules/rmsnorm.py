@@ -3,10 +3,10 @@
 torch's `F.rms_norm` has no fused CPU kernel: it runs as six elementwise passes forward and autograd's dozen back.
 On the race's model (4 x 128, 12 x 64 tokens, 2 cores of an Ice Lake Xeon) each of a step's 17 norms (RMSNorm and
 QK-norm) cost about 0.8 ms forward and backward, against LayerNorm's 0.22 ms. `rms_norm` here computes the same
-function with the kernel where it applies (a float32 CPU tensor, grad mode or not, outside torch.compile, the kernel
-built, GPT2_FAST_RMSNORM not 0) and with `F.rms_norm` anywhere else. The two agree to float32 rounding (the sums run
-in another order); tests/test_rmsnorm.py holds them to 1e-5 relative, values and gradients, and checks the backward
-against autograd's in float64 terms.
+function with the kernel where it applies (a float32 CPU tensor, grad mode or not, outside torch.compile and torch.func,
+the kernel built, GPT2_FAST_RMSNORM not 0) and with `F.rms_norm` anywhere else. The two agree to float32 rounding (the
+sums run in another order); tests/test_rmsnorm.py holds them to 1e-5 relative, values and gradients, and checks the
+backward against autograd's in float64 terms.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from modules import rows
+from modules import rows, transforms
 from modules.rows import pointer
 
 SOURCE = Path(__file__).with_name("rmsnorm.cpp")
@@ -80,11 +80,11 @@ class _RMSNorm(torch.autograd.Function):
 
 
 def applies(x: torch.Tensor, weight: torch.Tensor | None) -> bool:
-    """A float32 CPU tensor (and weight) outside torch.compile, with the kernel built."""
+    """A float32 CPU tensor (and weight) outside torch.compile and torch.func, with the kernel built."""
     return (x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() >= 1 and x.shape[-1] > 0
             and not x.is_sparse and (weight is None or (weight.dtype == torch.float32 and weight.device.type == "cpu"
                                                         and weight.shape == x.shape[-1:]))
-            and not torch.compiler.is_compiling() and available())
+            and not transforms.active() and available())
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:

@@ -31,9 +31,9 @@ same sums in another order: one element in about 15,000 differs by one bf16 roun
 largest error against float64; the weight gradient likewise.
 
 Taken where a gradient will be taken (grad mode on; the head: h or W requiring one; a linear layer: its weight
-requiring one, so LoRA's frozen bases keep F.linear), for bf16 tensors on the CPU, outside torch.compile, with the
-rows kernel built, on CPUs whose flags show AMX-BF16 (where it was measured); GPT2_TRANSPOSED_PRODUCTS=0 turns it
-off, =force takes it on any CPU the rows kernel builds on (how the tests check it on a CPU without AMX). Evaluation
+requiring one, so LoRA's frozen bases keep F.linear), for bf16 tensors on the CPU, outside torch.compile and torch.func,
+with the rows kernel built, on CPUs whose flags show AMX-BF16 (where it was measured); GPT2_TRANSPOSED_PRODUCTS=0 turns
+it off, =force takes it on any CPU the rows kernel builds on (how the tests check it on a CPU without AMX). Evaluation
 and generation keep their own paths (modules/packed.py's on AMX).
 """
 from __future__ import annotations
@@ -44,7 +44,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from modules import head_grad, onednn, rows
+from modules import head_grad, onednn, rows, transforms
 
 ENV = "GPT2_TRANSPOSED_PRODUCTS"
 HEAD_MIN_WEIGHT = 1 << 24  # values of the head's W: gpt2's has 38.6 M
@@ -66,7 +66,7 @@ def available() -> bool:
 
 def head_applies(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
     """bf16 hidden (..., C) of HEAD_MIN_ROWS+ rows and a bf16 (V, C) weight of HEAD_MIN_WEIGHT+ values on the CPU,
-    with a gradient to take, outside torch.compile, where available()."""
+    with a gradient to take, outside torch.compile and torch.func, where available()."""
     return (head_grad.bf16_training(hidden, weight) and (hidden.requires_grad or weight.requires_grad)
             and weight.numel() >= HEAD_MIN_WEIGHT and hidden.numel() >= HEAD_MIN_ROWS * hidden.shape[-1]
             and available())
@@ -83,7 +83,7 @@ def weight_gradient_applies(g: torch.Tensor, weight_values: int) -> bool:
     """Whether a bf16 CPU weight gradient g^T x of `weight_values` values is taken as transpose(g) x (a linear layer
     of LINEAR_MIN_WEIGHT+ values, where available()); modules/fused_qkv.py asks for its concatenated weight."""
     return (g.dtype == torch.bfloat16 and g.is_cpu and weight_values >= LINEAR_MIN_WEIGHT
-            and not torch.compiler.is_compiling() and available())
+            and not transforms.active() and available())
 
 
 def transpose(x: torch.Tensor) -> torch.Tensor:

@@ -61,12 +61,14 @@ class _TiedTable(torch.autograd.Function):
         return F.embedding(input_ids, weight), weight.view_as(weight)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, d_rows: torch.Tensor | None, d_head: torch.Tensor | None):
         (input_ids,) = ctx.saved_tensors
         if d_rows is None:
             return None, d_head
         rows = d_rows.reshape(-1, ctx.shape[1])
+        if torch.is_grad_enabled():  # create_graph=True: the sum out of place, so that it can itself be differentiated
+            dense = d_rows.new_zeros(ctx.shape) if d_head is None else d_head
+            return None, dense.index_add(0, input_ids.reshape(-1), rows.to(dense.dtype))
         if d_head is None:
             return None, torch.sparse_coo_tensor(input_ids.reshape(1, -1), rows, ctx.shape, check_invariants=False)
         if not d_head.is_contiguous():

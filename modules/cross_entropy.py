@@ -27,7 +27,6 @@ import os
 
 import torch
 import torch.nn.functional as F
-from torch.autograd.function import once_differentiable
 
 from modules import rows as row_kernel
 from modules import transforms
@@ -81,9 +80,15 @@ class ChunkedCrossEntropy(torch.autograd.Function):
             return total / n if mean else total  # nan when nothing is counted, as F.cross_entropy
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad_loss: torch.Tensor):
         logits, safe, counted, lse, n = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True: a backward that can itself be differentiated
+            def reference(logits):
+                total = ((torch.logsumexp(logits.float(), -1) - logits.gather(1, safe).squeeze(1).float())
+                         * counted).sum()
+                return total / n if ctx.mean else total
+
+            return (*transforms.torch_backward(reference, (logits,), (True,), grad_loss), None, None, None)
         rows = rows_per_chunk(logits.shape[1])
         with torch.autocast(logits.device.type, enabled=False):
             scale = grad_loss.float() / n if ctx.mean else grad_loss.float()

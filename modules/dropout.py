@@ -89,8 +89,10 @@ class _HashedDropout(torch.autograd.Function):
         return apply_mask(x, p, seed)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, grad: torch.Tensor):
+        if torch.is_grad_enabled():  # create_graph=True: the same product in torch's ops, itself differentiable
+            keep = keep_mask(grad.numel(), ctx.p, ctx.seed).view(grad.shape)
+            return grad * keep * (1.0 / (1.0 - ctx.p)), None, None
         return apply_mask(grad, ctx.p, ctx.seed), None, None
 
 

@@ -52,6 +52,11 @@ def _autocast(device_type: str) -> bool:
     return torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
 
 
+def _reference(x, wq, wk, wv, bq, bk, bv):
+    """QKVLinear's forward in torch's ops."""
+    return F.linear(x, torch.cat((wq, wk, wv)), None if bq is None else torch.cat((bq, bk, bv)))
+
+
 class QKVLinear(torch.autograd.Function):
     """(x, wq, wk, wv, bq, bk, bv, use_onednn) -> x [wq; wk; wv]^T + [bq; bk; bv] (biases all None or all tensors);
     use_onednn: the three products through oneDNN's inner product (fp32 training where it timed faster:
@@ -59,17 +64,18 @@ class QKVLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, wq, wk, wv, bq, bk, bv, use_onednn=False):
-        ctx.save_for_backward(x, wq, wk, wv)
+        ctx.save_for_backward(x, wq, wk, wv, bq, bk, bv)
         ctx.onednn = use_onednn
         bias = None if bq is None else torch.cat((bq, bk, bv))
         weight = torch.cat((wq, wk, wv))
         return onednn.linear(x, weight, bias) if use_onednn else F.linear(x, weight, bias)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
-        x, wq, wk, wv = ctx.saved_tensors
+        x, wq, wk, wv, bq, bk, bv = ctx.saved_tensors
         needs = ctx.needs_input_grad
+        if torch.is_grad_enabled():  # create_graph=True: a backward that can itself be differentiated
+            return transforms.torch_backward(_reference, (x, wq, wk, wv, bq, bk, bv), needs[:7], grad) + (None,)
         sizes = (wq.shape[0], wk.shape[0], wv.shape[0])
         g = grad.reshape(-1, grad.shape[-1])
         d_x = None  # g W, and g^T x below, through the forward's library

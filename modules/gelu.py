@@ -51,19 +51,21 @@ def _threads(n: int) -> int:
 class _GELU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
         x = x.contiguous()
         y = torch.empty_like(x)
         if x.dtype == torch.bfloat16:
             rows._load().rows_gelu_tanh_bf16(x.data_ptr(), None, y.data_ptr(), x.numel(), _threads(x.numel()))
         else:
             rows._load().rows_gelu_tanh(x.data_ptr(), y.data_ptr(), x.numel(), _threads(x.numel()))
-        ctx.save_for_backward(x)
         return y
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
         (x,) = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True: a backward that can itself be differentiated
+            return transforms.torch_backward(lambda x: F.gelu(x, approximate="tanh"), (x,), (True,), grad)[0]
+        x = x.contiguous()
         grad = grad.contiguous().to(x.dtype)
         dx = torch.empty_like(x)
         if x.dtype == torch.bfloat16:

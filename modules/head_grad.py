@@ -72,9 +72,10 @@ class BlockedGradHead(torch.autograd.Function):
         return F.linear(hidden, weight)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, grad: torch.Tensor):
         hidden, weight = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True: a backward that can itself be differentiated
+            return transforms.torch_backward(F.linear, (hidden, weight), ctx.needs_input_grad, grad)
         g = grad.reshape(-1, weight.shape[0])
         d_hidden = (g @ weight).view(hidden.shape) if ctx.needs_input_grad[0] else None
         d_weight = weight_gradient(g, hidden.reshape(-1, weight.shape[1])) if ctx.needs_input_grad[1] else None

@@ -62,6 +62,7 @@ class _LayerNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
                 eps: float) -> torch.Tensor:
+        inputs = (x, weight, bias)
         x = x.contiguous()
         weight = None if weight is None else weight.contiguous()
         bias = None if bias is None else bias.contiguous()
@@ -72,14 +73,18 @@ class _LayerNorm(torch.autograd.Function):
         rstd = torch.empty(R, dtype=torch.float32)
         rows._load().rows_layernorm(int(x.dtype == torch.bfloat16), x.data_ptr(), pointer(weight), pointer(bias),
                                     y.data_ptr(), mean.data_ptr(), rstd.data_ptr(), R, C, eps, _threads(x.numel()))
-        ctx.save_for_backward(x, weight, mean, rstd)
-        ctx.has_bias = bias is not None
+        ctx.save_for_backward(*inputs, mean, rstd)  # the inputs themselves (not contiguous copies): see backward
+        ctx.has_bias, ctx.eps = bias is not None, eps
         return y
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, grad: torch.Tensor):
-        x, weight, mean, rstd = ctx.saved_tensors
+        x, weight, bias, mean, rstd = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True: a backward that can itself be differentiated
+            return transforms.torch_backward(lambda x, w, b, eps: F.layer_norm(x, x.shape[-1:], w, b, eps),
+                                             (x, weight, bias, ctx.eps), ctx.needs_input_grad, grad)
+        x = x.contiguous()
+        weight = None if weight is None else weight.contiguous()
         grad = grad.contiguous().to(x.dtype)
         C = x.shape[-1]
         dx = torch.empty_like(x) if ctx.needs_input_grad[0] else None

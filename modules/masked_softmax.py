@@ -67,9 +67,12 @@ class _MaskedSoftmax(torch.autograd.Function):
         return probs
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, grad: torch.Tensor):
         probs, mask = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True: softmax's rule in torch's ops, itself differentiable (probs,
+            # saved as this Function's output, leads back through it); masked keys have probability 0: gradient 0
+            grad = grad.to(probs.dtype)
+            return ctx.scale * probs * (grad - (grad * probs).sum(-1, keepdim=True)), None, None
         grad = grad.contiguous().to(probs.dtype)
         out = torch.empty_like(probs)
         _call(rows._load().rows_softmax_backward, probs, grad, out, mask=mask, scale=ctx.scale)

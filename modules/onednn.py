@@ -192,13 +192,14 @@ class TrainingLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        ctx.save_for_backward(x, weight)
+        ctx.save_for_backward(x, weight, bias)
         return linear(x, weight, bias)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, grad: torch.Tensor):
-        x, weight = ctx.saved_tensors
+        x, weight, bias = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True: a backward that can itself be differentiated
+            return transforms.torch_backward(F.linear, (x, weight, bias), ctx.needs_input_grad, grad)
         g = grad.reshape(-1, weight.shape[0])  # any strides: oneDNN's op takes them (an expanded gradient too)
         d_x = input_gradient(g, weight).view(x.shape) if ctx.needs_input_grad[0] else None
         d_weight = weight_gradient(g, x.reshape(-1, weight.shape[1])) if ctx.needs_input_grad[1] else None

@@ -54,6 +54,7 @@ class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
         lib = _load()
+        inputs = (x, weight)
         x = x.contiguous()
         w = None if weight is None else weight.contiguous()
         dim = x.shape[-1]  # > 0 (applies())
@@ -62,14 +63,19 @@ class _RMSNorm(torch.autograd.Function):
         rstd = x.new_empty(rows_)
         lib.rmsnorm_forward(rows_, dim, x.data_ptr(), pointer(w), eps, y.data_ptr(), rstd.data_ptr(),
                             _threads(x.numel()))
-        ctx.save_for_backward(x, w, rstd)
+        ctx.save_for_backward(*inputs, rstd)  # the inputs themselves (not contiguous copies): see backward
+        ctx.eps = eps
         return y
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, grad: torch.Tensor):
         lib = _load()
         x, w, rstd = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True: a backward that can itself be differentiated
+            return transforms.torch_backward(lambda x, w, eps: F.rms_norm(x, x.shape[-1:], w, eps),
+                                             (x, w, ctx.eps), ctx.needs_input_grad, grad)
+        x = x.contiguous()
+        w = None if w is None else w.contiguous()
         grad = grad.contiguous()
         dim = x.shape[-1]
         dx = torch.empty_like(x)

@@ -280,3 +280,15 @@ def bf16_head_case(rows: int, vocab: int, width: int, seed: int = 0, shape: tupl
     w = (torch.randn(vocab, width, generator=g) * 0.1).to(torch.bfloat16)
     grad = torch.randn(*h.shape[:-1], vocab, generator=g).to(torch.bfloat16)
     return h, w, grad
+
+
+def graph_names(tensor: torch.Tensor) -> set[str]:
+    """The class names of every node in tensor's autograd graph."""
+    seen, todo = set(), [tensor.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        todo.extend(next_fn for next_fn, _ in node.next_functions)
+    return {type(node).__name__ for node in seen}

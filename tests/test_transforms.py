@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import padded_batch, tiny_config
+from conftest import graph_names, padded_batch, tiny_config
 from torch.func import functional_call, grad, jvp, vmap
 
 from models.gpt2 import GPT2LMHeadModel, GPT2Model
@@ -28,18 +28,6 @@ def autograd_grads(model, ids, mask) -> dict[str, torch.Tensor]:
     model.zero_grad(set_to_none=True)
     model(ids, attention_mask=mask, labels=ids)["loss"].backward()
     return {n: p.grad.clone() for n, p in model.named_parameters()}
-
-
-def graph_names(tensor: torch.Tensor) -> set[str]:
-    """The class names of every node in tensor's autograd graph."""
-    seen, todo = set(), [tensor.grad_fn]
-    while todo:
-        node = todo.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        todo.extend(next_fn for next_fn, _ in node.next_functions)
-    return {type(node).__name__ for node in seen}
 
 
 def test_active_inside_each_transform_only():

@@ -65,6 +65,8 @@ MODULE_TESTS = {
     "modules/head_grad.py": ["tests/test_head_grad.py", "tests/test_paths.py", "tests/test_double_backward.py"],
     "modules/fused_qkv.py": ["tests/test_fused_qkv.py", "tests/test_onednn_training.py", "tests/test_paths.py",
                              "tests/test_double_backward.py"],
+    "modules/linear_backward.py": ["tests/test_double_backward.py", "tests/test_onednn_training.py",
+                                   "tests/test_transposed.py", "tests/test_head_grad.py"],
     "modules/transforms.py": ["tests/test_transforms.py", "tests/test_double_backward.py"],
     "modules/hugepages.py": ["tests/test_hugepages.py", "tests/test_paths.py"],
     "modules/onednn.py": ["tests/test_onednn.py", "tests/test_onednn_training.py", "tests/test_paths.py",

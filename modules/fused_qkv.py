@@ -28,7 +28,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from modules import onednn, transforms, transposed
+from modules import linear_backward, onednn, transforms, transposed
 
 ENV = "GPT2_FUSED_QKV"
 
@@ -52,9 +52,11 @@ def _autocast(device_type: str) -> bool:
     return torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
 
 
-def _reference(x, wq, wk, wv, bq, bk, bv):
-    """QKVLinear's forward in torch's ops."""
-    return F.linear(x, torch.cat((wq, wk, wv)), None if bq is None else torch.cat((bq, bk, bv)))
+def _split(gradient: torch.Tensor | None, sizes: tuple[int, ...], needs) -> tuple:
+    """The three layers' parts of a concatenated gradient (None where not asked)."""
+    if gradient is None:
+        return (None,) * 3
+    return tuple(part if need else None for part, need in zip(gradient.split(sizes), needs))
 
 
 class QKVLinear(torch.autograd.Function):
@@ -64,7 +66,7 @@ class QKVLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, wq, wk, wv, bq, bk, bv, use_onednn=False):
-        ctx.save_for_backward(x, wq, wk, wv, bq, bk, bv)
+        ctx.save_for_backward(x, wq, wk, wv)
         ctx.onednn = use_onednn
         bias = None if bq is None else torch.cat((bq, bk, bv))
         weight = torch.cat((wq, wk, wv))
@@ -72,27 +74,26 @@ class QKVLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        x, wq, wk, wv, bq, bk, bv = ctx.saved_tensors
+        x, wq, wk, wv = ctx.saved_tensors
         needs = ctx.needs_input_grad
-        if torch.is_grad_enabled():  # create_graph=True: a backward that can itself be differentiated
-            return transforms.torch_backward(_reference, (x, wq, wk, wv, bq, bk, bv), needs[:7], grad) + (None,)
         sizes = (wq.shape[0], wk.shape[0], wv.shape[0])
+        if torch.is_grad_enabled():  # create_graph=True: torch's products, which autograd can differentiate again
+            d_x, d_weight, d_bias = linear_backward.gradients(x, torch.cat((wq, wk, wv)), grad,
+                                                              (needs[0], any(needs[1:4]), any(needs[4:7])))
+            return (d_x, *_split(d_weight, sizes, needs[1:4]), *_split(d_bias, sizes, needs[4:7]), None)
         g = grad.reshape(-1, grad.shape[-1])
-        d_x = None  # g W, and g^T x below, through the forward's library
+        d_x = d_weight = d_bias = None  # g W, and g^T x below, through the forward's library
         if needs[0]:
             weight = torch.cat((wq, wk, wv))  # made again, not kept (the module's docstring)
             d_x = (onednn.input_gradient(g, weight) if ctx.onednn else g @ weight).view(x.shape)
-        d_w = (None,) * 3
         if any(needs[1:4]):
             rows = x.reshape(-1, x.shape[-1])
             # on AMX (modules/transposed.py) a weight gradient of 2^20+ values from a row-major copy of g
             g_t = transposed.transpose(g) if transposed.weight_gradient_applies(g, sum(sizes) * x.shape[-1]) else g.t()
             d_weight = onednn.weight_gradient(g, rows) if ctx.onednn else g_t @ rows  # g_t: g.t() in fp32
-            d_w = tuple(d if need else None for d, need in zip(d_weight.split(sizes), needs[1:4]))
-        d_b = (None,) * 3
         if any(needs[4:7]):
-            d_b = tuple(d if need else None for d, need in zip(g.sum(0).split(sizes), needs[4:7]))
-        return (d_x, *d_w, *d_b, None)
+            d_bias = g.sum(0)
+        return (d_x, *_split(d_weight, sizes, needs[1:4]), *_split(d_bias, sizes, needs[4:7]), None)
 
 
 def project(x: torch.Tensor, layers) -> torch.Tensor:

@@ -30,7 +30,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from modules import transforms
+from modules import linear_backward, transforms
 
 ENV = "GPT2_HEAD_GRAD_BLOCKS"
 BLOCK_ROWS = 8192  # vocabulary rows a block: 8192 x 768 bf16 = 12 MB of gradient
@@ -74,9 +74,5 @@ class BlockedGradHead(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         hidden, weight = ctx.saved_tensors
-        if torch.is_grad_enabled():  # create_graph=True: a backward that can itself be differentiated
-            return transforms.torch_backward(F.linear, (hidden, weight), ctx.needs_input_grad, grad)
-        g = grad.reshape(-1, weight.shape[0])
-        d_hidden = (g @ weight).view(hidden.shape) if ctx.needs_input_grad[0] else None
-        d_weight = weight_gradient(g, hidden.reshape(-1, weight.shape[1])) if ctx.needs_input_grad[1] else None
-        return d_hidden, d_weight
+        return linear_backward.gradients(hidden, weight, grad, ctx.needs_input_grad,
+                                         weight_gradient=weight_gradient)[:2]

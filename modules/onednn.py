@@ -49,7 +49,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from modules import rows, transforms
+from modules import linear_backward, rows, transforms
 
 ENV = "GPT2_ONEDNN_LINEAR"
 TRAINING_ENV = "GPT2_ONEDNN_TRAINING"
@@ -192,19 +192,13 @@ class TrainingLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        ctx.save_for_backward(x, weight, bias)
+        ctx.save_for_backward(x, weight)
         return linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        x, weight, bias = ctx.saved_tensors
-        if torch.is_grad_enabled():  # create_graph=True: a backward that can itself be differentiated
-            return transforms.torch_backward(F.linear, (x, weight, bias), ctx.needs_input_grad, grad)
-        g = grad.reshape(-1, weight.shape[0])  # any strides: oneDNN's op takes them (an expanded gradient too)
-        d_x = input_gradient(g, weight).view(x.shape) if ctx.needs_input_grad[0] else None
-        d_weight = weight_gradient(g, x.reshape(-1, weight.shape[1])) if ctx.needs_input_grad[1] else None
-        d_bias = g.sum(0) if ctx.needs_input_grad[2] else None  # False for no bias (None)
-        return d_x, d_weight, d_bias
+        x, weight = ctx.saved_tensors  # g of any strides: oneDNN's op takes them (an expanded gradient too)
+        return linear_backward.gradients(x, weight, grad, ctx.needs_input_grad, input_gradient, weight_gradient)
 
 
 def input_gradient(g: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -32,14 +32,15 @@ def unwrapped(tensor: torch.Tensor) -> torch.Tensor:
 def torch_backward(reference, inputs: tuple, needs_input_grad: tuple, *grads: torch.Tensor) -> tuple:
     """A Function's backward under create_graph=True (second derivatives: gradient penalties, Hessian-vector products,
     MAML), where a kernel's backward is opaque to autograd: the gradients of reference(*inputs), torch's ops computing
-    what the Function's forward computes, taken as a graph that can itself be differentiated. One entry per input:
-    None where no gradient is asked or the input is not a tensor. `inputs` are the Function's own (saved) inputs, so
-    the graph leads back to whatever made them."""
+    what the Function's forward computes (again: for elementwise and row-wise kernels, whose forward is cheap beside
+    the products; the linear layers' Functions write their rule instead, modules/linear_backward.py), taken as a graph
+    that can itself be differentiated. One entry per input: None where no gradient is asked or the input is not a
+    tensor. `inputs` are the Function's own (saved) inputs, so the graph leads back to whatever made them."""
     wanted = [i for i, (x, need) in enumerate(zip(inputs, needs_input_grad)) if need and isinstance(x, torch.Tensor)]
     with torch.enable_grad():
         outputs = reference(*inputs)
-    found = torch.autograd.grad(outputs, [inputs[i] for i in wanted], grads, create_graph=True, allow_unused=True)
+    found = torch.autograd.grad(outputs, [inputs[i] for i in wanted], grads, create_graph=True)
     result = [None] * len(inputs)
     for i, gradient in zip(wanted, found):
-        result[i] = gradient if gradient is not None else torch.zeros_like(inputs[i])
+        result[i] = gradient
     return tuple(result)

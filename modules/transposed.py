@@ -44,7 +44,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from modules import head_grad, onednn, rows, transforms
+from modules import head_grad, linear_backward, onednn, rows, transforms
 
 ENV = "GPT2_TRANSPOSED_PRODUCTS"
 HEAD_MIN_WEIGHT = 1 << 24  # values of the head's W: gpt2's has 38.6 M
@@ -101,19 +101,14 @@ class TransposedGradLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        ctx.save_for_backward(x, weight, bias)
+        ctx.save_for_backward(x, weight)
         return F.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        x, weight, bias = ctx.saved_tensors
-        if torch.is_grad_enabled():  # create_graph=True: a backward that can itself be differentiated
-            return transforms.torch_backward(F.linear, (x, weight, bias), ctx.needs_input_grad, grad)
-        g = grad.reshape(-1, weight.shape[0])
-        d_x = (g @ weight).view(x.shape) if ctx.needs_input_grad[0] else None
-        d_weight = transpose(g) @ x.reshape(-1, weight.shape[1]) if ctx.needs_input_grad[1] else None
-        d_bias = g.sum(0) if ctx.needs_input_grad[2] else None  # False for no bias (None)
-        return d_x, d_weight, d_bias
+        x, weight = ctx.saved_tensors
+        return linear_backward.gradients(x, weight, grad, ctx.needs_input_grad,
+                                         weight_gradient=lambda g, rows: transpose(g) @ rows)
 
 
 class TransposedHead(TransposedGradLinear):
@@ -122,7 +117,7 @@ class TransposedHead(TransposedGradLinear):
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, bias: None) -> torch.Tensor:
-        ctx.save_for_backward(hidden, weight, bias)
+        ctx.save_for_backward(hidden, weight)
         flat = hidden.reshape(-1, hidden.shape[-1])
         return transpose(weight @ flat.t()).view(*hidden.shape[:-1], weight.shape[0])
 

@@ -1,22 +1,24 @@
-"""Whether torch traces or transforms the code that runs: torch.compile (dynamo), or a torch.func transform (grad,
-vmap, jacrev, jvp: per-sample gradients, Jacobians, functional training). Under either, the fused kernels and the
-hand-written autograd Functions step aside for torch's own ops, which those transforms know how to trace, batch and
-differentiate (a kernel of ours is opaque to them, and a Function without a `setup_context` and vmap rule is refused
-by torch.func). The values are the same; only the speed differs."""
+"""Whether torch traces or transforms the code that runs: torch.compile (dynamo), a torch.func transform (grad, vmap,
+jacrev, jvp: per-sample gradients, Jacobians, functional training) or forward-mode AD's dual tensors. Under any of
+them the fused kernels and the hand-written autograd Functions step aside for torch's own ops, which those know how to
+trace, batch and differentiate (a kernel of ours is opaque to them, and a Function without a `setup_context`, a vmap
+rule and a jvp is refused). The values are the same; only the speed differs."""
 
 import torch
+from torch.autograd import forward_ad
 
 
 def active() -> bool:
-    """True inside torch.compile's tracing or under any torch.func transform."""
+    """True inside torch.compile's tracing, under any torch.func transform or in forward-mode AD."""
     return torch.compiler.is_compiling() or torch_func()
 
 
 def torch_func() -> bool:
-    """True under a torch.func transform. Attention then takes its explicit form (scores, softmax, weighted sum), which
-    every transform handles: SDPA's CPU kernel has no forward-mode derivative (jvp) and no vmap rule (torch runs it
-    once per example). torch.compile keeps SDPA, which it maps to its own kernels."""
-    return torch._C._are_functorch_transforms_active()
+    """True under a torch.func transform, or inside torch.autograd.forward_ad's dual_level (forward-mode AD with dual
+    tensors, which our Functions have no jvp for). Attention then takes its explicit form (scores, softmax, weighted
+    sum), which every transform handles: SDPA's CPU kernel has no forward-mode derivative (jvp) and no vmap rule (torch
+    runs it once per example). torch.compile keeps SDPA, which it maps to its own kernels."""
+    return torch._C._are_functorch_transforms_active() or forward_ad._current_level >= 0
 
 
 def unwrapped(tensor: torch.Tensor) -> torch.Tensor:

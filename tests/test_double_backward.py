@@ -67,6 +67,14 @@ def test_layer_norm_bf16():
                 hvp(lambda x, w, b: F.layer_norm(x, (64,), w, b), [x, w, b]), bf16=True)
 
 
+def test_layer_norm_bf16_frozen_weights():
+    """Only the input asks for a gradient (a frozen norm): the others are not differentiated."""
+    x, w, b = randn(6, 64, dtype=torch.bfloat16), randn(64, dtype=torch.bfloat16, seed=1), randn(64, seed=2)
+    b = b.to(torch.bfloat16)
+    assert_same(hvp(lambda x: layer_norm.layer_norm(x, (64,), w, b), [x]),
+                hvp(lambda x: F.layer_norm(x, (64,), w, b), [x]), bf16=True)
+
+
 @pytest.mark.parametrize("masked", [False, True])
 def test_masked_softmax(masked):
     scores = randn(2, 3, 8, 8)

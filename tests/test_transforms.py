@@ -182,3 +182,22 @@ def test_manual_backward_says_it_runs_under_autograd_only():
         grad(lm_loss, argnums=1)(model, params, ids, mask)
     model(ids, attention_mask=mask, labels=ids)["loss"].backward()  # outside a transform: its own backward passes
     assert all(p.grad is not None for p in model.parameters())
+
+
+def test_forward_mode_dual_tensors_through_the_fused_paths(every_loss_kernel):
+    """torch.autograd.forward_ad (dual tensors, no torch.func): the loss's tangent along a direction in one weight's
+    space equals the reverse-mode gradient (every fused path taken) dotted with that direction."""
+    import torch.autograd.forward_ad as fwAD
+
+    model = lm()
+    ids, mask = padded_batch([12, 7, 10], 12, 1000, "left")
+    name = "gpt.gpt_layers.0.interm_dense.weight"
+    direction = torch.randn_like(dict(model.named_parameters())[name])
+    gradient = autograd_grads(model, ids, mask)[name]
+    with fwAD.dual_level():
+        assert transforms.active() and transforms.torch_func()
+        dual = fwAD.make_dual(dict(model.named_parameters())[name].detach(), direction)
+        loss = functional_call(model, {name: dual}, (ids,), dict(attention_mask=mask, labels=ids), strict=False)["loss"]
+        tangent = fwAD.unpack_dual(loss).tangent
+    assert not transforms.active()
+    torch.testing.assert_close(tangent, (gradient * direction).sum(), atol=1e-5, rtol=1e-4)

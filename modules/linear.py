@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from modules import onednn, packed, quant, transposed
+from modules import onednn, packed, quant, transforms, transposed
 from modules import rows as row_kernel
 from modules.quant import Int4Weight, Int8Weight, prepared_quantized, quantized_linear
 
@@ -112,6 +112,10 @@ class Linear(nn.Linear):
     rows_call = None  # within prepared_rows(): (rows, this weight's product prepared in the rows kernel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if transforms.torch_func():  # torch.func or dual tensors: torch's products (the kernels below read pointers)
+            if self.quantized is not None and not torch.is_grad_enabled():
+                return quantized_linear(x, self.quantized, self.bias)
+            return F.linear(x, self.weight, self.bias)
         if self.quantized is not None and not torch.is_grad_enabled():
             rows = x.shape[:-1].numel()
             if rows == 1:

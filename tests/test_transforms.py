@@ -201,3 +201,16 @@ def test_forward_mode_dual_tensors_through_the_fused_paths(every_loss_kernel):
         tangent = fwAD.unpack_dual(loss).tangent
     assert not transforms.active()
     torch.testing.assert_close(tangent, (gradient * direction).sum(), atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("tokens", [1, 4])
+def test_vmap_over_evaluation_rows(tokens):
+    """An evaluation under vmap (no gradients): each example's 1-8 rows are what the decoding kernels take outside a
+    transform; under it torch's products, the same logits."""
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(tiny_config("h4-wide", n_embd=256)).eval()
+    ids = torch.randint(0, 1000, (3, tokens), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = torch.cat([model(ids[i:i + 1])["logits"] for i in range(len(ids))])
+        found = vmap(lambda row: model(row[None])["logits"][0])(ids)
+    torch.testing.assert_close(found, expected, atol=1e-5, rtol=1e-4)

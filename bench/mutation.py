@@ -49,7 +49,7 @@ MODULE_TESTS = {
                          "tests/test_hugepages.py"],
     "modules/linear.py": ["tests/test_fast_paths.py", "tests/test_quant.py", "tests/test_prompt_kernel.py",
                           "tests/test_onednn.py", "tests/test_packed.py", "tests/test_int8_activations.py",
-                          "tests/test_survivors_40.py", "tests/test_paths.py"],
+                          "tests/test_survivors_40.py", "tests/test_paths.py", "tests/test_transforms.py"],
     "modules/adamw.py": ["tests/test_optimizer.py", "tests/test_master_weights.py", "tests/test_paths.py"],
     "modules/dropout.py": ["tests/test_dropout.py", "tests/test_paths.py", "tests/test_double_backward.py"],
     "modules/draw.py": ["tests/test_draw.py", "tests/test_paths.py"],

@@ -29,16 +29,27 @@ def _no_autocast(name: str) -> None:
 class _Manual(torch.autograd.Function):
     """The Functions below: autograd chains their hand-written backward passes. torch.func's transforms (grad, vmap,
     jvp) take a Function only in the `setup_context` form with a vmap rule, which these, saving what their forward
-    computes, are not; there they stop with an error that says so instead of torch's."""
+    computes, are not, and forward-mode AD needs a jvp; there they stop with an error that says so instead of
+    torch's. Their backward passes give first derivatives only (_first_order)."""
 
     @classmethod
     def apply(cls, *args):
         if transforms.torch_func():
             raise RuntimeError(f"{cls.__name__}: GPT2Config(backward='manual') runs its hand-written backward passes "
                                "under autograd (loss.backward(), torch.autograd.grad), not under torch.func's "
-                               "transforms (grad, vmap, jvp); build the model with backward='autograd' for those: the "
-                               "same values")
+                               "transforms (grad, vmap, jvp) or forward-mode AD's dual tensors; build the model with "
+                               "backward='autograd' for those: the same values")
         return super().apply(*args)
+
+
+def _first_order(ctx) -> None:
+    """A backward run with create_graph=True (grad mode on inside it) stops here: what the forwards save (a LayerNorm's
+    mean and 1/std, the attention's and the loss's log-sum-exp) would stand as constants in a second derivative, a
+    wrong answer without an error."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(f"{type(ctx).__name__.removesuffix('Backward')}: GPT2Config(backward='manual') gives first "
+                           "derivatives only; for second derivatives (create_graph=True) build the model with "
+                           "backward='autograd'")
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -61,6 +72,7 @@ class LinearFn(_Manual):
 
     @staticmethod
     def backward(ctx, dy):
+        _first_order(ctx)
         x, weight = ctx.saved_tensors
         dx = dy @ weight if ctx.needs_input_grad[0] else None
         dw = _rows(dy).T @ _rows(x) if ctx.needs_input_grad[1] else None
@@ -85,6 +97,7 @@ class LayerNormFn(_Manual):
 
     @staticmethod
     def backward(ctx, dy):
+        _first_order(ctx)
         x, weight, mean, rstd = ctx.saved_tensors
         xhat = (x - mean) * rstd
         g = dy * weight
@@ -113,6 +126,7 @@ class GeluTanhFn(_Manual):
 
     @staticmethod
     def backward(ctx, dy):
+        _first_order(ctx)
         (x,) = ctx.saved_tensors
         t = torch.tanh(_K * (x + _A * x * x * x))
         return dy * (0.5 * (1 + t) + 0.5 * x * (1 - t * t) * _K * (1 + 3 * _A * x * x))
@@ -133,6 +147,7 @@ class SoftmaxFn(_Manual):
 
     @staticmethod
     def backward(ctx, dy):
+        _first_order(ctx)
         (y,) = ctx.saved_tensors
         return y * (dy - (dy * y).sum(-1, keepdim=True))
 
@@ -169,6 +184,7 @@ class AttentionFn(_Manual):
 
     @staticmethod
     def backward(ctx, dout):
+        _first_order(ctx)
         q, k, v, out, lse, mask, keep = ctx.saved_tensors
         scale, p = ctx.scale, ctx.p
         scores = ((q @ k.transpose(-1, -2)) * scale).masked_fill(~mask, torch.finfo(q.dtype).min)
@@ -204,6 +220,7 @@ class CrossEntropyFn(_Manual):
 
     @staticmethod
     def backward(ctx, dloss):
+        _first_order(ctx)
         logits, targets, lse, counted, n = ctx.saved_tensors
         dz = torch.exp(logits - lse.unsqueeze(1))
         dz.scatter_add_(1, targets.clamp(min=0).unsqueeze(1), -torch.ones_like(lse).unsqueeze(1))

@@ -276,3 +276,27 @@ def test_float64_as_torchs_default_dtype(path):
     ref_loss, ref_grad = loss_and_grad(reference, logits, targets)
     torch.testing.assert_close(loss, ref_loss, **tolerance(path))
     torch.testing.assert_close(grad, ref_grad, **tolerance(path))
+
+
+def test_the_blocked_backward_computes_each_row_once(monkeypatch):
+    """Without the kernel the backward takes the rows in blocks of rows_per_chunk: one softmax (one exp) per block,
+    not one per row (a loop stepping by one row rewrote the same values N times over)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    monkeypatch.setattr(chunked, "CHUNK_ELEMENTS", 64 * 8)  # blocks of 8 rows of 64
+    monkeypatch.setattr(chunked, "kernel_takes", lambda logits: False)
+    logits = torch.randn(21, 64, requires_grad=True)
+    targets = torch.randint(0, 64, (21,), generator=torch.Generator().manual_seed(0))
+    loss = chunked.ChunkedCrossEntropy.apply(logits, targets, -100, True)
+    exps = []
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket in (torch.ops.aten.exp_, torch.ops.aten.exp):
+                exps.append(args[0].shape)
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        loss.backward()
+    assert [shape[0] for shape in exps] == [8, 8, 5]
+    torch.testing.assert_close(logits.grad, torch.func.grad(lambda z: F.cross_entropy(z, targets))(logits.detach()))

@@ -188,3 +188,12 @@ def test_default_attention_has_no_second_derivative_as_in_transformers():
     ids = torch.randint(0, 1000, (2, 12), generator=torch.Generator().manual_seed(0))
     with pytest.raises(RuntimeError, match="scaled_dot_product"):
         penalty_grads(model.named_parameters(), model(ids, labels=ids)["loss"])
+
+
+def test_manual_backward_refuses_second_derivatives():
+    """backward='manual' saves what its forwards compute (a LayerNorm's mean and 1/std, log-sum-exps): those would be
+    constants in a second derivative, so create_graph=True through it stops with an error, not a wrong answer."""
+    model = GPT2LMHeadModel(tiny_config("h4-wide", backward="manual", attn_implementation="eager")).double().train()
+    ids = torch.randint(0, 1000, (2, 10), generator=torch.Generator().manual_seed(4))
+    with pytest.raises(RuntimeError, match=r"backward='manual'\) gives first derivatives only"):
+        penalty_grads(model.named_parameters(), model(ids, labels=ids)["loss"])

@@ -68,6 +68,17 @@ def test_the_head_is_f_linears_with_the_weight_gradient_in_blocks(shape, monkeyp
     assert_one_product(leaves[1].grad, grad, h)
 
 
+def test_the_backward_takes_the_blocked_weight_gradient(monkeypatch):
+    """(the blocks give the one product's bits, so only a count tells them from torch's single product)"""
+    calls = []
+    blocked = head_grad.weight_gradient
+    monkeypatch.setattr(head_grad, "weight_gradient", lambda *a: calls.append(1) or blocked(*a))
+    h, w, grad = case(0, 300, 16)
+    leaves = h.clone().requires_grad_(), w.clone().requires_grad_()
+    head_grad.BlockedGradHead.apply(*leaves).backward(grad)
+    assert calls == [1]
+
+
 def test_only_the_gradients_asked_for():
     h, w, grad = case(12, 300, 16)
     w = w.requires_grad_()

@@ -263,3 +263,15 @@ def test_the_setting_0_turns_it_off_on_an_amx_cpu_and_force_turns_it_on_elsewher
     assert not transposed.available()
     monkeypatch.setenv(transposed.ENV, "force")
     assert transposed.available()
+
+
+def test_the_linear_backward_takes_the_transposed_gradient(forced, monkeypatch):
+    """The weight gradient of TransposedGradLinear goes through transpose(g) (a mutant taking g.t() @ x, within the
+    same rounding, survived the value checks)."""
+    calls = []
+    original = transposed.transpose
+    monkeypatch.setattr(transposed, "transpose", lambda t: calls.append(t.shape) or original(t))
+    x = torch.randn(40, 24).to(torch.bfloat16).requires_grad_()
+    w = torch.randn(16, 24).to(torch.bfloat16).requires_grad_()
+    transposed.TransposedGradLinear.apply(x, w, None).sum().backward()
+    assert calls == [(40, 16)]

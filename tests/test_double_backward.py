@@ -26,18 +26,22 @@ from modules import (
 )
 
 
-def hvp(fn, inputs: list[torch.Tensor], seed: int = 1) -> list[torch.Tensor]:
+def hvp(fn, inputs: list[torch.Tensor], seed: int = 1, varied: list[int] | None = None) -> list[torch.Tensor]:
     """d/d inputs of <d fn(inputs)/d inputs . v, u>: a Hessian-vector product of the scalar <fn(inputs), w>, with
-    random w, u (the first gradient taken with create_graph=True, then differentiated)."""
+    random w, u (the first gradient taken with create_graph=True, then differentiated). varied: the inputs that ask
+    for gradients (all by default); the others are constants, and their entries zeros."""
     g = torch.Generator().manual_seed(seed)
-    inputs = [x.detach().clone().requires_grad_() for x in inputs]
+    varied = list(range(len(inputs))) if varied is None else varied
+    inputs = [x.detach().clone().requires_grad_(i in varied) for i, x in enumerate(inputs)]
+    leaves = [inputs[i] for i in varied]
     out = fn(*inputs)
     w = torch.randn(out.shape, generator=g).to(out.dtype)
-    first = torch.autograd.grad((out.float() * w.float()).sum(), inputs, create_graph=True)
-    u = [torch.randn(x.shape, generator=g).to(x.dtype) for x in inputs]
-    second = torch.autograd.grad(sum((d.float() * v.float()).sum() for d, v in zip(first, u)), inputs,
+    first = torch.autograd.grad((out.float() * w.float()).sum(), leaves, create_graph=True)
+    u = [torch.randn(x.shape, generator=g).to(x.dtype) for x in leaves]
+    second = torch.autograd.grad(sum((d.float() * v.float()).sum() for d, v in zip(first, u)), leaves,
                                  allow_unused=True)
-    return [torch.zeros_like(x) if s is None else s for s, x in zip(second, inputs)]
+    found = {i: torch.zeros_like(x) if s is None else s for i, s, x in zip(varied, second, leaves)}
+    return [found.get(i, torch.zeros_like(x)) for i, x in enumerate(inputs)]
 
 
 def assert_same(ours: list[torch.Tensor], reference: list[torch.Tensor], bf16: bool) -> None:
@@ -60,11 +64,12 @@ def test_gelu():
 
 
 def test_layer_norm_bf16():
-    x, w, b = randn(6, 64, dtype=torch.bfloat16), randn(64, dtype=torch.bfloat16, seed=1), randn(64, seed=2)
-    b = b.to(torch.bfloat16)
+    """(batch, time, width) as in the model, and an eps of the values' scale: it shapes the derivatives"""
+    x = randn(2, 3, 64, dtype=torch.bfloat16, scale=0.3)
+    w, b = randn(64, dtype=torch.bfloat16, seed=1), randn(64, dtype=torch.bfloat16, seed=2)
     assert layer_norm.applies(x.requires_grad_(), (64,), w, b)
-    assert_same(hvp(lambda x, w, b: layer_norm.layer_norm(x, (64,), w, b), [x, w, b]),
-                hvp(lambda x, w, b: F.layer_norm(x, (64,), w, b), [x, w, b]), bf16=True)
+    assert_same(hvp(lambda x, w, b: layer_norm.layer_norm(x, (64,), w, b, eps=0.05), [x, w, b]),
+                hvp(lambda x, w, b: F.layer_norm(x, (64,), w, b, eps=0.05), [x, w, b]), bf16=True)
 
 
 def test_layer_norm_bf16_frozen_weights():
@@ -104,12 +109,13 @@ def test_cross_entropy(monkeypatch):
     logits, targets = randn(12, 50), torch.randint(0, 50, (12,), generator=torch.Generator().manual_seed(3))
     targets[4] = -100
     assert cross_entropy.applies(logits)
-    assert_same(hvp(lambda z: cross_entropy.cross_entropy(z, targets), [logits]),
-                hvp(lambda z: F.cross_entropy(z, targets), [logits]), bf16=False)
+    for reduction in ("mean", "sum"):
+        assert_same(hvp(lambda z: cross_entropy.cross_entropy(z, targets, reduction=reduction), [logits]),
+                    hvp(lambda z: F.cross_entropy(z, targets, reduction=reduction), [logits]), bf16=False)
 
 
 def test_rmsnorm():
-    x, w = randn(6, 64, scale=0.3), randn(64, seed=1)  # an eps of the values' scale: it shapes the derivatives
+    x, w = randn(2, 3, 64, scale=0.3), randn(64, seed=1)  # an eps of the values' scale: it shapes the derivatives
     assert rmsnorm.applies(x, w)
     assert_same(hvp(lambda x, w: rmsnorm.rms_norm(x, w, 0.05), [x, w]),
                 hvp(lambda x, w: F.rms_norm(x, (64,), w, 0.05), [x, w]), bf16=False)
@@ -144,15 +150,17 @@ def test_transposed_bf16():
                 hvp(linear_square(F.linear), [x, w]), bf16=True)
 
 
+@pytest.mark.parametrize("varied", [None, [0], [1], [3, 6], [4], [5, 6], [0, 2]])
 @pytest.mark.parametrize("use_onednn", [False, True])
-def test_fused_qkv(use_onednn):
+def test_fused_qkv(use_onednn, varied):
+    """All seven inputs asking for gradients, or some (a frozen input, frozen weights with trained biases)."""
     x = randn(2, 6, 32)
     ws = [randn(32, 32, seed=s, scale=0.2) for s in (1, 2, 3)]
     bs = [randn(32, seed=s) for s in (4, 5, 6)]
-    assert_same(hvp(linear_square(lambda *a: fused_qkv.QKVLinear.apply(*a, use_onednn)), [x, *ws, *bs]),
+    assert_same(hvp(linear_square(lambda *a: fused_qkv.QKVLinear.apply(*a, use_onednn)), [x, *ws, *bs], varied=varied),
                 hvp(linear_square(lambda x, wq, wk, wv, bq, bk, bv: F.linear(x, torch.cat((wq, wk, wv)),
                                                                              torch.cat((bq, bk, bv)))),
-                    [x, *ws, *bs]), bf16=False)
+                    [x, *ws, *bs], varied=varied), bf16=False)
 
 
 def penalty_grads(named_params, loss) -> dict[str, torch.Tensor]:

@@ -300,3 +300,16 @@ def test_the_blocked_backward_computes_each_row_once(monkeypatch):
         loss.backward()
     assert [shape[0] for shape in exps] == [8, 8, 5]
     torch.testing.assert_close(logits.grad, torch.func.grad(lambda z: F.cross_entropy(z, targets))(logits.detach()))
+
+
+def test_int32_targets_give_the_int64_ones_gradient(monkeypatch):
+    """Targets in int32 (a tokenizer's or a dataset's dtype): the kernel reads them as int64 after a cast."""
+    monkeypatch.setattr(chunked, "MIN_ELEMENTS", 0)
+    logits = torch.randn(10, 300)
+    targets = torch.randint(0, 300, (10,), generator=torch.Generator().manual_seed(0))
+    grads = []
+    for t in (targets, targets.int()):
+        z = logits.clone().requires_grad_()
+        chunked.cross_entropy(z, t).backward()
+        grads.append(z.grad)
+    assert torch.equal(grads[0], grads[1])

@@ -77,22 +77,16 @@ class QKVLinear(torch.autograd.Function):
         x, wq, wk, wv = ctx.saved_tensors
         needs = ctx.needs_input_grad
         sizes = (wq.shape[0], wk.shape[0], wv.shape[0])
-        if torch.is_grad_enabled():  # create_graph=True: torch's products, which autograd can differentiate again
-            d_x, d_weight, d_bias = linear_backward.gradients(x, torch.cat((wq, wk, wv)), grad,
-                                                              (needs[0], any(needs[1:4]), any(needs[4:7])))
-            return (d_x, *_split(d_weight, sizes, needs[1:4]), *_split(d_bias, sizes, needs[4:7]), None)
-        g = grad.reshape(-1, grad.shape[-1])
-        d_x = d_weight = d_bias = None  # g W, and g^T x below, through the forward's library
-        if needs[0]:
-            weight = torch.cat((wq, wk, wv))  # made again, not kept (the module's docstring)
-            d_x = (onednn.input_gradient(g, weight) if ctx.onednn else g @ weight).view(x.shape)
-        if any(needs[1:4]):
-            rows = x.reshape(-1, x.shape[-1])
-            # on AMX (modules/transposed.py) a weight gradient of 2^20+ values from a row-major copy of g
-            g_t = transposed.transpose(g) if transposed.weight_gradient_applies(g, sum(sizes) * x.shape[-1]) else g.t()
-            d_weight = onednn.weight_gradient(g, rows) if ctx.onednn else g_t @ rows  # g_t: g.t() in fp32
-        if any(needs[4:7]):
-            d_bias = g.sum(0)
+
+        def amx_weight_gradient(g, rows):  # on AMX (modules/transposed.py) 2^20+ values from a row-major copy of g
+            g_t = transposed.transpose(g) if transposed.weight_gradient_applies(g, sum(sizes) * rows.shape[1]) else g.t()
+            return g_t @ rows  # g_t: g.t() in fp32
+
+        weight = torch.cat((wq, wk, wv)) if needs[0] else None  # made again, not kept (the module's docstring)
+        d_x, d_weight, d_bias = linear_backward.gradients(  # g W and g^T x through the forward's library
+            x, weight, grad, (needs[0], any(needs[1:4]), any(needs[4:7])),
+            onednn.input_gradient if ctx.onednn else None,
+            onednn.weight_gradient if ctx.onednn else amx_weight_gradient)
         return (d_x, *_split(d_weight, sizes, needs[1:4]), *_split(d_bias, sizes, needs[4:7]), None)
 
 

@@ -292,3 +292,14 @@ def graph_names(tensor: torch.Tensor) -> set[str]:
         seen.add(node)
         todo.extend(next_fn for next_fn, _ in node.next_functions)
     return {type(node).__name__ for node in seen}
+
+
+@pytest.fixture
+def fused_paths_on(monkeypatch):
+    """The fused training paths a test asserts in a graph on, whatever the environment switched off (CI's path matrix
+    runs with each off in turn)."""
+    from modules import cross_entropy, dropout, fused_qkv, gelu, layer_norm, masked_softmax, rmsnorm
+
+    for module in (cross_entropy, dropout, fused_qkv, gelu, layer_norm, masked_softmax, rmsnorm):
+        monkeypatch.delenv(module.ENV, raising=False)
+    monkeypatch.setattr(gelu, "_on", None)  # read again without the switch

@@ -25,6 +25,8 @@ from modules import (
     transposed,
 )
 
+pytestmark = pytest.mark.usefixtures("fused_paths_on")  # the kernels these tests differentiate twice
+
 
 def hvp(fn, inputs: list[torch.Tensor], seed: int = 1, varied: list[int] | None = None) -> list[torch.Tensor]:
     """d/d inputs of <d fn(inputs)/d inputs . v, u>: a Hessian-vector product of the scalar <fn(inputs), w>, with

@@ -11,6 +11,8 @@ from torch.func import functional_call, grad, jvp, vmap
 from models.gpt2 import GPT2LMHeadModel, GPT2Model
 from modules import transforms
 
+pytestmark = pytest.mark.usefixtures("fused_paths_on")  # the fused paths these tests step around
+
 # fp32 gradients of the same loss by two routes (our kernels and Functions vs torch's ops): sums in other orders
 ATOL, RTOL = 2e-6, 1e-4
 

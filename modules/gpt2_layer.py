@@ -9,11 +9,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from modules import quant
-from modules import rows as row_kernel
 from modules.attention import CausalSelfAttention, KVCache
 from modules.dropout import Dropout
-from modules.gelu import gelu_new  # GPT-2's GELU, the tanh form (a training step's in one pass: modules/gelu.py)
+from modules.gelu import gelu_new  # GPT-2's GELU, the tanh form (the rows kernel's on the CPU: modules/gelu.py)
 from modules.linear import Linear as DecodeLinear
 from modules.manual_backward import ManualLinear, gelu_tanh
 from modules.norms import make_norm
@@ -52,13 +50,7 @@ class GPT2Layer(nn.Module):
         return input + dropout(dense_layer(output))
 
     def activation(self, h: torch.Tensor) -> torch.Tensor:
-        """The MLP's activation of h. In the prompt of a w8a8 / w4a8 generate (the MLP's output product takes the
-        int8 GEMM: quant.prompt_takes), GPT-2's GELU runs in the rows kernel (rows.gelu_tanh: about 4x torch's on
-        gpt2's 512-token prompt on a Zen 3; within 2e-7 relative of the exact tanh GELU, closer than torch's fp32)."""
-        if self.interm_af is gelu_new and quant.prompt_takes((self.out_dense,), h):
-            y = row_kernel.gelu_tanh(h)
-            if y is not None:
-                return y
+        """The MLP's activation of h (GPT-2's GELU runs in the rows kernel on the CPU: modules/gelu.py)."""
         return self.interm_af(h)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,

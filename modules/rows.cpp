@@ -1568,7 +1568,7 @@ extern "C" void rows_gelu_tanh_bf16(const uint16_t* x, const uint16_t* dy, uint1
   for (int64_t j = 0; j < m; ++j) out[i0 + j] = bf16_bits(xf[j]);
 }
 
-// ---- causal attention of a prompt (fp32, no cached tokens before it: modules/prompt_attention.py) ----------------
+// ---- causal attention of a prompt (fp32 or bf16, no cached tokens before it: modules/prompt_attention.py) --------
 // out[b, t, h * hs + d] = sum_{j <= t} softmax_j(scale q[b, h, t] . k[b, h, j]) v[b, h, j, d]. A task is one head's
 // block of kWidth queries (16 in the native build of an AVX512 CPU, else 8), one query a vector lane: the block's
 // queries are packed transposed (qt[d][lane], times scale), then each key's scores for all the block's queries are
@@ -1579,33 +1579,40 @@ extern "C" void rows_gelu_tanh_bf16(const uint16_t* x, const uint16_t* dy, uint1
 // all the block's queries in kCols vectors, each score vector loaded once for kCols broadcast value elements. Rows
 // of the inputs are (b, h, t) strided with d contiguous (torch's views of the fused q/k/v output or of the KV
 // cache).
+// bf16 (rows_attend_prompt_bf16: q, k, v and out as uint16 bits): each value read widened to fp32 exactly, every sum,
+// the softmax and the weighted sum in fp32 as above, the output rounded to bf16 once (to nearest even), as torch's
+// CPU SDPA computes bf16 in fp32 and rounds its output.
 // Returns 0; -1 where hs is not a multiple of kWidth or over kMaxHead (nothing written).
 constexpr int64_t kMaxHead = 256;
 constexpr int kKeysAtOnce = 12;
 constexpr int kCols = kWidth == 16 ? 16 : 8;  // value columns a pass: their sums' vectors within the registers
 
-static void attend_block(const float* q, const float* k, const float* v, const int64_t* qs, const int64_t* ks,
+static inline void put(float* p, float v) { *p = v; }
+static inline void put(uint16_t* p, float v) { *p = bf16_bits(v); }
+
+template <typename E>
+static void attend_block(const E* q, const E* k, const E* v, const int64_t* qs, const int64_t* ks,
                          const int64_t* vs, int64_t b, int64_t h, int64_t T, int64_t hs, float scale, int64_t i0,
-                         float* qt, float* st, float* ot, float* out, int64_t C) {
+                         float* qt, float* st, float* ot, E* out, int64_t C) {
   const int64_t i1 = std::min(T, i0 + kWidth), n = i1;  // the block's queries; keys 0 .. i1 - 1
-  const float* qh = q + b * qs[0] + h * qs[1];
-  const float* kh = k + b * ks[0] + h * ks[1];
-  const float* vh = v + b * vs[0] + h * vs[1];
+  const E* qh = q + b * qs[0] + h * qs[1];
+  const E* kh = k + b * ks[0] + h * ks[1];
+  const E* vh = v + b * vs[0] + h * vs[1];
   for (int64_t d = 0; d < hs; ++d)
-    for (int64_t i = 0; i < kWidth; ++i) qt[d * kWidth + i] = i0 + i < T ? qh[(i0 + i) * qs[2] + d] * scale : 0.0f;
+    for (int64_t i = 0; i < kWidth; ++i) qt[d * kWidth + i] = i0 + i < T ? to_float(qh[(i0 + i) * qs[2] + d]) * scale : 0.0f;
   int64_t j = 0;
   for (; j + kKeysAtOnce <= n; j += kKeysAtOnce) {
     vf acc[kKeysAtOnce];
     for (int r = 0; r < kKeysAtOnce; ++r) acc[r] = vzero();
     for (int64_t d = 0; d < hs; ++d) {
       const vf qv = xload(qt + d * kWidth);
-      for (int r = 0; r < kKeysAtOnce; ++r) acc[r] = vfma(vset1(kh[(j + r) * ks[2] + d]), qv, acc[r]);
+      for (int r = 0; r < kKeysAtOnce; ++r) acc[r] = vfma(vset1(to_float(kh[(j + r) * ks[2] + d])), qv, acc[r]);
     }
     for (int r = 0; r < kKeysAtOnce; ++r) vstore(st + (j + r) * kWidth, acc[r]);
   }
   for (; j < n; ++j) {
     vf acc = vzero();
-    for (int64_t d = 0; d < hs; ++d) acc = vfma(vset1(kh[j * ks[2] + d]), xload(qt + d * kWidth), acc);
+    for (int64_t d = 0; d < hs; ++d) acc = vfma(vset1(to_float(kh[j * ks[2] + d])), xload(qt + d * kWidth), acc);
     vstore(st + j * kWidth, acc);
   }
   for (int64_t key = i0 + 1; key < n; ++key)  // causal: query i0 + lane sees keys up to itself
@@ -1624,18 +1631,19 @@ static void attend_block(const float* q, const float* k, const float* v, const i
     for (int c = 0; c < kCols; ++c) acc[c] = vzero();
     for (int64_t key = 0; key < n; ++key) {
       const vf p = xload(st + key * kWidth);
-      const float* row = vh + key * vs[2] + d0;
-      for (int c = 0; c < kCols; ++c) acc[c] = vfma(vset1(row[c]), p, acc[c]);
+      const E* row = vh + key * vs[2] + d0;
+      for (int c = 0; c < kCols; ++c) acc[c] = vfma(vset1(to_float(row[c])), p, acc[c]);
     }
     for (int c = 0; c < kCols; ++c) vstore(ot + (d0 + c) * kWidth, vmul(acc[c], inv));
   }
   for (int64_t i = i0; i < i1; ++i)
-    for (int64_t d = 0; d < hs; ++d) out[(b * T + i) * C + h * hs + d] = ot[d * kWidth + (i - i0)];
+    for (int64_t d = 0; d < hs; ++d) put(out + (b * T + i) * C + h * hs + d, ot[d * kWidth + (i - i0)]);
 }
 
-extern "C" int rows_attend_prompt(const float* q, const float* k, const float* v, const int64_t* q_strides,
-                                  const int64_t* k_strides, const int64_t* v_strides, int64_t B, int64_t H,
-                                  int64_t T, int64_t hs, float scale, float* out, int threads) {
+template <typename E>
+static int attend_prompt(const E* q, const E* k, const E* v, const int64_t* q_strides, const int64_t* k_strides,
+                         const int64_t* v_strides, int64_t B, int64_t H, int64_t T, int64_t hs, float scale, E* out,
+                         int threads) {
   if (hs % kWidth != 0 || hs > kMaxHead || T < 1) return -1;
   const int64_t blocks = (T + kWidth - 1) / kWidth, tasks = B * H * blocks, C = H * hs;
 #pragma omp parallel num_threads(threads)
@@ -1649,6 +1657,19 @@ extern "C" int rows_attend_prompt(const float* q, const float* k, const float* v
     }
   }
   return 0;
+}
+
+extern "C" int rows_attend_prompt(const float* q, const float* k, const float* v, const int64_t* q_strides,
+                                  const int64_t* k_strides, const int64_t* v_strides, int64_t B, int64_t H,
+                                  int64_t T, int64_t hs, float scale, float* out, int threads) {
+  return attend_prompt(q, k, v, q_strides, k_strides, v_strides, B, H, T, hs, scale, out, threads);
+}
+
+extern "C" int rows_attend_prompt_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v,
+                                       const int64_t* q_strides, const int64_t* k_strides, const int64_t* v_strides,
+                                       int64_t B, int64_t H, int64_t T, int64_t hs, float scale, uint16_t* out,
+                                       int threads) {
+  return attend_prompt(q, k, v, q_strides, k_strides, v_strides, B, H, T, hs, scale, out, threads);
 }
 
 // bf16 rounding of fp32 values, `bf16_rounded` and `bf16_bits` above: `round_bf16` the values left in fp32 storage

@@ -224,9 +224,9 @@ def library(target_flags: tuple[str, ...] = NATIVE):
                                 ctypes.c_int]
     lib.rows_ce_grad.restype = None
     lib.rows_ce_grad.argtypes = [ctypes.c_int, *[ctypes.c_void_p] * 5, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
-    lib.rows_attend_prompt.restype = ctypes.c_int
-    lib.rows_attend_prompt.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 4 + [ctypes.c_float, ctypes.c_void_p,
-                                                                                      ctypes.c_int]
+    for attend in (lib.rows_attend_prompt, lib.rows_attend_prompt_bf16):  # fp32 and bf16 (uint16 bits) tensors
+        attend.restype = ctypes.c_int
+        attend.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 4 + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
     lib.rows_quantize.restype = ctypes.c_int
     lib.rows_quantize.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
     lib.rows_minmax.restype = ctypes.c_int
@@ -767,19 +767,6 @@ def _fp32_contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
     if t is None or (t.dtype == torch.float32 and t.is_contiguous()):
         return t  # per call, so the no-op case costs no torch call
     return t.to(torch.float32).contiguous()
-
-
-def gelu_tanh(x: torch.Tensor) -> torch.Tensor | None:
-    """GPT-2's GELU (the tanh form) of x in the kernel, on torch's thread count, into a new tensor; None where x is
-    not a contiguous fp32 CPU tensor, a gradient is taken or the kernel is not built. One pass, one exp a value:
-    within 2e-7 relative of the exact tanh GELU (torch's fp32 gelu: 1.2e-5), about 4x faster than torch's on a
-    512 x 3072 prompt activation on a Zen 3 (2 threads)."""
-    if not (x.dtype == torch.float32 and x.is_cpu and x.is_contiguous() and not torch.is_grad_enabled()
-            and available()):
-        return None
-    y = torch.empty_like(x)
-    _load().rows_gelu_tanh(x.data_ptr(), y.data_ptr(), x.numel(), torch.get_num_threads())
-    return y
 
 
 if __name__ == "__main__":  # python -m modules.rows [--retime]: the plan of this machine (--retime: time it again)

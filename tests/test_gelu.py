@@ -1,6 +1,7 @@
-"""modules/gelu.py: training's GELU (tanh form) in the rows kernel, forward and backward, against the exact function
-in float64 (torch's autograd) and against torch's float32 gelu(approximate="tanh"); where gelu_new takes it and where
-it keeps torch's; and a model trained 20 steps through it against one trained with torch's."""
+"""modules/gelu.py: GPT-2's GELU (tanh form) in the rows kernel, forward and backward, against the exact function in
+float64 (torch's autograd) and against torch's float32 gelu(approximate="tanh"); where gelu_new takes it (with
+autograd or without) and where it keeps torch's; and a model trained 20 steps through it against one trained with
+torch's."""
 from __future__ import annotations
 
 import os
@@ -78,29 +79,41 @@ def test_a_transposed_input_gets_the_gradient_of_its_own_layout():
     assert x.grad.shape == (24, 16) and torch.allclose(x.grad.double(), want, rtol=4e-7, atol=1e-7)
 
 
-def test_the_kernel_is_taken_only_in_a_float32_or_bf16_cpu_training_step(monkeypatch):
-    """Evaluation and generation keep torch's gelu bit for bit (the function transformers' GPT-2 runs); the kernel
-    is taken where a gradient will flow through it."""
-    calls = []
-    real = gelu._GELU.apply
+def test_the_kernel_takes_float32_and_bf16_cpu_tensors_with_autograd_only_in_a_step(monkeypatch):
+    """A gradient taken through it: the kernel's autograd Function. No gradient (grad mode off, or an input that
+    requires none: evaluation, a prompt's pass): one kernel call, the same values as the Function's forward, within
+    2e-7 relative + 5e-8 of the exact function, the input untouched. float64, a meta tensor, the switch off (or no
+    build): torch's gelu bit for bit."""
+    calls, forwards = [], []
+    real, real_forward = gelu._GELU.apply, gelu.forward
     monkeypatch.setattr(gelu._GELU, "apply", lambda x: calls.append(x.shape) or real(x))
-    x = torch.randn(4, 8)
+    monkeypatch.setattr(gelu, "forward", lambda x: forwards.append(x.shape) or real_forward(x))
+    x = torch.randn(4, 8) * 4
+    before = x.clone()
     with torch.no_grad():
-        assert torch.equal(gelu.gelu_new(x.requires_grad_()), F.gelu(x, approximate="tanh"))
-    assert torch.equal(gelu.gelu_new(x.detach()), F.gelu(x.detach(), approximate="tanh"))  # no gradient asked
-    assert calls == []
+        y = gelu.gelu_new(x.requires_grad_())
+    y64, _ = exact(x, torch.ones_like(x))
+    assert ((y.double() - y64).abs() <= 2e-7 * y64.abs() + 5e-8).all() and torch.equal(x, before)
+    assert not torch.equal(y, F.gelu(x, approximate="tanh"))  # torch's differs in its last bits somewhere
+    assert torch.equal(gelu.gelu_new(x.detach()), y)  # grad mode on, no gradient asked
+    bf = torch.randn(2, 3, 5, dtype=torch.bfloat16).transpose(1, 2)  # not contiguous
+    assert torch.equal(gelu.gelu_new(bf), gelu._GELU.apply(bf.detach().requires_grad_()).detach())
+    assert calls == [(2, 5, 3)] and forwards == [(4, 8), (4, 8), (2, 5, 3), (2, 5, 3)]
+    calls.clear()
     t = torch.randn(4, 8, dtype=torch.float64, requires_grad=True)
     assert torch.equal(gelu.gelu_new(t), F.gelu(t, approximate="tanh"))
-    assert calls == [] and not gelu.applies(torch.randn(2, device="meta", requires_grad=True))
+    assert not gelu.takes(torch.randn(2, device="meta")) and not gelu.applies(torch.randn(2, device="meta",
+                                                                                           requires_grad=True))
+    assert calls == [] and len(forwards) == 4
     gelu.gelu_new(x.detach().requires_grad_())
-    assert calls == [(4, 8)]
     gelu.gelu_new(torch.randn(2, 3, dtype=torch.bfloat16, requires_grad=True))  # a bf16-weights step
-    assert calls == [(4, 8), (2, 3)]
-    calls.pop()
+    assert calls == [(4, 8), (2, 3)] and gelu.applies(x) and not gelu.applies(x.detach())
     assert ACTIVATION_FNS["gelu_new"] is gelu.gelu_new and ACTIVATION_FNS["gelu_pytorch_tanh"] is gelu.gelu_new
     monkeypatch.setattr(gelu, "_on", False)  # the switch (GPT2_FAST_GELU=0) or no build: torch's everywhere
     t = torch.randn(4, 8, requires_grad=True)
-    assert torch.equal(gelu.gelu_new(t), F.gelu(t, approximate="tanh")) and calls == [(4, 8)]
+    assert torch.equal(gelu.gelu_new(t), F.gelu(t, approximate="tanh")) and len(calls) == 2
+    with torch.no_grad():
+        assert torch.equal(gelu.gelu_new(t), F.gelu(t, approximate="tanh")) and len(forwards) == 6
 
 
 def train(steps: int, kernel: bool, monkeypatch) -> list[float]:

@@ -1,6 +1,6 @@
 """modules/prompt_attention.py: a prompt's causal attention in one rows-kernel call, against torch's SDPA and float64,
-in both builds of the kernel; where CausalSelfAttention takes it (a prompt's pass in fp32 without gradients) and
-where it keeps SDPA; and a model's prompt, logits and greedy tokens with it and without it."""
+in both builds of the kernel, fp32 and bf16; where CausalSelfAttention takes it (a prompt's pass in fp32 or bf16
+without gradients) and where it keeps SDPA; and a model's prompt, logits and greedy tokens with it and without it."""
 from __future__ import annotations
 
 import os
@@ -53,6 +53,40 @@ def test_the_kernel_is_causal_softmax_attention_to_float_rounding(form, threads)
                 torch.testing.assert_close(contiguous, out, atol=0, rtol=0)  # the same sums, whatever the strides
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("form", ["native", "avx2"])
+def test_bf16_is_computed_in_fp32_and_rounded_once(form):
+    """bf16 query, key and value: the output is the float64 attention of the same bf16 numbers rounded to bf16 in all
+    but a few values (sums in fp32: on the Zen 5 it was written on, 0-0.04% of values one bf16 step away, where the
+    exact value lies near a rounding boundary or sums cancel to near 0) and never further than a step or the fp32
+    sums' rounding (1e-6 of values about 1); torch's bf16 SDPA
+    is one step away in about a third of them (its weights rounded to bf16 before the values' sum). Strided views
+    and contiguous tensors give the same bits."""
+    lib = rows._load() if form == "native" else rows.library(rows.AVX2)
+    for B, H, T, hs in [(2, 3, 37, 64), (1, 2, 130, 128), (1, 1, 5, lib.rows_vector_width())]:
+        q, k, v = (t.bfloat16() for t in qkv_views(B, H, T, hs, seed=T))
+        out = prompt_attention.attend(q, k, v, 0.125, lib)
+        assert out.dtype == torch.bfloat16 and out.shape == (B, T, H * hs)
+        exact = reference(q, k, v, 0.125)
+        rounded = exact.bfloat16()
+        assert (out != rounded).double().mean() < 0.002, (out != rounded).double().mean()
+        assert ((out.double() - exact).abs() <= 2 ** -6 * exact.abs() + 1e-6).all()  # a step, or fp32 sums' rounding
+        sdpa = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.125).transpose(1, 2).flatten(2)
+        assert (sdpa != rounded).double().mean() > 0.1  # what the kernel improves on (if torch's changes, so may this)
+        contiguous = prompt_attention.attend(q.contiguous(), k.contiguous(), v.contiguous(), 0.125, lib)
+        assert torch.equal(contiguous, out)
+
+
+def test_mixed_dtypes_are_an_error_naming_them():
+    q, k, v = qkv_views(1, 2, 5, 64)
+    assert not prompt_attention.applies(q, k.bfloat16(), v)
+    with pytest.raises(ValueError, match="all float32 or all bfloat16, got torch.float32, torch.bfloat16, "
+                                         "torch.float32$"):
+        prompt_attention.attend(q, k.bfloat16(), v, 0.5)
+    with pytest.raises(ValueError, match="got torch.float64, torch.float64, torch.float64$"):
+        prompt_attention.attend(q.double(), k.double(), v.double(), 0.5)
+    assert not prompt_attention.applies(q.double(), k.double(), v.double())
 
 
 def test_large_scores_stay_finite_and_the_first_query_sees_only_itself():
@@ -108,18 +142,29 @@ def test_a_models_prompt_takes_it_with_sdpas_logits_and_greedy_tokens(monkeypatc
     assert torch.equal(out, plain_out)
 
 
-def test_gradients_bf16_grouped_keys_cached_tokens_dropout_and_odd_heads_keep_sdpa(spy):
+def test_gradients_grouped_keys_cached_tokens_dropout_and_odd_heads_keep_sdpa(spy):
     ids = torch.randint(0, 97, (1, 12), generator=torch.Generator().manual_seed(2))
     model = tiny()
     model(ids)["logits"].sum().backward()  # a training forward: gradients to take
     with torch.no_grad():
         tiny(n_kv_head=2)(ids)  # grouped key/value heads
-        tiny().to(torch.bfloat16)(ids)
         tiny(n_head=2, n_embd=40)(ids)  # head size 20: no multiple of either build's width
         training = tiny(attn_pdrop=0.1).train()
         training(ids)  # dropout on the attention weights, in training mode
+        assert spy == []
         training.eval()(ids)  # the same model in evaluation: taken
-    assert spy == [(1, 4, 12, 16)] * 2
+        assert spy == [(1, 4, 12, 16)] * 2
+        bf16 = tiny().to(torch.bfloat16)
+        logits = bf16(ids)["logits"]  # a bf16 model's evaluation: taken
+        assert spy == [(1, 4, 12, 16)] * 4
+        monkeypatch = pytest.MonkeyPatch()
+        monkeypatch.setenv(prompt_attention.ENV, "0")
+        try:
+            plain = bf16(ids)["logits"]  # SDPA's bf16
+        finally:
+            monkeypatch.undo()
+    assert len(spy) == 4 and logits.dtype == plain.dtype == torch.bfloat16
+    torch.testing.assert_close(logits.float(), plain.float(), atol=0.05, rtol=0.02)
 
 
 def test_the_rule_at_its_edges():

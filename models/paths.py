@@ -319,11 +319,11 @@ PATHS: tuple[Path, ...] = (
                  "bf16 CPU training steps (bf16 weights) outside torch.compile and torch.func; fp32 steps, evaluation, "
                  "generation and autocast's fp32 norms of bf16 activations: torch's",
                  ("tests/test_layer_norm.py",)),
-    _kernel_path("fused-gelu", "GPT-2's GELU (tanh form) in a float32 or bf16 CPU training step, forward and backward "
-                 "one pass each (modules/gelu.py, in modules/rows.cpp) instead of torch's gelu(approximate='tanh')",
+    _kernel_path("fused-gelu", "GPT-2's GELU (tanh form) on float32 or bf16 CPU tensors, in a training step forward "
+                 "and backward one pass each, without a gradient (evaluation, prompts) the forward's pass "
+                 "(modules/gelu.py, in modules/rows.cpp) instead of torch's gelu(approximate='tanh')",
                  gelu, "the rows kernel (GELU)",
-                 "float32 and bf16 CPU training steps outside torch.compile and torch.func (evaluation and generation: "
-                 "torch's)",
+                 "float32 and bf16 CPU tensors outside torch.compile and torch.func, training and evaluation alike",
                  ("tests/test_gelu.py",)),
     _kernel_path("fused-softmax", "the explicit attention's scale, mask and softmax in a float32 or bf16 CPU training "
                  "step, one pass forward and one backward (modules/masked_softmax.py, in modules/rows.cpp) instead of "
@@ -347,11 +347,12 @@ PATHS: tuple[Path, ...] = (
          onednn.TRAINING_ENV, "1", "0", _onednn_runs(onednn.TRAINING_ENV),
          _onednn_default(onednn.TRAINING_ENV, "training_choice"),
          ("tests/test_onednn_training.py", "tests/test_paths.py")),
-    Path("prompt-attention", "causal attention of a prompt's pass (no cached tokens before it) in fp32 without "
-         "gradients: one rows-kernel call (modules/prompt_attention.py) instead of torch's SDPA", prompt_attention.ENV,
+    Path("prompt-attention", "causal attention of a prompt's pass (no cached tokens before it) in fp32 or bf16 "
+         "without gradients: one rows-kernel call (modules/prompt_attention.py; bf16 summed in fp32, rounded once) "
+         "instead of torch's SDPA", prompt_attention.ENV,
          "", "0", _kernel(prompt_attention, prompt_attention.ENV, "the rows kernel (prompt attention)"),
-         lambda: (True, "fp32 CPU prompts and evaluations without gradients, full heads, head size a multiple of "
-                        "the vector width"),
+         lambda: (True, "fp32 and bf16 CPU prompts and evaluations without gradients, full heads, head size a "
+                        "multiple of the vector width"),
          ("tests/test_prompt_attention.py", "tests/test_paths.py")),
     Path("explicit-attention", "attention as scores/softmax/sum instead of torch's SDPA (modules/attention.py)", "",
          "config attn_implementation='eager'", "config attn_implementation='sdpa'", lambda: None,

@@ -9,13 +9,14 @@ gpt2's 12 layers at 512 tokens on a Zen 4 (2 threads, 2026-12-01): 34 ms against
 float rounding (another summation order; exp by a polynomial within 2 float roundings): tests/test_prompt_attention.py
 holds it to SDPA and to float64. bf16 tensors (a bf16 model's evaluation or prompt): every value widened to fp32, the
 sums, softmax and weighted sum in fp32, the output rounded to bf16 once, as SDPA's bf16 CPU kernel does; gpt2's 12
-layers at 8 x 128 tokens on a Zen 5 (2 threads, 2026-12-05): SDPA's bf16 kernel 3.2 ms a layer, this 1.6.
+layers at 8 x 128 tokens on a Zen 5 (2 threads, 2026-12-05): SDPA's bf16 kernel 3.2-4.0 ms a layer, this 1.9.
 
 Taken by `CausalSelfAttention.forward` where SDPA would run causal attention over the new tokens alone (no cached
-tokens before them, no mask): query, key and value of one dtype, fp32 or bf16, on the CPU, no gradient to take (grad mode off, or nothing
-requiring one), as many key/value heads as query heads, a head size that is a multiple of the vector width (every
-GPT-2 size's 64), the last dimension contiguous, outside torch.compile and torch.func, the rows kernel built, and
-GPT2_PROMPT_ATTENTION not 0. Anywhere else SDPA (or the explicit path where the model takes it) runs as before.
+tokens before them, no mask): query, key and value of one dtype, fp32 or bf16, on the CPU, no gradient to take
+(grad mode off, or nothing requiring one), as many key/value heads as query heads, a head size that is a multiple of
+the vector width (every GPT-2 size's 64), the last dimension contiguous, outside torch.compile and torch.func, the
+rows kernel built, and GPT2_PROMPT_ATTENTION not 0. Anywhere else SDPA (or the explicit path where the model takes
+it) runs as before.
 """
 from __future__ import annotations
 

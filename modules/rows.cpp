@@ -1599,7 +1599,8 @@ static void attend_block(const E* q, const E* k, const E* v, const int64_t* qs, 
   const E* kh = k + b * ks[0] + h * ks[1];
   const E* vh = v + b * vs[0] + h * vs[1];
   for (int64_t d = 0; d < hs; ++d)
-    for (int64_t i = 0; i < kWidth; ++i) qt[d * kWidth + i] = i0 + i < T ? to_float(qh[(i0 + i) * qs[2] + d]) * scale : 0.0f;
+    for (int64_t i = 0; i < kWidth; ++i)
+      qt[d * kWidth + i] = i0 + i < T ? to_float(qh[(i0 + i) * qs[2] + d]) * scale : 0.0f;
   int64_t j = 0;
   for (; j + kKeysAtOnce <= n; j += kKeysAtOnce) {
     vf acc[kKeysAtOnce];

@@ -351,8 +351,8 @@ PATHS: tuple[Path, ...] = (
          "without gradients: one rows-kernel call (modules/prompt_attention.py; bf16 summed in fp32, rounded once) "
          "instead of torch's SDPA", prompt_attention.ENV,
          "", "0", _kernel(prompt_attention, prompt_attention.ENV, "the rows kernel (prompt attention)"),
-         lambda: (True, "fp32 and bf16 CPU prompts and evaluations without gradients, full heads, head size a "
-                        "multiple of the vector width"),
+         lambda: (True, "fp32 and bf16 (off AMX) CPU prompts and evaluations without gradients, full heads, head "
+                        "size a multiple of the vector width"),
          ("tests/test_prompt_attention.py", "tests/test_paths.py")),
     Path("explicit-attention", "attention as scores/softmax/sum instead of torch's SDPA (modules/attention.py)", "",
          "config attn_implementation='eager'", "config attn_implementation='sdpa'", lambda: None,

@@ -350,7 +350,7 @@ PATHS: tuple[Path, ...] = (
     Path("prompt-attention", "causal attention of a prompt's pass (no cached tokens before it) in fp32 or bf16 "
          "without gradients: one rows-kernel call (modules/prompt_attention.py; bf16 summed in fp32, rounded once) "
          "instead of torch's SDPA", prompt_attention.ENV,
-         "", "0", _kernel(prompt_attention, prompt_attention.ENV, "the rows kernel (prompt attention)"),
+         "force", "0", _kernel(prompt_attention, prompt_attention.ENV, "the rows kernel (prompt attention)"),
          lambda: (True, "fp32 and bf16 (off AMX) CPU prompts and evaluations without gradients, full heads, head "
                         "size a multiple of the vector width"),
          ("tests/test_prompt_attention.py", "tests/test_paths.py")),

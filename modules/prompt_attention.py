@@ -13,7 +13,8 @@ layers at 8 x 128 tokens on a Zen 5 (2 threads, 2026-12-05): SDPA's bf16 kernel 
 
 Taken by `CausalSelfAttention.forward` where SDPA would run causal attention over the new tokens alone (no cached
 tokens before them, no mask): query, key and value of one dtype, fp32 or bf16 (bf16 off AMX: there torch's bf16
-SDPA can multiply in AMX's tiles, and no AMX machine has timed the kernel against it), on the CPU, no gradient to take
+SDPA can multiply in AMX's tiles, and no AMX machine has timed the kernel against it; GPT2_PROMPT_ATTENTION=force
+takes it there too), on the CPU, no gradient to take
 (grad mode off, or nothing requiring one), as many key/value heads as query heads, a head size that is a multiple of
 the vector width (every GPT-2 size's 64), the last dimension contiguous, outside torch.compile and torch.func, the
 rows kernel built, and GPT2_PROMPT_ATTENTION not 0. Anywhere else SDPA (or the explicit path where the model takes
@@ -41,7 +42,7 @@ def applies(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool
     """Whether attend() takes these (B, H, T, hs) tensors (see the module's docstring for the rest of the rule)."""
     tensors = (query, key, value)
     return (query.dtype in (torch.float32, torch.bfloat16)
-            and (query.dtype == torch.float32 or not rows.has_cpu_flag("amx_bf16"))
+            and (query.dtype == torch.float32 or os.environ.get(ENV) == "force" or not rows.has_cpu_flag("amx_bf16"))
             and all(t.dtype == query.dtype and t.device.type == "cpu" and t.dim() == 4 and t.stride(-1) == 1
                     for t in tensors)
             and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))

@@ -80,11 +80,14 @@ def test_bf16_is_computed_in_fp32_and_rounded_once(form):
 
 def test_bf16_is_left_to_sdpa_on_amx(monkeypatch):
     """On a CPU with AMX-BF16 torch's bf16 SDPA keeps a bf16 prompt (its products can take AMX's tiles; the kernel was
-    not timed against it there); fp32 is taken as anywhere."""
+    not timed against it there) unless GPT2_PROMPT_ATTENTION=force; fp32 is taken as anywhere."""
+    monkeypatch.delenv(prompt_attention.ENV, raising=False)
     q, k, v = qkv_views(1, 2, 5, 64)
     assert prompt_attention.applies(q, k, v) and prompt_attention.applies(q.bfloat16(), k.bfloat16(), v.bfloat16())
     monkeypatch.setattr(rows, "has_cpu_flag", lambda *names: "amx_bf16" in names)
     assert prompt_attention.applies(q, k, v) and not prompt_attention.applies(q.bfloat16(), k.bfloat16(), v.bfloat16())
+    monkeypatch.setenv(prompt_attention.ENV, "force")  # an AMX machine's timing of it
+    assert prompt_attention.applies(q.bfloat16(), k.bfloat16(), v.bfloat16())
 
 
 def test_mixed_dtypes_are_an_error_naming_them():
@@ -165,7 +168,7 @@ def test_gradients_grouped_keys_cached_tokens_dropout_and_odd_heads_keep_sdpa(sp
         assert spy == [(1, 4, 12, 16)] * 2
         bf16 = tiny().to(torch.bfloat16)
         logits = bf16(ids)["logits"]  # a bf16 model's evaluation: taken, but on AMX (torch's SDPA there)
-        taken = 2 if rows.has_cpu_flag("amx_bf16") else 4
+        taken = 2 if rows.has_cpu_flag("amx_bf16") and os.environ.get(prompt_attention.ENV) != "force" else 4
         assert spy == [(1, 4, 12, 16)] * taken
         monkeypatch = pytest.MonkeyPatch()
         monkeypatch.setenv(prompt_attention.ENV, "0")

@@ -79,7 +79,7 @@ MODULE_TESTS = {
                      "tests/test_survivors_40.py"],
     "modules/attention.py": ["tests/test_attention.py", "tests/test_variants.py", "tests/test_model.py",
                              "tests/test_fast_paths.py", "tests/test_survivors_40.py", "tests/test_int8_activations.py",
-                             "tests/test_fused_qkv.py"],
+                             "tests/test_fused_qkv.py", "tests/test_prompt_attention.py"],
     "modules/rows.py": ["tests/test_rows_kernel.py", "tests/test_decode_plan.py", "tests/test_survivors.py",
                         "tests/test_fast_step.py", "tests/test_int8_activations.py", "tests/test_prompt_kernel.py",
                         "tests/test_cpu_classes.py"],

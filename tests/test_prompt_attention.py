@@ -166,9 +166,11 @@ def test_gradients_grouped_keys_cached_tokens_dropout_and_odd_heads_keep_sdpa(sp
         assert spy == []
         training.eval()(ids)  # the same model in evaluation: taken
         assert spy == [(1, 4, 12, 16)] * 2
+        tiny(attn_pdrop=0.0).train()(ids)  # training mode without attention dropout and without gradients: taken
+        assert spy == [(1, 4, 12, 16)] * 4
         bf16 = tiny().to(torch.bfloat16)
         logits = bf16(ids)["logits"]  # a bf16 model's evaluation: taken, but on AMX (torch's SDPA there)
-        taken = 2 if rows.has_cpu_flag("amx_bf16") and os.environ.get(prompt_attention.ENV) != "force" else 4
+        taken = 4 if rows.has_cpu_flag("amx_bf16") and os.environ.get(prompt_attention.ENV) != "force" else 6
         assert spy == [(1, 4, 12, 16)] * taken
         monkeypatch = pytest.MonkeyPatch()
         monkeypatch.setenv(prompt_attention.ENV, "0")

@@ -83,11 +83,9 @@ class _GELU(torch.autograd.Function):
 def gelu_new(x: torch.Tensor) -> torch.Tensor:
     """GELU, tanh form (GPT-2's "gelu_new"): the kernel where it takes x (with autograd's Function in a training
     step), else torch's."""
-    if not takes(x):
-        return F.gelu(x, approximate="tanh")
-    if x.requires_grad and torch.is_grad_enabled():
+    if applies(x):
         return _GELU.apply(x)
-    return forward(x)
+    return forward(x) if takes(x) else F.gelu(x, approximate="tanh")
 
 
 def forward(x: torch.Tensor) -> torch.Tensor:

@@ -49,14 +49,10 @@ class GPT2Layer(nn.Module):
         """Residual connection: project the sublayer output, drop out, add to the input."""
         return input + dropout(dense_layer(output))
 
-    def activation(self, h: torch.Tensor) -> torch.Tensor:
-        """The MLP's activation of h (GPT-2's GELU runs in the rows kernel on the CPU: modules/gelu.py)."""
-        return self.interm_af(h)
-
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 kv_cache: KVCache | None = None, rope: Rope | None = None) -> torch.Tensor:
         """(B, T, C) -> (B, T, C); attention_mask and rope as in CausalSelfAttention.forward."""
         attn = self.self_attention(self.attention_layer_norm(hidden_states), attention_mask, kv_cache, rope)
         hidden_states = self.add(hidden_states, attn, self.attention_dense, self.attention_dropout)
-        mlp = self.activation(self.interm_dense(self.out_layer_norm(hidden_states)))
+        mlp = self.interm_af(self.interm_dense(self.out_layer_norm(hidden_states)))
         return self.add(hidden_states, mlp, self.out_dense, self.out_dropout)

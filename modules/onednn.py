@@ -37,8 +37,8 @@ to AVX2 (ONEDNN_MAX_CPU_ISA=AVX2) read 157-167 GFLOP/s against MKL's 176-190 in 
 timing keeps F.linear.
 Taken by modules/transposed.py's linear and head (the fallbacks of every Linear layer, the LM head and LoRA's frozen
 base product) and the fused q/k/v product for fp32 inputs of more than 8 rows and weights of rows.PROMPT_MIN_WEIGHT+
-values, in grad mode with a gradient to take, outside autocast, torch.compile and torch.func. Each product is F.linear's to float rounding (oneDNN blocks the
-sums differently: in the tests within 1e-4 of values of about 30).
+values, in grad mode with a gradient to take, outside autocast, torch.compile and torch.func. Each product is
+F.linear's to float rounding (oneDNN blocks the sums differently: in the tests within 1e-4 of values of about 30).
 """
 from __future__ import annotations
 

@@ -41,13 +41,13 @@ def available() -> bool:
 def applies(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
     """Whether attend() takes these (B, H, T, hs) tensors (see the module's docstring for the rest of the rule)."""
     tensors = (query, key, value)
-    return (query.dtype in (torch.float32, torch.bfloat16)
-            and (query.dtype == torch.float32 or os.environ.get(ENV) == "force" or not rows.has_cpu_flag("amx_bf16"))
+    return (query.dtype in KERNELS
             and all(t.dtype == query.dtype and t.device.type == "cpu" and t.dim() == 4 and t.stride(-1) == 1
                     for t in tensors)
             and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
             and query.shape == key.shape == value.shape and query.shape[2] > 1
-            and not transforms.active() and available() and takes_head(query.shape[3]))
+            and not transforms.active() and available() and takes_head(query.shape[3])
+            and (query.dtype == torch.float32 or os.environ.get(ENV) == "force" or not rows.has_cpu_flag("amx_bf16")))
 
 
 def takes_head(size: int) -> bool:

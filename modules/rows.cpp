@@ -1587,8 +1587,9 @@ constexpr int64_t kMaxHead = 256;
 constexpr int kKeysAtOnce = 12;
 constexpr int kCols = kWidth == 16 ? 16 : 8;  // value columns a pass: their sums' vectors within the registers
 
-static inline void put(float* p, float v) { *p = v; }
-static inline void put(uint16_t* p, float v) { *p = bf16_bits(v); }
+// a value written in the output's type: fp32 as it is, bf16 rounded (bf16_bits); the decode step's writes too
+static inline void store(float* p, float v) { *p = v; }
+static inline void store(uint16_t* p, float v) { *p = bf16_bits(v); }
 
 template <typename E>
 static void attend_block(const E* q, const E* k, const E* v, const int64_t* qs, const int64_t* ks,
@@ -1638,7 +1639,7 @@ static void attend_block(const E* q, const E* k, const E* v, const int64_t* qs, 
     for (int c = 0; c < kCols; ++c) vstore(ot + (d0 + c) * kWidth, vmul(acc[c], inv));
   }
   for (int64_t i = i0; i < i1; ++i)
-    for (int64_t d = 0; d < hs; ++d) put(out + (b * T + i) * C + h * hs + d, ot[d * kWidth + (i - i0)]);
+    for (int64_t d = 0; d < hs; ++d) store(out + (b * T + i) * C + h * hs + d, ot[d * kWidth + (i - i0)]);
 }
 
 template <typename E>
@@ -1684,8 +1685,6 @@ static inline void round_bf16(float* x, int64_t n) {
     std::memcpy(x + i, &b, sizeof b);
   }
 }
-static inline void store(float* p, float v) { *p = v; }
-static inline void store(uint16_t* p, float v) { *p = bf16_bits(v); }
 template <typename K>
 static inline void round_as(float* a, int64_t n) {  // rounded to bf16 where K is a bf16 cache's type
   if constexpr (std::is_same_v<K, uint16_t>) round_bf16(a, n);

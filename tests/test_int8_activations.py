@@ -437,19 +437,19 @@ def test_the_quantized_prompts_gelu_runs_in_the_kernel(monkeypatch):
     before = h.clone()
     exact = F.gelu(h.double(), approximate="tanh")
     with quantized_weights(block, "w8a8"):
-        y = block.activation(h)
-        assert torch.equal(block.activation(h[:, :1]), y[:, :1])
+        y = block.interm_af(h)
+        assert torch.equal(block.interm_af(h[:, :1]), y[:, :1])
         with torch.enable_grad():
-            assert torch.equal(block.activation(h.requires_grad_()), y)
+            assert torch.equal(block.interm_af(h.requires_grad_()), y)
     h.requires_grad_(False)
     assert torch.equal(h, before)
     assert ((y.double() - exact).abs() <= 2e-7 * exact.abs() + 5e-8).all()
     assert not torch.equal(y, F.gelu(h, approximate="tanh"))
     with quantized_weights(block, "int8"):
-        assert torch.equal(block.activation(h), y)
+        assert torch.equal(block.interm_af(h), y)
     monkeypatch.setattr(gelu, "_on", False)
     with quantized_weights(block, "w8a8"):
-        assert torch.equal(block.activation(h), F.gelu(h, approximate="tanh"))
+        assert torch.equal(block.interm_af(h), F.gelu(h, approximate="tanh"))
 
 
 @needs_prompt
